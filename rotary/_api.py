@@ -1,0 +1,318 @@
+"""Frontend: validate, normalise axes and positions, pick a backend, return the caller's array type.
+
+The frontend turns any input into canonical 4-D views ``(B, S, H, D)`` (B = the axes before the
+sequence axis, merged; H = the axes between the sequence axis and the last, merged; no copy when the
+strides allow it), turns positions into an int64 ``(Bp, S)`` host array (Bp in {1, B}), fetches
+cos/sin tables from ``rotary._tables`` and calls the backend's primitive.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+from array_api_compat import (array_namespace, device as xp_device, is_cupy_array, is_jax_array,
+                              is_numpy_array, is_torch_array)
+
+from . import _tables
+from . import backends as _backends
+from ._spec import RopeSpec
+
+_SPEC_KEYWORDS = ("base", "layout", "rotary_dim", "scaling", "max_position_embeddings")
+
+
+# -- small validators ----------------------------------------------------------------------------
+def _namespace(arrays, names):
+    for a, name in zip(arrays, names):
+        if isinstance(a, (list, tuple)) or np.isscalar(a):
+            raise TypeError(f"{name} must be an array (NumPy, CuPy, torch, JAX, array-API), got {type(a).__name__}")
+    try:
+        return array_namespace(*arrays)
+    except TypeError as exc:
+        raise TypeError(f"{', '.join(names)} must be arrays of one array library: {exc}") from None
+
+
+def _check_float(x, name, xp):
+    ok = False
+    try:
+        ok = xp.isdtype(x.dtype, "real floating")
+    except Exception:
+        ok = False
+    if not ok:
+        raise TypeError(f"{name} must have a real floating dtype (float16/bfloat16/float32/float64), got {x.dtype}")
+
+
+def resolve_spec(spec, spec_kwargs: dict, head_dim: int, name: str = "x") -> RopeSpec:
+    """The spec to use: ``spec`` itself (checked against head_dim) or one built from keywords."""
+    unknown = set(spec_kwargs) - set(_SPEC_KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; spec keywords are {_SPEC_KEYWORDS}")
+    if spec is None:
+        return RopeSpec(head_dim, **spec_kwargs)
+    if spec_kwargs:
+        raise TypeError(f"pass either spec= or the spec keywords {sorted(spec_kwargs)}, not both")
+    if not isinstance(spec, RopeSpec):
+        raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
+    if spec.head_dim != head_dim:
+        raise ValueError(f"spec.head_dim ({spec.head_dim}) does not match {name}.shape[-1] ({head_dim})")
+    return spec
+
+
+def normalize_seq_axis(seq_axis, ndim: int, name: str = "x") -> int:
+    if isinstance(seq_axis, bool):
+        raise TypeError("seq_axis must be an integer, got bool")
+    try:
+        seq_axis = operator.index(seq_axis)
+    except TypeError:
+        raise TypeError(f"seq_axis must be an integer, got {type(seq_axis).__name__}") from None
+    if ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions (..., seq, dim), got shape with ndim={ndim}")
+    if not -ndim <= seq_axis < ndim or seq_axis % ndim == ndim - 1:
+        raise ValueError(f"seq_axis must name an axis of {name} other than the last (head_dim) axis: "
+                         f"between {-ndim} and {ndim - 2} (or -2 ... {-ndim}), got {seq_axis}")
+    return seq_axis % ndim
+
+
+def to_numpy(a, name: str = "positions") -> np.ndarray:
+    """A host NumPy copy/view of any array-like (CuPy, torch, JAX, array-api-strict, list)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if is_cupy_array(a):
+        return a.get()
+    if is_torch_array(a):
+        return a.detach().cpu().numpy()
+    try:
+        return np.asarray(a)
+    except Exception:
+        try:
+            return np.from_dlpack(a)
+        except Exception as exc:
+            raise TypeError(f"{name} could not be read as an integer array: {exc}") from None
+
+
+def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = "positions") -> np.ndarray:
+    """int64 array (Bp, S), Bp in {1, prod(lead_shape)}.
+
+    None -> 0..S-1; an integer -> offset + 0..S-1; an integer array of shape (S,) or (batch, S)
+    with batch = lead_shape[0] (repeated over any further leading axes).
+    """
+    if positions is None:
+        return np.arange(seq_len, dtype=np.int64)[None, :]
+    if isinstance(positions, bool) or (isinstance(positions, np.ndarray) and positions.dtype == bool):
+        raise TypeError(f"{name} must be None, an integer offset or an integer array, got a bool")
+    if isinstance(positions, (int, np.integer)):
+        return (np.arange(seq_len, dtype=np.int64) + np.int64(positions))[None, :]
+    if isinstance(positions, float):
+        raise TypeError(f"{name} must be None, an integer offset or an integer array, got float {positions!r}")
+    p = to_numpy(positions, name)
+    if p.dtype.kind not in "iu":
+        raise TypeError(f"{name} must have an integer dtype, got {p.dtype}")
+    if p.dtype == np.uint64 and p.size and p.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} does not fit in int64")
+    p = p.astype(np.int64, copy=False)
+    if p.ndim == 0:
+        return (np.arange(seq_len, dtype=np.int64) + p)[None, :]
+    nb = math.prod(lead_shape)
+    if p.ndim == 1:
+        if p.shape[0] != seq_len:
+            raise ValueError(f"{name} of shape {p.shape} does not match the sequence length {seq_len} "
+                             f"(expected shape ({seq_len},) or ({lead_shape[0] if lead_shape else 'batch'}, {seq_len}))")
+        return np.ascontiguousarray(p[None, :])
+    if p.ndim == 2:
+        if not lead_shape:
+            raise ValueError(f"{name} of shape {p.shape} is 2-D but the input has no batch axis before the "
+                             f"sequence axis; pass shape ({seq_len},)")
+        if p.shape != (lead_shape[0], seq_len):
+            raise ValueError(f"{name} of shape {p.shape} must be ({seq_len},) or (batch, seq) = "
+                             f"({lead_shape[0]}, {seq_len}); positions are never broadcast onto other axes")
+        rep = nb // lead_shape[0]
+        if rep > 1:
+            p = np.repeat(p, rep, axis=0)
+        return np.ascontiguousarray(p)
+    raise ValueError(f"{name} must be None, an integer, or an integer array of shape ({seq_len},) or "
+                     f"(batch, {seq_len}); got shape {p.shape}")
+
+
+# -- canonical views -----------------------------------------------------------------------------
+def _merge(shape, strides):
+    """(size, stride) of a run of axes merged into one, or None if the strides do not allow a view."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    size = math.prod(shape)
+    if not dims:
+        return size, 0
+    for (n0, s0), (n1, s1) in zip(dims, dims[1:]):
+        if s0 != s1 * n1:
+            return None
+    return size, dims[-1][1]
+
+
+def canonical_shape(shape, seq_axis):
+    lead, mid = shape[:seq_axis], shape[seq_axis + 1:-1]
+    return (math.prod(lead), shape[seq_axis], math.prod(mid), shape[-1])
+
+
+def canonical_view(x, seq_axis):
+    """A no-copy (B, S, H, D) view of a NumPy/CuPy array, or None if its strides do not allow one."""
+    shape, strides = x.shape, x.strides
+    lead = _merge(shape[:seq_axis], strides[:seq_axis])
+    mid = _merge(shape[seq_axis + 1:-1], strides[seq_axis + 1:-1])
+    if lead is None or mid is None:
+        return None
+    new_shape = (lead[0], shape[seq_axis], mid[0], shape[-1])
+    new_strides = (lead[1], strides[seq_axis], mid[1], strides[-1])
+    if is_numpy_array(x):
+        return np.lib.stride_tricks.as_strided(x, new_shape, new_strides, writeable=x.flags.writeable)
+    import cupy  # only reached for CuPy arrays
+
+    return cupy.lib.stride_tricks.as_strided(x, new_shape, new_strides)
+
+
+def _same_view(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        if is_numpy_array(a):
+            ptr = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
+        else:
+            ptr = a.data.ptr, b.data.ptr
+        return ptr[0] == ptr[1] and a.shape == b.shape and a.strides == b.strides
+    except Exception:
+        return False
+
+
+def check_out(out, x, xp, name="out", xname="x"):
+    """Validate an ``out=`` array for input ``x``."""
+    if out is None:
+        return
+    try:
+        out_xp = array_namespace(out)
+    except TypeError:
+        raise TypeError(f"{name} must be an array like {xname}, got {type(out).__name__}") from None
+    if out_xp is not xp and type(out) is not type(x):
+        raise TypeError(f"{name} must be the same array type as {xname} ({type(x).__name__}), got {type(out).__name__}")
+    if is_jax_array(out):
+        raise TypeError(f"{name}= is not supported for JAX arrays (they are immutable); use the return value")
+    if tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"{name} must have {xname}'s shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    if out.dtype != x.dtype:
+        raise ValueError(f"{name} must have {xname}'s dtype {x.dtype}, got {out.dtype}")
+    if is_numpy_array(out):
+        if not out.flags.writeable:
+            raise ValueError(f"{name} is read-only")
+        if not _same_view(out, x) and np.may_share_memory(out, x):
+            raise ValueError(f"{name} overlaps {xname} without being {xname} itself; pass out={xname} "
+                             "for in place or a separate buffer")
+    elif xp_device(out) != xp_device(x):
+        raise ValueError(f"{name} is on device {xp_device(out)}, {xname} on {xp_device(x)}")
+
+
+# -- rotation ------------------------------------------------------------------------------------
+def _table_converter(module, x, xp):
+    if hasattr(module, "table_converter"):
+        return module.table_converter(x)
+    if is_numpy_array(x):
+        return "numpy", None
+    dev = xp_device(x)
+    return (getattr(xp, "__name__", str(xp)), str(dev)), (lambda a: xp.asarray(np.array(a), device=dev))
+
+
+def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs):
+    """Shared body of apply/apply_qk: rotate each x of ``xs`` (same batch/seq/head_dim)."""
+    xp = _namespace(xs, names)
+    for x, name in zip(xs, names):
+        _check_float(x, name, xp)
+    x0 = xs[0]
+    ndim = x0.ndim
+    ax = normalize_seq_axis(seq_axis, ndim, names[0])
+    for x, name in zip(xs[1:], names[1:]):
+        if x.ndim != ndim:
+            raise ValueError(f"{name} must have the same number of dimensions as {names[0]} ({ndim}), got {x.ndim}")
+        if tuple(x.shape[:ax + 1]) != tuple(x0.shape[:ax + 1]) or x.shape[-1] != x0.shape[-1]:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} must match {names[0]} of shape {tuple(x0.shape)} "
+                             f"in the batch and sequence axes (up to axis {ax}) and in head_dim")
+    if not isinstance(inverse, (bool, np.bool_)):
+        raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
+    spec = resolve_spec(spec, spec_kwargs, int(x0.shape[-1]), names[0])
+    for x, out, name in zip(xs, outs, names):
+        check_out(out, x, xp, name="out" if len(xs) == 1 else f"out for {name}", xname=name)
+    shape0 = tuple(x0.shape)
+    pos = normalize_positions(positions, shape0[:ax], shape0[ax])
+    module = _backends.pick(xs, backend)
+
+    work = np.float64 if all(x.dtype == xp.float64 for x in xs) else np.float32
+    device_key, convert = _table_converter(module, x0, xp)
+    cos, sin, rows = _tables.lookup(spec, pos, dtype=work, device_key=device_key, convert=convert)
+
+    strided = (is_numpy_array(x0) or is_cupy_array(x0))
+    items, finals = [], []
+    for x, out in zip(xs, outs):
+        shape4 = canonical_shape(tuple(x.shape), ax)
+        if strided:
+            xv = canonical_view(x, ax)
+            ov = None if out is None else canonical_view(out, ax)
+            if xv is None:
+                xv = canonical_view(x.copy(), ax) if is_numpy_array(x) else x.copy().reshape(shape4)
+            if out is not None and ov is not None and _same_view(out, x):
+                ov = xv  # in place: the backend sees out is x
+            finals.append((out, ov))
+            items.append((xv, ov))
+        else:
+            items.append((xp.reshape(x, shape4), None))
+            finals.append((out, None))
+    results = module.rotate(items, cos, sin, rows, rotary_dim=spec.rotary_dim, layout=spec.layout,
+                            inverse=bool(inverse))
+    outputs = []
+    for x, res, (out, ov) in zip(xs, results, finals):
+        if out is not None and ov is not None:
+            outputs.append(out)
+            continue
+        y = xp.reshape(res, tuple(x.shape))
+        if out is not None:
+            out[...] = y
+            y = out
+        outputs.append(y)
+    return outputs
+
+
+def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", **spec_kwargs):
+    """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
+
+    ``y_a = x_a cos(p w_i) - x_b sin(p w_i)``, ``y_b = x_b cos(p w_i) + x_a sin(p w_i)`` for each pair
+    (a, b) of the spec's layout, ``w_i`` from ``spec.inv_freq()``; coordinates past rotary_dim pass
+    through.
+
+    Parameters
+    ----------
+    x : array, real floating
+        ``seq_axis`` names the sequence axis (default -2, i.e. ``(..., seq, dim)``; use -3 for BSHD).
+    positions : None, int or integer array
+        None -> 0..seq-1; int -> offset + 0..seq-1; shape (seq,) or (batch, seq), batch = x.shape[0].
+    spec : RopeSpec, optional
+        Or give ``base=``, ``layout=``, ``rotary_dim=``, ``scaling=``, ``max_position_embeddings=``.
+    inverse : bool
+        Rotate by -angle (undo a rotation; the backward of RoPE).
+    out : array, optional
+        Where to write (same shape/dtype/type as x); may be ``x`` itself for in place.
+    backend : {"auto", "numpy", "numba", "cupy"}
+    """
+    return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
+                         backend=backend, spec_kwargs=spec_kwargs)[0]
+
+
+def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
+             **spec_kwargs):
+    """Rotate q and k together (one pass / one launch); head counts may differ (GQA).
+
+    Same arguments as :func:`apply`; ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
+    ``out=(q, k)`` rotates in place). Returns ``(q_rot, k_rot)``.
+    """
+    if out is None:
+        outs = [None, None]
+    elif isinstance(out, (tuple, list)) and len(out) == 2:
+        outs = list(out)
+    else:
+        raise TypeError("out must be None or a pair (q_out, k_out)")
+    q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,
+                                 inverse=inverse, backend=backend, spec_kwargs=spec_kwargs)
+    return q_rot, k_rot

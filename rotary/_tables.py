@@ -1,0 +1,86 @@
+"""cos/sin tables: made from the spec in float64, cached per (spec, frequencies, dtype, device).
+
+The frontend asks ``lookup(spec, positions, dtype=..., device_key=..., convert=...)`` and gets
+``(cos, sin, rows)``: tables of shape (R, rotary_dim//2) in the backend's array type and the row of
+each token, shape positions.shape, int64. Two kinds of table:
+
+- dense: rows 0..R-1 hold positions 0..R-1. Grown (doubled) as larger positions arrive and
+  shared by every call with the same key. Used when 0 <= positions < a size cap.
+- compact: one row per distinct position of this call (negative, huge or sparse positions, and
+  dynamic-NTK lengths past the model's context, whose frequencies change with the length).
+
+Cache keys hold the spec itself and the exact frequencies used, so two specs never share an
+entry. The cache is guarded by a lock (safe from several threads); tables are read-only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ._spec import RopeSpec, _inv_freq_and_scaling
+
+#: Largest dense table, in bytes (cos + sin); past it a compact table is made per call.
+DENSE_TABLE_MAX_BYTES = 64 * 2**20
+_MIN_ROWS = 256
+_MAX_ENTRIES = 32
+
+_lock = threading.Lock()
+_cache: OrderedDict = OrderedDict()
+
+
+def _make(spec: RopeSpec, positions: np.ndarray, seq_len, dtype):
+    cos, sin = spec.cos_sin(positions, seq_len=seq_len, dtype=dtype)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", convert=None):
+    """Tables and rows for ``positions`` (an int64 NumPy array of any shape).
+
+    ``convert(np_array)`` moves a host array to the backend's array type/device (identity for
+    NumPy); ``device_key`` is a hashable name of that destination, part of the cache key.
+    """
+    dtype = np.dtype(dtype)
+    convert = convert or (lambda a: a)
+    half = spec.rotary_dim // 2
+    if positions.size == 0:
+        empty = convert(np.zeros((1, half), dtype=dtype))
+        return empty, empty, convert(np.zeros(positions.shape, dtype=np.int64))
+    lo, hi = int(positions.min()), int(positions.max())
+    seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
+    max_rows = max(_MIN_ROWS, DENSE_TABLE_MAX_BYTES // (2 * half * dtype.itemsize))
+    varying = (spec.rope_type == "dynamic" and seq_len is not None
+               and seq_len > (spec.max_position_embeddings or 0))
+    if lo < 0 or hi >= max_rows or varying:
+        unique, rows = np.unique(positions, return_inverse=True)
+        cos, sin = _make(spec, unique, seq_len, dtype)
+        return convert(cos), convert(sin), convert(rows.reshape(positions.shape).astype(np.int64))
+
+    inv_freq, scale = _inv_freq_and_scaling(spec, seq_len)
+    key = (spec, inv_freq.tobytes(), scale, dtype.str, device_key)
+    with _lock:
+        entry = _cache.get(key)
+        if entry is None or entry[0] <= hi:
+            n = _MIN_ROWS if entry is None else entry[0]
+            while n <= hi:
+                n *= 2
+            n = min(n, max_rows)
+            cos, sin = _make(spec, np.arange(n, dtype=np.int64), seq_len, dtype)
+            cos.setflags(write=False)
+            sin.setflags(write=False)
+            entry = (n, convert(cos), convert(sin))
+            _cache[key] = entry
+            while len(_cache) > _MAX_ENTRIES:
+                _cache.popitem(last=False)
+        else:
+            _cache.move_to_end(key)
+    rows = positions if positions.dtype == np.int64 else positions.astype(np.int64)
+    return entry[1], entry[2], convert(np.ascontiguousarray(rows))
+
+
+def clear_cache() -> None:
+    """Drop every cached table."""
+    with _lock:
+        _cache.clear()

@@ -1,0 +1,119 @@
+"""Backend registry: name -> lazily imported module, with availability and a reason.
+
+Every backend module implements the same primitives on *canonical views* made by the frontend.
+They never compute frequencies: they receive cos/sin tables (from ``rotary._tables``) and rows.
+
+``rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse) -> list``
+    items: sequence of ``(x, out)``. ``x`` is a 4-D array ``(B, S, H, D)`` of the backend's array
+    type with arbitrary strides (B = batch-like axes merged, S = sequence, H = head-like axes
+    merged, D = head_dim). ``out`` is None (allocate) or an array of the same shape and dtype,
+    possibly ``x`` itself (in place). q and k of one call come as two items with the same B and S
+    and possibly different H (GQA); a backend should process them in one pass/launch.
+    cos, sin: ``(R, rotary_dim // 2)`` float32 (float64 when x is float64), attention scaling
+    already multiplied in. rows: ``(Bp, S)`` int64 with Bp in {1, B}; token (b, s) uses table row
+    ``rows[b if Bp > 1 else 0, s]``. Pair i of layout "half" is (i, i + rotary_dim/2), of layout
+    "interleaved" (2i, 2i+1); ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` with s negated when
+    ``inverse``. Coordinates >= rotary_dim are copied unchanged. fp16/bf16 are computed in fp32.
+    Returns the output arrays in item order.
+
+``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state)``
+    -> ``(o, state)``; see ``rotary._linear_attention`` for the semantics.
+
+A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may
+raise ImportError at import when its dependency is missing (the registry turns that into the
+"what to install" message).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+_MODULES = {
+    "numpy": "rotary.backends.numpy",
+    "numba": "rotary.backends.numba",
+    "cupy": "rotary.backends.cupy",
+}
+_INSTALL = {
+    "numpy": "numpy is a core dependency; reinstall rotary",
+    "numba": "pip install 'rotary[numba]'  (numba and scipy)",
+    "cupy": "pip install 'rotary[cuda12]' or 'rotary[cuda13]' (CuPy) and use a machine with a CUDA GPU",
+}
+#: Order in which backend="auto" tries backends for a given input.
+AUTO_ORDER = ("cupy", "numba", "numpy")
+
+_lock = threading.Lock()
+_loaded: dict = {}
+_errors: dict = {}
+
+
+class BackendUnavailableError(ImportError):
+    """Raised when a requested backend cannot be used here; the message says what to install."""
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+def _load(name: str):
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        if name in _errors:
+            return None
+        try:
+            module = importlib.import_module(_MODULES[name])
+            ok, reason = module.availability()
+        except ImportError as exc:
+            ok, reason, module = False, f"{exc}", None
+        except Exception as exc:  # a broken install must not break the other backends
+            ok, reason, module = False, f"{type(exc).__name__}: {exc}", None
+        if ok:
+            _loaded[name] = module
+            return module
+        _errors[name] = reason
+        return None
+
+
+def get(name: str):
+    """The backend module called ``name``; BackendUnavailableError says why not and what to install."""
+    if name not in _MODULES:
+        raise ValueError(f"backend must be 'auto' or one of {', '.join(_MODULES)}; got {name!r}")
+    module = _load(name)
+    if module is None:
+        raise BackendUnavailableError(
+            f"backend {name!r} is not available here: {_errors[name]}. To use it: {_INSTALL[name]}")
+    return module
+
+
+def available_backends() -> dict[str, tuple[bool, str]]:
+    """``{name: (available, reason)}`` for every backend (imports each one to find out)."""
+    result = {}
+    for name in _MODULES:
+        module = _load(name)
+        result[name] = (True, "ok") if module is not None else (False, f"{_errors[name]}; to use it: {_INSTALL[name]}")
+    return result
+
+
+def pick(arrays, name: str):
+    """Resolve ``backend=name`` ("auto" or a name) for these input arrays; checks the backend accepts them."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            module = _load(candidate)
+            if module is not None and all(module.accepts(a) for a in arrays):
+                return module
+        raise TypeError(f"no backend accepts arrays of type {type(arrays[0]).__module__}.{type(arrays[0]).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__}")
+    module = get(name)
+    for a in arrays:
+        if not module.accepts(a):
+            raise TypeError(f"backend {name!r} does not take arrays of type "
+                            f"{type(a).__module__}.{type(a).__name__}; use backend='auto'")
+    return module
+
+
+def _reset_for_tests() -> None:
+    with _lock:
+        _loaded.clear()
+        _errors.clear()

@@ -1,0 +1,127 @@
+"""Independent float64 oracles, the tolerance table and assert helpers (used by tests and users).
+
+The oracles do not use the library's tables, views or backends: each takes the frequencies
+(``inv_freq``, e.g. from ``spec.inv_freq()``) and computes the rotation its own way:
+
+- :func:`rope_2x2`: explicit 2x2 rotation matrices applied pair by pair;
+- :func:`rope_matrix`: the block-diagonal matrix R_m of RoFormer eq. (15), built per position;
+- :func:`rope_complex`: complex multiplication ``z_i * exp(1j * m * theta_i)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: (rtol, atol) per dtype name, for values of order 1 compared with a float64 oracle.
+TOLERANCES = {
+    "float64": (1e-12, 1e-12),
+    "float32": (2e-6, 2e-6),
+    "float16": (2e-3, 2e-3),
+    "bfloat16": (1.6e-2, 1.6e-2),
+}
+
+
+def _pairs(rotary_dim: int, layout: str):
+    half = rotary_dim // 2
+    i = np.arange(half)
+    return (i, i + half) if layout == "half" else (2 * i, 2 * i + 1)
+
+
+def _angles(positions, inv_freq):
+    return np.asarray(positions, dtype=np.float64)[..., None] * np.asarray(inv_freq, dtype=np.float64)
+
+
+def rope_2x2(x, positions, inv_freq, *, layout="half", scale=1.0, inverse=False):
+    """Oracle: rotate each pair of x (..., seq, d) by an explicit 2x2 matrix; positions (seq,) or broadcastable."""
+    x = np.asarray(x, dtype=np.float64)
+    r = 2 * len(inv_freq)
+    a, b = _pairs(r, layout)
+    theta = _angles(positions, inv_freq) * (-1.0 if inverse else 1.0)   # (..., seq, half)
+    y = x.copy()
+    for i in range(len(inv_freq)):
+        c = np.cos(theta[..., i]) * scale
+        s = np.sin(theta[..., i]) * scale
+        rot = np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], -2)   # (..., seq, 2, 2)
+        pair = np.stack([x[..., a[i]], x[..., b[i]]], -1)[..., None]        # (..., seq, 2, 1)
+        out = (rot @ pair)[..., 0]
+        y[..., a[i]], y[..., b[i]] = out[..., 0], out[..., 1]
+    return y
+
+
+def rotation_matrix(position, inv_freq, head_dim, *, layout="half", scale=1.0):
+    """The d x d matrix R_m: block-diagonal 2x2 rotations on the layout's pairs, identity elsewhere."""
+    r = 2 * len(inv_freq)
+    a, b = _pairs(r, layout)
+    R = np.eye(head_dim)
+    theta = float(position) * np.asarray(inv_freq, dtype=np.float64)
+    for i, t in enumerate(theta):
+        c, s = np.cos(t) * scale, np.sin(t) * scale
+        R[a[i], a[i]], R[a[i], b[i]] = c, -s
+        R[b[i], a[i]], R[b[i], b[i]] = s, c
+    return R
+
+
+def rope_matrix(x, positions, inv_freq, *, layout="half", scale=1.0):
+    """Oracle: y_t = R_{p_t} x_t with R from :func:`rotation_matrix`; x (seq, d) or (..., seq, d), positions (seq,)."""
+    x = np.asarray(x, dtype=np.float64)
+    positions = np.asarray(positions)
+    y = np.empty_like(x)
+    for t, p in enumerate(positions.reshape(-1)):
+        R = rotation_matrix(p, inv_freq, x.shape[-1], layout=layout, scale=scale)
+        y[..., t, :] = x[..., t, :] @ R.T
+    return y
+
+
+def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0):
+    """Oracle: pairs as complex numbers z = x_a + i x_b, multiplied by scale * exp(i p theta)."""
+    x = np.asarray(x, dtype=np.float64)
+    r = 2 * len(inv_freq)
+    a, b = _pairs(r, layout)
+    z = x[..., a] + 1j * x[..., b]
+    z = z * (scale * np.exp(1j * _angles(positions, inv_freq)))
+    y = x.copy()
+    y[..., a], y[..., b] = z.real, z.imag
+    return y
+
+
+def to_numpy64(a) -> np.ndarray:
+    """A float64 NumPy copy of any array (CuPy, torch, JAX, array-api-strict)."""
+    from ._api import to_numpy
+
+    if hasattr(a, "dtype") and "bfloat16" in str(a.dtype):
+        try:
+            import torch
+
+            if isinstance(a, torch.Tensor):
+                return a.detach().float().cpu().numpy().astype(np.float64)
+        except ImportError:
+            pass
+    return np.asarray(to_numpy(a, "array"), dtype=np.float64)
+
+
+def tolerance(dtype) -> tuple[float, float]:
+    name = str(dtype).split(".")[-1]
+    return TOLERANCES.get(name, TOLERANCES["float32"])
+
+
+def assert_close(actual, desired, *, like=None, rtol=None, atol=None, err_msg=""):
+    """Assert ``actual`` is close to the float64 ``desired``, after checking type, shape and dtype.
+
+    ``like`` (default: none) is the input array whose type and dtype ``actual`` must have. Tolerances
+    default to :data:`TOLERANCES` for actual's dtype.
+    """
+    if like is not None:
+        assert type(actual) is type(like), f"array type {type(actual).__name__} != {type(like).__name__} {err_msg}"
+        assert actual.dtype == like.dtype, f"dtype {actual.dtype} != {like.dtype} {err_msg}"
+    assert tuple(actual.shape) == tuple(np.shape(desired)), f"shape {tuple(actual.shape)} != {np.shape(desired)} {err_msg}"
+    r, a = tolerance(actual.dtype)
+    rtol = r if rtol is None else rtol
+    atol = a if atol is None else atol
+    np.testing.assert_allclose(to_numpy64(actual), np.asarray(desired, dtype=np.float64), rtol=rtol, atol=atol,
+                               err_msg=err_msg)
+
+
+def max_error(actual, desired) -> float:
+    """max |actual - desired| in float64."""
+    d = to_numpy64(actual) - np.asarray(desired, dtype=np.float64)
+    return float(np.max(np.abs(d))) if d.size else 0.0
