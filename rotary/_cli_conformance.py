@@ -1,0 +1,77 @@
+"""``python -m rotary conformance``: run the conformance suite of ``rotary._conformance`` here.
+
+Every case is run on every available backend (or those named with ``--backend``) and compared
+with the float64 complex-multiplication oracle; a case passes when
+``|y - y_ref| <= atol + rtol * |y_ref|`` everywhere (tolerances from ``rotary.testing``).
+Prints one table row per (backend, case) and a summary line. Exit status: 0 when every case
+passed on every backend, 1 when any case failed, 2 when a named backend is unavailable here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import _conformance
+from .backends import available_backends, names
+
+HELP = "run the cross-backend conformance suite against float64 oracles"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``conformance`` options to ``parser`` (a subparser of ``python -m rotary``)."""
+    parser.add_argument("--backend", "-b", action="append", choices=names(), dest="backends", metavar="B",
+                        help=f"backend to test (repeatable; one of {', '.join(names())}); default: every available one")
+    parser.add_argument("--quick", action="store_true", help="a representative subset of cases (about a second)")
+    parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
+
+
+def format_table(results, failures_only: bool = False) -> str:
+    """Rows ``backend | case | max error | tolerance | result | detail`` as aligned text."""
+    header = ("backend", "case", "max error", "tolerance", "result", "detail")
+    rows = [(r.backend, r.case, f"{r.max_error:.2e}", f"{r.tolerance:.0e}", "pass" if r.passed else "FAIL", r.detail)
+            for r in results if not (failures_only and r.passed)]
+    widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header) - 1)]
+    lines = []
+    for row in [header] + rows:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace, stdout=None) -> int:
+    """Run the suite for parsed ``args``; print the table and summary; return the exit status."""
+    stdout = stdout or sys.stdout
+    avail = available_backends()
+    if args.backends:
+        requested = list(dict.fromkeys(args.backends))
+        missing = [b for b in requested if not avail[b][0]]
+        for b in missing:
+            print(f"backend {b!r} is unavailable: {avail[b][1]}", file=stdout)
+        if missing:
+            return 2
+    else:
+        requested = [b for b, (ok, _) in avail.items() if ok]
+        for b, (ok, reason) in avail.items():
+            if not ok:
+                print(f"skipping backend {b!r}: {reason}", file=stdout)
+    results = _conformance.run(requested, quick=args.quick)
+    print(format_table(results, failures_only=args.failures_only), file=stdout)
+    failed = [r for r in results if not r.passed]
+    per_backend = ", ".join(f"{b} {sum(r.passed for r in results if r.backend == b)}/"
+                            f"{sum(r.backend == b for r in results)}" for b in requested)
+    verdict = "OK" if not failed else f"{len(failed)} FAILED"
+    print(f"conformance ({'quick' if args.quick else 'full'}): {verdict}; cases passed per backend: {per_backend}",
+          file=stdout)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rotary conformance", description=HELP)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
