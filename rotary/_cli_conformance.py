@@ -26,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
 
 
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``conformance`` on the subparsers of ``python -m rotary``."""
+    parser = subparsers.add_parser("conformance", help=HELP, description=HELP)
+    add_arguments(parser)
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
 def format_table(results, failures_only: bool = False) -> str:
     """Rows ``backend | case | max error | tolerance | result | detail`` as aligned text."""
     header = ("backend", "case", "max error", "tolerance", "result", "detail")
