@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 from ._api import apply, apply_qk
 from ._attention import attention
 from ._diagnostics import convert_layout, decay_curve, permute_weights
+from ._linear_attention import LinearAttentionState, linear_attention
 from ._spec import LAYOUTS, RopeSpec
 from ._tables import clear_cache
 from .backends import BackendUnavailableError, available_backends
@@ -21,6 +22,8 @@ __all__ = [
     "apply",
     "apply_qk",
     "attention",
+    "linear_attention",
+    "LinearAttentionState",
     "decay_curve",
     "convert_layout",
     "permute_weights",

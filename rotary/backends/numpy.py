@@ -148,3 +148,6 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
                 y = out
             results.append(y)
     return results
+
+
+from ._numpy_linear import linear_attention  # noqa: F401
