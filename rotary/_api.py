@@ -91,11 +91,13 @@ def to_numpy(a, name: str = "positions") -> np.ndarray:
             raise TypeError(f"{name} could not be read as an integer array: {exc}") from None
 
 
-def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = "positions") -> np.ndarray:
-    """int64 array (Bp, S), Bp in {1, prod(lead_shape)}.
+def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = "positions",
+                        canonical_batch: int | None = None) -> np.ndarray:
+    """int64 array (Bp, S), Bp in {1, canonical_batch}.
 
     None -> 0..S-1; an integer -> offset + 0..S-1; an integer array of shape (S,) or (batch, S)
-    with batch = lead_shape[0] (repeated over any further leading axes).
+    with batch = lead_shape[0]. ``canonical_batch`` (default lead_shape[0]) is the B of the
+    canonical view (see :func:`canonical_axes`); rows are repeated when it merges more axes.
     """
     if positions is None:
         return np.arange(seq_len, dtype=np.int64)[None, :]
@@ -113,7 +115,6 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     p = p.astype(np.int64, copy=False)
     if p.ndim == 0:
         return (np.arange(seq_len, dtype=np.int64) + p)[None, :]
-    nb = math.prod(lead_shape)
     if p.ndim == 1:
         if p.shape[0] != seq_len:
             raise ValueError(f"{name} of shape {p.shape} does not match the sequence length {seq_len} "
@@ -126,7 +127,7 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
         if p.shape != (lead_shape[0], seq_len):
             raise ValueError(f"{name} of shape {p.shape} must be ({seq_len},) or (batch, seq) = "
                              f"({lead_shape[0]}, {seq_len}); positions are never broadcast onto other axes")
-        rep = nb // lead_shape[0]
+        rep = (canonical_batch or lead_shape[0]) // lead_shape[0]
         if rep > 1:
             p = np.repeat(p, rep, axis=0)
         return np.ascontiguousarray(p)
@@ -147,25 +148,58 @@ def _merge(shape, strides):
     return size, dims[-1][1]
 
 
+def canonical_axes(ndim: int, seq_axis: int):
+    """(batch_axes, head_axes) of the canonical (B, S, H, D) view.
+
+    B is axis 0 (when the sequence axis is not axis 0) and H merges every other axis except the
+    sequence and the last one: BSHD -> (B, S, H, D), BHSD -> (B, S, H, D) as a transposed view.
+    Only when axes lie both between axis 0 and the sequence axis and after it (e.g. (B, G, S, H, D))
+    do all leading axes go to B.
+    """
+    lead, mid = list(range(seq_axis)), list(range(seq_axis + 1, ndim - 1))
+    if len(lead) > 1 and mid:
+        return lead, mid
+    return lead[:1], lead[1:] + mid
+
+
 def canonical_shape(shape, seq_axis):
-    lead, mid = shape[:seq_axis], shape[seq_axis + 1:-1]
-    return (math.prod(lead), shape[seq_axis], math.prod(mid), shape[-1])
+    batch, heads = canonical_axes(len(shape), seq_axis)
+    return (math.prod(shape[i] for i in batch), shape[seq_axis], math.prod(shape[i] for i in heads), shape[-1])
+
+
+def _canonical_perm(ndim, seq_axis):
+    batch, heads = canonical_axes(ndim, seq_axis)
+    return batch + [seq_axis] + heads + [ndim - 1]
 
 
 def canonical_view(x, seq_axis):
     """A no-copy (B, S, H, D) view of a NumPy/CuPy array, or None if its strides do not allow one."""
     shape, strides = x.shape, x.strides
-    lead = _merge(shape[:seq_axis], strides[:seq_axis])
-    mid = _merge(shape[seq_axis + 1:-1], strides[seq_axis + 1:-1])
-    if lead is None or mid is None:
+    batch, heads = canonical_axes(len(shape), seq_axis)
+    b = _merge([shape[i] for i in batch], [strides[i] for i in batch])
+    h = _merge([shape[i] for i in heads], [strides[i] for i in heads])
+    if b is None or h is None:
         return None
-    new_shape = (lead[0], shape[seq_axis], mid[0], shape[-1])
-    new_strides = (lead[1], strides[seq_axis], mid[1], strides[-1])
+    new_shape = (b[0], shape[seq_axis], h[0], shape[-1])
+    new_strides = (b[1], strides[seq_axis], h[1], strides[-1])
     if is_numpy_array(x):
         return np.lib.stride_tricks.as_strided(x, new_shape, new_strides, writeable=x.flags.writeable)
     import cupy  # only reached for CuPy arrays
 
     return cupy.lib.stride_tricks.as_strided(x, new_shape, new_strides)
+
+
+def to_canonical(x, seq_axis, xp):
+    """(B, S, H, D) array for any namespace: a view when possible (NumPy/CuPy), else a copy."""
+    perm = _canonical_perm(x.ndim, seq_axis)
+    return xp.reshape(xp.permute_dims(x, tuple(perm)), canonical_shape(tuple(x.shape), seq_axis))
+
+
+def from_canonical(y, shape, seq_axis, xp):
+    """Inverse of :func:`to_canonical` for a (B, S, H, D) result: an array of ``shape``."""
+    perm = _canonical_perm(len(shape), seq_axis)
+    y = xp.reshape(y, tuple(shape[i] for i in perm))
+    return xp.permute_dims(y, tuple(int(i) for i in np.argsort(perm)))
 
 
 def _same_view(a, b) -> bool:
@@ -225,49 +259,50 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     x0 = xs[0]
     ndim = x0.ndim
     ax = normalize_seq_axis(seq_axis, ndim, names[0])
+    batch_axes, _ = canonical_axes(ndim, ax)
     for x, name in zip(xs[1:], names[1:]):
         if x.ndim != ndim:
             raise ValueError(f"{name} must have the same number of dimensions as {names[0]} ({ndim}), got {x.ndim}")
-        if tuple(x.shape[:ax + 1]) != tuple(x0.shape[:ax + 1]) or x.shape[-1] != x0.shape[-1]:
+        if any(x.shape[i] != x0.shape[i] for i in batch_axes + [ax, ndim - 1]):
             raise ValueError(f"{name} of shape {tuple(x.shape)} must match {names[0]} of shape {tuple(x0.shape)} "
-                             f"in the batch and sequence axes (up to axis {ax}) and in head_dim")
+                             f"in the batch axes {tuple(batch_axes)}, the sequence axis {ax} and head_dim "
+                             "(only head axes may differ)")
     if not isinstance(inverse, (bool, np.bool_)):
         raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
     spec = resolve_spec(spec, spec_kwargs, int(x0.shape[-1]), names[0])
     for x, out, name in zip(xs, outs, names):
         check_out(out, x, xp, name="out" if len(xs) == 1 else f"out for {name}", xname=name)
     shape0 = tuple(x0.shape)
-    pos = normalize_positions(positions, shape0[:ax], shape0[ax])
+    pos = normalize_positions(positions, shape0[:ax], shape0[ax], canonical_batch=canonical_shape(shape0, ax)[0])
     module = _backends.pick(xs, backend)
 
     work = np.float64 if all(x.dtype == xp.float64 for x in xs) else np.float32
     device_key, convert = _table_converter(module, x0, xp)
     cos, sin, rows = _tables.lookup(spec, pos, dtype=work, device_key=device_key, convert=convert)
 
-    strided = (is_numpy_array(x0) or is_cupy_array(x0))
-    items, finals = [], []
+    strided = is_numpy_array(x0) or is_cupy_array(x0)
+    items, written = [], []
     for x, out in zip(xs, outs):
-        shape4 = canonical_shape(tuple(x.shape), ax)
         if strided:
             xv = canonical_view(x, ax)
-            ov = None if out is None else canonical_view(out, ax)
             if xv is None:
-                xv = canonical_view(x.copy(), ax) if is_numpy_array(x) else x.copy().reshape(shape4)
+                xv = to_canonical(x.copy(), ax, xp)
+            ov = None if out is None else canonical_view(out, ax)
             if out is not None and ov is not None and _same_view(out, x):
                 ov = xv  # in place: the backend sees out is x
-            finals.append((out, ov))
             items.append((xv, ov))
+            written.append(ov is not None)
         else:
-            items.append((xp.reshape(x, shape4), None))
-            finals.append((out, None))
+            items.append((to_canonical(x, ax, xp), None))
+            written.append(False)
     results = module.rotate(items, cos, sin, rows, rotary_dim=spec.rotary_dim, layout=spec.layout,
                             inverse=bool(inverse))
     outputs = []
-    for x, res, (out, ov) in zip(xs, results, finals):
-        if out is not None and ov is not None:
+    for x, res, out, done in zip(xs, results, outs, written):
+        if done:
             outputs.append(out)
             continue
-        y = xp.reshape(res, tuple(x.shape))
+        y = from_canonical(res, tuple(x.shape), ax, xp)
         if out is not None:
             out[...] = y
             y = out

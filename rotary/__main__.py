@@ -1,0 +1,129 @@
+"""Command line: ``python -m rotary info | demo | conformance``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+LLAMA31_8B = {  # the RoPE part of meta-llama/Llama-3.1-8B's config.json
+    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+
+
+def _gpu_line() -> str:
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        names = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)]
+        return f"{n} CUDA device(s): {', '.join(names)}"
+    except Exception as exc:  # no cupy, no driver, no device
+        return f"none usable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+
+
+def cmd_info(args) -> int:
+    import rotary
+
+    print(f"rotary {rotary.__version__}  (python {platform.python_version()}, numpy {np.__version__})")
+    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores")
+    print(f"GPU: {_gpu_line()}")
+    print("backends:")
+    for name, (ok, reason) in rotary.available_backends().items():
+        print(f"  {name:6s} {'available' if ok else 'unavailable'}{'' if ok else ': ' + reason}")
+    return 0
+
+
+def _oracle(x, positions, spec):
+    from rotary.testing import rope_complex
+
+    return rope_complex(x.astype(np.float64), positions, spec.inv_freq(int(positions.max()) + 1),
+                        layout=spec.layout, scale=spec.attention_scaling)
+
+
+def cmd_demo(args) -> int:
+    import rotary
+    from rotary import _conformance
+
+    spec = rotary.RopeSpec.from_hf_config(LLAMA31_8B)
+    print(f"spec from Llama-3.1-8B's config.json: {spec}")
+    seq, hq, hk, d = args.tokens, 32, 8, spec.head_dim
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, seq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((1, seq, hk, d)).astype(np.float32)
+    positions = np.arange(seq)
+    ref_q = np.swapaxes(_oracle(np.swapaxes(q, 1, 2), positions, spec), 1, 2)
+    ref_k = np.swapaxes(_oracle(np.swapaxes(k, 1, 2), positions, spec), 1, 2)
+    print(f"\napply_qk on q {q.shape} and k {k.shape} (BSHD, float32), against the float64 oracle:")
+    print(f"  {'backend':8s} {'max |error|':>12s} {'first call':>11s} {'per call':>10s}")
+    failures = 0
+    for name, (ok, reason) in rotary.available_backends().items():
+        if not ok:
+            print(f"  {name:8s} unavailable: {reason.split(';')[0]}")
+            continue
+        to_backend, to_host = _conformance.array_converters(name)
+        to_backend = to_backend or (lambda a: a)
+        to_host = to_host or np.asarray
+        qb, kb = to_backend(q), to_backend(k)
+        t0 = time.perf_counter()
+        qr, kr = rotary.apply_qk(qb, kb, spec=spec, seq_axis=-3, backend=name)
+        to_host(qr)
+        first = time.perf_counter() - t0
+        reps = 5
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            qr, kr = rotary.apply_qk(qb, kb, spec=spec, seq_axis=-3, backend=name)
+        to_host(kr)
+        per = (time.perf_counter() - t0) / reps
+        err = max(np.abs(to_host(qr) - ref_q).max(), np.abs(to_host(kr) - ref_k).max())
+        failures += err > 1e-5
+        print(f"  {name:8s} {err:12.2e} {first * 1e3:9.1f}ms {per * 1e3:8.2f}ms")
+
+    print("\nprecision at large positions (one head of d=128, base 5e5), max |error| of the rotated vector:")
+    print(f"  {'position':>12s} {'rotary fp32':>12s} {'HF-style fp32 angles':>21s}")
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    plain = rotary.RopeSpec(d, base=500000.0)
+    inv32 = (1.0 / (np.float32(500000.0) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))).astype(np.float32)
+    for p in (4096, 131072, 1_000_000, 2**31 - 1):
+        pos = np.array([p])
+        exact = _oracle(x, pos, plain)
+        ours = rotary.apply(x, pos, spec=plain)
+        theta32 = (np.float32(p) * inv32).astype(np.float32)      # HF: inv_freq @ position_ids in fp32
+        c, s = np.cos(theta32), np.sin(theta32)
+        hf = np.concatenate([x[:, :64] * c - x[:, 64:] * s, x[:, 64:] * c + x[:, :64] * s], axis=-1)
+        print(f"  {p:12d} {np.abs(ours - exact).max():12.2e} {np.abs(hf - exact).max():21.2e}")
+    print("\nall backends agree with the float64 oracle" if not failures else f"\n{failures} backend(s) FAILED")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rotary", description="Rotary Position Embedding toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="version, backends (and why unavailable), CPU/GPU found")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("demo", help="a Llama-3.1-8B RoPE run through every available backend, errors and timings")
+    p.add_argument("--tokens", type=int, default=512, help="sequence length (default 512)")
+    p.set_defaults(func=cmd_demo)
+    _add_optional_commands(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _add_optional_commands(sub) -> None:
+    """Subcommands that live in their own modules (conformance runner, benchmarks)."""
+    try:
+        from . import _cli_conformance
+    except ImportError:
+        return
+    _cli_conformance.add_parser(sub)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
