@@ -1,0 +1,297 @@
+"""Numba kernels of the ``numba`` backend (imported only by ``rotary.backends.numba``).
+
+Every array reaches a kernel as a flat 1-D buffer plus int64 element offsets and strides (see
+:func:`element_offset`), so any strided view (BSHD, BHSD, negative strides, ``out is x``) is read
+and written in place, and index arithmetic is int64 whatever the size. float16 data arrives as its
+uint16 bit pattern and is converted to float32 in registers (:func:`load` / :func:`store`).
+
+Rotation of pair (a, b) with table values (c, s) of the token's row (s negated for the inverse)::
+
+    y_a = x_a c - x_b s,    y_b = x_b c + x_a s
+
+Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; coordinates from
+rotary_dim to head_dim are copied. fastmath is off: the results round exactly like the NumPy
+reference (one multiply and one add/subtract, no fused multiply-add).
+
+Linear attention (RoFormer eq. 19, a = phi(q), b = phi(k), hats = rotated)::
+
+    o_t = (a_hat_t . (S0 + sum_s b_hat_s v_s^T)) / (a_t . (z0 + sum_s b_s) + eps)
+
+with s <= t (causal) or all s. The causal form runs in chunks of C tokens: per chunk
+``N = A_hat S + tril(A_hat B_hat^T) V``, ``D = A z + rowsum(A * cumsum(B))``, then
+``S += B_hat^T V``, ``z += sum B``; the chunk products are ``np.dot`` (BLAS sgemm/dgemm), the carried
+(S, z) are float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
+
+# geometry columns of one rotate item: heads, then (offset, sB, sS, sH, sD) of x and of out, copy_tail
+GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_COLUMNS = 0, 1, 6, 11, 12
+
+
+# -- float16 as uint16 bits: exact conversions (LLVM fpext / fptrunc, round to nearest even) -----
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+def load(buf, i):
+    """buf[i] in the work dtype: float16 bits (uint16) -> float32, float32/float64 unchanged."""
+    if buf.dtype == np.uint16:
+        return np.float32(buf[i].view(np.float16))
+    return buf[i]
+
+
+def store(buf, i, value):
+    """buf[i] = value rounded to buf's dtype (float16 bits for a uint16 buffer)."""
+    if buf.dtype == np.uint16:
+        buf[i] = np.float16(np.float32(value)).view(np.uint16)
+    else:
+        buf[i] = value
+
+
+@overload(load)
+def _load_impl(buf, i):
+    if buf.dtype == types.uint16:
+        return lambda buf, i: _half_bits_to_f32(buf[i])
+    return lambda buf, i: buf[i]
+
+
+@overload(store)
+def _store_impl(buf, i, value):
+    if buf.dtype == types.uint16:
+        def impl(buf, i, value):
+            buf[i] = _f32_to_half_bits(np.float32(value))
+        return impl
+
+    def impl(buf, i, value):
+        buf[i] = value
+    return impl
+
+
+# -- index arithmetic ----------------------------------------------------------------------------
+@njit(cache=True)
+def element_offset(offset, stride_b, stride_s, stride_h, b, s, h):
+    """Flat index of element (b, s, h, 0): ``offset + b*stride_b + s*stride_s + h*stride_h`` in int64."""
+    return np.int64(offset) + np.int64(b) * np.int64(stride_b) + np.int64(s) * np.int64(stride_s) \
+        + np.int64(h) * np.int64(stride_h)
+
+
+# -- rotation ------------------------------------------------------------------------------------
+@njit(cache=True)
+def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
+                  copy_tail):
+    """Rotate the head vector at x[xi + j*xsd] (j < head_dim) into o[oi + j*osd] with table row ``row``."""
+    if interleaved:
+        step, second = 2, 1
+    else:
+        step, second = 1, half
+    if xsd == 1 and osd == 1:   # unit stride: the loop LLVM vectorises
+        for i in range(half):
+            c = cos[row, i]
+            s = -sin[row, i] if inverse else sin[row, i]
+            ia = i * step
+            xa = load(x, xi + ia)
+            xb = load(x, xi + ia + second)
+            store(o, oi + ia, xa * c - xb * s)
+            store(o, oi + ia + second, xb * c + xa * s)
+    else:
+        for i in range(half):
+            c = cos[row, i]
+            s = -sin[row, i] if inverse else sin[row, i]
+            ia = i * step
+            xa = load(x, xi + ia * xsd)
+            xb = load(x, xi + (ia + second) * xsd)
+            store(o, oi + ia * osd, xa * c - xb * s)
+            store(o, oi + (ia + second) * osd, xb * c + xa * s)
+    if copy_tail:
+        for j in range(rotary_dim, head_dim):
+            o[oi + j * osd] = x[xi + j * xsd]
+
+
+@njit(cache=True)
+def rotate_token(t, x, o, geo, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse):
+    """Rotate every head of token t (= b*seq_len + s) of one item; geo: its GEO_COLUMNS int64 values."""
+    b = t // seq_len
+    s = t - b * seq_len
+    row = rows[b if rows.shape[0] > 1 else 0, s]
+    xsd = geo[GEO_X + 4]
+    osd = geo[GEO_OUT + 4]
+    for h in range(geo[GEO_HEADS]):
+        xi = element_offset(geo[GEO_X], geo[GEO_X + 1], geo[GEO_X + 2], geo[GEO_X + 3], b, s, h)
+        oi = element_offset(geo[GEO_OUT], geo[GEO_OUT + 1], geo[GEO_OUT + 2], geo[GEO_OUT + 3], b, s, h)
+        rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
+                      geo[GEO_COPY_TAIL] != 0)
+
+
+@njit(parallel=True, cache=True)
+def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, half, rotary_dim, head_dim,
+                       interleaved, inverse):
+    """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row."""
+    for t in prange(n_tokens):
+        rotate_token(t, xq, oq, geo[0], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xk, ok, geo[1], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+
+
+@njit(cache=True)
+def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, half, rotary_dim, head_dim,
+                     interleaved, inverse):
+    """rotate_qk_parallel on the calling thread (small calls: no thread hand-off)."""
+    for t in range(n_tokens):
+        rotate_token(t, xq, oq, geo[0], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xk, ok, geo[1], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+
+
+# -- linear attention ----------------------------------------------------------------------------
+@njit(cache=True)
+def feature(x, feature_map):
+    """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
+    if feature_map == 1:
+        return x + 1 if x > 0 else np.exp(x)
+    if feature_map == 2:
+        return x if x > 0 else x * 0
+    return x
+
+
+@njit(cache=True)
+def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, plain, rotated):
+    """plain[i] = phi(x[b, t0+i, h, :]), rotated[i] = R_{p(t0+i)} plain[i] for i < n; g: (offset, sB, sS, sH, sD)."""
+    m = plain.shape[1]
+    step, second = (2, 1) if interleaved else (1, half)
+    for i in range(n):
+        base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        for j in range(m):
+            plain[i, j] = feature(load(x, base + j * g[4]), feature_map)
+        row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
+        for p in range(half):
+            ia = p * step
+            c = cos[row, p]
+            s = sin[row, p]
+            xa = plain[i, ia]
+            xb = plain[i, ia + second]
+            rotated[i, ia] = xa * c - xb * s
+            rotated[i, ia + second] = xb * c + xa * s
+        for j in range(rotary_dim, m):
+            rotated[i, j] = plain[i, j]
+
+
+@njit(cache=True)
+def load_rows(x, g, b, h, t0, n, dest):
+    """dest[i] = x[b, t0+i, h, :] in the work dtype."""
+    for i in range(n):
+        base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        for j in range(dest.shape[1]):
+            dest[i, j] = load(x, base + j * g[4])
+
+
+@njit(cache=True)
+def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, h, seq_len,
+                          half, rotary_dim, interleaved, causal, feature_map, eps, chunk):
+    """Linear attention of one (batch, head): chunks of ``chunk`` tokens, (S, z) carried in float64."""
+    m = state_z.shape[2]
+    dv = state_s.shape[3]
+    work = cos.dtype
+    a_buf = np.empty(chunk * m, work)
+    a_hat_buf = np.empty(chunk * m, work)
+    k_buf = np.empty(chunk * m, work)
+    k_hat_buf = np.empty(chunk * m, work)
+    v_buf = np.empty(chunk * dv, work)
+    num_buf = np.empty(chunk * dv, work)
+    intra_buf = np.empty(chunk * dv, work)
+    scores_buf = np.empty(chunk * chunk, work)
+    kv = np.empty((m, dv), work)
+    carried_s = state_s[b, h].astype(np.float64)
+    carried_z = state_z[b, h].astype(np.float64)
+    s_work = carried_s.astype(work)
+    cum = np.empty(m, np.float64)
+    for t0 in range(0, seq_len, chunk):
+        n = min(chunk, seq_len - t0)
+        a_k = k_buf[:n * m].reshape((n, m))
+        a_k_hat = k_hat_buf[:n * m].reshape((n, m))
+        a_v = v_buf[:n * dv].reshape((n, dv))
+        load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                      a_k, a_k_hat)
+        load_rows(v, geo[2], b, h, t0, n, a_v)
+        if causal:
+            a_q = a_buf[:n * m].reshape((n, m))
+            a_q_hat = a_hat_buf[:n * m].reshape((n, m))
+            num = num_buf[:n * dv].reshape((n, dv))
+            intra = intra_buf[:n * dv].reshape((n, dv))
+            scores = scores_buf[:n * n].reshape((n, n))
+            load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                          a_q, a_q_hat)
+            np.dot(a_q_hat, s_work, num)                 # inter-chunk: A_hat S
+            np.dot(a_q_hat, a_k_hat.T, scores)           # intra-chunk scores, then the causal mask
+            for i in range(n):
+                for j in range(i + 1, n):
+                    scores[i, j] = 0
+            np.dot(scores, a_v, intra)
+            cum[:] = carried_z
+            for i in range(n):
+                den = 0.0
+                for j in range(m):
+                    cum[j] += a_k[i, j]
+                    den += a_q[i, j] * cum[j]
+                inv = 1.0 / (den + eps)
+                base = element_offset(geo[3, 0], geo[3, 1], geo[3, 2], geo[3, 3], b, t0 + i, h)
+                for j in range(dv):
+                    store(o, base + j * geo[3, 4], (num[i, j] + intra[i, j]) * inv)
+        np.dot(a_k_hat.T, a_v, kv)                       # S += B_hat^T V, z += sum B
+        for i in range(m):
+            for j in range(dv):
+                carried_s[i, j] += kv[i, j]
+                s_work[i, j] = carried_s[i, j]
+        for i in range(n):
+            for j in range(m):
+                carried_z[j] += a_k[i, j]
+    if not causal:
+        for t0 in range(0, seq_len, chunk):
+            n = min(chunk, seq_len - t0)
+            a_q = a_buf[:n * m].reshape((n, m))
+            a_q_hat = a_hat_buf[:n * m].reshape((n, m))
+            num = num_buf[:n * dv].reshape((n, dv))
+            load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                          a_q, a_q_hat)
+            np.dot(a_q_hat, s_work, num)
+            for i in range(n):
+                den = 0.0
+                for j in range(m):
+                    den += a_q[i, j] * carried_z[j]
+                inv = 1.0 / (den + eps)
+                base = element_offset(geo[3, 0], geo[3, 1], geo[3, 2], geo[3, 3], b, t0 + i, h)
+                for j in range(dv):
+                    store(o, base + j * geo[3, 4], num[i, j] * inv)
+    for i in range(m):
+        new_z[b, h, i] = carried_z[i]
+        for j in range(dv):
+            new_s[b, h, i, j] = carried_s[i, j]
+
+
+@njit(parallel=True, cache=True)
+def linear_attention_parallel(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
+                              rotary_dim, interleaved, causal, feature_map, eps, chunk):
+    """Parallel over batch x heads; geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
+    n_heads = state_s.shape[1]
+    for task in prange(state_s.shape[0] * n_heads):
+        b = task // n_heads
+        linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b,
+                              task - b * n_heads, seq_len, half, rotary_dim, interleaved, causal, feature_map,
+                              eps, chunk)

@@ -1,0 +1,141 @@
+"""Numba CPU backend: compiled loops, one parallel pass over q and k (see ``_numba_kernels``).
+
+The glue here turns each canonical view into a flat buffer with int64 element offset and strides
+(no copy of a strided input; ``out is x`` works in place), picks the parallel or the serial kernel
+by size, and allocates outputs and states. Importing this module imports numba (and checks for
+SciPy, which numba's ``np.dot`` needs for BLAS); ``import rotary`` never imports it.
+"""
+
+from __future__ import annotations
+
+import numba  # noqa: F401  (ImportError here -> the registry's "pip install" hint)
+import numpy as np
+
+from . import _numba_kernels as kernels
+
+NAME = "numba"
+
+#: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
+DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+#: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more)
+PARALLEL_MIN_ELEMENTS = 1 << 15
+
+
+def availability():
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls BLAS through it)
+    except ImportError as exc:
+        return False, f"numba is installed but SciPy is not ({exc}); numba needs SciPy for BLAS"
+    return True, "ok"
+
+
+def accepts(x) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype in DTYPES
+
+
+def flat_view(a):
+    """``(buf, offset, strides)``: a 1-D view of the memory a spans, a[idx] = buf[offset + idx . strides].
+
+    ``buf`` starts at a's lowest address (negative strides allowed); float16 buffers come as uint16
+    bits. None when a stride is not a multiple of the item size (the caller copies then).
+    """
+    itemsize = a.itemsize
+    if any(st % itemsize for st in a.strides):
+        return None
+    if a.size == 0:
+        return np.empty(0, np.uint16 if a.dtype == np.float16 else a.dtype), 0, (0,) * a.ndim
+    low = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st < 0)
+    high = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st > 0)
+    first = a[tuple(slice(n - 1, n) if st < 0 else slice(0, 1) for n, st in zip(a.shape, a.strides))]
+    buf = np.lib.stride_tricks.as_strided(first, shape=((high - low) // itemsize + 1,), strides=(itemsize,),
+                                          writeable=a.flags.writeable)
+    if buf.dtype == np.float16:
+        buf = buf.view(np.uint16)
+    return buf, -low // itemsize, tuple(st // itemsize for st in a.strides)
+
+
+def _readonly(a):
+    view = a.view()
+    view.flags.writeable = False   # one compiled signature for read-only and writable inputs
+    return view
+
+
+def _geometry(x, out):
+    """(x_buf, out_buf, geo row); ``out`` must be writable and flat-viewable."""
+    xf, of = flat_view(x), flat_view(out)
+    same = (xf[0].__array_interface__["data"][0] + xf[1] * x.itemsize
+            == of[0].__array_interface__["data"][0] + of[1] * out.itemsize) and xf[2] == of[2]
+    geo = np.zeros(kernels.GEO_COLUMNS, dtype=np.int64)
+    geo[kernels.GEO_HEADS] = x.shape[2]
+    geo[kernels.GEO_X:kernels.GEO_X + 5] = (xf[1], *xf[2])
+    geo[kernels.GEO_OUT:kernels.GEO_OUT + 5] = (of[1], *of[2])
+    geo[kernels.GEO_COPY_TAIL] = 0 if same else 1
+    return _readonly(xf[0]), of[0], geo
+
+
+def _prepare(x, out):
+    """(x', out', result, copy_back): x' flat-viewable, out' flat-viewable and writable."""
+    result = out if out is not None else np.empty(x.shape, dtype=x.dtype)
+    x_ok = flat_view(x) is not None
+    target = result if (flat_view(result) is not None and result.flags.writeable) else np.empty(x.shape, x.dtype)
+    return (x if x_ok else np.ascontiguousarray(x)), target, result, target is not result
+
+
+def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+    """Rotate every ``(x, out)`` of ``items`` (pairs of items in one pass); see ``rotary.backends``."""
+    results = []
+    cos, sin, rows = (_readonly(np.ascontiguousarray(a)) for a in (cos, sin, rows))
+    prepared = [_prepare(x, out) for x, out in items]
+    for first in range(0, len(prepared), 2):
+        group = [p for p in prepared[first:first + 2] if p[0].size]
+        if group:
+            _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse)
+    for x, target, result, copy_back in prepared:
+        if copy_back:
+            result[...] = target
+        results.append(result)
+    return results
+
+
+def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
+    B, S, _, D = group[0][0].shape
+    bufs = [_geometry(x, target) for x, target, _, _ in group]
+    if len(bufs) == 1:   # the second item: the same arrays with zero heads
+        geo_k = bufs[0][2].copy()
+        geo_k[kernels.GEO_HEADS] = 0
+        bufs.append((bufs[0][0], bufs[0][1], geo_k))
+    geo = np.stack([bufs[0][2], bufs[1][2]])
+    elements = sum(x.size for x, _, _, _ in group)
+    kernel = kernels.rotate_qk_parallel if elements >= PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+    kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, B * S, S, rotary_dim // 2,
+           rotary_dim, D, layout == "interleaved", bool(inverse))
+
+
+def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+    """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract."""
+    B, S, H, m = q.shape
+    dv = v.shape[3]
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    cos, sin = (_readonly(np.ascontiguousarray(a, dtype=work)) for a in (cos, sin))
+    rows = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
+    if feature_map not in kernels.FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {tuple(kernels.FEATURE_MAPS)}, got {feature_map!r}")
+    if state is None:
+        state_s, state_z = np.zeros((B, H, m, dv), work), np.zeros((B, H, m), work)
+    else:
+        state_s, state_z = (np.ascontiguousarray(a, dtype=work) for a in state)
+    o = np.empty((B, S, H, dv), dtype=q.dtype)
+    new_s, new_z = np.empty((B, H, m, dv), work), np.empty((B, H, m), work)
+    if B * H == 0:
+        return o, (new_s, new_z)
+    bufs, geo = [], np.zeros((4, 5), dtype=np.int64)
+    for i, a in enumerate((q, k, v, o)):
+        view = flat_view(a)
+        if view is None:
+            view = flat_view(np.ascontiguousarray(a))
+        geo[i] = (view[1], *view[2])
+        bufs.append(view[0] if i == 3 else _readonly(view[0]))
+    kernels.linear_attention_parallel(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z),
+                                      new_s, new_z, S, rotary_dim // 2, rotary_dim, layout == "interleaved",
+                                      bool(causal), kernels.FEATURE_MAPS[feature_map], float(eps), int(chunk))
+    return o, (new_s, new_z)
