@@ -156,7 +156,7 @@ def test_apply_qk_matches_hf_llama(name, max_position):
         warnings.simplefilter("ignore")
         spec = rotary.RopeSpec.from_hf_config(config)
     rng = np.random.default_rng(0)
-    B, Hq, Hk, S = 2, 3, 3, 17   # heads before the seq axis: q and k need the same head count here
+    B, Hq, Hk, S = 2, 3, 1, 17   # GQA: one k head for three q heads
     q = rng.standard_normal((B, Hq, S, head_dim)).astype(np.float32)
     k = rng.standard_normal((B, Hk, S, head_dim)).astype(np.float32)
     positions = np.stack([np.sort(rng.choice(max_position, S, replace=False)),
