@@ -1,0 +1,465 @@
+"""CuPy backend: raw CUDA kernels (``kernels/*.cu``) compiled lazily with NVRTC per device and dtype.
+
+Nothing is compiled at import or install: the first call for a (device, kernel file, dtype) builds a
+``cupy.RawModule`` with that dtype's template instantiations (``name_expressions``); CuPy's on-disk
+kernel cache makes later processes fast. Kernels run on the input's device and current stream.
+
+Rotation (``rope.cu``): for token (b, s) with table row ``r = rows[b or 0, s]`` and pair (a, b) of
+the layout, ``y_a = x_a cos[r,i] - x_b sin[r,i]``, ``y_b = x_b cos[r,i] + x_a sin[r,i]`` (sin
+negated for the inverse), in fp32 (fp64 for float64); q and k in one launch. Linear attention
+(``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64.
+
+The planning functions (:func:`plan_rotate`, :func:`plan_linear_attention`, the geometry helpers)
+are pure Python and do not import CuPy: the CPU test harness (``tests/cuda_shim``) launches the same
+kernel sources with the same plans through the host C++ compiler.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+NAME = "cupy"
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+COMMON_HEADER = "rotary_common.cuh"
+#: kernel file of each kernel family
+SOURCES = {"rope": "rope.cu", "linear_attention": "linear_attention.cu"}
+#: dtype name -> (C++ storage type, C++ work type)
+KERNEL_TYPES = {
+    "float32": ("float", "float"),
+    "float64": ("double", "double"),
+    "float16": ("rotary_half", "float"),
+    "bfloat16": ("rotary_bfloat16", "float"),
+}
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+#: widest vector access in bytes
+VECTOR_BYTES = 16
+#: default dynamic shared memory budget per block (no opt-in attribute needed on any GPU)
+SHARED_MEM_LIMIT = 48 * 1024
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+# -- sources and instantiations (pure Python) ---------------------------------------------------
+def source_text(family: str) -> str:
+    """The kernel file of ``family`` with the common header inlined (so NVRTC needs no -I)."""
+    text = (KERNEL_DIR / SOURCES[family]).read_text()
+    header = (KERNEL_DIR / COMMON_HEADER).read_text()
+    include = f'#include "{COMMON_HEADER}"'
+    if include not in text:
+        raise RuntimeError(f"{SOURCES[family]} does not include {COMMON_HEADER}")
+    return text.replace(include, header, 1)
+
+
+def vector_widths(dtype_name: str) -> tuple[int, ...]:
+    """Vector widths (elements per access) instantiated for a dtype: 1, 2, ... up to 16 bytes."""
+    widths, v = [], 1
+    while v * ITEMSIZE[dtype_name] <= VECTOR_BYTES:
+        widths.append(v)
+        v *= 2
+    return tuple(widths)
+
+
+def rope_kernel_name(dtype_name: str, vector: int, interleaved: bool) -> str:
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"rope_rotate<{t}, {w}, {vector}, {'true' if interleaved else 'false'}>"
+
+
+def linear_attention_kernel_name(dtype_name: str) -> str:
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"linear_attention_chunked<{t}, {w}>"
+
+
+def name_expressions(family: str, dtype_name: str) -> list[str]:
+    """Every template instantiation of ``family`` for one dtype."""
+    if family == "rope":
+        return [rope_kernel_name(dtype_name, v, inter) for v in vector_widths(dtype_name) for inter in (False, True)]
+    return [linear_attention_kernel_name(dtype_name)]
+
+
+# -- launch plans (pure Python) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument: kind is "ptr" (value: an array), "i64", "i32", "f32" or "f64"."""
+    kind: str
+    value: object
+
+
+@dataclass(frozen=True)
+class Launch:
+    family: str
+    kernel: str          # name expression
+    grid: int
+    block: int
+    shared_mem: int      # dynamic shared memory, bytes
+    args: tuple
+
+
+def _elem_strides(a, itemsize: int) -> tuple[int, ...]:
+    """Strides in elements; 0 for axes of length 1 (their stride is never used)."""
+    out = []
+    for n, s in zip(a.shape, a.strides):
+        if s % itemsize:
+            raise ValueError(f"stride {s} is not a multiple of the item size {itemsize}")
+        out.append(0 if n == 1 else s // itemsize)
+    return tuple(out)
+
+
+def vector_width(arrays, dtype_name: str, rotary_dim: int, address) -> int:
+    """Largest instantiated V such that every (B, S, H, D) array allows V-element aligned accesses.
+
+    Needs unit stride along D, strides and base addresses that are multiples of V elements, and
+    ``(rotary_dim // 2) % V == 0`` (pair groups never straddle the a/b halves).
+    """
+    itemsize = ITEMSIZE[dtype_name]
+    half = rotary_dim // 2
+    best = 1
+    for v in vector_widths(dtype_name):
+        if half % v:
+            continue
+        ok = True
+        for a in arrays:
+            st = _elem_strides(a, itemsize)
+            if a.shape[3] > 1 and st[3] != 1:
+                ok = False
+            elif any(s % v for s in st[:3]) or address(a) % (v * itemsize):
+                ok = False
+            if not ok:
+                break
+        if ok:
+            best = v
+    return best
+
+
+def rotate_geometry(n_tokens: int, units_per_token: int, bytes_per_token: int, *, threads: int = 256,
+                    units_per_thread: int = 4, max_tokens_per_block: int | None = None,
+                    shared_mem_limit: int = SHARED_MEM_LIMIT) -> tuple[int, int, int, int]:
+    """(grid, block, tokens_per_block, shared_mem) for the rotation kernel; grid is linear in tokens.
+
+    A block takes ``tokens_per_block`` tokens, enough for about ``units_per_thread`` work units per
+    thread, capped by shared memory (``bytes_per_token`` staged per token) and ``max_tokens_per_block``.
+    """
+    per_token = max(1, units_per_token)
+    tpb = max(1, (threads * units_per_thread) // per_token)
+    tpb = min(tpb, max(1, shared_mem_limit // max(1, bytes_per_token)), max(1, n_tokens), (2**31 - 1) // per_token)
+    if max_tokens_per_block is not None:
+        tpb = min(tpb, max(1, max_tokens_per_block))
+    block = min(threads, per_token * tpb)
+    if threads >= 32:
+        block = min(threads, 32 * math.ceil(block / 32))
+    grid = math.ceil(n_tokens / tpb)
+    return grid, max(1, block), tpb, tpb * bytes_per_token
+
+
+def _tensor_args(x, y, itemsize):
+    xs, ys = _elem_strides(x, itemsize), _elem_strides(y, itemsize)
+    return [Arg("ptr", x), Arg("ptr", y), Arg("i64", x.shape[2]), *[Arg("i64", s) for s in xs],
+            *[Arg("i64", s) for s in ys]]
+
+
+def plan_rotate(items, cos, sin, rows, *, dtype_name: str, rotary_dim: int, layout: str, inverse: bool,
+                address, threads: int = 256, max_tokens_per_block: int | None = None,
+                shared_mem_limit: int = SHARED_MEM_LIMIT) -> Launch | None:
+    """The launch that rotates one or two ``(x, y)`` items (same B, S, D and dtype; y may be x).
+
+    x, y: (B, S, H, D) arrays with ``.shape``/``.strides`` (bytes); ``address(a)`` gives a data pointer.
+    cos, sin: (R, rotary_dim // 2) contiguous in the work dtype; rows: (Bp, S) contiguous int64.
+    Returns None when there is nothing to do (no tokens or no heads).
+    """
+    if not 1 <= len(items) <= 2:
+        raise ValueError("plan_rotate takes one or two items")
+    itemsize = ITEMSIZE[dtype_name]
+    x0 = items[0][0]
+    n_batch, seq_len, _, head_dim = x0.shape
+    n_tokens = n_batch * seq_len
+    half = rotary_dim // 2
+    arrays = [a for pair in items for a in pair]
+    v = vector_width(arrays, dtype_name, rotary_dim, address)
+    tail_len = head_dim - rotary_dim
+    tail_v = v if tail_len % v == 0 else 1
+    copy_tail = [int(y is not x and tail_len > 0) for x, y in items]
+    units = sum(x.shape[2] * (half // v + (tail_len // tail_v if ct else 0)) for (x, _), ct in zip(items, copy_tail))
+    if n_tokens == 0 or units == 0:
+        return None
+    work_itemsize = 8 if KERNEL_TYPES[dtype_name][1] == "double" else 4
+    grid, block, tpb, smem = rotate_geometry(n_tokens, units, 4 * 8 + 2 * half * work_itemsize, threads=threads,
+                                             max_tokens_per_block=max_tokens_per_block,
+                                             shared_mem_limit=shared_mem_limit)
+    args = _tensor_args(*items[0], itemsize) + [Arg("i32", copy_tail[0])]
+    if len(items) == 2:
+        args += _tensor_args(*items[1], itemsize) + [Arg("i32", copy_tail[1])]
+    else:  # no second tensor: zero heads
+        args += [Arg("ptr", x0), Arg("ptr", x0), *[Arg("i64", 0)] * 9, Arg("i32", 0)]
+    args += [Arg("ptr", cos), Arg("ptr", sin), Arg("ptr", rows), Arg("i32", int(rows.shape[0] > 1)),
+             Arg("i64", n_tokens), Arg("i64", seq_len), Arg("i32", head_dim), Arg("i32", rotary_dim),
+             Arg("i32", tail_v), Arg("i32", int(bool(inverse))), Arg("i32", tpb)]
+    return Launch("rope", rope_kernel_name(dtype_name, v, layout == "interleaved"), grid, block, smem, tuple(args))
+
+
+def linear_attention_shared_bytes(m: int, chunk: int, dv_tile: int, work_itemsize: int) -> int:
+    """Dynamic shared memory of linear_attention_chunked (layout documented in the .cu file)."""
+    mp, dtp = m | 1, dv_tile | 1
+    return work_itemsize * (2 * chunk * mp + chunk * dtp + m * dtp + chunk * (chunk + 1) + chunk + m)
+
+
+def linear_attention_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_itemsize: int, chunk: int, *,
+                              threads: int = 256, shared_mem_limit: int = SHARED_MEM_LIMIT):
+    """(grid, block, chunk_used, dv_tile, shared_mem): one block per (batch, head, dv tile).
+
+    Takes the widest dv tile (<= 64) and the longest chunk (<= ``chunk``, >= 16 when possible)
+    whose state and chunk buffers fit in ``shared_mem_limit``; smaller chunks give the same result
+    (the chunked sums are exact rearrangements) with more, shorter steps.
+    """
+    tiles = sorted({min(dv, t) for t in (64, 32, 16, 8, 4, 2, 1)}, reverse=True)
+    chunks = [c for c in (chunk, 64, 32, 16, 8, 4, 2, 1) if c <= chunk]
+    chunks = sorted(set(chunks), reverse=True)
+    for min_chunk in (min(16, chunk), 1):
+        for dt in tiles:
+            for c in chunks:
+                if c < min_chunk:
+                    break
+                smem = linear_attention_shared_bytes(m, c, dt, work_itemsize)
+                if smem <= shared_mem_limit:
+                    grid = n_batch * n_heads * math.ceil(dv / dt)
+                    return grid, threads, c, dt, smem
+    raise ValueError(f"head dims m={m}, dv={dv} are too large for the CUDA linear attention kernel's "
+                     f"shared memory ({shared_mem_limit} bytes); use backend='numpy' or 'numba'")
+
+
+def plan_linear_attention(q, k, v, o, state_s, state_z, cos, sin, rows, *, dtype_name: str, rotary_dim: int,
+                          layout: str, causal: bool, feature_map: str, eps: float, chunk: int, threads: int = 256,
+                          shared_mem_limit: int = SHARED_MEM_LIMIT) -> Launch | None:
+    """The launch for linear attention; state_s (B, H, m, dv) and state_z (B, H, m) are read and overwritten."""
+    itemsize = ITEMSIZE[dtype_name]
+    n_batch, seq_len, n_heads, m = q.shape
+    dv = v.shape[3]
+    if n_batch * n_heads * dv == 0 or m == 0:
+        return None
+    work = KERNEL_TYPES[dtype_name][1]
+    work_itemsize = 8 if work == "double" else 4
+    grid, block, c, dt, smem = linear_attention_geometry(n_batch, n_heads, m, dv, work_itemsize, chunk,
+                                                         threads=threads, shared_mem_limit=shared_mem_limit)
+    args = []
+    for a in (q, k, v, o):
+        args += [Arg("ptr", a), *[Arg("i64", s) for s in _elem_strides(a, itemsize)]]
+    fmap = {"identity": 0, "elu": 1, "relu": 2}[feature_map]
+    args += [Arg("ptr", state_s), Arg("ptr", state_z), Arg("ptr", cos), Arg("ptr", sin), Arg("ptr", rows),
+             Arg("i32", int(rows.shape[0] > 1)), Arg("i64", seq_len), Arg("i32", n_heads), Arg("i32", m),
+             Arg("i32", dv), Arg("i32", rotary_dim), Arg("i32", int(layout == "interleaved")),
+             Arg("i32", int(bool(causal))), Arg("i32", fmap), Arg("f64" if work == "double" else "f32", eps),
+             Arg("i32", c), Arg("i32", dt)]
+    return Launch("linear_attention", linear_attention_kernel_name(dtype_name), grid, block, smem, tuple(args))
+
+
+# -- CuPy side ----------------------------------------------------------------------------------------
+_module_lock = threading.Lock()
+_modules: dict = {}
+
+
+def availability():
+    """(ok, reason): CuPy importable and at least one CUDA device visible."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, f"CuPy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, no device, broken install
+        return False, f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return False, "no CUDA device found"
+    return True, "ok"
+
+
+def _is_torch_cuda(x) -> bool:
+    return type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False)
+
+
+def accepts(x) -> bool:
+    """CuPy arrays, and torch CUDA tensors (exchanged zero-copy through DLPack)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return isinstance(x, cupy.ndarray)
+    return _is_torch_cuda(x)
+
+
+def _device_id(x) -> int:
+    if _is_torch_cuda(x):
+        return x.device.index if x.device.index is not None else 0
+    return x.device.id
+
+
+def table_converter(x):
+    """(device key, convert): cos/sin tables and rows are cached per device as CuPy arrays."""
+    import cupy
+
+    dev = _device_id(x)
+
+    def convert(a):
+        with cupy.cuda.Device(dev):
+            return cupy.ascontiguousarray(cupy.asarray(a))
+
+    return ("cupy", dev), convert
+
+
+def _kernel(family: str, dtype_name: str, name: str):
+    """The compiled kernel ``name`` on the current device (module built on first use)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), family, dtype_name)
+    with _module_lock:
+        module = _modules.get(key)
+        if module is None:
+            module = cupy.RawModule(code=source_text(family), options=NVRTC_OPTIONS,
+                                    name_expressions=name_expressions(family, dtype_name))
+            _modules[key] = module
+    return module.get_function(name)
+
+
+def _launch(plan: Launch, dtype_name: str) -> None:
+    import numpy as np
+
+    convert = {"i64": np.int64, "i32": np.int32, "f32": np.float32, "f64": np.float64}
+    args = tuple(a.value if a.kind == "ptr" else convert[a.kind](a.value) for a in plan.args)
+    kernel = _kernel(plan.family, dtype_name, plan.kernel)
+    kernel((plan.grid,), (plan.block,), args, shared_mem=plan.shared_mem)
+
+
+def _address(a) -> int:
+    return a.data.ptr
+
+
+class _Exchange:
+    """Moves torch CUDA tensors to CuPy views (zero copy) and results back; CuPy arrays pass through.
+
+    bfloat16 tensors travel as int16 views (CuPy has no bfloat16 dtype) and are labelled "bfloat16".
+    """
+
+    def __init__(self, x):
+        import cupy
+
+        self.torch = _is_torch_cuda(x)
+        self.device = cupy.cuda.Device(_device_id(x))
+        self.stream = None
+        if self.torch:
+            import torch
+
+            self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream,
+                                                   _device_id(x))
+
+    def to_cupy(self, a):
+        import cupy
+
+        if not self.torch or a is None:
+            return a
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            return cupy.from_dlpack(a.view(torch.int16))
+        return cupy.from_dlpack(a)
+
+    def dtype_name(self, a) -> str:
+        name = str(a.dtype).replace("torch.", "")
+        if name not in KERNEL_TYPES:
+            raise TypeError(f"the cupy backend takes float16/bfloat16/float32/float64 arrays, got {a.dtype}")
+        return name
+
+    def empty_like(self, a):
+        if self.torch:
+            import torch
+
+            return torch.empty(tuple(a.shape), dtype=a.dtype, device=a.device)
+        import cupy
+
+        return cupy.empty(a.shape, dtype=a.dtype)
+
+    def __enter__(self):
+        self.device.__enter__()
+        if self.stream is not None:
+            self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
+
+
+def _work_tables(cos, sin, work: str):
+    import cupy
+
+    dtype = cupy.float64 if work == "double" else cupy.float32
+    return (cupy.ascontiguousarray(cos, dtype=dtype), cupy.ascontiguousarray(sin, dtype=dtype))
+
+
+def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+    """Rotate every ``(x, out)`` of ``items`` (see ``rotary.backends``); q and k share one launch."""
+    import cupy
+
+    exchange = _Exchange(items[0][0])
+    results = []
+    with exchange:
+        rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64)
+        prepared = []
+        for x, out in items:
+            name = exchange.dtype_name(x)
+            y = exchange.empty_like(x) if out is None else out
+            prepared.append((name, exchange.to_cupy(x), exchange.to_cupy(y) if y is not x else None, y))
+        # the CuPy view of an in-place output is the input's view itself (the kernel sees y is x)
+        pairs = [(name, xc, xc if yc is None else yc) for name, xc, yc, _ in prepared]
+        groups = []
+        for name, xc, yc in pairs:
+            if groups and len(groups[-1][1]) == 1 and groups[-1][0] == name:
+                groups[-1][1].append((xc, yc))
+            else:
+                groups.append((name, [(xc, yc)]))
+        for name, group in groups:
+            c, s = _work_tables(cos, sin, KERNEL_TYPES[name][1])
+            plan = plan_rotate(group, c, s, rows_dev, dtype_name=name, rotary_dim=rotary_dim, layout=layout,
+                               inverse=inverse, address=_address)
+            if plan is not None:
+                _launch(plan, name)
+        for (_, xc, yc, y) in prepared:
+            results.append(y if exchange.torch else (xc if yc is None else yc))
+    return results
+
+
+def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary._linear_attention)."""
+    import cupy
+
+    exchange = _Exchange(q)
+    with exchange:
+        name = exchange.dtype_name(q)
+        work = KERNEL_TYPES[name][1]
+        wdtype = cupy.float64 if work == "double" else cupy.float32
+        n_batch, _, n_heads, m = q.shape
+        dv = v.shape[3]
+        if exchange.torch:
+            import torch
+
+            o = torch.empty(tuple(v.shape), dtype=q.dtype, device=q.device)
+        else:
+            o = cupy.empty(tuple(v.shape), dtype=q.dtype)
+        if state is None:
+            s_state = cupy.zeros((n_batch, n_heads, m, dv), dtype=wdtype)
+            z_state = cupy.zeros((n_batch, n_heads, m), dtype=wdtype)
+        else:
+            s_state = cupy.array(exchange.to_cupy(state[0]), dtype=wdtype, order="C", copy=True)
+            z_state = cupy.array(exchange.to_cupy(state[1]), dtype=wdtype, order="C", copy=True)
+        c, s = _work_tables(cos, sin, work)
+        rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64)
+        plan = plan_linear_attention(exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v),
+                                     exchange.to_cupy(o), s_state, z_state, c, s, rows_dev, dtype_name=name,
+                                     rotary_dim=rotary_dim, layout=layout, causal=causal,
+                                     feature_map=feature_map, eps=eps, chunk=chunk)
+        if plan is not None:
+            _launch(plan, name)
+        if exchange.torch:
+            import torch
+
+            return o, (torch.from_dlpack(s_state), torch.from_dlpack(z_state))
+    return o, (s_state, z_state)

@@ -1,0 +1,269 @@
+// linear_attention.cu -- linear attention with RoPE in the numerator (RoFormer eq. 19), chunked.
+//
+// a_t = phi(q_t), b_t = phi(k_t) (phi: 0 identity, 1 elu+1, 2 relu), â = R_p a, b̂ = R_p b (pairs of
+// the layout below rotary_dim; the rest pass through). With the carried state (S, z):
+//     causal:      o_t = (â_t . (S + sum_{s<=t} b̂_s v_s^T)) / (a_t . (z + sum_{s<=t} b_s) + eps)
+//     non-causal:  o_t = (â_t . (S + sum_s b̂_s v_s^T)) / (a_t . (z + sum_s b_s) + eps)
+// and the state after the last token is written back over (state_s, state_z).
+//
+// One block per (batch, head, dv tile of width dv_tile): grid.x = B * H * ceil(dv / dv_tile); any
+// blockDim.x. The tile's state S (m x dv_tile) and z (m) stay in shared memory in W (fp32, or fp64
+// for double data) for the whole sequence, which the block walks in chunks of `chunk` tokens:
+//     causal, per chunk:  N = Â S + tril(Â B̂^T) V,  D = rowsum(A * (z + cumsum_rows(B))),  O = N / (D + eps)
+//                         S += B̂^T V,  z += colsum(B)          (chunk sums first, then added to S, z)
+//     non-causal:         pass 1 accumulates S, z over all chunks; pass 2 writes O = Â S / (A z + eps).
+// Products are 4x4 register tiles over shared-memory operands. Shared memory (W elements), see
+// rotary.backends.cupy.linear_attention_geometry:
+//     A, B: chunk x mp  |  V: chunk x dtp  |  S: m x dtp  |  P: chunk x (chunk + 1)  |  den: chunk  |  z: m
+// with mp = m | 1 and dtp = dv_tile | 1 (odd row strides avoid bank conflicts on column walks).
+#include "rotary_common.cuh"
+
+#define TILE 4
+
+// acc[i][j] = sum_{k<K} X[(r+i)*xr + k*xk] * Y[k*yk + (c+j)*yc]; rows/cols past nr/nc are clamped
+// (their results are discarded by the caller).
+template <typename W>
+ROTARY_FN void mma_tile(W (&acc)[TILE][TILE], const W* X, int xr, int xk, const W* Y, int yk, int yc,
+                        int r, int c, int nr, int nc, int K) {
+    int xo[TILE], yo[TILE];
+#pragma unroll
+    for (int i = 0; i < TILE; ++i) {
+        xo[i] = imin(r + i, nr - 1) * xr;
+        yo[i] = imin(c + i, nc - 1) * yc;
+    }
+    for (int k = 0; k < K; ++k) {
+        W xv[TILE], yv[TILE];
+#pragma unroll
+        for (int i = 0; i < TILE; ++i) {
+            xv[i] = X[xo[i] + k * xk];
+            yv[i] = Y[k * yk + yo[i]];
+        }
+#pragma unroll
+        for (int i = 0; i < TILE; ++i)
+#pragma unroll
+            for (int j = 0; j < TILE; ++j) acc[i][j] += xv[i] * yv[j];
+    }
+}
+
+template <typename W> ROTARY_FN void zero_tile(W (&acc)[TILE][TILE]) {
+#pragma unroll
+    for (int i = 0; i < TILE; ++i)
+#pragma unroll
+        for (int j = 0; j < TILE; ++j) acc[i][j] = W(0);
+}
+
+template <typename W> ROTARY_FN W feature(W x, int feature_map) {
+    if (feature_map == 1) return x > W(0) ? x + W(1) : rotary_exp(x);
+    if (feature_map == 2) return x > W(0) ? x : W(0);
+    return x;
+}
+
+// dst[t][j] = phi(src[t][j]) for t < L, j < m (unrotated), row stride mp.
+template <typename T, typename W>
+ROTARY_FN void load_features(W* dst, int mp, const T* src, i64 sst, i64 ssd, int L, int m, int feature_map,
+                             int tid, int nthreads) {
+    for (int e = tid; e < L * m; e += nthreads) {
+        const int t = e / m;
+        const int j = e - t * m;
+        dst[t * mp + j] = feature<W>((W)load_float(src[t * sst + j * ssd]), feature_map);
+    }
+}
+
+// Rotate rows t < L of X (row stride mp) in place by the RoPE angle of token (c0 + t).
+template <typename W>
+ROTARY_FN void rotate_rows(W* X, int mp, int L, int half, int interleaved, const W* cos_table,
+                           const W* sin_table, const i64* row_of, int tid, int nthreads) {
+    for (int e = tid; e < L * half; e += nthreads) {
+        const int t = e / half;
+        const int i = e - t * half;
+        const i64 row = row_of[t];
+        const W c = cos_table[row * half + i];
+        const W s = sin_table[row * half + i];
+        const int ia = interleaved ? 2 * i : i;
+        const int ib = interleaved ? 2 * i + 1 : i + half;
+        const W xa = X[t * mp + ia];
+        const W xb = X[t * mp + ib];
+        X[t * mp + ia] = xa * c - xb * s;
+        X[t * mp + ib] = xb * c + xa * s;
+    }
+}
+
+// S[j][c] += sum_{t<L} B̂[t][j] V[t][c]   (m x width)
+template <typename W>
+ROTARY_FN void update_state(W* S, int dtp, const W* B, int mp, const W* Vs, int L, int m, int width, int tid,
+                            int nthreads) {
+    const int tr = (m + TILE - 1) / TILE, tc = (width + TILE - 1) / TILE;
+    for (int tile = tid; tile < tr * tc; tile += nthreads) {
+        const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
+        W acc[TILE][TILE];
+        zero_tile(acc);
+        mma_tile(acc, B, 1, mp, Vs, dtp, 1, r, c, m, width, L);
+#pragma unroll
+        for (int i = 0; i < TILE; ++i)
+#pragma unroll
+            for (int j = 0; j < TILE; ++j)
+                if (r + i < m && c + j < width) S[(r + i) * dtp + c + j] += acc[i][j];
+    }
+}
+
+// z[j] += sum_{t<L} B[t][j]
+template <typename W>
+ROTARY_FN void update_normalizer(W* z, const W* B, int mp, int L, int m, int tid, int nthreads) {
+    for (int j = tid; j < m; j += nthreads) {
+        W acc = W(0);
+        for (int t = 0; t < L; ++t) acc += B[t * mp + j];
+        z[j] += acc;
+    }
+}
+
+// o[t][c] = (Â_t . S[:, c] + [causal] sum_{s<=t} P[t][s] V[s][c]) / (den[t] + eps)
+template <typename T, typename W>
+ROTARY_FN void write_output(T* o, i64 ost, i64 osd, const W* A, int mp, const W* S, int dtp, const W* P, int pp,
+                            const W* Vs, const W* den, W eps, int L, int m, int width, int causal, int tid,
+                            int nthreads) {
+    const int tr = (L + TILE - 1) / TILE, tc = (width + TILE - 1) / TILE;
+    for (int tile = tid; tile < tr * tc; tile += nthreads) {
+        const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
+        W acc[TILE][TILE];
+        zero_tile(acc);
+        mma_tile(acc, A, mp, 1, S, dtp, 1, r, c, L, width, m);
+        if (causal) mma_tile(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
+#pragma unroll
+        for (int i = 0; i < TILE; ++i)
+#pragma unroll
+            for (int j = 0; j < TILE; ++j)
+                if (r + i < L && c + j < width)
+                    o[(r + i) * ost + (c + j) * osd] = Store<T>::from(acc[i][j] / (den[r + i] + eps));
+    }
+}
+
+template <typename T, typename W>
+__global__ void linear_attention_chunked(
+    const T* q, i64 qsb, i64 qss, i64 qsh, i64 qsd,
+    const T* k, i64 ksb, i64 kss, i64 ksh, i64 ksd,
+    const T* v, i64 vsb, i64 vss, i64 vsh, i64 vsd,
+    T* o, i64 osb, i64 oss, i64 osh, i64 osd,
+    W* state_s, W* state_z,
+    const W* cos_table, const W* sin_table, const i64* rows, int rows_batched,
+    i64 seq_len, int n_heads, int m, int dv, int rotary_dim, int interleaved, int causal, int feature_map,
+    W eps, int chunk, int dv_tile) {
+    ROTARY_DYNAMIC_SMEM(smem);
+    const int mp = m | 1, dtp = dv_tile | 1, pp = chunk + 1, half = rotary_dim / 2;
+    W* A = reinterpret_cast<W*>(smem);
+    W* B = A + chunk * mp;
+    W* Vs = B + chunk * mp;
+    W* S = Vs + chunk * dtp;
+    W* P = S + m * dtp;
+    W* den = P + chunk * pp;
+    W* z = den + chunk;
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const int n_tiles = (dv + dv_tile - 1) / dv_tile;
+    const int tile = blockIdx.x % n_tiles;
+    const i64 bh = blockIdx.x / n_tiles;
+    const i64 b = bh / n_heads;
+    const int h = (int)(bh - b * n_heads);
+    const int c_lo = tile * dv_tile;
+    const int width = imin(dv_tile, dv - c_lo);
+    const i64* row_base = rows + (rows_batched ? b : 0) * seq_len;
+    W* Sg = state_s + bh * m * dv;  // (m, dv) of this (b, h)
+    W* zg = state_z + bh * m;
+
+    for (int e = tid; e < m * width; e += nthreads) {
+        const int j = e / width, c = e - j * width;
+        S[j * dtp + c] = Sg[(i64)j * dv + c_lo + c];
+    }
+    for (int j = tid; j < m; j += nthreads) z[j] = zg[j];
+    __syncthreads();
+
+    const T* qb = q + b * qsb + h * qsh;
+    const T* kb = k + b * ksb + h * ksh;
+    const T* vb = v + b * vsb + h * vsh + c_lo * vsd;
+    T* ob = o + b * osb + h * osh + c_lo * osd;
+
+    // Pass 1 (causal: the only pass; non-causal: accumulate S and z over all tokens).
+    for (i64 c0 = 0; c0 < seq_len; c0 += chunk) {
+        const int L = (int)(seq_len - c0 < chunk ? seq_len - c0 : chunk);
+        load_features<T, W>(B, mp, kb + c0 * kss, kss, ksd, L, m, feature_map, tid, nthreads);
+        for (int e = tid; e < L * width; e += nthreads) {
+            const int t = e / width, c = e - t * width;
+            Vs[t * dtp + c] = (W)load_float(vb[(c0 + t) * vss + c * vsd]);
+        }
+        if (causal) load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
+        __syncthreads();
+        if (causal) {
+            // A[t][j] *= z[j] + sum_{s<=t} B[s][j] (chunk partial sum first), then z += chunk sum
+            for (int j = tid; j < m; j += nthreads) {
+                W run = W(0);
+                for (int t = 0; t < L; ++t) {
+                    run += B[t * mp + j];
+                    A[t * mp + j] *= z[j] + run;
+                }
+                z[j] += run;
+            }
+            __syncthreads();
+            for (int t = tid; t < L; t += nthreads) {
+                W d = W(0);
+                for (int j = 0; j < m; ++j) d += A[t * mp + j];
+                den[t] = d;
+            }
+            __syncthreads();
+            load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
+            __syncthreads();
+            rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
+        } else {
+            update_normalizer(z, B, mp, L, m, tid, nthreads);
+            __syncthreads();
+        }
+        rotate_rows(B, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
+        __syncthreads();
+        if (causal) {
+            // P = tril(Â B̂^T); tiles above the diagonal are skipped (never read)
+            const int nt = (L + TILE - 1) / TILE;
+            for (int pt = tid; pt < nt * nt; pt += nthreads) {
+                const int tr = pt / nt, tc = pt - tr * nt;
+                if (tc > tr) continue;
+                W acc[TILE][TILE];
+                zero_tile(acc);
+                mma_tile(acc, A, mp, 1, B, 1, mp, tr * TILE, tc * TILE, L, L, m);
+#pragma unroll
+                for (int i = 0; i < TILE; ++i)
+#pragma unroll
+                    for (int j = 0; j < TILE; ++j) {
+                        const int t = tr * TILE + i, s = tc * TILE + j;
+                        if (t < L && s < L) P[t * pp + s] = s <= t ? acc[i][j] : W(0);
+                    }
+            }
+            __syncthreads();
+            write_output<T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
+                               tid, nthreads);
+            __syncthreads();
+        }
+        update_state(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
+        __syncthreads();
+    }
+
+    // Pass 2 (non-causal): o_t = Â_t S / (A_t . z + eps) with the final S, z.
+    for (i64 c0 = 0; !causal && c0 < seq_len; c0 += chunk) {
+        const int L = (int)(seq_len - c0 < chunk ? seq_len - c0 : chunk);
+        load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
+        __syncthreads();
+        for (int t = tid; t < L; t += nthreads) {
+            W d = W(0);
+            for (int j = 0; j < m; ++j) d += A[t * mp + j] * z[j];
+            den[t] = d;
+        }
+        __syncthreads();
+        rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
+        __syncthreads();
+        write_output<T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0, tid,
+                           nthreads);
+        __syncthreads();
+    }
+
+    for (int e = tid; e < m * width; e += nthreads) {
+        const int j = e / width, c = e - j * width;
+        Sg[(i64)j * dv + c_lo + c] = S[j * dtp + c];
+    }
+    if (tile == 0)
+        for (int j = tid; j < m; j += nthreads) zg[j] = z[j];
+}

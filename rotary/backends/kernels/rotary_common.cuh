@@ -1,0 +1,123 @@
+// rotary_common.cuh -- types and helpers shared by the rotary CUDA kernels.
+//
+// The kernels are compiled three ways from the same text:
+//   * NVRTC through cupy.RawModule (the user path; compiled lazily per device),
+//   * nvcc (tests/test_nvrtc.py compiles each file standalone and reports ptxas registers),
+//   * the host C++ compiler through tests/cuda_shim/cuda_shim.h (tests run them on the CPU).
+// So this file avoids CUDA headers (cuda_fp16.h is not on NVRTC's search path in pip installs),
+// warp intrinsics and early returns before __syncthreads.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define ROTARY_ON_DEVICE 1
+#define ROTARY_FN __device__ __forceinline__
+#define ROTARY_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#else
+#include <cmath>
+#include <cstring>
+#define ROTARY_FN inline
+#define ROTARY_DYNAMIC_SMEM(name) unsigned char* name = rotary_shim::dynamic_smem()
+#endif
+
+typedef long long i64;
+
+// fp16 / bf16 storage types: 16 bits, converted to and from float32 (all arithmetic is fp32).
+struct rotary_half { unsigned short bits; };
+struct rotary_bfloat16 { unsigned short bits; };
+
+ROTARY_FN float bits_to_float(unsigned int u) {
+#ifdef ROTARY_ON_DEVICE
+    return __uint_as_float(u);
+#else
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+ROTARY_FN unsigned int float_to_bits(float f) {
+#ifdef ROTARY_ON_DEVICE
+    return __float_as_uint(f);
+#else
+    unsigned int u;
+    std::memcpy(&u, &f, 4);
+    return u;
+#endif
+}
+
+ROTARY_FN float load_float(float x) { return x; }
+ROTARY_FN double load_float(double x) { return x; }
+ROTARY_FN float load_float(rotary_bfloat16 x) { return bits_to_float(((unsigned int)x.bits) << 16); }
+ROTARY_FN float load_float(rotary_half x) {
+#ifdef ROTARY_ON_DEVICE
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+#else
+    _Float16 h;
+    std::memcpy(&h, &x.bits, 2);
+    return (float)h;
+#endif
+}
+
+template <typename T> struct Store;
+template <> struct Store<float> { static ROTARY_FN float from(float x) { return x; } };
+template <> struct Store<double> { static ROTARY_FN double from(double x) { return x; } };
+template <> struct Store<rotary_half> {
+    static ROTARY_FN rotary_half from(float x) {
+        rotary_half r;
+#ifdef ROTARY_ON_DEVICE
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+#else
+        _Float16 h = (_Float16)x;  // round to nearest even, like cvt.rn
+        std::memcpy(&r.bits, &h, 2);
+#endif
+        return r;
+    }
+};
+template <> struct Store<rotary_bfloat16> {
+    // round to nearest even; NaN stays a (quiet) NaN with its sign
+    static ROTARY_FN rotary_bfloat16 from(float x) {
+        unsigned int u = float_to_bits(x);
+        rotary_bfloat16 r;
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            r.bits = (unsigned short)((u >> 16) | 0x0040u);
+        } else {
+            r.bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        return r;
+    }
+};
+
+// V consecutive elements moved as one aligned access (16 bytes at most).
+template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
+
+template <typename T, int V> ROTARY_FN void load_vec(const T* p, T (&dst)[V]) {
+    const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(p);
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[i] = chunk.v[i];
+}
+
+template <typename T, int V> ROTARY_FN void store_vec(T* p, const T (&src)[V]) {
+    Vec<T, V> chunk;
+#pragma unroll
+    for (int i = 0; i < V; ++i) chunk.v[i] = src[i];
+    *reinterpret_cast<Vec<T, V>*>(p) = chunk;
+}
+
+ROTARY_FN int imin(int a, int b) { return a < b ? a : b; }
+
+ROTARY_FN float rotary_exp(float x) {
+#ifdef ROTARY_ON_DEVICE
+    return expf(x);
+#else
+    return std::exp(x);
+#endif
+}
+ROTARY_FN double rotary_exp(double x) {
+#ifdef ROTARY_ON_DEVICE
+    return exp(x);
+#else
+    return std::exp(x);
+#endif
+}
