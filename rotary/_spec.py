@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -140,8 +139,8 @@ class RopeSpec:
         return "default" if self.scaling is None else dict(self.scaling)["rope_type"]
 
     @classmethod
-    def from_hf_config(cls, config: Mapping, *, layout: str = "half") -> "RopeSpec":
-        """Build a spec from an HF ``config.json`` dict.
+    def from_hf_config(cls, config, *, layout: str = "half") -> "RopeSpec":
+        """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``.
 
         Reads ``rope_theta``, ``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x),
         ``partial_rotary_factor``, ``head_dim`` (or ``hidden_size // num_attention_heads``) and
