@@ -22,8 +22,8 @@ from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
 from . import _tables
 from . import backends as _backends
-from ._api import (_check_float, _namespace, _table_converter, canonical_shape, canonical_view,
-                   normalize_positions, normalize_seq_axis, resolve_spec)
+from ._api import (_check_float, _namespace, _table_converter, canonical_shape, canonical_view, from_canonical,
+                   normalize_positions, normalize_seq_axis, resolve_spec, to_canonical)
 from ._spec import RopeSpec
 
 FEATURE_MAPS = ("elu", "relu", "identity")
@@ -132,12 +132,11 @@ def _check_state(state, spec, feature_map, other_shape, m, dv):
 
 # -- helpers -----------------------------------------------------------------------------------
 def _canonical(x, ax, xp):
-    """A (B, S, H, D) view (NumPy/CuPy: no copy when the strides allow) or reshape of x."""
-    shape4 = canonical_shape(tuple(x.shape), ax)
+    """The (B, S, H, D) view of x (NumPy/CuPy: no copy when the strides allow one)."""
     if is_numpy_array(x) or is_cupy_array(x):
         view = canonical_view(x, ax)
-        return view if view is not None else x.copy().reshape(shape4)
-    return xp.reshape(x, shape4)
+        return view if view is not None else to_canonical(x.copy(), ax, xp)
+    return to_canonical(x, ax, xp)
 
 
 def _start_positions(state, lead_shape, seq_len):
@@ -243,9 +242,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         _check_state(state, spec, feature_map, other_shape, m, dv)
         if positions is None:
             positions = _start_positions(state, lead_shape, seq_len)
-    pos = normalize_positions(positions, lead_shape, seq_len)
-
     B, _, H, _ = canonical_shape(tuple(q.shape), ax)
+    pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B)
+
     if seq_len == 0:
         dev = xp_device(q)
         o = xp.zeros((*q.shape[:-1], dv), dtype=q.dtype, device=dev)
@@ -270,7 +269,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v, ax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried)
-    o = xp.astype(xp.reshape(o, (*q.shape[:-1], dv)), q.dtype)
+    o = xp.astype(from_canonical(o, (*q.shape[:-1], dv), ax, xp), q.dtype)
     if not return_state:
         return o
     new_state = LinearAttentionState(xp.reshape(S, (*other_shape, m, dv)), xp.reshape(z, (*other_shape, m)),

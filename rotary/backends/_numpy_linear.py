@@ -22,11 +22,12 @@ FEATURE_MAPS = ("elu", "relu", "identity")
 
 
 def _feature_map(xp, x, name):
-    """phi(x): elu(x) + 1 (= x + 1 for x > 0, exp(x) otherwise), max(x, 0) or x."""
+    """phi(x): elu(x) + 1 = exp(min(x, 0)) + max(x, 0), max(x, 0) or x."""
+    zero = xp.zeros((), dtype=x.dtype, device=xp_device(x))
     if name == "elu":
-        return xp.where(x > 0, x + 1, xp.exp(xp.where(x > 0, xp.zeros_like(x), x)))
+        return xp.exp(xp.minimum(x, zero)) + xp.maximum(x, zero)
     if name == "relu":
-        return xp.where(x > 0, x, xp.zeros_like(x))
+        return xp.maximum(x, zero)
     if name == "identity":
         return x
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
