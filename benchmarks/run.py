@@ -46,8 +46,10 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-ARGS = _parse(sys.argv[1:]) if __name__ == "__main__" else None
-_set_threads(ARGS.threads if ARGS else THREADS_DEFAULT)
+ARGS = None
+if __name__ == "__main__":   # imported (by tests), the module leaves the thread settings alone
+    ARGS = _parse(sys.argv[1:])
+    _set_threads(ARGS.threads)
 
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -105,7 +107,7 @@ def machine_description() -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:
             pass
-    return {"cpu": model, "logical_cores": os.cpu_count(), "threads": int(os.environ["OMP_NUM_THREADS"]),
+    return {"cpu": model, "logical_cores": os.cpu_count(), "threads": int(os.environ.get("OMP_NUM_THREADS", 0)),
             "versions": versions}
 
 
