@@ -13,7 +13,10 @@ default         omega' = omega
 linear          omega' = omega / s                                   (position interpolation)
 ntk             base' = base * s**(d/(d-2))                          (static NTK-aware, HF 4.4x)
 dynamic         base' = base * (s*n/L - (s-1))**(d/(d-2)), n = max(seq_len, L)   (seq_len <= L
-                or None: the original frequencies, HF's reset)
+                or None: the original frequencies, HF's reset). Stateless: HF's module keeps
+                the frequencies of the longest length seen until a call falls back below L;
+                here every call uses its own seq_len (keys cached under another length are
+                not re-rotated, HF #25104)
 yarn            omega' = (omega/s)*(1-E) + omega*E, E = 1 - ramp(low, high); A = attention_factor,
                 or g(s, mscale)/g(s, mscale_all_dim) when both are set, else g(s, 1),
                 g(s, m) = 0.1*m*ln(s) + 1 (1 if s <= 1)

@@ -23,6 +23,11 @@ pytestmark = pytest.mark.peer
 
 INV_FREQ_RTOL = 2e-6
 
+#: rotary follows transformers 5's rope semantics (``rope_parameters``; YaRN mscale / truncate / implicit
+#: factor; LongRoPE reading original_max_position_embeddings from the rope dict). 4.x lacks some of these.
+requires_v5 = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                 reason=f"needs transformers >= 5 (rope_parameters), found {transformers.__version__}")
+
 
 def _llama_config(head_dim, rope_parameters, max_position_embeddings, **extra):
     """A small LlamaConfig (the vehicle HF's rope init functions read) with these rope parameters."""
@@ -34,9 +39,9 @@ def _llama_config(head_dim, rope_parameters, max_position_embeddings, **extra):
                                         rope_parameters=dict(rope_parameters), **extra)
 
 
-def _hf_init(config, seq_len):
-    rope_type = config.rope_parameters["rope_type"]
-    if rope_type == "default":
+def _hf_init(config, seq_len, rope_type=None):
+    rope_type = rope_type or config.rope_parameters["rope_type"]
+    if rope_type == "default" and "default" not in rope_utils.ROPE_INIT_FUNCTIONS:   # transformers >= 5
         return transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     if rope_type not in rope_utils.ROPE_INIT_FUNCTIONS:
         pytest.skip(f"this transformers has no rope_type {rope_type!r}")
@@ -93,6 +98,7 @@ CASES = {
 }
 
 
+@requires_v5
 @pytest.mark.parametrize("name", list(CASES))
 def test_inv_freq_and_attention_factor_match_hf(name):
     head_dim, params, max_pos, seq_lens = CASES[name]
@@ -111,6 +117,7 @@ def test_inv_freq_and_attention_factor_match_hf(name):
                                    err_msg=f"{name} seq_len={seq_len}")
 
 
+@requires_v5
 def test_hf_yarn_ramp_truncation_matters():
     """truncate=False must differ from truncate=True (the off-by-one-ramp-step pitfall) and both match HF."""
     head_dim, params, max_pos, _ = CASES["yarn-gpt-oss"]
@@ -120,6 +127,28 @@ def test_hf_yarn_ramp_truncation_matters():
     assert not np.allclose(ours[False], ours[True], rtol=1e-3)
     hf = _hf_init(_llama_config(head_dim, truncated, max_pos), None)[0].double().numpy()
     np.testing.assert_allclose(ours[True], hf, rtol=INV_FREQ_RTOL)
+
+
+@pytest.mark.parametrize("name", ["default", "linear", "dynamic", "llama3.1", "llama4"])
+def test_legacy_rope_scaling_kwargs_match_hf(name):
+    """transformers 4.x style (rope_theta + rope_scaling with 'type'), on whichever version is installed."""
+    head_dim, params, max_pos, seq_lens = CASES[name]
+    params = dict(params)
+    theta, rope_type = params.pop("rope_theta"), params.pop("rope_type")
+    scaling = None if rope_type == "default" else {"type": rope_type, **params}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, num_hidden_layers=1,
+                                          intermediate_size=8, vocab_size=16, max_position_embeddings=max_pos,
+                                          rope_theta=theta, rope_scaling=scaling)
+        spec = rotary.RopeSpec.from_hf_config(config)
+    assert spec == rotary.RopeSpec.from_hf_config({"hidden_size": 2 * head_dim, "num_attention_heads": 2,
+                                                   "max_position_embeddings": max_pos, "rope_theta": theta,
+                                                   "rope_scaling": scaling})
+    for seq_len in seq_lens:
+        hf_inv_freq, hf_attention = _hf_init(config, seq_len, rope_type)
+        np.testing.assert_allclose(spec.inv_freq(seq_len), hf_inv_freq.double().numpy(), rtol=INV_FREQ_RTOL)
+        assert spec.attention_scaling_at(seq_len) == pytest.approx(float(hf_attention), rel=1e-12)
 
 
 # -- end to end ------------------------------------------------------------------------------------
@@ -140,6 +169,7 @@ E2E = ["default", "linear", "dynamic", "yarn-qwen2", "yarn-gpt-oss", "yarn-deeps
        "longrope-phi3", "longrope-explicit"]
 
 
+@requires_v5
 @pytest.mark.parametrize("name", E2E)
 @pytest.mark.parametrize("max_position", [300, 5000])
 def test_apply_qk_matches_hf_llama(name, max_position):
@@ -180,6 +210,7 @@ def test_apply_qk_matches_hf_llama(name, max_position):
         T.assert_close(ours, ref, like=x, atol=2e-6 * max(1.0, scale) * float(np.max(np.abs(x))) * 2)
 
 
+@requires_v5
 def test_apply_qk_matches_hf_gpt_neox_partial_rotary():
     """GPT-NeoX config.json (4.x keys rotary_pct / rotary_emb_base): a quarter of the head rotates."""
     from transformers.models.gpt_neox import modeling_gpt_neox as neox
@@ -237,6 +268,7 @@ def test_apply_qk_matches_hf_gptj_interleaved(rotary_dim):
         assert np.max(np.abs(other - hf(x))) > 1e-2
 
 
+@requires_v5
 def test_from_hf_config_accepts_pretrained_config_and_config_json_alike():
     """A PretrainedConfig and its to_dict() / a 4.x-style config.json describe the same spec."""
     params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
