@@ -142,7 +142,7 @@ def rotate_geometry(n_tokens: int, units_per_token: int, bytes_per_token: int, *
     thread, capped by shared memory (``bytes_per_token`` staged per token) and ``max_tokens_per_block``.
     """
     per_token = max(1, units_per_token)
-    tpb = max(1, (threads * units_per_thread) // per_token)
+    tpb = max(1, math.ceil(threads * units_per_thread / per_token))
     tpb = min(tpb, max(1, shared_mem_limit // max(1, bytes_per_token)), max(1, n_tokens), (2**31 - 1) // per_token)
     if max_tokens_per_block is not None:
         tpb = min(tpb, max(1, max_tokens_per_block))
@@ -228,10 +228,11 @@ def linear_attention_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_
                      f"shared memory ({shared_mem_limit} bytes); use backend='numpy' or 'numba'")
 
 
-def plan_linear_attention(q, k, v, o, state_s, state_z, cos, sin, rows, *, dtype_name: str, rotary_dim: int,
+def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, dtype_name: str, rotary_dim: int,
                           layout: str, causal: bool, feature_map: str, eps: float, chunk: int, threads: int = 256,
                           shared_mem_limit: int = SHARED_MEM_LIMIT) -> Launch | None:
-    """The launch for linear attention; state_s (B, H, m, dv) and state_z (B, H, m) are read and overwritten."""
+    """The launch for linear attention: state_s (B, H, m, dv) is read and overwritten with the new S;
+    z_in (B, H, m) is read and z_out (another buffer) receives the new z."""
     itemsize = ITEMSIZE[dtype_name]
     n_batch, seq_len, n_heads, m = q.shape
     dv = v.shape[3]
@@ -245,7 +246,8 @@ def plan_linear_attention(q, k, v, o, state_s, state_z, cos, sin, rows, *, dtype
     for a in (q, k, v, o):
         args += [Arg("ptr", a), *[Arg("i64", s) for s in _elem_strides(a, itemsize)]]
     fmap = {"identity": 0, "elu": 1, "relu": 2}[feature_map]
-    args += [Arg("ptr", state_s), Arg("ptr", state_z), Arg("ptr", cos), Arg("ptr", sin), Arg("ptr", rows),
+    args += [Arg("ptr", state_s), Arg("ptr", z_in), Arg("ptr", z_out), Arg("ptr", cos), Arg("ptr", sin),
+             Arg("ptr", rows),
              Arg("i32", int(rows.shape[0] > 1)), Arg("i64", seq_len), Arg("i32", n_heads), Arg("i32", m),
              Arg("i32", dv), Arg("i32", rotary_dim), Arg("i32", int(layout == "interleaved")),
              Arg("i32", int(bool(causal))), Arg("i32", fmap), Arg("f64" if work == "double" else "f32", eps),
@@ -446,18 +448,21 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
             o = cupy.empty(tuple(v.shape), dtype=q.dtype)
         if state is None:
             s_state = cupy.zeros((n_batch, n_heads, m, dv), dtype=wdtype)
-            z_state = cupy.zeros((n_batch, n_heads, m), dtype=wdtype)
+            z_in = cupy.zeros((n_batch, n_heads, m), dtype=wdtype)
         else:
             s_state = cupy.array(exchange.to_cupy(state[0]), dtype=wdtype, order="C", copy=True)
-            z_state = cupy.array(exchange.to_cupy(state[1]), dtype=wdtype, order="C", copy=True)
+            z_in = cupy.ascontiguousarray(exchange.to_cupy(state[1]), dtype=wdtype)
+        z_state = cupy.empty((n_batch, n_heads, m), dtype=wdtype)
         c, s = _work_tables(cos, sin, work)
         rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64)
         plan = plan_linear_attention(exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v),
-                                     exchange.to_cupy(o), s_state, z_state, c, s, rows_dev, dtype_name=name,
+                                     exchange.to_cupy(o), s_state, z_in, z_state, c, s, rows_dev, dtype_name=name,
                                      rotary_dim=rotary_dim, layout=layout, causal=causal,
                                      feature_map=feature_map, eps=eps, chunk=chunk)
         if plan is not None:
             _launch(plan, name)
+        else:  # no (batch, head) to run
+            z_state = z_in.copy()
         if exchange.torch:
             import torch
 

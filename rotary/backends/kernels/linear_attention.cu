@@ -4,7 +4,8 @@
 // the layout below rotary_dim; the rest pass through). With the carried state (S, z):
 //     causal:      o_t = (â_t . (S + sum_{s<=t} b̂_s v_s^T)) / (a_t . (z + sum_{s<=t} b_s) + eps)
 //     non-causal:  o_t = (â_t . (S + sum_s b̂_s v_s^T)) / (a_t . (z + sum_s b_s) + eps)
-// and the state after the last token is written back over (state_s, state_z).
+// S is read from and written back to state_s (each dv tile owns its columns); z is read from z_in
+// (never written: other tiles of the same head read it) and written to z_out by tile 0.
 //
 // One block per (batch, head, dv tile of width dv_tile): grid.x = B * H * ceil(dv / dv_tile); any
 // blockDim.x. The tile's state S (m x dv_tile) and z (m) stay in shared memory in W (fp32, or fp64
@@ -143,7 +144,7 @@ __global__ void linear_attention_chunked(
     const T* k, i64 ksb, i64 kss, i64 ksh, i64 ksd,
     const T* v, i64 vsb, i64 vss, i64 vsh, i64 vsd,
     T* o, i64 osb, i64 oss, i64 osh, i64 osd,
-    W* state_s, W* state_z,
+    W* state_s, const W* z_in, W* z_out,
     const W* cos_table, const W* sin_table, const i64* rows, int rows_batched,
     i64 seq_len, int n_heads, int m, int dv, int rotary_dim, int interleaved, int causal, int feature_map,
     W eps, int chunk, int dv_tile) {
@@ -166,13 +167,12 @@ __global__ void linear_attention_chunked(
     const int width = imin(dv_tile, dv - c_lo);
     const i64* row_base = rows + (rows_batched ? b : 0) * seq_len;
     W* Sg = state_s + bh * m * dv;  // (m, dv) of this (b, h)
-    W* zg = state_z + bh * m;
 
     for (int e = tid; e < m * width; e += nthreads) {
         const int j = e / width, c = e - j * width;
         S[j * dtp + c] = Sg[(i64)j * dv + c_lo + c];
     }
-    for (int j = tid; j < m; j += nthreads) z[j] = zg[j];
+    for (int j = tid; j < m; j += nthreads) z[j] = z_in[bh * m + j];
     __syncthreads();
 
     const T* qb = q + b * qsb + h * qsh;
@@ -265,5 +265,5 @@ __global__ void linear_attention_chunked(
         Sg[(i64)j * dv + c_lo + c] = S[j * dtp + c];
     }
     if (tile == 0)
-        for (int j = tid; j < m; j += nthreads) zg[j] = z[j];
+        for (int j = tid; j < m; j += nthreads) z_out[bh * m + j] = z[j];
 }

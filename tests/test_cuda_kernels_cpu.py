@@ -1,0 +1,397 @@
+"""The CUDA kernel sources, run on the CPU through tests/cuda_shim, against float64 oracles.
+
+The same .cu files NVRTC compiles for the GPU are built with the host C++ compiler (one host thread
+per CUDA thread, std::barrier for __syncthreads) and launched with the same plans
+(``rotary.backends.cupy.plan_rotate`` / ``plan_linear_attention``) the CuPy backend uses, with
+NumPy arrays in place of CuPy arrays. Small block sizes make small inputs span many blocks.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from rotary import RopeSpec, _conformance as conformance
+from rotary import backends as registry
+from rotary.backends import cupy as cb
+from rotary.testing import rope_complex, tolerance
+
+from .cuda_shim import host
+
+pytestmark = pytest.mark.cuda_cpu
+
+#: (threads per block, tokens per block cap): default geometry, and tiny blocks spanning many blocks
+GEOMETRIES = {"default": (256, None), "tiny": (5, 1), "small": (32, 3)}
+
+
+@pytest.fixture(scope="session")
+def kernels(tmp_path_factory):
+    if host.compiler() is None:
+        pytest.skip("no host C++ compiler (g++/clang++) to build the CUDA sources with the shim")
+    return host.build(tmp_path_factory.mktemp("cuda_shim"))
+
+
+def _dtype_name(a) -> str:
+    return str(a.dtype)
+
+
+def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_limit=cb.SHARED_MEM_LIMIT):
+    """A backend module for NumPy arrays that runs the CUDA kernels on the CPU (same plans as CuPy)."""
+
+    def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+        outs = [np.empty(x.shape, x.dtype) if out is None else out for x, out in items]
+        work = np.float64 if items[0][0].dtype == np.float64 else np.float32
+        cos, sin = np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work)
+        rows = np.ascontiguousarray(rows, np.int64)
+        pairs = [(x, y) for (x, _), y in zip(items, outs)]
+        for i in range(0, len(pairs), 2):
+            group = pairs[i:i + 2]
+            if len(group) == 2 and group[0][0].dtype != group[1][0].dtype:
+                group = group[:1]
+            kernels.launch(cb.plan_rotate(group, cos, sin, rows, dtype_name=_dtype_name(group[0][0]),
+                                          rotary_dim=rotary_dim, layout=layout, inverse=inverse,
+                                          address=host.address, threads=threads,
+                                          max_tokens_per_block=max_tokens_per_block))
+            if len(group) == 1 and i + 1 < len(pairs):
+                x, y = pairs[i + 1]
+                kernels.launch(cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name=_dtype_name(x),
+                                              rotary_dim=rotary_dim, layout=layout, inverse=inverse,
+                                              address=host.address, threads=threads,
+                                              max_tokens_per_block=max_tokens_per_block))
+        return outs
+
+    def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+        return run_linear_attention(kernels, q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout,
+                                    causal=causal, feature_map=feature_map, eps=eps, chunk=chunk, state=state,
+                                    threads=threads, shared_mem_limit=shared_mem_limit)
+
+    return types.SimpleNamespace(NAME="cuda-shim", availability=lambda: (True, "ok"),
+                                 accepts=lambda x: isinstance(x, np.ndarray), rotate=rotate,
+                                 linear_attention=linear_attention)
+
+
+def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk,
+                         state, threads=256, shared_mem_limit=cb.SHARED_MEM_LIMIT, dtype_name=None):
+    dtype_name = dtype_name or _dtype_name(q)
+    work = np.float64 if cb.KERNEL_TYPES[dtype_name][1] == "double" else np.float32
+    n_batch, _, n_heads, m = q.shape
+    dv = v.shape[3]
+    o = np.empty(v.shape, q.dtype)
+    if state is None:
+        s_state, z_in = np.zeros((n_batch, n_heads, m, dv), work), np.zeros((n_batch, n_heads, m), work)
+    else:
+        s_state, z_in = np.array(state[0], work, order="C"), np.ascontiguousarray(state[1], work)
+    z_state = np.full((n_batch, n_heads, m), np.nan, work)
+    plan = cb.plan_linear_attention(q, k, v, o, s_state, z_in, z_state, np.ascontiguousarray(cos, work),
+                                    np.ascontiguousarray(sin, work), np.ascontiguousarray(rows, np.int64),
+                                    dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout, causal=causal,
+                                    feature_map=feature_map, eps=eps, chunk=chunk, threads=threads,
+                                    shared_mem_limit=shared_mem_limit)
+    kernels.launch(plan)
+    return o, (s_state, z_state)
+
+
+@pytest.fixture
+def use_backend(kernels, monkeypatch):
+    """Register a shim backend under the name "cuda-shim" for the frontend (restored afterwards)."""
+
+    def register(**geometry):
+        module = shim_backend(kernels, **geometry)
+        monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
+        monkeypatch.setitem(registry._loaded, "cuda-shim", module)
+        return "cuda-shim"
+
+    return register
+
+
+# -- rotation: the conformance suite through the frontend -------------------------------------------
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("case", conformance.cases(), ids=lambda c: c.name)
+def test_conformance_case(case, geometry, use_backend):
+    if geometry != "default" and case.scaling is not None:
+        pytest.skip("scaling rules change the tables, not the kernel; default geometry covers them")
+    threads, tpb = GEOMETRIES[geometry]
+    name = use_backend(threads=threads, max_tokens_per_block=tpb)
+    result = conformance.run_case(case, name)
+    assert result.passed, f"{case.name}: max error {result.max_error:.3g} (tol {result.tolerance:.1g}) {result.detail}"
+
+
+# -- rotation: direct launches -----------------------------------------------------------------------
+def _tables(spec, positions, work=np.float32):
+    cos, sin = spec.cos_sin(np.asarray(positions), dtype=work)
+    return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+def _oracle(x, positions, spec, inverse=False):
+    """float64 oracle for (B, S, H, D) x with positions (S,) or (B, S)."""
+    xs = np.moveaxis(np.asarray(x, np.float64), 2, 1)  # (B, H, S, D)
+    p = np.asarray(positions)
+    p = p[:, None, :] if p.ndim == 2 else p
+    inv = spec.inv_freq()
+    return np.moveaxis(rope_complex(xs, p, -inv if inverse else inv, layout=spec.layout), 1, 2)
+
+
+def _guarded(shape, dtype, rng, pad=7, fill=np.nan):
+    """A (shape) view inside a larger buffer filled with ``fill``; returns (view, buffer, mask of the view)."""
+    size = int(np.prod(shape))
+    buf = np.full(size + 2 * pad, fill, dtype=dtype)
+    view = buf[pad:pad + size].reshape(shape)
+    view[...] = rng.standard_normal(shape).astype(dtype)
+    mask = np.zeros(buf.shape, bool)
+    mask[pad:pad + size] = True
+    return view, buf, mask
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(24, 12), (20, 20), (19, 18), (40, 6), (64, 64)])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotate_writes_only_its_elements(kernels, layout, head_dim, rotary_dim, dtype, inplace, rng):
+    """Partial rotary_dim (not a power of two), odd head_dim, GQA, per-batch positions; writes stay in bounds."""
+    B, S, Hq, Hk = 2, 5, 3, 1
+    spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+    positions = rng.integers(0, 50, size=(B, S))
+    work = np.float64 if dtype == "float64" else np.float32
+    cos, sin = _tables(spec, np.arange(50), work)
+    q, qbuf, qmask = _guarded((B, S, Hq, head_dim), dtype, rng)
+    k, kbuf, kmask = _guarded((B, S, Hk, head_dim), dtype, rng)
+    q0, k0 = q.copy(), k.copy()
+    if inplace:
+        items, qo, ko = [(q, q), (k, k)], q, k
+        qobuf, kobuf = qbuf, kbuf
+    else:
+        qo, qobuf, _ = _guarded(q.shape, dtype, rng, fill=np.inf)
+        ko, kobuf, _ = _guarded(k.shape, dtype, rng, fill=np.inf)
+        items = [(q, qo), (k, ko)]
+    plan = cb.plan_rotate(items, cos, sin, positions.astype(np.int64), dtype_name=dtype, rotary_dim=rotary_dim,
+                          layout=layout, inverse=False, address=host.address, threads=7, max_tokens_per_block=2)
+    assert plan.grid >= (B * S + 1) // 2  # many blocks for a small input
+    kernels.launch(plan)
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(qo.astype(np.float64), _oracle(q0, positions, spec), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(ko.astype(np.float64), _oracle(k0, positions, spec), rtol=rtol, atol=atol)
+    for buf, mask, fill in ((qobuf, qmask, np.nan if inplace else np.inf), (kobuf, kmask, np.nan if inplace else np.inf)):
+        outside = buf[~mask]
+        assert np.all(np.isnan(outside)) if inplace else np.all(outside == fill), "wrote outside the output"
+    if not inplace:
+        np.testing.assert_array_equal(q, q0)
+        np.testing.assert_array_equal(k, k0)
+
+
+def test_vector_width_follows_alignment(kernels, rng):
+    """Aligned contiguous fp16 takes 16-byte accesses; an odd element offset falls back to scalars."""
+    spec = RopeSpec(64)
+    cos, sin = _tables(spec, np.arange(8))
+    buf = rng.standard_normal(2 * 8 * 4 * 64 + 8).astype(np.float16)
+    rows = np.arange(8, dtype=np.int64)[None]
+    results = {}
+    for offset in (0, 1, 2, 4):
+        x = buf[offset:offset + 2 * 8 * 4 * 64].reshape(2, 8, 4, 64)
+        y = np.empty_like(x)
+        plan = cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name="float16", rotary_dim=64, layout="half",
+                              inverse=False, address=host.address, threads=32)
+        results[offset] = int(plan.kernel.split(",")[2])
+        kernels.launch(plan)
+        np.testing.assert_allclose(y.astype(np.float64), _oracle(x, np.arange(8), spec), rtol=2e-3, atol=2e-3)
+    if host.address(buf) % 16 == 0:
+        assert results == {0: 8, 1: 1, 2: 2, 4: 4}
+
+
+def test_inverse_undoes_rotation_huge_positions(kernels, rng):
+    spec = RopeSpec(32, layout="interleaved")
+    positions = np.array([[2**31 - 1, 2**31 - 7, 12345678901, 0, 5]])
+    uniq, rows = np.unique(positions, return_inverse=True)
+    cos, sin = _tables(spec, uniq)
+    x = rng.standard_normal((1, 5, 2, 32)).astype(np.float32)
+    y, back = np.empty_like(x), np.empty_like(x)
+    rows = rows.reshape(positions.shape).astype(np.int64)
+    for src, dst, inverse in ((x, y, False), (y, back, True)):
+        kernels.launch(cb.plan_rotate([(src, dst)], cos, sin, rows, dtype_name="float32", rotary_dim=32,
+                                      layout="interleaved", inverse=inverse, address=host.address, threads=3))
+    np.testing.assert_allclose(y, _oracle(x, positions, spec), rtol=2e-6, atol=5e-6)
+    np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
+
+
+def _to_bf16_bits(a):
+    """float32 -> bfloat16 bits, round to nearest even (NumPy reimplementation for the test)."""
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16_bits(b):
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_bfloat16_storage(kernels, rng):
+    spec = RopeSpec(48, rotary_dim=32)
+    positions = np.arange(9)
+    cos, sin = _tables(spec, positions)
+    x32 = rng.standard_normal((1, 9, 3, 48)).astype(np.float32)
+    x = _to_bf16_bits(x32)
+    y = np.empty_like(x)
+    plan = cb.plan_rotate([(x, y)], cos, sin, positions[None].astype(np.int64), dtype_name="bfloat16",
+                          rotary_dim=32, layout="half", inverse=False, address=host.address, threads=16)
+    assert plan.kernel.startswith("rope_rotate<rotary_bfloat16, float")
+    kernels.launch(plan)
+    ref = _oracle(_from_bf16_bits(x), positions, spec)
+    np.testing.assert_allclose(_from_bf16_bits(y), ref, rtol=1.6e-2, atol=1.6e-2)
+    # the kernel's rounding is round-to-nearest-even of the fp32 result
+    np.testing.assert_array_equal(y[..., 32:], x[..., 32:])
+
+
+def test_int64_offsets_beyond_2_31_elements(kernels, rng):
+    """A batch stride of 2**31 + 16 elements (lazily allocated memory): offsets must not wrap in 32 bits."""
+    stride = 2**31 + 16
+    try:
+        buf = np.zeros(stride + 4 * 64, dtype=np.float16)
+    except MemoryError:
+        pytest.skip("cannot reserve 4 GiB of virtual memory here")
+    x = np.lib.stride_tricks.as_strided(buf, (2, 2, 2, 64), (stride * 2, 2 * 64 * 2, 64 * 2, 2))
+    x[...] = rng.standard_normal(x.shape).astype(np.float16)
+    x0 = x.copy()
+    spec = RopeSpec(64)
+    cos, sin = _tables(spec, np.arange(2))
+    plan = cb.plan_rotate([(x, x)], cos, sin, np.arange(2, dtype=np.int64)[None], dtype_name="float16",
+                          rotary_dim=64, layout="half", inverse=False, address=host.address, threads=32)
+    kernels.launch(plan)
+    np.testing.assert_allclose(x.astype(np.float64), _oracle(x0, np.arange(2), spec), rtol=2e-3, atol=2e-3)
+    assert not buf[4 * 64:stride].any()
+
+
+def test_rotate_geometry_is_linear_in_tokens():
+    for n_tokens in (1, 7, 32, 65536):
+        for units in (1, 13, 320):
+            grid, block, tpb, smem = cb.rotate_geometry(n_tokens, units, 32 + 2 * 64 * 4)
+            assert grid * tpb >= n_tokens > (grid - 1) * tpb
+            assert 1 <= block <= 256 and smem == tpb * (32 + 2 * 64 * 4) <= cb.SHARED_MEM_LIMIT
+    grid, block, tpb, _ = cb.rotate_geometry(65536, 40 * 8, 544)
+    assert (grid, block, tpb) == (16384, 256, 4)
+
+
+# -- linear attention ----------------------------------------------------------------------------------
+def _phi(x, feature_map):
+    if feature_map == "elu":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0)))
+    if feature_map == "relu":
+        return np.maximum(x, 0.0)
+    return x
+
+
+def la_oracle(q, k, v, positions, spec, *, causal, feature_map, eps, state=None):
+    """Quadratic float64 reference ((Â B̂^T) ⊙ M) V / (rowsum((A B^T) ⊙ M) + eps) plus a carried state."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, m = q.shape
+    a, b = _phi(q, feature_map), _phi(k, feature_map)
+    p = np.asarray(positions)
+    p = p[:, None, :] if p.ndim == 2 else p
+    rot = lambda x: np.moveaxis(rope_complex(np.moveaxis(x, 2, 1), p, spec.inv_freq(), layout=spec.layout), 1, 2)
+    ah, bh = rot(a), rot(b)
+    mask = np.tril(np.ones((T, T))) if causal else np.ones((T, T))
+    num = np.einsum("bthm,bshm,ts,bshv->bthv", ah, bh, mask, v)
+    den = np.einsum("bthm,bshm,ts->bth", a, b, mask)
+    S = np.einsum("bshm,bshv->bhmv", bh, v)
+    z = b.sum(axis=1)
+    if state is not None:
+        S0, z0 = (np.asarray(s, np.float64) for s in state)
+        num = num + np.einsum("bthm,bhmv->bthv", ah, S0)
+        den = den + np.einsum("bthm,bhm->bth", a, z0)
+        S, z = S + S0, z + z0
+    return num / (den[..., None] + eps), (S, z)
+
+
+def _rel(actual, desired):
+    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    return np.linalg.norm(actual - desired) / max(np.linalg.norm(desired), 1e-300)
+
+
+LA_CASES = {
+    # name: (B, T, H, m, dv, rotary_dim, layout, chunk, threads, shared_mem_limit)
+    "basic": (2, 37, 2, 16, 16, 16, "half", 16, 64, cb.SHARED_MEM_LIMIT),
+    "chunk-1": (1, 33, 1, 8, 8, 8, "interleaved", 32, 64, cb.SHARED_MEM_LIMIT),
+    "chunk+1": (1, 17, 1, 8, 8, 8, "half", 16, 16, cb.SHARED_MEM_LIMIT),
+    "T1": (2, 1, 3, 8, 4, 8, "half", 64, 16, cb.SHARED_MEM_LIMIT),
+    "odd-m-partial": (1, 21, 2, 13, 10, 8, "interleaved", 8, 32, cb.SHARED_MEM_LIMIT),
+    "dv-tiles": (1, 40, 1, 16, 70, 12, "half", 16, 64, cb.SHARED_MEM_LIMIT),
+    "tiny-smem": (1, 29, 2, 24, 20, 24, "half", 64, 8, 4096),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
+@pytest.mark.parametrize("case", list(LA_CASES))
+def test_linear_attention_matches_quadratic_oracle(kernels, case, feature_map, causal, rng):
+    B, T, H, m, dv, r, layout, chunk, threads, limit = LA_CASES[case]
+    spec = RopeSpec(m, rotary_dim=r, layout=layout)
+    positions = rng.integers(0, 100, size=(B, T))
+    cos, sin = _tables(spec, np.arange(100))
+    q = rng.standard_normal((B, T, H, m)).astype(np.float32)
+    k = rng.standard_normal((B, T, H, m)).astype(np.float32)
+    v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+    eps = 1e-3 if feature_map == "elu" else 1.0  # relu/identity denominators can be ~0; keep o O(1)
+    if feature_map == "identity":
+        q, k = np.abs(q), np.abs(k)
+    o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
+                                     layout=layout, causal=causal, feature_map=feature_map, eps=eps, chunk=chunk,
+                                     state=None, threads=threads, shared_mem_limit=limit)
+    ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map=feature_map, eps=eps)
+    assert o.dtype == np.float32 and S.dtype == np.float32 and z.dtype == np.float32
+    assert _rel(o, ref) < 1e-5 and _rel(S, S_ref) < 1e-5 and _rel(z, z_ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float16", 1e-3), ("bfloat16", 8e-3)])
+def test_linear_attention_dtypes_and_strides(kernels, dtype, tol, rng):
+    B, T, H, m, dv = 2, 45, 2, 12, 9
+    spec = RopeSpec(m)
+    positions = np.arange(T)
+    work = np.float64 if dtype == "float64" else np.float32
+    cos, sin = _tables(spec, positions, work)
+    full = rng.standard_normal((B, T, H, 2 * m))
+    q64, k64 = full[..., ::2], full[..., 1::2][:, ::-1]   # strided, one reversed
+    v64 = rng.standard_normal((B, T, H, dv))
+    if dtype == "bfloat16":
+        q, k, v = (_to_bf16_bits(a) for a in (q64, k64, v64))
+        q64, k64, v64 = (_from_bf16_bits(a) for a in (q, k, v))
+    else:
+        q, k, v = (a.astype(dtype) for a in (q64, k64, v64))
+        q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions[None].astype(np.int64), rotary_dim=m,
+                                     layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=16,
+                                     state=None, threads=32, dtype_name=dtype)
+    ref, (S_ref, _) = la_oracle(q64, k64, v64, positions, spec, causal=True, feature_map="elu", eps=1e-6)
+    out = _from_bf16_bits(o) if dtype == "bfloat16" else o
+    assert _rel(out, ref) < tol and _rel(S, S_ref) < max(tol, 1e-6)
+    assert S.dtype == work
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_attention_split_resume_equals_one_call(kernels, causal, rng):
+    B, T, H, m, dv = 1, 50, 2, 8, 6
+    spec = RopeSpec(m)
+    cos, sin = _tables(spec, np.arange(T))
+    q, k, v = (rng.standard_normal((B, T, H, d)).astype(np.float32) for d in (m, m, dv))
+    kw = dict(rotary_dim=m, layout="half", causal=causal, feature_map="elu", eps=1e-6, chunk=16, threads=32)
+    rows = np.arange(T, dtype=np.int64)[None]
+    o_all, (S_all, z_all) = run_linear_attention(kernels, q, k, v, cos, sin, rows, state=None, **kw)
+    split = 23
+    o1, st = run_linear_attention(kernels, q[:, :split], k[:, :split], v[:, :split], cos, sin, rows[:, :split],
+                                  state=None, **kw)
+    o2, (S2, z2) = run_linear_attention(kernels, q[:, split:], k[:, split:], v[:, split:], cos, sin, rows[:, split:],
+                                        state=st, **kw)
+    np.testing.assert_allclose(S2, S_all, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(z2, z_all, rtol=1e-5, atol=1e-5)
+    if causal:
+        np.testing.assert_allclose(np.concatenate([o1, o2], axis=1), o_all, rtol=1e-5, atol=1e-6)
+    ref, _ = la_oracle(q[:, split:], k[:, split:], v[:, split:], np.arange(split, T), spec, causal=causal,
+                       feature_map="elu", eps=1e-6, state=st)
+    assert _rel(o2, ref) < 1e-5
+
+
+def test_linear_attention_geometry_fits():
+    for m, dv, itemsize in ((128, 128, 4), (64, 64, 4), (128, 128, 8), (13, 7, 4), (256, 256, 4)):
+        grid, block, c, dt, smem = cb.linear_attention_geometry(2, 3, m, dv, itemsize, 64)
+        assert smem <= cb.SHARED_MEM_LIMIT and 1 <= c <= 64 and 1 <= dt <= min(dv, 64)
+        assert grid == 6 * -(-dv // dt)
+    with pytest.raises(ValueError, match="too large"):
+        cb.linear_attention_geometry(1, 1, 8192, 64, 4, 64)
