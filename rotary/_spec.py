@@ -56,6 +56,8 @@ class RopeSpec:
     max_position_embeddings : int, optional
         The model's context length (used by "dynamic", "yarn" and "longrope").
 
+    Notes
+    -----
     Specs are immutable and hashable; two specs are equal exactly when every field is equal.
     """
 
