@@ -263,8 +263,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     cos, sin, rows = _tables.lookup(spec, pos, dtype=table_dtype, device_key=device_key, convert=convert)
     carried = None
     if state is not None:
-        carried = (xp.reshape(xp.astype(state.S, work), (B, H, m, dv)),
-                   xp.reshape(xp.astype(state.z, work), (B, H, m)))
+        # canonical (B, H) is the row-major merge of q's axes other than seq and last: a plain reshape
+        carried = (xp.reshape(xp.astype(state.S, work, copy=False), (B, H, m, dv)),
+                   xp.reshape(xp.astype(state.z, work, copy=False), (B, H, m)))
     o, (S, z) = module.linear_attention(
         _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v, ax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,

@@ -119,6 +119,19 @@ def test_matches_oracle(backend, dtype, layout, causal, T, chunk):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_float32(backend, causal):
+    """T = 1027 (16 chunks + 3): fp32 chunked sums stay within 1e-5 (rel RMS) of the float64 oracle."""
+    rng = np.random.default_rng(99)
+    T = 1027
+    q, k, v = _inputs(rng, (1, 2, T, 32), 16, np.float32)
+    spec = rotary.RopeSpec(32)
+    xb = _to_backend(backend)
+    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=causal, spec=spec, backend=backend)
+    assert rel_rms(o, oracle(q, k, v, np.arange(T), spec, causal=causal)) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", ["offset", "per_batch", "odd_dim", "partial", "interleaved", "relu", "identity",
                                   "strided"])
 def test_positions_dims_and_maps(backend, causal, case):
@@ -232,9 +245,12 @@ def test_split_and_resume_at_every_cut(backend, dtype):
                                             causal=True, chunk=4, return_state=True, backend=backend)
         if cut:
             np.testing.assert_array_equal(state.next_position, positions[:, cut - 1] + 1)
+        carried = to_numpy64(state.S), to_numpy64(state.z)
         o2, state2 = rotary.linear_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], positions[:, cut:],
                                              causal=True, chunk=4, state=state, return_state=True,
                                              backend=backend)
+        np.testing.assert_array_equal(to_numpy64(state.S), carried[0])   # the state is not consumed
+        np.testing.assert_array_equal(to_numpy64(state.z), carried[1])
         joined = np.concatenate([to_numpy64(o1), to_numpy64(o2)], axis=2)
         assert rel_rms(joined, to_numpy64(full)) <= TOL[dtype], cut
         assert rel_rms(state2.S, to_numpy64(full_state.S)) <= TOL[dtype], cut
@@ -444,3 +460,38 @@ def test_state_from_another_call_is_rejected():
         rotary.linear_attention(q, k, v, causal=True, state=state, base=500.0)
     with pytest.raises(ValueError, match="state"):   # another feature map
         rotary.linear_attention(q, k, v, causal=True, state=state, feature_map="relu")
+
+
+# -- the docs page and its figure script ---------------------------------------------------------
+def test_docs_page_code_runs():
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "linear_attention.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        lines = block.splitlines()
+        indent = min(len(s) - len(s.lstrip()) for s in lines if s.strip())
+        exec(compile("\n".join(s[indent:] for s in lines), str(page), "exec"), {"__name__": "__docs__"})
+
+
+def test_plot_script_mass_is_the_weight_sum(monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "scripts" / "plot_linear_attention.py"
+    spec = importlib.util.spec_from_file_location("plot_linear_attention_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "T", 40)
+    monkeypatch.setattr(module, "HEADS", 2)
+    mass = module.mass(10_000.0)
+    rng = np.random.default_rng(module.SEED)
+    q, k = rng.standard_normal((2, 40, module.D)), rng.standard_normal((2, 40, module.D))
+    a, b = phi64(q, "elu"), phi64(k, "elu")
+    spec = rotary.RopeSpec(module.D, base=10_000.0)
+    num = np.tril(rotate64(a, np.arange(40), spec) @ np.swapaxes(rotate64(b, np.arange(40), spec), -1, -2))
+    den = np.tril(a @ np.swapaxes(b, -1, -2))
+    np.testing.assert_allclose(mass, num.sum(-1) / den.sum(-1), rtol=1e-12, atol=1e-14)
+    assert np.allclose(mass[:, 0], 1.0)

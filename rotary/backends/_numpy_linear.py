@@ -64,7 +64,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         S = xp.zeros((B, H, m, dv), dtype=work, device=dev)
         z = xp.zeros((B, H, m), dtype=work, device=dev)
     else:
-        S, z = (xp.astype(s, work) for s in state)
+        S, z = (xp.astype(s, work, copy=False) for s in state)
     step = max(1, int(chunk))
 
     if not causal:
