@@ -20,8 +20,8 @@ HELP = "run the cross-backend conformance suite against float64 oracles"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``conformance`` options to ``parser`` (a subparser of ``python -m rotary``)."""
-    parser.add_argument("--backend", "-b", action="append", choices=names(), dest="backends", metavar="B",
-                        help=f"backend to test (repeatable; one of {', '.join(names())}); default: every available one")
+    parser.add_argument("--backend", "-b", action="extend", nargs="+", choices=names(), dest="backends", metavar="B",
+                        help=f"backend(s) to test, from {', '.join(names())} (repeatable); default: every available one")
     parser.add_argument("--quick", action="store_true", help="a representative subset of cases (about a second)")
     parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
 
