@@ -15,8 +15,8 @@ is that over the copy bandwidth. Linear attention's nominal work is ``4 * S * H 
 (the state ``sum k v^T`` and its product with q), so its "% of sgemm" is that over sgemm GFLOP/s.
 
 Writes ``benchmarks/results/latest.json`` and replaces the "Summary (benchmarks/run.py)" section of
-``docs/benchmarks.md`` (other sections are kept). Per case: one warm-up call, then repeated calls
-until ``--min-time`` seconds or ``--max-reps`` calls; the median is reported.
+``docs/benchmarks.md`` (other sections are kept). Per case: one warm-up call, then at least 3 calls
+and more until ``--min-time`` seconds or ``--max-reps`` calls; the median is reported.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _parse(argv):
     p.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter long-context case")
     p.add_argument("--threads", type=int, default=THREADS_DEFAULT, help="threads for every implementation (default 2)")
     p.add_argument("--min-time", type=float, default=None, help="seconds of timed calls per case (default 0.5; quick 0.1)")
-    p.add_argument("--max-reps", type=int, default=None, help="most timed calls per case (default 20; quick 3)")
+    p.add_argument("--max-reps", type=int, default=None, help="most timed calls per case (default 200; quick 20)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/latest.json)")
     p.add_argument("--docs", default=None, help="markdown file whose summary section is replaced (default docs/benchmarks.md)")
     p.add_argument("--no-docs", action="store_true", help="do not touch the markdown file")
@@ -80,12 +80,13 @@ BASE = 500000.0
 
 
 # -- timing ------------------------------------------------------------------------------------
-def time_call(fn, min_time: float, max_reps: int) -> dict:
-    """Median seconds of ``fn()`` after one warm-up call."""
+def time_call(fn, min_time: float, max_reps: int, min_reps: int = 3) -> dict:
+    """Median seconds of ``fn()`` after one warm-up call: at least ``min_reps`` calls, then more
+    until ``min_time`` seconds have passed or ``max_reps`` calls were made."""
     fn()
     times = []
     start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < 2 or time.perf_counter() - start < min_time):
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -232,7 +233,7 @@ def progress(total):
 
 def run(args) -> dict:
     min_time = args.min_time if args.min_time is not None else (0.1 if args.quick else 0.5)
-    max_reps = args.max_reps if args.max_reps is not None else (3 if args.quick else 20)
+    max_reps = args.max_reps if args.max_reps is not None else (20 if args.quick else 200)
     backends = [name for name, (ok, _) in rotary.available_backends().items() if ok]
     unavailable = {name: reason for name, (ok, reason) in rotary.available_backends().items() if not ok}
     peers, peer_errors = {}, {}
@@ -329,7 +330,8 @@ def markdown(data) -> str:
         "",
         f"Limits measured in the same run: copy bandwidth **{lim['copy_GBps']:.1f} GB/s** (read + write; {copy_parts}), "
         f"sgemm **{lim['sgemm_GFLOPs']:.1f} GFLOP/s** (`np.dot`, 2048^3 float32). "
-        f"Times are medians of up to {data['timing']['max_reps']} calls after a warm-up call.",
+        f"Times are medians of at least 3 calls (more, up to {data['timing']['max_reps']}, until "
+        f"{data['timing']['min_time_s']} s have passed) after a warm-up call.",
         "",
     ]
     if data["unavailable_backends"]:
