@@ -1,0 +1,138 @@
+"""The CuPy backend on a real GPU (skipped cleanly without CuPy or a CUDA device)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary import RopeSpec, _tables
+from rotary.backends import cupy as cb
+from rotary.testing import rope_complex, tolerance
+
+from .test_cuda_kernels_cpu import la_oracle
+
+pytestmark = pytest.mark.gpu
+
+
+def test_availability_says_why_not():
+    ok, reason = cb.availability()
+    assert isinstance(ok, bool) and isinstance(reason, str) and reason
+    if not ok:
+        assert "CuPy" in reason or "CUDA" in reason
+    assert not cb.accepts(np.zeros(3))
+
+
+def test_import_compiles_nothing():
+    """Importing the backend neither imports CuPy nor builds a module."""
+    assert cb._modules == {} or "cupy" in sys.modules
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    cp = pytest.importorskip("cupy")
+    ok, reason = cb.availability()
+    if not ok:
+        pytest.skip(reason)
+    return cp
+
+
+def _oracle(x, positions, spec, inverse=False):
+    """float64 oracle for (B, S, H, D)."""
+    xs = np.moveaxis(np.asarray(x, np.float64), 2, 1)
+    p = np.asarray(positions)
+    p = p[:, None, :] if p.ndim == 2 else p
+    inv = spec.inv_freq()
+    return np.moveaxis(rope_complex(xs, p, -inv if inverse else inv, layout=spec.layout), 1, 2)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (80, 80), (24, 12), (19, 18)])
+def test_apply_qk_gqa(cupy, layout, dtype, head_dim, rotary_dim):
+    rng = np.random.default_rng(0)
+    B, S = 3, 37
+    spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+    q = rng.standard_normal((B, S, 8, head_dim)).astype(dtype)
+    k = rng.standard_normal((B, S, 2, head_dim)).astype(dtype)
+    pos = rng.integers(0, 5000, size=(B, S))
+    qd, kd = cupy.asarray(q), cupy.asarray(k)
+    qr, kr = rotary.apply_qk(qd, kd, pos, spec=spec, seq_axis=-3, backend="cupy")
+    assert isinstance(qr, cupy.ndarray) and qr.dtype == qd.dtype and qr.device == qd.device
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(cupy.asnumpy(qr).astype(np.float64), _oracle(q, pos, spec), rtol=rtol, atol=atol)
+    np.testing.assert_allclose(cupy.asnumpy(kr).astype(np.float64), _oracle(k, pos, spec), rtol=rtol, atol=atol)
+    np.testing.assert_array_equal(cupy.asnumpy(qd), q)  # inputs untouched
+
+
+def test_in_place_strided_inverse_and_stream(cupy):
+    rng = np.random.default_rng(1)
+    spec = RopeSpec(64)
+    full = cupy.asarray(rng.standard_normal((2, 50, 4, 128)).astype(np.float32))
+    x = full[..., ::2][:, ::-1]          # non-contiguous, reversed sequence
+    x0 = cupy.asnumpy(x)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        y = rotary.apply(x, 7, spec=spec, seq_axis=-3, backend="cupy")
+        rotary.apply(y, 7, spec=spec, seq_axis=-3, inverse=True, out=y, backend="cupy")
+    stream.synchronize()
+    np.testing.assert_allclose(cupy.asnumpy(y), x0, rtol=1e-5, atol=1e-5)
+
+
+def test_huge_positions_and_table_cache(cupy):
+    spec = RopeSpec(64)
+    x = cupy.ones((1, 4, 1, 64), dtype=cupy.float32)
+    pos = np.array([2**31 - 1, 2**40, 3, 0])
+    y = rotary.apply(x, pos, spec=spec, seq_axis=-3, backend="cupy")
+    np.testing.assert_allclose(cupy.asnumpy(y), _oracle(np.ones((1, 4, 1, 64)), pos, spec), rtol=2e-6, atol=2e-6)
+    rotary.apply(x, None, spec=spec, seq_axis=-3, backend="cupy")
+    assert any(key[-1] == ("cupy", x.device.id) for key in _tables._cache)
+
+
+def test_more_than_2_31_elements(cupy):
+    """int64 indexing: a 2**31 + 1024 element fp16 tensor, rotated in place; the last tokens checked."""
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < 6 * 2**30:
+        pytest.skip("needs 6 GiB of free GPU memory")
+    S = 2**31 // (8 * 128) + 1
+    x = cupy.ones((1, S, 8, 128), dtype=cupy.float16)
+    rotary.apply(x, None, spec=RopeSpec(128), seq_axis=-3, out=x, backend="cupy")
+    tail = cupy.asnumpy(x[:, -2:])
+    ref = _oracle(np.ones((1, 2, 8, 128)), np.arange(S - 2, S), RopeSpec(128))
+    np.testing.assert_allclose(tail.astype(np.float64), ref, rtol=2e-3, atol=2e-3)
+    del x
+
+
+def test_torch_cuda_tensors_zero_copy(cupy):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    rng = np.random.default_rng(2)
+    spec = RopeSpec(64)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)):
+        q = torch.tensor(rng.standard_normal((2, 9, 4, 64)), dtype=dtype, device="cuda")
+        k = torch.tensor(rng.standard_normal((2, 9, 1, 64)), dtype=dtype, device="cuda")
+        qr, kr = rotary.apply_qk(q, k, 3, spec=spec, seq_axis=-3, backend="cupy")
+        assert isinstance(qr, torch.Tensor) and qr.dtype == dtype and qr.device == q.device
+        ref = _oracle(q.float().cpu().numpy(), np.arange(9) + 3, spec)
+        np.testing.assert_allclose(qr.float().cpu().numpy(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float64", 1e-12), ("float16", 1e-3)])
+def test_linear_attention_primitive(cupy, causal, dtype, tol):
+    rng = np.random.default_rng(3)
+    B, T, H, m, dv = 2, 300, 3, 64, 48
+    spec = RopeSpec(m)
+    work = np.float64 if dtype == "float64" else np.float32
+    cos, sin = spec.cos_sin(np.arange(T), dtype=work)
+    q, k, v = (rng.standard_normal((B, T, H, d)).astype(dtype) for d in (m, m, dv))
+    o, (S, z) = cb.linear_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos),
+                                    cupy.asarray(sin), cupy.arange(T, dtype=cupy.int64)[None], rotary_dim=m,
+                                    layout="half", causal=causal, feature_map="elu", eps=1e-6, chunk=64, state=None)
+    ref, (S_ref, z_ref) = la_oracle(q, k, v, np.arange(T), spec, causal=causal, feature_map="elu", eps=1e-6)
+    rel = lambda a, b: np.linalg.norm(cupy.asnumpy(a).astype(np.float64) - b) / np.linalg.norm(b)
+    assert o.dtype == q.dtype and S.dtype == work and z.dtype == work
+    assert rel(o, ref) < tol and rel(S, S_ref) < max(tol, 1e-6) and rel(z, z_ref) < max(tol, 1e-6)
