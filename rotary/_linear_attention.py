@@ -116,10 +116,10 @@ def _check_shapes(q, k, v, ax):
         raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def _check_state(state, spec, feature_map, other_shape, m, dv):
+def _check_state(state, q, spec, feature_map, other_shape, m, dv):
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
-    _namespace([state.S, state.z], ["state.S", "state.z"])
+    _namespace([q, state.S, state.z], ["q", "state.S", "state.z"])
     expected = (*other_shape, m, dv)
     if tuple(state.S.shape) != expected:
         raise ValueError(f"state belongs to inputs with S of shape {tuple(state.S.shape)}; this call needs "
@@ -227,10 +227,10 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         if b.shape[-1] != a.shape[-1]:
             raise ValueError(f"feature_map(q) and feature_map(k) must have the same last dim, got "
                              f"{a.shape[-1]} and {b.shape[-1]}")
-        a, b = xp.astype(a, work), xp.astype(b, work)
+        a, b, v_in = xp.astype(a, work), xp.astype(b, work), xp.astype(v, work)
         backend_map = "identity"
     else:
-        a, b, backend_map = q, k, feature_map
+        a, b, v_in, backend_map = q, k, v, feature_map
     m, dv, seq_len = int(a.shape[-1]), int(v.shape[-1]), int(q.shape[ax])
     lead_shape = tuple(q.shape[:ax])
     other_shape = lead_shape + tuple(q.shape[ax + 1:-1])
@@ -239,7 +239,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         spec = state.spec
     spec = resolve_spec(spec, spec_kwargs, m, "phi(q)" if callable(feature_map) else "q")
     if state is not None:
-        _check_state(state, spec, feature_map, other_shape, m, dv)
+        _check_state(state, q, spec, feature_map, other_shape, m, dv)
         if positions is None:
             positions = _start_positions(state, lead_shape, seq_len)
     B, _, H, _ = canonical_shape(tuple(q.shape), ax)
@@ -267,7 +267,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         carried = (xp.reshape(xp.astype(state.S, work, copy=False), (B, H, m, dv)),
                    xp.reshape(xp.astype(state.z, work, copy=False), (B, H, m)))
     o, (S, z) = module.linear_attention(
-        _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v, ax, xp), cos, sin, rows,
+        _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v_in, ax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried)
     o = xp.astype(from_canonical(o, (*q.shape[:-1], dv), ax, xp), q.dtype)

@@ -394,6 +394,24 @@ def test_chunk_length_does_not_change_the_result(backend, chunk):
     assert rel_rms(o, oracle(q, k, v, np.arange(37), rotary.RopeSpec(8), causal=True)) <= 1e-12
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_callable_feature_map_on_every_backend(backend, dtype):
+    rng = np.random.default_rng(33)
+    q, k, v = _inputs(rng, (2, 2, 20, 6), 3, dtype)
+    xb = _to_backend(backend)
+
+    def softplus(x):
+        xp = x.__array_namespace__()
+        return xp.log(1 + xp.exp(x))
+
+    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, feature_map=softplus, backend=backend)
+    assert o.dtype == np.dtype(dtype)
+    a, b = (np.log1p(np.exp(np.asarray(x, dtype=np.float64))) for x in (q, k))
+    expected = oracle(a, b, v, np.arange(20), rotary.RopeSpec(6), causal=True, feature_map="identity")
+    assert rel_rms(o, expected) <= TOL[dtype]
+
+
 def test_callable_may_change_the_feature_dim():
     rng = np.random.default_rng(32)
     q, k, v = _inputs(rng, (2, 11, 3), 2)
@@ -460,6 +478,9 @@ def test_state_from_another_call_is_rejected():
         rotary.linear_attention(q, k, v, causal=True, state=state, base=500.0)
     with pytest.raises(ValueError, match="state"):   # another feature map
         rotary.linear_attention(q, k, v, causal=True, state=state, feature_map="relu")
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="state"):    # another array library
+        rotary.linear_attention(*(torch.asarray(a) for a in (q, k, v)), causal=True, state=state)
 
 
 # -- the docs page and its figure script ---------------------------------------------------------

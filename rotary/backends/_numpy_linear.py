@@ -76,7 +76,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         den = xp.sum(a * z[:, :, None, :], axis=-1, keepdims=True)                   # (B, H, T, 1)
         o = num / (den + eps)
     else:
-        idx = xp.arange(min(step, T) if T else 1, device=dev)
+        idx = xp.arange(max(1, min(step, T)), device=dev)
         tril = idx[:, None] >= idx[None, :]
         zero = xp.zeros((), dtype=work, device=dev)
         pieces = []
