@@ -1,0 +1,212 @@
+"""GPU check for the CuPy backend: speed as fractions of this machine's own limits, measured in the same run.
+
+    python benchmarks/gpu_check.py [--out DIR] [--quick]
+
+1. Device-to-device copy bandwidth (cudaMemcpyAsync and a CuPy copy kernel; the best of the two) is the
+   memory roof: bytes moved = 2 x size (read + write).
+2. apply_qk at prefill: 65536 tokens, 32 q heads / 8 kv heads, d=128, fp16 and fp32. Bytes = read +
+   write of q and k + one fp32 cos/sin row per token. Reported as a fraction of the copy bandwidth
+   (goal >= 0.9), for the kernel alone (CUDA events around pre-planned launches) and for the whole
+   ``rotary.apply_qk`` call.
+3. Decode: 1 token x 32 sequences (per-sequence positions), 32/8 heads, d=128, fp16: microseconds per
+   q+k call, GPU time (events) and host wall time per call (goal <= 10 us).
+4. Causal linear attention, fp32, B*H = 128, T = 8192, m = dv = 128: GFLOP/s counting
+   4*B*H*T*m*(C + dv) FLOP (C = the kernel's chunk), as a fraction of the fp32 FMA peak computed from
+   the device's SM count and clock (goal >= 0.4).
+Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+
+def _events_time(cupy, fn, repeats: int) -> float:
+    """Median seconds per call of fn() on the current stream (CUDA events, after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(5):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(repeats):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3 / repeats)
+    return float(np.median(times))
+
+
+def copy_bandwidth(cupy, nbytes: int) -> dict:
+    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.get_current_stream().ptr
+    kind = cupy.cuda.runtime.memcpyDeviceToDevice
+    t_memcpy = _events_time(cupy, lambda: cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                                                         kind, stream), 10)
+    t_kernel = _events_time(cupy, lambda: cupy.copyto(dst, src), 10)
+    moved = 2 * src.nbytes
+    return {"bytes": moved, "memcpy_GBps": moved / t_memcpy / 1e9, "copy_kernel_GBps": moved / t_kernel / 1e9,
+            "GBps": max(moved / t_memcpy, moved / t_kernel) / 1e9}
+
+
+def fp32_fma_peak(cupy) -> dict:
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    major, minor = props["major"], props["minor"]
+    lanes = 64 if (major, minor) in ((6, 0), (7, 0), (7, 2), (7, 5), (8, 0)) else 128
+    sms = props["multiProcessorCount"]
+    clock_khz = props.get("clockRate", 0)
+    if not clock_khz:
+        try:
+            clock_khz = cupy.cuda.runtime.deviceGetAttribute(13, cupy.cuda.runtime.getDevice())  # cudaDevAttrClockRate
+        except Exception:
+            clock_khz = 0
+    peak = 2 * lanes * sms * clock_khz * 1e3
+    return {"sm_count": sms, "fp32_lanes_per_sm": lanes, "clock_MHz": clock_khz / 1e3, "GFLOPs": peak / 1e9,
+            "name": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])}
+
+
+def prefill(cupy, rotary, cb, dtype, tokens: int, copy_GBps: float) -> dict:
+    spec = rotary.RopeSpec(128)
+    q = cupy.random.standard_normal((1, tokens, 32, 128), dtype=cupy.float32).astype(dtype)
+    k = cupy.random.standard_normal((1, tokens, 8, 128), dtype=cupy.float32).astype(dtype)
+    qo, ko = cupy.empty_like(q), cupy.empty_like(k)
+    cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(tokens), dtype=np.float32))
+    rows = cupy.arange(tokens, dtype=cupy.int64)[None]
+    plan = cb.plan_rotate([(q, qo), (k, ko)], cos, sin, rows, dtype_name=str(q.dtype), rotary_dim=128,
+                          layout="half", inverse=False, address=lambda a: a.data.ptr)
+    name = str(q.dtype)
+    t_kernel = _events_time(cupy, lambda: cb._launch(plan, name), 20)
+    t_call = _events_time(cupy, lambda: rotary.apply_qk(q, k, None, spec=spec, seq_axis=-3, out=(qo, ko),
+                                                        backend="cupy"), 20)
+    nbytes = 2 * (q.nbytes + k.nbytes) + tokens * 64 * 4 * 2 + tokens * 8
+    return {"dtype": name, "tokens": tokens, "kernel": plan.kernel, "grid": plan.grid, "block": plan.block,
+            "bytes": nbytes, "kernel_us": t_kernel * 1e6, "call_us": t_call * 1e6,
+            "kernel_GBps": nbytes / t_kernel / 1e9, "kernel_fraction_of_copy": nbytes / t_kernel / 1e9 / copy_GBps,
+            "call_fraction_of_copy": nbytes / t_call / 1e9 / copy_GBps}
+
+
+def decode(cupy, rotary, cb, batch: int = 32) -> dict:
+    spec = rotary.RopeSpec(128)
+    q = cupy.random.standard_normal((batch, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+    k = cupy.random.standard_normal((batch, 1, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+    positions = np.random.default_rng(0).integers(100, 4000, size=(batch, 1))
+    cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(4096), dtype=np.float32))
+    rows = cupy.asarray(positions.astype(np.int64))
+    plan = cb.plan_rotate([(q, q), (k, k)], cos, sin, rows, dtype_name="float16", rotary_dim=128, layout="half",
+                          inverse=False, address=lambda a: a.data.ptr)
+    gpu_kernel = _events_time(cupy, lambda: cb._launch(plan, "float16"), 200)
+    call = lambda: rotary.apply_qk(q, k, positions, spec=spec, seq_axis=-3, out=(q, k), backend="cupy")
+    gpu_call = _events_time(cupy, call, 200)
+    for _ in range(20):
+        call()
+    cupy.cuda.get_current_stream().synchronize()
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    cupy.cuda.get_current_stream().synchronize()
+    wall_call = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        cb._launch(plan, "float16")
+    cupy.cuda.get_current_stream().synchronize()
+    wall_kernel = (time.perf_counter() - t0) / n
+    return {"batch": batch, "kernel": plan.kernel, "grid": plan.grid, "block": plan.block,
+            "gpu_us_per_launch": gpu_kernel * 1e6, "gpu_us_per_apply_qk": gpu_call * 1e6,
+            "host_wall_us_per_launch": wall_kernel * 1e6, "host_wall_us_per_apply_qk": wall_call * 1e6}
+
+
+def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=128, dtype="float32") -> dict:
+    from rotary import RopeSpec
+
+    spec = RopeSpec(d)
+    q, k, v = (cupy.random.standard_normal((batch, T, heads, d), dtype=cupy.float32).astype(dtype) for _ in range(3))
+    cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(T), dtype=np.float32))
+    rows = cupy.arange(T, dtype=cupy.int64)[None]
+    kw = dict(rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=64, state=None)
+    _, _, chunk, dv_tile, smem = cb.linear_attention_geometry(batch, heads, d, d, 4, 64)
+    t = _events_time(cupy, lambda: cb.linear_attention(q, k, v, cos, sin, rows, **kw), 2)
+    flop = 4 * batch * heads * T * d * (chunk + d)
+    return {"B": batch, "H": heads, "T": T, "m": d, "dv": d, "chunk": chunk, "dv_tile": dv_tile,
+            "shared_mem": smem, "ms": t * 1e3, "GFLOPs": flop / t / 1e9, "fraction_of_fp32_peak": flop / t / 1e9 / peak_GFLOPs}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).with_name("results")))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = parser.parse_args(argv)
+    try:
+        import cupy
+    except ImportError as exc:
+        print(f"gpu_check: CuPy is not importable ({exc}); nothing measured", file=sys.stderr)
+        return 2
+    import rotary
+    from rotary.backends import cupy as cb
+
+    ok, reason = cb.availability()
+    if not ok:
+        print(f"gpu_check: no usable GPU: {reason}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"python": platform.python_version(), "cupy": cupy.__version__,
+               "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "driver": cupy.cuda.runtime.driverGetVersion()}
+
+    def step(name, fn):
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # keep measuring the rest; the failure is in the report
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+        print(name, json.dumps(results[name]), flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+
+    step("device", lambda: fp32_fma_peak(cupy))
+    step("copy", lambda: copy_bandwidth(cupy, (256 if args.quick else 1024) * 2**20))
+    copy_GBps = results["copy"].get("GBps", float("nan"))
+    tokens = 8192 if args.quick else 65536
+    step("prefill_fp16", lambda: prefill(cupy, rotary, cb, cupy.float16, tokens, copy_GBps))
+    step("prefill_fp32", lambda: prefill(cupy, rotary, cb, cupy.float32, tokens, copy_GBps))
+    step("decode_fp16", lambda: decode(cupy, rotary, cb))
+    peak = results["device"].get("GFLOPs", float("nan"))
+    step("linear_attention_causal_fp32",
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))
+
+    def goal(value, target, above=True):
+        if not isinstance(value, (int, float)) or math.isnan(value):
+            return "n/a"
+        return "MET" if (value >= target if above else value <= target) else "missed"
+
+    summary = [
+        ("prefill fp16 kernel / copy BW (>= 0.9)", results["prefill_fp16"].get("kernel_fraction_of_copy"), 0.9, True),
+        ("prefill fp32 kernel / copy BW (>= 0.9)", results["prefill_fp32"].get("kernel_fraction_of_copy"), 0.9, True),
+        ("decode GPU us per q+k launch (<= 10)", results["decode_fp16"].get("gpu_us_per_launch"), 10, False),
+        ("decode host us per apply_qk call (<= 10)", results["decode_fp16"].get("host_wall_us_per_apply_qk"), 10, False),
+        ("causal linear attention / fp32 FMA peak (>= 0.4)",
+         results["linear_attention_causal_fp32"].get("fraction_of_fp32_peak"), 0.4, True),
+    ]
+    results["goals"] = {name: {"value": v, "status": goal(v, t, a)} for name, v, t, a in summary}
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    print("\nSUMMARY")
+    for name, v, t, a in summary:
+        print(f"  {name:55s} {v if v is None else round(v, 3)!s:>10}  {goal(v, t, a)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
