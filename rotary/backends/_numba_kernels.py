@@ -104,15 +104,27 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
         step, second = 2, 1
     else:
         step, second = 1, half
-    if xsd == 1 and osd == 1:   # unit stride: the loop LLVM vectorises
-        for i in range(half):
-            c = cos[row, i]
-            s = -sin[row, i] if inverse else sin[row, i]
-            ia = i * step
-            xa = load(x, xi + ia)
-            xb = load(x, xi + ia + second)
-            store(o, oi + ia, xa * c - xb * s)
-            store(o, oi + ia + second, xb * c + xa * s)
+    if xsd == 1 and osd == 1:   # unit stride: slices indexed from 0 with constant steps, loops LLVM vectorises
+        xv = x[xi:xi + rotary_dim]
+        ov = o[oi:oi + rotary_dim]
+        cos_row = cos[row]
+        sin_row = sin[row]
+        if interleaved:
+            for i in range(half):
+                c = cos_row[i]
+                s = -sin_row[i] if inverse else sin_row[i]
+                xa = load(xv, 2 * i)
+                xb = load(xv, 2 * i + 1)
+                store(ov, 2 * i, xa * c - xb * s)
+                store(ov, 2 * i + 1, xb * c + xa * s)
+        else:
+            for i in range(half):
+                c = cos_row[i]
+                s = -sin_row[i] if inverse else sin_row[i]
+                xa = load(xv, i)
+                xb = load(xv, half + i)
+                store(ov, i, xa * c - xb * s)
+                store(ov, half + i, xb * c + xa * s)
     else:
         for i in range(half):
             c = cos[row, i]
@@ -172,25 +184,39 @@ def feature(x, feature_map):
 
 
 @njit(cache=True)
-def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, plain, rotated):
-    """plain[i] = phi(x[b, t0+i, h, :]), rotated[i] = R_{p(t0+i)} plain[i] for i < n; g: (offset, sB, sS, sH, sD)."""
+def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, plain, rotated,
+                  transpose):
+    """plain[i] = phi(x[b, t0+i, h, :]) and its rotation R_{p(t0+i)} plain[i] for i < n.
+
+    The rotated row goes to rotated[i, :] or, with ``transpose``, to rotated[:, i];
+    g: (offset, sB, sS, sH, sD) of x.
+    """
     m = plain.shape[1]
-    step, second = (2, 1) if interleaved else (1, half)
     for i in range(n):
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        row_in = plain[i]
         for j in range(m):
-            plain[i, j] = feature(load(x, base + j * g[4]), feature_map)
+            row_in[j] = feature(load(x, base + j * g[4]), feature_map)
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
+        cos_row = cos[row]
+        sin_row = sin[row]
         for p in range(half):
-            ia = p * step
-            c = cos[row, p]
-            s = sin[row, p]
-            xa = plain[i, ia]
-            xb = plain[i, ia + second]
-            rotated[i, ia] = xa * c - xb * s
-            rotated[i, ia + second] = xb * c + xa * s
+            ia, ib = (2 * p, 2 * p + 1) if interleaved else (p, p + half)
+            xa = row_in[ia]
+            xb = row_in[ib]
+            ya = xa * cos_row[p] - xb * sin_row[p]
+            yb = xb * cos_row[p] + xa * sin_row[p]
+            if transpose:
+                rotated[ia, i] = ya
+                rotated[ib, i] = yb
+            else:
+                rotated[i, ia] = ya
+                rotated[i, ib] = yb
         for j in range(rotary_dim, m):
-            rotated[i, j] = plain[i, j]
+            if transpose:
+                rotated[j, i] = row_in[j]
+            else:
+                rotated[i, j] = row_in[j]
 
 
 @njit(cache=True)
@@ -203,86 +229,104 @@ def load_rows(x, g, b, h, t0, n, dest):
 
 
 @njit(cache=True)
+def axpy(alpha, x, y, n):
+    """y[:n] += alpha * x[:n] (the vectorised inner loop of every chunk product)."""
+    for j in range(n):
+        y[j] += alpha * x[j]
+
+
+@njit(cache=True)
+def gemv_rows(coef, rows, y, count, n):
+    """y[:n] += sum_{r < count} coef[r] * rows[r, :n], four rows per pass over y (fewer loads/stores of y)."""
+    r = 0
+    while r + 4 <= count:
+        c0, c1, c2, c3 = coef[r], coef[r + 1], coef[r + 2], coef[r + 3]
+        x0, x1, x2, x3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+        for j in range(n):
+            y[j] += (c0 * x0[j] + c1 * x1[j]) + (c2 * x2[j] + c3 * x3[j])
+        r += 4
+    while r < count:
+        axpy(coef[r], rows[r], y, n)
+        r += 1
+
+
+@njit(cache=True)
+def store_row(o, g, b, t, h, acc, scale):
+    """o[b, t, h, :] = acc * scale, rounded to o's dtype."""
+    base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
+    for j in range(acc.shape[0]):
+        store(o, base + j * g[4], acc[j] * scale)
+
+
+@njit(cache=True)
 def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, h, seq_len,
                           half, rotary_dim, interleaved, causal, feature_map, eps, chunk):
-    """Linear attention of one (batch, head): chunks of ``chunk`` tokens, (S, z) carried in float64."""
+    """Linear attention of one (batch, head) in chunks of ``chunk`` tokens, (S, z) carried in float64.
+
+    Chunk products are sums of contiguous rows (:func:`gemv_rows`): ``N_i = sum_k A_hat[i,k] S[k] +
+    sum_{j<=i} P[i,j] V[j]`` with ``P[i,j] = sum_k A_hat[i,k] B_hat[j,k]`` (only j <= i is formed) and
+    ``S[k] += sum_j B_hat[j,k] V[j]``.
+    """
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    a_buf = np.empty(chunk * m, work)
-    a_hat_buf = np.empty(chunk * m, work)
-    k_buf = np.empty(chunk * m, work)
-    k_hat_buf = np.empty(chunk * m, work)
-    v_buf = np.empty(chunk * dv, work)
-    num_buf = np.empty(chunk * dv, work)
-    intra_buf = np.empty(chunk * dv, work)
-    scores_buf = np.empty(chunk * chunk, work)
-    kv = np.empty((m, dv), work)
+    a_plain = np.empty((chunk, m), work)
+    a_hat = np.empty((chunk, m), work)
+    k_plain = np.empty((chunk, m), work)
+    k_hat_t = np.empty((m, chunk), work)
+    values = np.empty((chunk, dv), work)
+    scores = np.empty(chunk, work)
+    acc = np.empty(dv, work)
+    kv = np.empty(dv, work)
     carried_s = state_s[b, h].astype(np.float64)
     carried_z = state_z[b, h].astype(np.float64)
     s_work = carried_s.astype(work)
     cum = np.empty(m, np.float64)
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
-        a_k = k_buf[:n * m].reshape((n, m))
-        a_k_hat = k_hat_buf[:n * m].reshape((n, m))
-        a_v = v_buf[:n * dv].reshape((n, dv))
         load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                      a_k, a_k_hat)
-        load_rows(v, geo[2], b, h, t0, n, a_v)
+                      k_plain, k_hat_t, True)
+        load_rows(v, geo[2], b, h, t0, n, values)
         if causal:
-            a_q = a_buf[:n * m].reshape((n, m))
-            a_q_hat = a_hat_buf[:n * m].reshape((n, m))
-            num = num_buf[:n * dv].reshape((n, dv))
-            intra = intra_buf[:n * dv].reshape((n, dv))
-            scores = scores_buf[:n * n].reshape((n, n))
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          a_q, a_q_hat)
-            np.dot(a_q_hat, s_work, num)                 # inter-chunk: A_hat S
-            np.dot(a_q_hat, a_k_hat.T, scores)           # intra-chunk scores, then the causal mask
-            for i in range(n):
-                for j in range(i + 1, n):
-                    scores[i, j] = 0
-            np.dot(scores, a_v, intra)
+                          a_plain, a_hat, False)
             cum[:] = carried_z
             for i in range(n):
+                a_row = a_hat[i]
+                acc[:] = 0
+                scores[:i + 1] = 0
+                gemv_rows(a_row, s_work, acc, m, dv)             # inter-chunk: A_hat S
+                gemv_rows(a_row, k_hat_t, scores, m, i + 1)      # intra-chunk scores, j <= i
+                gemv_rows(scores, values, acc, i + 1, dv)
                 den = 0.0
                 for j in range(m):
-                    cum[j] += a_k[i, j]
-                    den += a_q[i, j] * cum[j]
-                inv = 1.0 / (den + eps)
-                base = element_offset(geo[3, 0], geo[3, 1], geo[3, 2], geo[3, 3], b, t0 + i, h)
-                for j in range(dv):
-                    store(o, base + j * geo[3, 4], (num[i, j] + intra[i, j]) * inv)
-        np.dot(a_k_hat.T, a_v, kv)                       # S += B_hat^T V, z += sum B
-        for i in range(m):
+                    cum[j] += k_plain[i, j]
+                    den += a_plain[i, j] * cum[j]
+                store_row(o, geo[3], b, t0 + i, h, acc, 1.0 / (den + eps))
+        for kk in range(m):                                        # S += B_hat^T V, z += sum B
+            kv[:] = 0
+            gemv_rows(k_hat_t[kk], values, kv, n, dv)
+            s_row = carried_s[kk]
             for j in range(dv):
-                carried_s[i, j] += kv[i, j]
-                s_work[i, j] = carried_s[i, j]
+                s_row[j] += kv[j]
+                s_work[kk, j] = s_row[j]
         for i in range(n):
             for j in range(m):
-                carried_z[j] += a_k[i, j]
+                carried_z[j] += k_plain[i, j]
     if not causal:
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
-            a_q = a_buf[:n * m].reshape((n, m))
-            a_q_hat = a_hat_buf[:n * m].reshape((n, m))
-            num = num_buf[:n * dv].reshape((n, dv))
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          a_q, a_q_hat)
-            np.dot(a_q_hat, s_work, num)
+                          a_plain, a_hat, False)
             for i in range(n):
+                acc[:] = 0
+                gemv_rows(a_hat[i], s_work, acc, m, dv)
                 den = 0.0
                 for j in range(m):
-                    den += a_q[i, j] * carried_z[j]
-                inv = 1.0 / (den + eps)
-                base = element_offset(geo[3, 0], geo[3, 1], geo[3, 2], geo[3, 3], b, t0 + i, h)
-                for j in range(dv):
-                    store(o, base + j * geo[3, 4], num[i, j] * inv)
-    for i in range(m):
-        new_z[b, h, i] = carried_z[i]
-        for j in range(dv):
-            new_s[b, h, i, j] = carried_s[i, j]
+                    den += a_plain[i, j] * carried_z[j]
+                store_row(o, geo[3], b, t0 + i, h, acc, 1.0 / (den + eps))
+    new_s[b, h] = carried_s
+    new_z[b, h] = carried_z
 
 
 @njit(parallel=True, cache=True)

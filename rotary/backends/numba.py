@@ -137,5 +137,6 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         bufs.append(view[0] if i == 3 else _readonly(view[0]))
     kernels.linear_attention_parallel(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z),
                                       new_s, new_z, S, rotary_dim // 2, rotary_dim, layout == "interleaved",
-                                      bool(causal), kernels.FEATURE_MAPS[feature_map], float(eps), int(chunk))
+                                      bool(causal), kernels.FEATURE_MAPS[feature_map], float(eps),
+                                      max(1, min(int(chunk), S)))
     return o, (new_s, new_z)

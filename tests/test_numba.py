@@ -1,0 +1,350 @@
+"""The Numba backend against float64 oracles: options, strides, in place, fp16, huge positions and
+indices, linear attention, and the kernels' pure-Python bodies (``py_func``) so coverage sees them."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+import rotary  # noqa: E402
+from rotary import _tables, testing  # noqa: E402
+from rotary.backends import _numba_kernels as kernels  # noqa: E402
+from rotary.backends import numba as nb  # noqa: E402
+
+DTYPES = [np.float16, np.float32, np.float64]
+
+
+def oracle_bshd(x, positions, spec, inverse=False):
+    """float64 rope_2x2 oracle for (B, S, H, D) inputs; positions (S,) or (B, S)."""
+    pos = np.asarray(positions)
+    pos = pos[None, None, :] if pos.ndim == 1 else pos[:, None, :]
+    y = testing.rope_2x2(np.moveaxis(np.asarray(x, np.float64), 1, 2), pos, spec.inv_freq(), layout=spec.layout,
+                         scale=spec.attention_scaling, inverse=inverse)
+    return np.moveaxis(y, 2, 1)
+
+
+def _qk(rng, dtype, B=2, S=7, Hq=4, Hk=2, D=10):
+    q = rng.standard_normal((B, S, Hq, D)).astype(dtype)
+    k = rng.standard_normal((B, S, Hk, D)).astype(dtype)
+    return q, k
+
+
+# -- rotation against the oracle -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(10, 10), (10, 6), (9, 8), (9, 4)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_qk_matches_oracle(rng, dtype, layout, head_dim, rotary_dim, inverse):
+    q, k = _qk(rng, dtype, D=head_dim)
+    spec = rotary.RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+    positions = np.array([[0, 1, 5, 900, 3, 2, 4000], [7, 8, 9, 10, 11, 12, 13]])
+    q0, k0 = q.copy(), k.copy()
+    qr, kr = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=1, inverse=inverse, backend="numba")
+    testing.assert_close(qr, oracle_bshd(q, positions, spec, inverse), like=q)
+    testing.assert_close(kr, oracle_bshd(k, positions, spec, inverse), like=k)
+    np.testing.assert_array_equal(q, q0)   # inputs untouched without out=
+    np.testing.assert_array_equal(k, k0)
+
+
+@pytest.mark.parametrize("positions", [None, 17, "seq", "batch_seq"])
+def test_position_kinds(rng, positions):
+    q, k = _qk(rng, np.float32, S=5)
+    spec = rotary.RopeSpec(10, base=500.0)
+    expected_pos = {None: np.arange(5), 17: 17 + np.arange(5), "seq": np.array([4, 0, 3, 1, 2]),
+                    "batch_seq": np.array([[1, 2, 3, 4, 5], [50, 40, 30, 20, 10]])}[positions]
+    arg = positions if positions in (None, 17) else expected_pos
+    qr, kr = rotary.apply_qk(q, k, arg, spec=spec, seq_axis=1, backend="numba")
+    testing.assert_close(qr, oracle_bshd(q, expected_pos, spec))
+    testing.assert_close(kr, oracle_bshd(k, expected_pos, spec))
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_scaling_tables_come_from_the_spec(rng, scaling):
+    x = rng.standard_normal((1, 300, 2, 16)).astype(np.float32)
+    spec = rotary.RopeSpec(16, scaling=scaling, max_position_embeddings=512)
+    y = rotary.apply(x, spec=spec, seq_axis=1, backend="numba")
+    testing.assert_close(y, oracle_bshd(x, np.arange(300), spec))
+
+
+def test_float32_rounds_like_the_numpy_reference(rng):
+    """fastmath off: one multiply and one add per term, no FMA, so fp32 results equal NumPy's bit for bit."""
+    q, k = _qk(rng, np.float32, B=3, S=50, Hq=8, Hk=2, D=64)
+    for layout in ("half", "interleaved"):
+        a = rotary.apply_qk(q, k, seq_axis=1, layout=layout, backend="numba")
+        b = rotary.apply_qk(q, k, seq_axis=1, layout=layout, backend="numpy")
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_huge_positions_exact_angles(rng):
+    """Position 2**31 - 1 against cos/sin of the exactly reduced angle (mpmath, 40 digits)."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    spec = rotary.RopeSpec(8)
+    pos = np.array([2**31 - 1, 2**31 - 2, 2**30 + 12345])
+    x = rng.standard_normal((1, 3, 1, 8))
+    expected = np.empty_like(x)
+    for s, p in enumerate(pos):
+        for i, w in enumerate(spec.inv_freq()):
+            theta = mpmath.mpf(int(p)) * mpmath.mpf(float(w))    # exact product of the float64 frequency
+            c, sn = float(mpmath.cos(theta)), float(mpmath.sin(theta))
+            a, b = x[0, s, 0, i], x[0, s, 0, i + 4]
+            expected[0, s, 0, i], expected[0, s, 0, i + 4] = a * c - b * sn, b * c + a * sn
+    for dtype, atol in ((np.float32, 2e-6), (np.float64, 1e-6)):   # float64: p * w rounds at 2**31 * 2**-53
+        y = rotary.apply(x.astype(dtype), pos, spec=spec, seq_axis=1, backend="numba")
+        np.testing.assert_allclose(y.astype(np.float64), expected, atol=atol, rtol=0)
+
+
+# -- strides, views, in place ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bhsd_and_strided_views_are_not_copied(rng, dtype):
+    base = rng.standard_normal((2, 6, 11, 24)).astype(dtype)   # (B, H, S, 2*D)
+    views = {"bhsd": base[..., :12], "step2": base[..., ::2], "reversed": base[:, ::-1, ::-1, 12:]}
+    spec = rotary.RopeSpec(12, rotary_dim=8)
+    for name, x in views.items():
+        flat = nb.flat_view(x)
+        assert flat is not None and np.shares_memory(flat[0].view(x.dtype), base), name
+        y = rotary.apply(x, spec=spec, seq_axis=-2, backend="numba")
+        expected = np.swapaxes(oracle_bshd(np.swapaxes(x, 1, 2), np.arange(11), spec), 1, 2)
+        testing.assert_close(y, expected, like=x, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_in_place_on_strided_views(rng, dtype):
+    base = rng.standard_normal((2, 9, 6, 20)).astype(dtype)
+    q = base[:, :, :4, :9]       # BSHD view with odd head dim, strided heads and tokens
+    k = base[:, :, 4:, 11:]
+    q0, k0, base0 = q.copy(), k.copy(), base.copy()
+    spec = rotary.RopeSpec(9, layout="interleaved")
+    qr, kr = rotary.apply_qk(q, k, 3, spec=spec, seq_axis=1, out=(q, k), backend="numba")
+    assert qr is q and kr is k
+    testing.assert_close(q, oracle_bshd(q0, 3 + np.arange(9), spec))
+    testing.assert_close(k, oracle_bshd(k0, 3 + np.arange(9), spec))
+    np.testing.assert_array_equal(base[:, :, :4, 9:], base0[:, :, :4, 9:])   # untouched around the views
+    np.testing.assert_array_equal(base[:, :, 4:, 9:11], base0[:, :, 4:, 9:11])
+
+
+def test_separate_out_buffers_and_tail_copy(rng):
+    q, k = _qk(rng, np.float32, D=9)
+    out_q, out_k = np.full_like(q, np.nan), np.full_like(k, np.nan)
+    spec = rotary.RopeSpec(9, rotary_dim=4)
+    rotary.apply_qk(q, k, spec=spec, seq_axis=1, out=(out_q, out_k), backend="numba")
+    testing.assert_close(out_q, oracle_bshd(q, np.arange(7), spec))
+    testing.assert_close(out_k, oracle_bshd(k, np.arange(7), spec))
+
+
+def test_strides_not_multiple_of_itemsize(rng):
+    """An unaligned view (byte strides not multiples of 4) goes through a copy and comes back right."""
+    raw = np.zeros(4 * 3 * 18 + 8, dtype=np.uint8)
+    x = np.ndarray((1, 3, 1, 4), dtype=np.float32, buffer=raw, offset=1, strides=(54, 18, 18, 4))
+    x[...] = rng.standard_normal(x.shape)
+    assert nb.flat_view(x) is None
+    x0 = x.copy()
+    spec = rotary.RopeSpec(4)
+    y = rotary.apply(x, spec=spec, seq_axis=1, backend="numba")
+    testing.assert_close(y, oracle_bshd(x0, np.arange(3), spec))
+    rotary.apply(x, spec=spec, seq_axis=1, out=x, backend="numba")
+    testing.assert_close(x, oracle_bshd(x0, np.arange(3), spec))
+
+
+def test_empty_inputs():
+    q = np.zeros((2, 0, 3, 8), np.float32)
+    qr, kr = rotary.apply_qk(q, q[:, :, :1], seq_axis=1, backend="numba")
+    assert qr.shape == q.shape and kr.shape == (2, 0, 1, 8)
+
+
+def test_parallel_and_serial_kernels_agree(rng, monkeypatch):
+    q, k = _qk(rng, np.float32, B=2, S=300, Hq=8, Hk=2, D=32)
+    assert q.size + k.size >= nb.PARALLEL_MIN_ELEMENTS
+    parallel = rotary.apply_qk(q, k, seq_axis=1, backend="numba")
+    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 62)
+    serial = rotary.apply_qk(q, k, seq_axis=1, backend="numba")
+    for a, b in zip(parallel, serial):
+        np.testing.assert_array_equal(a, b)
+    testing.assert_close(parallel[0], oracle_bshd(q, np.arange(300), rotary.RopeSpec(32)))
+
+
+# -- int64 index arithmetic ------------------------------------------------------------------------
+def test_element_offset_is_int64():
+    args = (5, 3 * 2**31 + 1, 2**33 + 7, 2**32 - 1, 3, 2**20, 1000)
+    expected = 5 + 3 * (3 * 2**31 + 1) + 2**20 * (2**33 + 7) + 1000 * (2**32 - 1)
+    assert expected > 2**53 // 1024 and expected < 2**63
+    assert kernels.element_offset(*args) == expected
+    assert kernels.element_offset.py_func(*args) == expected
+
+
+def test_strides_beyond_int32_on_a_sparse_file(rng, tmp_path):
+    """Tokens 2**31 + 64 elements apart (an 8 GiB sparse mapping; two pages are touched)."""
+    gap = 2**31 + 64
+    try:
+        mm = np.memmap(tmp_path / "sparse.bin", dtype=np.float32, mode="w+", shape=(gap + 8,))
+    except (OSError, ValueError) as exc:   # pragma: no cover - filesystems without sparse files
+        pytest.skip(f"no sparse 8 GiB mapping here: {exc}")
+    x = np.lib.stride_tricks.as_strided(mm, shape=(1, 2, 1, 8), strides=(0, gap * 4, 0, 4))
+    x[...] = rng.standard_normal(x.shape)
+    x0 = np.array(x)
+    spec = rotary.RopeSpec(8)
+    rotary.apply(x, [5, 2**31 - 1], spec=spec, seq_axis=1, out=x, backend="numba")
+    testing.assert_close(np.array(x), oracle_bshd(x0, np.array([5, 2**31 - 1]), spec), atol=3e-6, rtol=3e-6)
+    del x, mm
+
+
+# -- linear attention ----------------------------------------------------------------------------------
+def phi64(x, feature_map):
+    x = np.asarray(x, dtype=np.float64)
+    return {"elu": lambda: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))), "relu": lambda: np.maximum(x, 0),
+            "identity": lambda: x}[feature_map]()
+
+
+def linear_oracle(q, k, v, positions, spec, causal, feature_map, eps, state=None):
+    """Quadratic float64 reference on (B, T, H, d) inputs; state (S0, z0) of shape (B, H, m, dv), (B, H, m)."""
+    a, b = phi64(q, feature_map), phi64(k, feature_map)
+    a_hat, b_hat = oracle_bshd(a, positions, spec), oracle_bshd(b, positions, spec)
+    T = q.shape[1]
+    mask = np.tril(np.ones((T, T))) if causal else np.ones((T, T))
+    num = np.einsum("bthm,bshm,ts,bshd->bthd", a_hat, b_hat, mask, np.asarray(v, np.float64))
+    den = np.einsum("bthm,bshm,ts->bth", a, b, mask)
+    if state is not None:
+        num = num + np.einsum("bthm,bhmd->bthd", a_hat, state[0])
+        den = den + np.einsum("bthm,bhm->bth", a, state[1])
+    new_s = np.einsum("bshm,bshd->bhmd", b_hat, np.asarray(v, np.float64))
+    new_z = b.sum(axis=1)
+    if state is not None:
+        new_s, new_z = new_s + state[0], new_z + state[1]
+    return num / (den[..., None] + eps), (new_s, new_z)
+
+
+def _linear_inputs(rng, dtype, B=2, T=37, H=3, m=9, dv=5):
+    q, k = (rng.standard_normal((B, T, H, m)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((B, T, H, dv)).astype(dtype)
+    return q, k, v
+
+
+def _run_linear(q, k, v, spec, positions, *, causal, feature_map="elu", eps=1e-6, chunk=8, state=None):
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    cos, sin, rows = _tables.lookup(spec, np.asarray(positions).reshape(-1, q.shape[1]), dtype=work)
+    return nb.linear_attention(q, k, v, cos, sin, rows, rotary_dim=spec.rotary_dim, layout=spec.layout,
+                               causal=causal, feature_map=feature_map, eps=eps, chunk=chunk, state=state)
+
+
+LINEAR_TOL = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-3}
+
+
+def _rel(actual, desired):
+    return np.linalg.norm(np.asarray(actual, np.float64) - desired) / np.linalg.norm(desired)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
+@pytest.mark.parametrize("chunk", [1, 8, 37, 64])
+def test_linear_attention_matches_quadratic_oracle(rng, dtype, causal, feature_map, chunk):
+    q, k, v = _linear_inputs(rng, dtype)
+    if feature_map == "identity":   # positive features keep the denominator away from 0
+        q, k = np.abs(q), np.abs(k)
+    spec = rotary.RopeSpec(9, rotary_dim=6, layout="interleaved")
+    positions = np.array([np.arange(37) + 3, np.arange(37) * 2])
+    work = np.float64 if dtype == np.float64 else np.float32
+    state = (rng.random((2, 3, 9, 5)).astype(work), rng.random((2, 3, 9)).astype(work))
+    o, (S, z) = _run_linear(q, k, v, spec, positions, causal=causal, feature_map=feature_map, chunk=chunk,
+                            state=state)
+    expected, (S_ref, z_ref) = linear_oracle(q, k, v, positions, spec, causal, feature_map, 1e-6,
+                                             tuple(a.astype(np.float64) for a in state))
+    assert o.dtype == dtype and S.dtype == work and z.dtype == work
+    tol = LINEAR_TOL[dtype]
+    assert _rel(o, expected) <= tol
+    assert _rel(S, S_ref) <= max(tol, 1e-6) and _rel(z, z_ref) <= max(tol, 1e-6)
+
+
+def test_linear_attention_strided_bhsd_views(rng):
+    base = rng.standard_normal((3, 2, 40, 16))          # (tensor, B, S, H*... ) -> BHSD-like views
+    q = base[0].reshape(2, 40, 2, 8).transpose(0, 1, 2, 3)[:, :, :, :]
+    k = base[1][:, ::-1].reshape(2, 40, 2, 8)
+    v = np.swapaxes(rng.standard_normal((2, 2, 40, 6)), 1, 2)   # (B, S, H, dv) with S and H swapped strides
+    spec = rotary.RopeSpec(8)
+    o, _ = _run_linear(q, k, v, spec, np.arange(40), causal=True, chunk=16)
+    expected, _ = linear_oracle(q, k, v, np.arange(40), spec, True, "elu", 1e-6)
+    assert _rel(o, expected) <= 1e-12
+
+
+def test_linear_attention_split_equals_one_call(rng):
+    q, k, v = _linear_inputs(rng, np.float64, T=50)
+    spec = rotary.RopeSpec(9)
+    full, state_full = _run_linear(q, k, v, spec, np.arange(50), causal=True, chunk=16)
+    first, state = _run_linear(q[:, :21], k[:, :21], v[:, :21], spec, np.arange(21), causal=True, chunk=16)
+    second, state = _run_linear(q[:, 21:], k[:, 21:], v[:, 21:], spec, np.arange(21, 50), causal=True, chunk=16,
+                                state=state)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), full, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(state[0], state_full[0], rtol=1e-12, atol=1e-12)
+
+
+def test_linear_attention_frontend_uses_numba(rng):
+    q, k, v = _linear_inputs(rng, np.float32, B=1, T=20, H=2, m=8, dv=8)
+    o = rotary.linear_attention(q, k, v, causal=True, seq_axis=1, backend="numba")
+    expected, _ = linear_oracle(q, k, v, np.arange(20), rotary.RopeSpec(8), True, "elu", 1e-6)
+    assert _rel(o, expected) <= 1e-5
+
+
+# -- the kernels' bodies as plain Python (small inputs; coverage sees these lines) ----------------
+@pytest.fixture
+def pure_python(monkeypatch):
+    """Swap every compiled kernel of the module for its Python function while the test runs."""
+    for name in dir(kernels):
+        obj = getattr(kernels, name)
+        if hasattr(obj, "py_func") and hasattr(obj, "signatures"):
+            monkeypatch.setattr(kernels, name, obj.py_func)
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rotate_kernel_in_pure_python(rng, pure_python, dtype, layout):
+    base = rng.standard_normal((2, 3, 4, 16)).astype(dtype)
+    q, k = base[:, :, :2, :7], base[:, :, 2:, ::-2][..., :7]   # unit and negative last-axis strides
+    spec = rotary.RopeSpec(7, rotary_dim=4, layout=layout)
+    for inverse in (False, True):
+        qr, kr = rotary.apply_qk(q, k, [[1, 2, 3], [9, 8, 7]], spec=spec, seq_axis=1, inverse=inverse,
+                                 backend="numba")
+        pos = np.array([[1, 2, 3], [9, 8, 7]])
+        testing.assert_close(qr, oracle_bshd(q, pos, spec, inverse), like=q)
+        testing.assert_close(kr, oracle_bshd(k, pos, spec, inverse), like=k)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_kernel_in_pure_python(rng, pure_python, dtype, causal):
+    q, k, v = _linear_inputs(rng, dtype, B=1, T=11, H=2, m=5, dv=3)
+    spec = rotary.RopeSpec(5, rotary_dim=4)
+    for feature_map in ("elu", "relu", "identity"):
+        qq, kk = (np.abs(q), np.abs(k)) if feature_map == "identity" else (q, k)
+        o, _ = _run_linear(qq, kk, v, spec, np.arange(11), causal=causal, feature_map=feature_map, chunk=4)
+        expected, _ = linear_oracle(qq, kk, v, np.arange(11), spec, causal, feature_map, 1e-6)
+        assert _rel(o, expected) <= LINEAR_TOL[dtype]
+
+
+# -- module surface ---------------------------------------------------------------------------------
+def test_module_surface():
+    assert nb.NAME == "numba" and nb.availability() == (True, "ok")
+    assert nb.accepts(np.zeros(3, np.float16)) and nb.accepts(np.zeros(3, np.float64))
+    assert not nb.accepts(np.zeros(3, np.int32)) and not nb.accepts([1.0, 2.0])
+    assert rotary.backends.get("numba") is nb
+    for kernel in (kernels.rotate_qk_parallel, kernels.rotate_qk_serial, kernels.linear_attention_parallel):
+        assert kernel.targetoptions.get("cache") is not False and kernel._cache.__class__.__name__ != "NullCache"
+        assert not kernel.targetoptions.get("fastmath")
+
+
+def test_unknown_feature_map_is_a_value_error(rng):
+    q, k, v = _linear_inputs(rng, np.float32, T=4)
+    with pytest.raises(ValueError, match="feature_map"):
+        _run_linear(q, k, v, rotary.RopeSpec(9), np.arange(4), causal=True, feature_map="softmax")
+
+
+def test_import_rotary_does_not_import_numba():
+    code = "import sys, rotary; assert 'numba' not in sys.modules, 'numba imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
