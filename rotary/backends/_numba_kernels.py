@@ -19,8 +19,9 @@ Linear attention (RoFormer eq. 19, a = phi(q), b = phi(k), hats = rotated)::
 
 with s <= t (causal) or all s. The causal form runs in chunks of C tokens: per chunk
 ``N = A_hat S + tril(A_hat B_hat^T) V``, ``D = A z + rowsum(A * cumsum(B))``, then
-``S += B_hat^T V``, ``z += sum B``; the chunk products are ``np.dot`` (BLAS sgemm/dgemm), the carried
-(S, z) are float64.
+``S += B_hat^T V``, ``z += sum B``. The chunk products are vectorised row sums written here (no
+BLAS call from inside the parallel loop, whose own threads would oversubscribe the cores); the
+carried (S, z) are float64.
 """
 
 from __future__ import annotations
@@ -173,11 +174,47 @@ def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, hal
 
 
 # -- linear attention ----------------------------------------------------------------------------
+@intrinsic
+def _pow2_f32(typingctx, exponent):
+    """2**exponent as float32 for -126 <= exponent <= 127: the bits (exponent + 127) << 23."""
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+def exp_work(x):
+    """exp(x) in x's precision (float64: libm; float32 compiled: see the overload)."""
+    return np.exp(x)
+
+
+@overload(exp_work)
+def _exp_work_impl(x):
+    if x != types.float32:
+        return lambda x: np.exp(x)
+
+    def impl(x):
+        """float32 exp that LLVM can vectorise (Cephes expf): x = n ln2 + r, |r| <= ln2/2,
+        exp(r) by a degree-7 polynomial, times 2**n; within 2 ulp on [-87, 88] (x clamped there)."""
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * (r * r) + r) + np.float32(1.0)
+        return p * _pow2_f32(np.int32(n))
+    return impl
+
+
 @njit(cache=True)
 def feature(x, feature_map):
     """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
     if feature_map == 1:
-        return x + 1 if x > 0 else np.exp(x)
+        return x + 1 if x > 0 else exp_work(x)
     if feature_map == 2:
         return x if x > 0 else x * 0
     return x
@@ -195,8 +232,13 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
     for i in range(n):
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         row_in = plain[i]
-        for j in range(m):
-            row_in[j] = feature(load(x, base + j * g[4]), feature_map)
+        if g[4] == 1:   # unit stride: a slice indexed from 0, a loop LLVM vectorises
+            x_row = x[base:base + m]
+            for j in range(m):
+                row_in[j] = feature(load(x_row, j), feature_map)
+        else:
+            for j in range(m):
+                row_in[j] = feature(load(x, base + j * g[4]), feature_map)
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
         cos_row = cos[row]
         sin_row = sin[row]
