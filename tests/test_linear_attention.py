@@ -351,6 +351,40 @@ def test_shift_invariance_float32(seed, T, causal, layout):
     assert rel_rms(shifted, expected) <= 1e-5
 
 
+@_settings
+@given(seed=st.integers(0, 2**32 - 1), T=st.integers(1, 30), d=st.sampled_from([4, 7, 10]), causal=st.booleans())
+def test_interleaved_equals_half_on_permuted_features(seed, T, d, causal):
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, (2, T, d), 3)
+    inter = rotary.linear_attention(q, k, v, 17, causal=causal, layout="interleaved", chunk=4)
+    qh, kh = (rotary.convert_layout(x, to="half") for x in (q, k))
+    half = rotary.linear_attention(qh, kh, v, 17, causal=causal, layout="half", chunk=4)
+    assert rel_rms(half, inter) <= 1e-12
+
+
+@_settings
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+       chunk=st.integers(1, 9), causal=st.booleans())
+def test_a_chain_of_calls_equals_the_oracle(seed, lengths, chunk, causal):
+    """Segments of any lengths; causal: one causal call; non-causal: each segment sees all before and itself."""
+    rng = np.random.default_rng(seed)
+    T = sum(lengths)
+    q, k, v = _inputs(rng, (2, T, 4), 2)
+    outs, state, start = [], None, 0
+    mask = np.zeros((T, T))
+    for n in lengths:
+        o, state = rotary.linear_attention(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n],
+                                           causal=causal, chunk=chunk, state=state, return_state=True)
+        outs.append(o)
+        mask[start:start + n, :start + n] = 1
+        start += n
+    assert state.next_position == T
+    if causal:
+        mask = np.tril(np.ones((T, T)))
+    expected = oracle(q, k, v, np.arange(T), rotary.RopeSpec(4), causal=causal, mask=mask)
+    assert rel_rms(np.concatenate(outs, axis=1), expected) <= 1e-12
+
+
 def _elu_plus_one_times_row_scale(x):
     """phi(x) = (elu(x) + 1) * exp(mean(x)): a positive per-row scale (1 on rows of mean 0)."""
     import array_api_compat
