@@ -208,7 +208,11 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     chunk : int
         Chunk length of the causal algorithm (intra-chunk quadratic, carried state in between).
 
-    Returns ``o`` (q's array type and dtype, q's shape with last dim dv), or ``(o, state)``.
+    Returns
+    -------
+    o or (o, state)
+        ``o`` has q's array type and dtype and q's shape with last dim dv; ``(o, state)`` with
+        ``return_state=True``.
     """
     xp = _namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
