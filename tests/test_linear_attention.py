@@ -215,7 +215,8 @@ def test_array_api_strict_inputs(causal):
     xq, xk, xv = (xps.asarray(a) for a in (q, k, v))
     o1, state = rotary.linear_attention(xq[:, :, :9, ...], xk[:, :, :9, ...], xv[:, :, :9, ...], causal=causal, chunk=4,
                                         return_state=True)
-    o2 = rotary.linear_attention(xq[:, :, 9:, ...], xk[:, :, 9:, ...], xv[:, :, 9:, ...], causal=causal, chunk=4, state=state)
+    o2 = rotary.linear_attention(xq[:, :, 9:, ...], xk[:, :, 9:, ...], xv[:, :, 9:, ...], causal=causal, chunk=4,
+                                 state=state)
     assert type(o1) is type(xq) and o1.dtype == xps.float64 and type(state.S) is type(xq)
     T = 19
     mask = np.tril(np.ones((T, T)))
