@@ -73,9 +73,16 @@ class LinearAttentionState:
     def __setattr__(self, name, value):
         raise AttributeError("LinearAttentionState is immutable")
 
+    def __reduce__(self):
+        return (_rebuild_state, (self.S, self.z, self.next_position, self.spec, self.feature_map))
+
     def __repr__(self):
         return (f"LinearAttentionState(S{tuple(self.S.shape)} {self.S.dtype}, z{tuple(self.z.shape)}, "
                 f"next_position={self.next_position!r}, spec={self.spec!r}, feature_map={self.feature_map!r})")
+
+
+def _rebuild_state(S, z, next_position, spec, feature_map):
+    return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map)
 
 
 # -- validation --------------------------------------------------------------------------------

@@ -322,6 +322,24 @@ def test_state_is_immutable_and_float32_for_float16():
     assert "LinearAttentionState" in repr(state)
 
 
+def test_state_pickles_and_copies():
+    import copy
+    import pickle
+
+    spec = rotary.RopeSpec(4, base=500.0)
+    try:
+        pickle.loads(pickle.dumps(spec))
+    except AttributeError:
+        pytest.skip("RopeSpec does not pickle here")
+    q, k, v = _inputs(np.random.default_rng(27), (2, 6, 4), 3)
+    positions = np.array([[0, 1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14]])
+    _, state = rotary.linear_attention(q, k, v, positions, causal=True, spec=spec, return_state=True)
+    for other in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
+        assert other.spec == spec and other.feature_map == "elu"
+        np.testing.assert_array_equal(other.S, state.S)
+        np.testing.assert_array_equal(other.next_position, [6, 15])
+
+
 # -- properties --------------------------------------------------------------------------------
 _settings = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
