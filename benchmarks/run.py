@@ -99,11 +99,17 @@ def time_call(fn, min_time: float, max_reps: int, min_reps: int = 3) -> dict:
 
 # -- machine limits ----------------------------------------------------------------------------
 def machine_description() -> dict:
-    model = platform.processor() or platform.machine()
+    """CPU model and details from ``lscpu`` (family/model, hypervisor, caches), cores, library versions."""
+    model, details = platform.processor() or platform.machine(), []
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        m = re.search(r"^Model name:\s*(.+)$", out, re.M)
-        model = m.group(1).strip() if m else model
+        fields = dict(re.findall(r"^([^:\n]+):\s*(.+)$", out, re.M))
+        model = fields.get("Model name", model).strip()
+        if "CPU family" in fields:
+            details.append(f"family {fields['CPU family'].strip()} model {fields.get('Model', '?').strip()}")
+        if "Hypervisor vendor" in fields:
+            details.append(f"{fields['Hypervisor vendor'].strip()} guest")
+        details += [f"{name} {fields[name].strip()}" for name in ("L2 cache", "L3 cache") if name in fields]
     except (OSError, subprocess.SubprocessError):
         pass
     versions = {"python": platform.python_version(), "numpy": np.__version__, "rotary": rotary.__version__}
@@ -112,7 +118,7 @@ def machine_description() -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:
             pass
-    return {"cpu": model, "logical_cores": os.cpu_count(), "threads": int(os.environ.get("OMP_NUM_THREADS", 0)),
+    return {"cpu": model, "cpu_details": ", ".join(details), "logical_cores": os.cpu_count(), "threads": int(os.environ.get("OMP_NUM_THREADS", 0)),
             "versions": versions}
 
 
@@ -328,7 +334,8 @@ def markdown(data) -> str:
         BEGIN,
         "## Summary (benchmarks/run.py)",
         "",
-        f"Command: `{data['command']}`, run {data['date']} on **{m['cpu']}** ({m['logical_cores']} logical cores), "
+        f"Command: `{data['command']}`, run {data['date']} on **{m['cpu']}** "
+        f"({m['logical_cores']} logical cores{'; ' + m['cpu_details'] if m.get('cpu_details') else ''}), "
         f"{m['threads']} threads for every implementation. Versions: "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",
