@@ -414,3 +414,118 @@ def test_linear_attention_frontend_prefill_then_decode(use_backend, causal, rng)
     for ours, ref in zip(results[name], results["numpy"]):
         assert ours.dtype == ref.dtype and ours.shape == ref.shape
         assert _rel(ours, ref) < 1e-5
+
+
+# -- the CuPy glue (rotary/backends/cupy.py) with a NumPy-backed stand-in for CuPy ---------------------
+class _FakeDevice:
+    id = 0
+
+    def __init__(self, index=0):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class FakeCupyArray(np.ndarray):
+    """A NumPy array that looks like a CuPy array to the backend (.data.ptr, .device.id)."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=host.address(self))
+
+    @property
+    def device(self):
+        return _FakeDevice()
+
+
+@pytest.fixture
+def fake_cupy(kernels, monkeypatch):
+    """sys.modules["cupy"] replaced by NumPy-backed stand-ins whose RawModule launches through the shim."""
+    import sys
+
+    wrap = lambda a: np.asarray(a).view(FakeCupyArray)
+    launched = []
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            assert code in {cb.source_text(f) for f in cb.SOURCES} and tuple(options) == cb.NVRTC_OPTIONS
+            self.names = list(name_expressions)
+
+        def get_function(self, name):
+            assert name in self.names
+
+            def call(grid, block, args, shared_mem=0):
+                kinds = {np.int64: "i64", np.int32: "i32", np.float32: "f32", np.float64: "f64"}
+                plan_args = tuple(cb.Arg("ptr", a) if isinstance(a, np.ndarray) else cb.Arg(kinds[type(a)], a)
+                                  for a in args)
+                launched.append(name)
+                kernels.launch(cb.Launch("?", name, grid[0], block[0], shared_mem, plan_args))
+
+            return call
+
+    fake = types.ModuleType("cupy")
+    fake.ndarray = FakeCupyArray
+    fake.float32, fake.float64, fake.int64 = np.float32, np.float64, np.int64
+    fake.asarray = lambda a, dtype=None: wrap(np.asarray(a, dtype))
+    fake.ascontiguousarray = lambda a, dtype=None: wrap(np.ascontiguousarray(a, dtype))
+    fake.empty = lambda shape, dtype=np.float64: wrap(np.empty(shape, dtype))
+    fake.zeros = lambda shape, dtype=np.float64: wrap(np.zeros(shape, dtype))
+    fake.array = lambda a, dtype=None, order="K", copy=True: wrap(np.array(a, dtype, order=order, copy=copy))
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(Device=_FakeDevice,
+                                      runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cb, "_modules", {})
+    return types.SimpleNamespace(wrap=wrap, launched=launched)
+
+
+def test_cupy_glue_rotate(fake_cupy, rng):
+    assert cb.availability() == (True, "ok")
+    spec = RopeSpec(24, rotary_dim=20)
+    positions = rng.integers(0, 30, size=(2, 7))
+    cos, sin = (fake_cupy.wrap(a) for a in _tables(spec, np.arange(30)))
+    rows = fake_cupy.wrap(positions.astype(np.int64))
+    q = fake_cupy.wrap(rng.standard_normal((2, 7, 4, 24)).astype(np.float32))
+    k = fake_cupy.wrap(rng.standard_normal((2, 7, 2, 24)).astype(np.float32))
+    assert cb.accepts(q) and not cb.accepts(np.asarray(q))
+    q0, k0 = np.array(q), np.array(k)
+    qr, kr = cb.rotate([(q, None), (k, None)], cos, sin, rows, rotary_dim=20, layout="half", inverse=False)
+    assert fake_cupy.launched == ["rope_rotate<float, float, 2, false>"]  # q and k in one launch
+    assert isinstance(qr, FakeCupyArray) and qr.dtype == np.float32
+    np.testing.assert_allclose(qr, _oracle(q0, positions, spec), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(kr, _oracle(k0, positions, spec), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(q, q0)
+    out = cb.rotate([(q, q), (k, k)], cos, sin, rows, rotary_dim=20, layout="half", inverse=False)
+    assert out[0] is q and out[1] is k and len(fake_cupy.launched) == 2
+    np.testing.assert_allclose(q, qr)
+    k64 = fake_cupy.wrap(k0.astype(np.float64))
+    qr2, kr2 = cb.rotate([(fake_cupy.wrap(q0), None), (k64, None)], cos, sin, rows, rotary_dim=20, layout="half",
+                         inverse=False)
+    assert fake_cupy.launched[2:] == ["rope_rotate<float, float, 2, false>", "rope_rotate<double, double, 2, false>"]
+    np.testing.assert_allclose(kr2, _oracle(k0, positions, spec), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cupy_glue_linear_attention(fake_cupy, causal, rng):
+    B, T, H, m, dv = 2, 20, 2, 8, 6
+    spec = RopeSpec(m)
+    cos, sin = (fake_cupy.wrap(a) for a in _tables(spec, np.arange(T)))
+    rows = fake_cupy.wrap(np.arange(T, dtype=np.int64)[None])
+    q, k = (rng.standard_normal((B, T, H, m)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+    S0 = rng.standard_normal((B, H, m, dv)).astype(np.float32)
+    z0 = rng.random((B, H, m)).astype(np.float32) + 1.0
+    state = (fake_cupy.wrap(S0.copy()), fake_cupy.wrap(z0.copy()))
+    o, (S, z) = cb.linear_attention(*(fake_cupy.wrap(a) for a in (q, k, v)), cos, sin, rows, rotary_dim=m,
+                                    layout="half", causal=causal, feature_map="elu", eps=1e-6, chunk=8, state=state)
+    assert fake_cupy.launched == ["linear_attention_chunked<float, float>"]
+    ref, (S_ref, z_ref) = la_oracle(q, k, v, np.arange(T), spec, causal=causal, feature_map="elu", eps=1e-6,
+                                    state=(S0, z0))
+    assert isinstance(o, FakeCupyArray) and o.dtype == np.float32 and S.dtype == np.float32
+    assert _rel(o, ref) < 1e-5 and _rel(S, S_ref) < 1e-5 and _rel(z, z_ref) < 1e-5
+    np.testing.assert_array_equal(state[0], S0)   # the caller's state is not modified
+    np.testing.assert_array_equal(state[1], z0)

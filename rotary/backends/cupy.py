@@ -17,7 +17,9 @@ kernel sources with the same plans through the host C++ compiler.
 from __future__ import annotations
 
 import math
+import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,10 +283,9 @@ def _is_torch_cuda(x) -> bool:
 
 def accepts(x) -> bool:
     """CuPy arrays, and torch CUDA tensors (exchanged zero-copy through DLPack)."""
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return isinstance(x, cupy.ndarray)
+    cupy = sys.modules.get("cupy")  # a CuPy array implies CuPy is imported; never import it here
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return True
     return _is_torch_cuda(x)
 
 
@@ -334,6 +335,19 @@ def _address(a) -> int:
     return a.data.ptr
 
 
+def _external_stream(cupy, torch_stream, device_id: int):
+    """A CuPy view of torch's current stream (the CUDA stream protocol, else ExternalStream)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(torch_stream)
+        except TypeError:
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_id)
+
+
 class _Exchange:
     """Moves torch CUDA tensors to CuPy views (zero copy) and results back; CuPy arrays pass through.
 
@@ -349,8 +363,7 @@ class _Exchange:
         if self.torch:
             import torch
 
-            self.stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream,
-                                                   _device_id(x))
+            self.stream = _external_stream(cupy, torch.cuda.current_stream(x.device), _device_id(x))
 
     def to_cupy(self, a):
         import cupy
