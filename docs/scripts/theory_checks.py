@@ -3,12 +3,14 @@
 Every check compares ``rotary`` (float32 or float64) with float64 algebra written out here.
 """
 
+# --8<-- [start:setup]
 import numpy as np
 
 import rotary
 from rotary.testing import rotation_matrix
 
 rng = np.random.default_rng(0)
+# --8<-- [end:setup]
 
 # --8<-- [start:two_d]
 # 2-D: identify (x0, x1) with z = x0 + i x1 and rotate by m*theta: f(x, m) = z * exp(i m theta).
