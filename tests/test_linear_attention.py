@@ -169,6 +169,27 @@ def test_positions_dims_and_maps(backend, causal, case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_five_axes_with_per_batch_positions_and_resume(backend):
+    """(batch, group, seq, heads, d) with seq_axis=2: positions (batch, seq) repeat over groups and heads."""
+    rng = np.random.default_rng(8)
+    B, G, T, H, d, dv = 2, 3, 11, 2, 6, 4
+    q, k, v = _inputs(rng, (B, G, T, H, d), dv)
+    positions = np.array([0, 40])[:, None] + np.arange(T)
+    spec = rotary.RopeSpec(d)
+    q_, k_, v_ = (np.moveaxis(a, 2, 3) for a in (q, k, v))   # (batch, group, heads, seq, d) for the oracle
+    expected = np.moveaxis(oracle(q_, k_, v_, positions[:, None, None, :], spec, causal=True), 3, 2)
+    xb = _to_backend(backend)
+    q, k, v = xb(q), xb(k), xb(v)
+    o1, state = rotary.linear_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], positions[:, :4], causal=True,
+                                        seq_axis=2, return_state=True, chunk=3, backend=backend)
+    assert state.S.shape == (B, G, H, d, dv)
+    np.testing.assert_array_equal(state.next_position, [4, 44])
+    o2 = rotary.linear_attention(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], causal=True, seq_axis=2, state=state,
+                                 chunk=3, backend=backend)
+    assert rel_rms(np.concatenate([to_numpy64(o1), to_numpy64(o2)], axis=2), expected) <= 1e-12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_float16_computes_in_float32(backend):
     rng = np.random.default_rng(3)
     q, k, v = _inputs(rng, (2, 2, 70, 8), 8, np.float16)
