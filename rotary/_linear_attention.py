@@ -197,7 +197,8 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     feature_map : {"elu", "relu", "identity"} or callable
         "elu" is elu(x) + 1 (Katharopoulos et al.). A callable gets q (and k) as float32 arrays
         (float64 for float64 input) of the input's array type and returns phi(q) (..., m); m may differ
-        from d, and the spec then describes m. Positive maps keep the denominator > 0.
+        from d, and the spec then describes m. It runs here, before the backend (which then gets
+        "identity"), so every backend takes it. Positive maps keep the denominator > 0.
     eps : float >= 0
         Added to the denominator.
     spec : RopeSpec, optional
