@@ -477,7 +477,8 @@ def fake_cupy(kernels, monkeypatch):
     fake.array = lambda a, dtype=None, order="K", copy=True: wrap(np.array(a, dtype, order=order, copy=copy))
     fake.RawModule = RawModule
     fake.cuda = types.SimpleNamespace(Device=_FakeDevice,
-                                      runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1))
+                                      runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                                                    deviceGetAttribute=lambda attr, dev: 232448))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cb, "_modules", {})
     return types.SimpleNamespace(wrap=wrap, launched=launched)

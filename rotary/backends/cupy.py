@@ -42,6 +42,10 @@ VECTOR_BYTES = 16
 #: default dynamic shared memory budget per block (no opt-in attribute needed on any GPU)
 SHARED_MEM_LIMIT = 48 * 1024
 NVRTC_OPTIONS = ("-std=c++17",)
+#: shared memory budget of the linear attention kernel; more than SHARED_MEM_LIMIT opts the kernel in to
+#: larger dynamic shared memory (up to the device's cudaDevAttrMaxSharedMemoryPerBlockOptin).
+#: benchmarks/gpu_check.py measures several budgets; the default is the one that needs no opt-in.
+LINEAR_ATTENTION_SHARED_MEM_LIMIT = SHARED_MEM_LIMIT
 
 
 # -- sources and instantiations (pure Python) ---------------------------------------------------
@@ -328,7 +332,20 @@ def _launch(plan: Launch, dtype_name: str) -> None:
     convert = {"i64": np.int64, "i32": np.int32, "f32": np.float32, "f64": np.float64}
     args = tuple(a.value if a.kind == "ptr" else convert[a.kind](a.value) for a in plan.args)
     kernel = _kernel(plan.family, dtype_name, plan.kernel)
+    if plan.shared_mem > SHARED_MEM_LIMIT and kernel.max_dynamic_shared_size_bytes < plan.shared_mem:
+        kernel.max_dynamic_shared_size_bytes = plan.shared_mem
     kernel((plan.grid,), (plan.block,), args, shared_mem=plan.shared_mem)
+
+
+def max_shared_mem() -> int:
+    """The current device's largest dynamic shared memory per block with opt-in (bytes)."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    try:
+        return int(cupy.cuda.runtime.deviceGetAttribute(97, dev))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    except Exception:
+        return SHARED_MEM_LIMIT
 
 
 def _address(a) -> int:
@@ -471,7 +488,8 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         plan = plan_linear_attention(exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v),
                                      exchange.to_cupy(o), s_state, z_in, z_state, c, s, rows_dev, dtype_name=name,
                                      rotary_dim=rotary_dim, layout=layout, causal=causal,
-                                     feature_map=feature_map, eps=eps, chunk=chunk)
+                                     feature_map=feature_map, eps=eps, chunk=chunk,
+                                     shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT, max_shared_mem()))
         if plan is not None:
             _launch(plan, name)
         else:  # no (batch, head) to run
