@@ -190,7 +190,10 @@ def hf_torch_rotary(threads: int):
             cos, sin = rope(q, position_ids)
             return apply_rotary_pos_emb(q, k, cos, sin)
 
-    return prepare, run, f"torch {torch.__version__}, transformers {__import__('transformers').__version__}"
+    def to_bshd(outputs):
+        return tuple(o.transpose(1, 2).numpy() for o in outputs)
+
+    return prepare, run, f"torch {torch.__version__}, transformers {__import__('transformers').__version__}", to_bshd
 
 
 def rope_cases(quick: bool):
@@ -205,6 +208,24 @@ def rope_cases(quick: bool):
             q = rng.standard_normal((b, s, hq, d)).astype(dtype)
             k = rng.standard_normal((b, s, hk, d)).astype(dtype)
             yield shape_name, dtype, q, k, positions
+
+
+CHECK_TOKENS = 16
+
+
+def oracle_check(spec, q, k, positions):
+    """A function (q_out, k_out) -> max |out - float64 oracle| over the last CHECK_TOKENS tokens of each row."""
+    from rotary.testing import rope_complex
+
+    sel = slice(max(0, q.shape[1] - CHECK_TOKENS), q.shape[1])
+    pos = positions[:, sel][:, None, :]                      # (B, 1, s') against (B, H, s', D)
+    refs = [rope_complex(np.swapaxes(x[:, sel], 1, 2), pos, spec.inv_freq()) for x in (q, k)]
+
+    def check(q_out, k_out):
+        return max(float(np.abs(np.swapaxes(np.asarray(o)[:, sel], 1, 2).astype(np.float64) - ref).max())
+                   for o, ref in zip((q_out, k_out), refs))
+
+    return check
 
 
 # -- linear attention ---------------------------------------------------------------------------
@@ -248,7 +269,8 @@ def run(args) -> dict:
     unavailable = {name: reason for name, (ok, reason) in rotary.available_backends().items() if not ok}
     peers, peer_errors = {}, {}
     spec = rotary.RopeSpec(128, base=BASE)
-    peers["numpy-naive-hf-style"] = (lambda q, k, p: (q, k, p), naive_numpy_hf_style(spec), "NumPy, x*cos + rotate_half(x)*sin")
+    peers["numpy-naive-hf-style"] = (lambda q, k, p: (q, k, p), naive_numpy_hf_style(spec),
+                                     "NumPy, x*cos + rotate_half(x)*sin", lambda outputs: outputs)
     try:
         peers["hf-torch-cpu"] = hf_torch_rotary(args.threads)
     except Exception as exc:   # torch/transformers missing or incompatible: report, do not fail
@@ -271,16 +293,20 @@ def run(args) -> dict:
                "bytes_moved": moved, "impls": {}}
         impls = {f"rotary[{b}]": (None, b) for b in backends}
         impls.update({name: (peer, None) for name, peer in peers.items()})
+        check = oracle_check(spec, q, k, positions)
         for impl, (peer, backend) in impls.items():
             bar.set_description(f"{shape_name[:24]} {dtype} {impl}")
             if backend is not None:
                 pos_arg = positions if positions.shape[0] > 1 else positions[0]
                 fn = (lambda b=backend, pa=pos_arg: rotary.apply_qk(q, k, pa, spec=spec, seq_axis=-3, backend=b))
+                to_bshd = (lambda outputs: outputs)
             else:
-                prepare, call = peer[0], peer[1]
+                prepare, call, to_bshd = peer[0], peer[1], peer[3]
                 qa, ka, pa = prepare(q, k, positions)
                 fn = (lambda call=call, qa=qa, ka=ka, pa=pa: call(qa, ka, pa))
+            max_error = check(*to_bshd(fn()))
             timing = time_call(fn, min_time, max_reps)
+            timing["max_error"] = max_error
             timing["GBps"] = moved / timing["seconds"] / 1e9
             timing["fraction_of_copy"] = timing["GBps"] / limits["copy_GBps"]
             row["impls"][impl] = timing
@@ -309,6 +335,7 @@ def run(args) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine, "limits": limits, "backends": backends, "unavailable_backends": unavailable,
         "peers": {name: peer[2] for name, peer in peers.items()}, "peer_errors": peer_errors,
+        "error_check": f"max |output - float64 oracle| over the last {CHECK_TOKENS} tokens of each sequence",
         "timing": {"min_time_s": min_time, "max_reps": max_reps, "statistic": "min"},
         "results": results,
     }
@@ -355,15 +382,18 @@ def markdown(data) -> str:
         lines += [head, ""]
     lines += ["### apply_qk", "",
               "GB/s counts q and k read and written once (`2 * (q.nbytes + k.nbytes)` per call); "
-              "\"% copy\" is that over the copy bandwidth; \"vs HF\" is HF torch-CPU time / this time.", "",
-              "| case | dtype | implementation | ms | GB/s | % copy | vs HF |", "|---|---|---|---:|---:|---:|---:|"]
+              "\"% copy\" is that over the copy bandwidth; \"vs HF\" is HF torch-CPU time / this time; "
+              f"\"max err\" is the {data['error_check']}.", "",
+              "| case | dtype | implementation | ms | GB/s | % copy | vs HF | max err |",
+              "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in data["results"]:
         if row["kind"] != "apply_qk":
             continue
         for impl, t in row["impls"].items():
             vs = f"{t['speedup_vs_hf_torch']:.2f}x" if t.get("speedup_vs_hf_torch") else "-"
+            err = f"{t['max_error']:.1e}" if t.get("max_error") is not None else "-"
             lines.append(f"| {row['case']} | {row['dtype']} | {impl} | {t['seconds'] * 1e3:.3f} | {t['GBps']:.2f} | "
-                         f"{100 * t['fraction_of_copy']:.0f}% | {vs} |")
+                         f"{100 * t['fraction_of_copy']:.0f}% | {vs} | {err} |")
     lin = [r for r in data["results"] if r["kind"] == "linear_attention"]
     if lin:
         lines += ["", "### linear_attention", "",

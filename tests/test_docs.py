@@ -147,17 +147,17 @@ def test_benchmark_naive_peer_matches_oracle():
 
 def test_benchmark_markdown_section_replaced(tmp_path):
     bench = load_script("benchmarks/run.py")
-    timing = {"seconds": 0.01, "median_seconds": 0.011, "reps": 3, "GBps": 1.0, "fraction_of_copy": 0.1,
+    timing = {"seconds": 0.01, "median_seconds": 0.011, "reps": 3, "GBps": 1.0, "fraction_of_copy": 0.1, "max_error": 3e-7,
               "speedup_vs_hf_torch": 2.5}
     data = {"command": "python benchmarks/run.py", "date": "2026-01-01 00:00 UTC",
             "machine": {"cpu": "Test CPU", "logical_cores": 2, "threads": 2, "versions": {"numpy": "2"}},
             "limits": {"numpy_copy_GBps": 10.0, "copy_GBps": 10.0, "sgemm_GFLOPs": 50.0},
-            "backends": ["numpy"], "unavailable_backends": {}, "peers": {}, "peer_errors": {},
+            "backends": ["numpy"], "unavailable_backends": {}, "peers": {}, "peer_errors": {}, "error_check": "max error",
             "timing": {"min_time_s": 0.5, "max_reps": 20, "statistic": "min"},
             "results": [{"kind": "apply_qk", "case": "prefill Llama-8B (4096 tok)", "dtype": "float32",
                          "impls": {"rotary[numpy]": timing, "hf-torch-cpu": dict(timing, speedup_vs_hf_torch=1.0)}}]}
     section = bench.markdown(data)
-    assert "2.50x" in section and "Test CPU" in section and section.startswith(bench.BEGIN)
+    assert "2.50x" in section and "3.0e-07" in section and "Test CPU" in section and section.startswith(bench.BEGIN)
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\n## Numba CPU backend\n\nkept\n")
     bench.update_docs(page, section)
