@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rotary import RopeSpec, _conformance as conformance
 from rotary import backends as registry
@@ -530,3 +531,70 @@ def test_cupy_glue_linear_attention(fake_cupy, causal, rng):
     assert _rel(o, ref) < 1e-5 and _rel(S, S_ref) < 1e-5 and _rel(z, z_ref) < 1e-5
     np.testing.assert_array_equal(state[0], S0)   # the caller's state is not modified
     np.testing.assert_array_equal(state[1], z0)
+
+
+# -- property: random shapes, strides, offsets and geometries ----------------------------------------
+@st.composite
+def rotate_problems(draw):
+    head_dim = draw(st.integers(2, 40))
+    rotary_dim = 2 * draw(st.integers(1, head_dim // 2))
+    return dict(
+        B=draw(st.integers(1, 3)), S=draw(st.integers(1, 9)), Hq=draw(st.integers(1, 4)), Hk=draw(st.integers(0, 3)),
+        head_dim=head_dim, rotary_dim=rotary_dim, layout=draw(st.sampled_from(["half", "interleaved"])),
+        dtype=draw(st.sampled_from(["float16", "float32", "float64"])), offset=draw(st.integers(0, 3)),
+        step=draw(st.sampled_from([1, 1, 2])), inplace=draw(st.booleans()), inverse=draw(st.booleans()),
+        threads=draw(st.sampled_from([1, 3, 32, 256])), tpb=draw(st.sampled_from([None, 1, 2])),
+        seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=rotate_problems())
+def test_rotate_random_problems(kernels, p):
+    """Any shape/stride/offset/geometry: matches the oracle, inputs untouched, GQA pairs in one launch."""
+    rng = np.random.default_rng(p["seed"])
+    spec = RopeSpec(p["head_dim"], rotary_dim=p["rotary_dim"], layout=p["layout"])
+    work = np.float64 if p["dtype"] == "float64" else np.float32
+    positions = rng.integers(0, 64, size=(p["B"], p["S"]))
+    cos, sin = _tables(spec, np.arange(64), work)
+
+    def make(heads):
+        shape = (p["B"], p["S"], heads, p["head_dim"] * p["step"])
+        buf = rng.standard_normal(int(np.prod(shape)) + p["offset"]).astype(p["dtype"])
+        return buf[p["offset"]:].reshape(shape)[..., ::p["step"]]
+
+    xs = [make(p["Hq"])] + ([make(p["Hk"])] if p["Hk"] else [])
+    originals = [x.copy() for x in xs]
+    outs = [x if p["inplace"] else np.empty(x.shape, x.dtype) for x in xs]
+    plan = cb.plan_rotate(list(zip(xs, outs)), cos, sin, positions.astype(np.int64), dtype_name=p["dtype"],
+                          rotary_dim=p["rotary_dim"], layout=p["layout"], inverse=p["inverse"],
+                          address=host.address, threads=p["threads"], max_tokens_per_block=p["tpb"])
+    kernels.launch(plan)
+    rtol, atol = tolerance(p["dtype"])
+    for x0, x, y in zip(originals, xs, outs):
+        np.testing.assert_allclose(y.astype(np.float64), _oracle(x0, positions, spec, p["inverse"]),
+                                   rtol=rtol, atol=atol)
+        if not p["inplace"]:
+            np.testing.assert_array_equal(x, x0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), T=st.integers(1, 40), H=st.integers(1, 2), m=st.integers(2, 20), dv=st.integers(1, 12),
+       causal=st.booleans(), layout=st.sampled_from(["half", "interleaved"]), chunk=st.sampled_from([1, 3, 8, 64]),
+       threads=st.sampled_from([1, 7, 64]), budget=st.sampled_from([2048, cb.SHARED_MEM_LIMIT]),
+       with_state=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_linear_attention_random_problems(kernels, B, T, H, m, dv, causal, layout, chunk, threads, budget, with_state,
+                                          seed):
+    rng = np.random.default_rng(seed)
+    r = 2 * (m // 2)
+    spec = RopeSpec(m, rotary_dim=r, layout=layout)
+    positions = rng.integers(0, 50, size=(B, T))
+    cos, sin = _tables(spec, np.arange(50))
+    q, k = (rng.standard_normal((B, T, H, m)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+    state = ((rng.standard_normal((B, H, m, dv)).astype(np.float32), rng.random((B, H, m)).astype(np.float32))
+             if with_state else None)
+    o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
+                                     layout=layout, causal=causal, feature_map="elu", eps=1e-3, chunk=chunk,
+                                     state=state, threads=threads, shared_mem_limit=budget)
+    ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3, state=state)
+    assert _rel(o, ref) < 2e-5 and _rel(S, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
