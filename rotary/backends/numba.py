@@ -18,7 +18,7 @@ NAME = "numba"
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more)
-PARALLEL_MIN_ELEMENTS = 1 << 15
+PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
 def availability():
@@ -40,18 +40,23 @@ def flat_view(a):
     bits. None when a stride is not a multiple of the item size (the caller copies then).
     """
     itemsize = a.itemsize
-    if any(st % itemsize for st in a.strides):
+    if not _strides_ok(a):
         return None
+    bits = np.uint16 if a.dtype == np.float16 else a.dtype
     if a.size == 0:
-        return np.empty(0, np.uint16 if a.dtype == np.float16 else a.dtype), 0, (0,) * a.ndim
+        return np.empty(0, bits), 0, (0,) * a.ndim
+    if a.flags.c_contiguous:   # the common case, without as_strided's cost
+        return a.reshape(-1).view(bits), 0, tuple(st // itemsize for st in a.strides)
     low = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st < 0)
     high = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st > 0)
     first = a[tuple(slice(n - 1, n) if st < 0 else slice(0, 1) for n, st in zip(a.shape, a.strides))]
     buf = np.lib.stride_tricks.as_strided(first, shape=((high - low) // itemsize + 1,), strides=(itemsize,),
                                           writeable=a.flags.writeable)
-    if buf.dtype == np.float16:
-        buf = buf.view(np.uint16)
-    return buf, -low // itemsize, tuple(st // itemsize for st in a.strides)
+    return buf.view(bits), -low // itemsize, tuple(st // itemsize for st in a.strides)
+
+
+def _strides_ok(a) -> bool:
+    return all(st % a.itemsize == 0 for st in a.strides)
 
 
 def _readonly(a):
@@ -61,24 +66,23 @@ def _readonly(a):
 
 
 def _geometry(x, out):
-    """(x_buf, out_buf, geo row); ``out`` must be writable and flat-viewable."""
+    """(x_buf, out_buf, geo row) of flat-viewable x and writable out; ``out is x`` means in place."""
     xf, of = flat_view(x), flat_view(out)
-    same = (xf[0].__array_interface__["data"][0] + xf[1] * x.itemsize
-            == of[0].__array_interface__["data"][0] + of[1] * out.itemsize) and xf[2] == of[2]
-    geo = np.zeros(kernels.GEO_COLUMNS, dtype=np.int64)
+    geo = np.empty(kernels.GEO_COLUMNS, dtype=np.int64)
     geo[kernels.GEO_HEADS] = x.shape[2]
     geo[kernels.GEO_X:kernels.GEO_X + 5] = (xf[1], *xf[2])
     geo[kernels.GEO_OUT:kernels.GEO_OUT + 5] = (of[1], *of[2])
-    geo[kernels.GEO_COPY_TAIL] = 0 if same else 1
+    geo[kernels.GEO_COPY_TAIL] = out is not x
     return _readonly(xf[0]), of[0], geo
 
 
 def _prepare(x, out):
     """(x', out', result, copy_back): x' flat-viewable, out' flat-viewable and writable."""
     result = out if out is not None else np.empty(x.shape, dtype=x.dtype)
-    x_ok = flat_view(x) is not None
-    target = result if (flat_view(result) is not None and result.flags.writeable) else np.empty(x.shape, x.dtype)
-    return (x if x_ok else np.ascontiguousarray(x)), target, result, target is not result
+    if not _strides_ok(x):
+        x = np.ascontiguousarray(x)
+    target = result if (_strides_ok(result) and result.flags.writeable) else np.empty(x.shape, x.dtype)
+    return x, target, result, target is not result
 
 
 def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
