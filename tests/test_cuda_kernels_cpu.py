@@ -598,3 +598,28 @@ def test_linear_attention_random_problems(kernels, B, T, H, m, dv, causal, layou
                                      state=state, threads=threads, shared_mem_limit=budget)
     ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3, state=state)
     assert _rel(o, ref) < 2e-5 and _rel(S, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+
+
+def test_shim_reports_what_a_gpu_would_fault_on(kernels, rng):
+    """The harness itself: wrong argument lists, misaligned vector accesses, shared memory overruns."""
+    import dataclasses
+
+    spec = RopeSpec(32)
+    cos, sin = _tables(spec, np.arange(4))
+    rows = np.arange(4, dtype=np.int64)[None]
+    buf = rng.standard_normal(2 * 4 * 32 + 4).astype(np.float32)
+    x = buf[:4 * 2 * 32].reshape(1, 4, 2, 32)
+    y = np.empty_like(x)
+    plan = cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name="float32", rotary_dim=32, layout="half",
+                          inverse=False, address=host.address, threads=16)
+    assert plan.kernel == "rope_rotate<float, float, 4, false>"
+    kernels.launch(plan)  # the valid plan runs
+    with pytest.raises(RuntimeError, match="arguments"):
+        kernels.launch(dataclasses.replace(plan, args=plan.args[:-1]))
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernels.launch(dataclasses.replace(plan, args=plan.args[:-1] + (cb.Arg("i64", 1),)))
+    shifted = buf[1:1 + 4 * 2 * 32].reshape(1, 4, 2, 32)   # 4-byte aligned only: V=4 would fault on a GPU
+    with pytest.raises(RuntimeError, match="misaligned"):
+        kernels.launch(dataclasses.replace(plan, args=(cb.Arg("ptr", shifted),) + plan.args[1:]))
+    with pytest.raises(RuntimeError, match="shared memory"):
+        kernels.launch(dataclasses.replace(plan, shared_mem=plan.shared_mem - 8))

@@ -6,11 +6,17 @@
 // blockIdx/threadIdx are thread_local. 1-D grids and blocks only; no warp intrinsics (the kernels
 // do not use any). Kernel arguments arrive as `void** args`, one pointer per parameter, exactly
 // like cuLaunchKernel's kernelParams, so the Python side builds them from the same launch plan.
+// Problems a GPU would fault on or silently misread are reported through `error`: an argument
+// count or size that differs from the kernel's parameters, a misaligned vector access (checked in
+// rotary_common.cuh's load_vec/store_vec), a write past the requested dynamic shared memory.
 #pragma once
 
 #include <barrier>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -28,19 +34,52 @@ inline rotary_shim_dim3 block_dim{1, 1, 1};
 inline rotary_shim_dim3 grid_dim{1, 1, 1};
 inline std::barrier<>* block_barrier = nullptr;
 inline std::vector<unsigned char> shared_buffer;
+inline constexpr std::size_t shared_guard = 64;   // bytes past the requested size, checked after a launch
+inline std::mutex error_lock;
+inline std::string error;                        // first problem of the last launch ("" if none)
 
 inline unsigned char* dynamic_smem() { return shared_buffer.data(); }
+
+inline void report(const std::string& what) {
+    std::lock_guard<std::mutex> guard(error_lock);
+    if (error.empty()) error = what;
+}
+
+// What a GPU would fault on: a vector access not aligned to its size.
+inline void check_aligned(const void* p, std::size_t bytes) {
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes)
+        report("misaligned " + std::to_string(bytes) + "-byte vector access");
+}
 
 template <typename... P, std::size_t... I>
 std::tuple<std::decay_t<P>...> unpack(void** args, std::index_sequence<I...>) {
     return std::tuple<std::decay_t<P>...>(*static_cast<std::decay_t<P>*>(args[I])...);
 }
 
-// Run kernel<<<grid, block, shared_bytes>>>(args...) to completion.
+// Run kernel<<<grid, block, shared_bytes>>>(args...) to completion. sizes[i] is the byte size of the
+// value behind args[i]; a count or size that differs from the kernel's parameters is an error (where a
+// real launch would silently read garbage).
 template <typename... P>
-void launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t shared_bytes, void** args) {
+void launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t shared_bytes, void** args,
+            const std::size_t* sizes, std::size_t n_args) {
+    error.clear();
+    const std::size_t expected[] = {sizeof(std::decay_t<P>)..., 0};
+    if (n_args != sizeof...(P)) {
+        report("kernel takes " + std::to_string(sizeof...(P)) + " arguments, got " + std::to_string(n_args));
+        return;
+    }
+    for (std::size_t i = 0; i < n_args; ++i)
+        if (sizes[i] != expected[i]) {
+            report("argument " + std::to_string(i) + " has " + std::to_string(sizes[i]) + " bytes, the kernel's " +
+                   std::to_string(expected[i]));
+            return;
+        }
+    if (block == 0 || block > 1024 || grid == 0) {
+        report("bad launch geometry");
+        return;
+    }
     const auto values = unpack<P...>(args, std::index_sequence_for<P...>{});
-    shared_buffer.assign(shared_bytes + 16, 0xA5);  // garbage, not zeros
+    shared_buffer.assign(shared_bytes + shared_guard, 0xA5);  // garbage, not zeros
     block_dim = {block, 1, 1};
     grid_dim = {grid, 1, 1};
     std::barrier<> barrier(block);
@@ -59,6 +98,11 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t sha
     }
     for (auto& th : threads) th.join();
     block_barrier = nullptr;
+    for (std::size_t i = shared_bytes; i < shared_buffer.size(); ++i)
+        if (shared_buffer[i] != 0xA5) {
+            report("write past the end of dynamic shared memory");
+            break;
+        }
 }
 }  // namespace rotary_shim
 

@@ -43,7 +43,9 @@ def _translation_unit(entries) -> str:
     lines += [f'#include "{name}"' for name in cuda_backend.SOURCES.values()]
     for i, (_, _, expr) in enumerate(entries):
         lines.append(f'extern "C" void rotary_shim_kernel_{i}(unsigned grid, unsigned block, std::size_t smem, '
-                     f'void** args) {{ rotary_shim::launch(&{expr}, grid, block, smem, args); }}')
+                     f'void** args, const std::size_t* sizes, std::size_t n) '
+                     f'{{ rotary_shim::launch(&{expr}, grid, block, smem, args, sizes, n); }}')
+    lines.append('extern "C" const char* rotary_shim_error() { return rotary_shim::error.c_str(); }')
     return "\n".join(lines) + "\n"
 
 
@@ -52,6 +54,7 @@ class HostKernels:
 
     def __init__(self, path: Path, entries):
         self.lib = ctypes.CDLL(str(path))
+        self.lib.rotary_shim_error.restype = ctypes.c_char_p
         self.index = {expr: i for i, (_, _, expr) in enumerate(entries)}
 
     def launch(self, plan) -> None:
@@ -59,7 +62,8 @@ class HostKernels:
             return
         fn = getattr(self.lib, f"rotary_shim_kernel_{self.index[plan.kernel]}")
         fn.restype = None
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_size_t]
         values = []
         for arg in plan.args:
             if arg.kind == "ptr":
@@ -68,7 +72,11 @@ class HostKernels:
                 values.append({"i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float,
                                "f64": ctypes.c_double}[arg.kind](arg.value))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        fn(plan.grid, plan.block, plan.shared_mem, pointers)
+        sizes = (ctypes.c_size_t * len(values))(*[ctypes.sizeof(v) for v in values])
+        fn(plan.grid, plan.block, plan.shared_mem, pointers, sizes, len(values))
+        error = self.lib.rotary_shim_error().decode()
+        if error:
+            raise RuntimeError(f"{plan.kernel}: {error}")
 
 
 def address(a: np.ndarray) -> int:

@@ -93,12 +93,18 @@ template <> struct Store<rotary_bfloat16> {
 template <typename T, int V> struct alignas(sizeof(T) * V) Vec { T v[V]; };
 
 template <typename T, int V> ROTARY_FN void load_vec(const T* p, T (&dst)[V]) {
+#ifndef ROTARY_ON_DEVICE
+    rotary_shim::check_aligned(p, sizeof(Vec<T, V>));
+#endif
     const Vec<T, V> chunk = *reinterpret_cast<const Vec<T, V>*>(p);
 #pragma unroll
     for (int i = 0; i < V; ++i) dst[i] = chunk.v[i];
 }
 
 template <typename T, int V> ROTARY_FN void store_vec(T* p, const T (&src)[V]) {
+#ifndef ROTARY_ON_DEVICE
+    rotary_shim::check_aligned(p, sizeof(Vec<T, V>));
+#endif
     Vec<T, V> chunk;
 #pragma unroll
     for (int i = 0; i < V; ++i) chunk.v[i] = src[i];
