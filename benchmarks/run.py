@@ -278,7 +278,12 @@ def run(args) -> dict:
     has_linear = hasattr(rotary, "linear_attention")
 
     machine = machine_description()
-    print(f"machine: {machine['cpu']}, {machine['logical_cores']} logical cores, {args.threads} threads", file=sys.stderr)
+    load_before = os.getloadavg()[0]
+    print(f"machine: {machine['cpu']}, {machine['logical_cores']} logical cores, {args.threads} threads; "
+          f"load average {load_before:.2f}", file=sys.stderr)
+    if load_before > 0.5:
+        print("warning: other processes are running; threaded implementations will look slower than they are",
+              file=sys.stderr)
     limits = copy_bandwidth(min_time)
     limits["sgemm_GFLOPs"] = sgemm_gflops(min_time)
     print(f"limits: copy {limits['copy_GBps']:.1f} GB/s, sgemm {limits['sgemm_GFLOPs']:.1f} GFLOP/s", file=sys.stderr)
@@ -330,6 +335,7 @@ def run(args) -> dict:
             bar.update()
         results.append(row)
     bar.close()
+    machine["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return {
         "command": "python benchmarks/run.py" + (" --quick" if args.quick else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -363,7 +369,9 @@ def markdown(data) -> str:
         "",
         f"Command: `{data['command']}`, run {data['date']} on **{m['cpu']}** "
         f"({m['logical_cores']} logical cores{'; ' + m['cpu_details'] if m.get('cpu_details') else ''}), "
-        f"{m['threads']} threads for every implementation. Versions: "
+        f"{m['threads']} threads for every implementation; 1-minute load average "
+        + (" -> ".join(f"{x:.2f}" for x in m["load_average_1min"]) + " (start -> end; other processes slow "
+           "threaded calls most). " if m.get("load_average_1min") else "") + "Versions: "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",
         f"Limits measured in the same run: copy bandwidth **{lim['copy_GBps']:.1f} GB/s** (read + write; {copy_parts}), "
