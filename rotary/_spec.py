@@ -109,6 +109,10 @@ class RopeSpec:
     def __hash__(self):
         return self._hash
 
+    def __reduce__(self):  # pickling: rebuild through __init__ (the fields are immutable)
+        return (_rebuild_spec, (self.head_dim, self.rotary_dim, self.base, self.layout, self.scaling_dict,
+                                self.max_position_embeddings))
+
     def __repr__(self):
         parts = [str(self.head_dim)]
         if self.rotary_dim != self.head_dim:
@@ -212,6 +216,11 @@ class RopeSpec:
         if self.layout == "half":
             return i, i + half
         return 2 * i, 2 * i + 1
+
+
+def _rebuild_spec(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings):
+    return RopeSpec(head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
+                    max_position_embeddings=max_position_embeddings)
 
 
 @lru_cache(maxsize=512)

@@ -17,7 +17,8 @@ They never compute frequencies: they receive cos/sin tables (from ``rotary._tabl
     Returns the output arrays in item order.
 
 ``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state)``
-    -> ``(o, state)``; see ``rotary._linear_attention`` for the semantics.
+    -> ``(o, state)``; see ``rotary._linear_attention`` for the semantics. The ``state`` passed in
+    is read-only: a backend returns a new state and never writes into the old one.
 
 A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may
 raise ImportError at import when its dependency is missing (the registry turns that into the
