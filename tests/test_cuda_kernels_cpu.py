@@ -460,11 +460,9 @@ def fake_cupy(kernels, monkeypatch):
             assert name in self.names
 
             def call(grid, block, args, shared_mem=0):
-                kinds = {np.int64: "i64", np.int32: "i32", np.float32: "f32", np.float64: "f64"}
-                plan_args = tuple(cb.Arg("ptr", a) if isinstance(a, np.ndarray) else cb.Arg(kinds[type(a)], a)
-                                  for a in args)
+                assert all(isinstance(a, np.ndarray) or type(a) in host.SCALARS for a in args)
                 launched.append(name)
-                kernels.launch(cb.Launch("?", name, grid[0], block[0], shared_mem, plan_args))
+                kernels.launch(cb.Launch("?", name, grid[0], block[0], shared_mem, tuple(args)))
 
             return call
 
@@ -482,6 +480,7 @@ def fake_cupy(kernels, monkeypatch):
                                                                     deviceGetAttribute=lambda attr, dev: 232448))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cb, "_modules", {})
+    monkeypatch.setattr(cb, "_kernels", {})
     return types.SimpleNamespace(wrap=wrap, launched=launched)
 
 
@@ -602,8 +601,6 @@ def test_linear_attention_random_problems(kernels, B, T, H, m, dv, causal, layou
 
 def test_shim_reports_what_a_gpu_would_fault_on(kernels, rng):
     """The harness itself: wrong argument lists, misaligned vector accesses, shared memory overruns."""
-    import dataclasses
-
     spec = RopeSpec(32)
     cos, sin = _tables(spec, np.arange(4))
     rows = np.arange(4, dtype=np.int64)[None]
@@ -615,11 +612,36 @@ def test_shim_reports_what_a_gpu_would_fault_on(kernels, rng):
     assert plan.kernel == "rope_rotate<float, float, 4, false>"
     kernels.launch(plan)  # the valid plan runs
     with pytest.raises(RuntimeError, match="arguments"):
-        kernels.launch(dataclasses.replace(plan, args=plan.args[:-1]))
+        kernels.launch(plan._replace(args=plan.args[:-1]))
     with pytest.raises(RuntimeError, match="bytes"):
-        kernels.launch(dataclasses.replace(plan, args=plan.args[:-1] + (cb.Arg("i64", 1),)))
+        kernels.launch(plan._replace(args=plan.args[:-1] + (np.int64(1),)))
     shifted = buf[1:1 + 4 * 2 * 32].reshape(1, 4, 2, 32)   # 4-byte aligned only: V=4 would fault on a GPU
     with pytest.raises(RuntimeError, match="misaligned"):
-        kernels.launch(dataclasses.replace(plan, args=(cb.Arg("ptr", shifted),) + plan.args[1:]))
+        kernels.launch(plan._replace(args=(shifted,) + plan.args[1:]))
     with pytest.raises(RuntimeError, match="shared memory"):
-        kernels.launch(dataclasses.replace(plan, shared_mem=plan.shared_mem - 8))
+        kernels.launch(plan._replace(shared_mem=plan.shared_mem - 8))
+
+
+def test_plan_cache_substitutes_the_new_arrays(kernels, rng):
+    """A cached plan (same shapes/strides/alignment) carries the new call's arrays, and holds none itself."""
+    spec = RopeSpec(32, layout="interleaved")
+    cos, sin = _tables(spec, np.arange(6))
+    rows = np.arange(6, dtype=np.int64)[None]
+    kw = dict(dtype_name="float32", rotary_dim=32, layout="interleaved", inverse=False, address=host.address,
+              threads=16)
+    for _ in range(3):
+        q = rng.standard_normal((1, 6, 4, 32)).astype(np.float32)
+        k = rng.standard_normal((1, 6, 2, 32)).astype(np.float32)
+        for items in ([(q, np.empty_like(q)), (k, k)], [(q, np.empty_like(q))]):
+            k0 = k.copy()
+            plan = cb.plan_rotate(items, cos, sin, rows, **kw)
+            uncached = cb._plan_rotate(items, cos, sin, rows, max_tokens_per_block=None,
+                                       shared_mem_limit=cb.SHARED_MEM_LIMIT, **kw)
+            assert plan[:5] == uncached[:5]
+            assert all(a is b if isinstance(a, np.ndarray) else a == b for a, b in zip(plan.args, uncached.args))
+            kernels.launch(plan)
+            np.testing.assert_allclose(items[0][1], _oracle(q, np.arange(6), spec), rtol=2e-6, atol=2e-6)
+            if len(items) == 2:
+                np.testing.assert_allclose(k, _oracle(k0, np.arange(6), spec), rtol=2e-6, atol=2e-6)
+    for _, template, _ in cb._plan_cache.values():
+        assert not any(isinstance(a, np.ndarray) for a in template)

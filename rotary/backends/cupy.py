@@ -20,8 +20,10 @@ import math
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 NAME = "cupy"
 
@@ -86,15 +88,9 @@ def name_expressions(family: str, dtype_name: str) -> list[str]:
 
 
 # -- launch plans (pure Python) -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Arg:
-    """One kernel argument: kind is "ptr" (value: an array), "i64", "i32", "f32" or "f64"."""
-    kind: str
-    value: object
-
-
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
+    """One kernel launch. args: arrays (passed as device pointers) and NumPy scalars whose type is the
+    C++ parameter type (int64 -> long long, int32 -> int, float32 -> float, float64 -> double)."""
     family: str
     kernel: str          # name expression
     grid: int
@@ -103,14 +99,19 @@ class Launch:
     args: tuple
 
 
-def _elem_strides(a, itemsize: int) -> tuple[int, ...]:
-    """Strides in elements; 0 for axes of length 1 (their stride is never used)."""
+def _elem_strides(a, itemsize: int) -> list:
+    """Strides in elements as np.int64; 0 for axes of length 1 (their stride is never used)."""
     out = []
     for n, s in zip(a.shape, a.strides):
         if s % itemsize:
             raise ValueError(f"stride {s} is not a multiple of the item size {itemsize}")
-        out.append(0 if n == 1 else s // itemsize)
-    return tuple(out)
+        out.append(np.int64(0 if n == 1 else s // itemsize))
+    return out
+
+
+def _lowbit(n: int) -> int:
+    """Largest power of two dividing n (n == 0 -> a huge power of two)."""
+    return n & -n if n else 1 << 62
 
 
 def vector_width(arrays, dtype_name: str, rotary_dim: int, address) -> int:
@@ -120,23 +121,17 @@ def vector_width(arrays, dtype_name: str, rotary_dim: int, address) -> int:
     ``(rotary_dim // 2) % V == 0`` (pair groups never straddle the a/b halves).
     """
     itemsize = ITEMSIZE[dtype_name]
-    half = rotary_dim // 2
-    best = 1
-    for v in vector_widths(dtype_name):
-        if half % v:
-            continue
-        ok = True
-        for a in arrays:
-            st = _elem_strides(a, itemsize)
-            if a.shape[3] > 1 and st[3] != 1:
-                ok = False
-            elif any(s % v for s in st[:3]) or address(a) % (v * itemsize):
-                ok = False
-            if not ok:
-                break
-        if ok:
-            best = v
-    return best
+    v = min(VECTOR_BYTES // itemsize, _lowbit(rotary_dim // 2))
+    for a in arrays:
+        shape, strides = a.shape, a.strides
+        if shape[3] > 1 and strides[3] != itemsize:
+            return 1
+        bits = address(a)
+        for n, st in zip(shape[:3], strides[:3]):
+            if n > 1:
+                bits |= st
+        v = min(v, _lowbit(bits) // itemsize)
+    return max(1, v)
 
 
 def rotate_geometry(n_tokens: int, units_per_token: int, bytes_per_token: int, *, threads: int = 256,
@@ -148,21 +143,15 @@ def rotate_geometry(n_tokens: int, units_per_token: int, bytes_per_token: int, *
     thread, capped by shared memory (``bytes_per_token`` staged per token) and ``max_tokens_per_block``.
     """
     per_token = max(1, units_per_token)
-    tpb = max(1, math.ceil(threads * units_per_thread / per_token))
+    tpb = max(1, -(-threads * units_per_thread // per_token))
     tpb = min(tpb, max(1, shared_mem_limit // max(1, bytes_per_token)), max(1, n_tokens), (2**31 - 1) // per_token)
     if max_tokens_per_block is not None:
         tpb = min(tpb, max(1, max_tokens_per_block))
     block = min(threads, per_token * tpb)
     if threads >= 32:
-        block = min(threads, 32 * math.ceil(block / 32))
-    grid = math.ceil(n_tokens / tpb)
+        block = min(threads, 32 * -(-block // 32))
+    grid = -(-n_tokens // tpb)
     return grid, max(1, block), tpb, tpb * bytes_per_token
-
-
-def _tensor_args(x, y, itemsize):
-    xs, ys = _elem_strides(x, itemsize), _elem_strides(y, itemsize)
-    return [Arg("ptr", x), Arg("ptr", y), Arg("i64", x.shape[2]), *[Arg("i64", s) for s in xs],
-            *[Arg("i64", s) for s in ys]]
 
 
 def plan_rotate(items, cos, sin, rows, *, dtype_name: str, rotary_dim: int, layout: str, inverse: bool,
@@ -176,13 +165,46 @@ def plan_rotate(items, cos, sin, rows, *, dtype_name: str, rotary_dim: int, layo
     """
     if not 1 <= len(items) <= 2:
         raise ValueError("plan_rotate takes one or two items")
+    arrays = [a for pair in items for a in pair]
+    key = (dtype_name, rotary_dim, layout, bool(inverse), threads, max_tokens_per_block, shared_mem_limit,
+           rows.shape, tuple((a.shape, a.strides, address(a) & 15) for a in arrays),
+           tuple(y is x for x, y in items))
+    cached = _plan_cache.get(key)
+    if cached is None:
+        plan = _plan_rotate(items, cos, sin, rows, dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout,
+                            inverse=inverse, address=address, threads=threads,
+                            max_tokens_per_block=max_tokens_per_block, shared_mem_limit=shared_mem_limit)
+        if plan is None:
+            return None
+        slots = [i for i, a in enumerate(plan.args) if not isinstance(a, np.generic)]
+        if len(_plan_cache) >= 1024:
+            _plan_cache.clear()
+        template = list(plan.args)
+        for i in slots:
+            template[i] = None  # the cache holds no arrays
+        _plan_cache[key] = cached = (plan._replace(args=()), template, slots)
+        return plan
+    plan, template, slots = cached
+    args = list(template)
+    order = arrays + ([arrays[0], arrays[0]] if len(items) == 1 else []) + [cos, sin, rows]
+    for i, a in zip(slots, order):
+        args[i] = a
+    return plan._replace(args=tuple(args))
+
+
+#: plan_rotate's cache: everything but the arrays, keyed by shapes, strides, alignments and options
+_plan_cache: dict = {}
+
+
+def _plan_rotate(items, cos, sin, rows, *, dtype_name, rotary_dim, layout, inverse, address, threads,
+                 max_tokens_per_block, shared_mem_limit):
+    i64, i32 = np.int64, np.int32
     itemsize = ITEMSIZE[dtype_name]
     x0 = items[0][0]
     n_batch, seq_len, _, head_dim = x0.shape
     n_tokens = n_batch * seq_len
     half = rotary_dim // 2
-    arrays = [a for pair in items for a in pair]
-    v = vector_width(arrays, dtype_name, rotary_dim, address)
+    v = vector_width([a for pair in items for a in pair], dtype_name, rotary_dim, address)
     tail_len = head_dim - rotary_dim
     tail_v = v if tail_len % v == 0 else 1
     copy_tail = [int(y is not x and tail_len > 0) for x, y in items]
@@ -193,14 +215,13 @@ def plan_rotate(items, cos, sin, rows, *, dtype_name: str, rotary_dim: int, layo
     grid, block, tpb, smem = rotate_geometry(n_tokens, units, 4 * 8 + 2 * half * work_itemsize, threads=threads,
                                              max_tokens_per_block=max_tokens_per_block,
                                              shared_mem_limit=shared_mem_limit)
-    args = _tensor_args(*items[0], itemsize) + [Arg("i32", copy_tail[0])]
-    if len(items) == 2:
-        args += _tensor_args(*items[1], itemsize) + [Arg("i32", copy_tail[1])]
-    else:  # no second tensor: zero heads
-        args += [Arg("ptr", x0), Arg("ptr", x0), *[Arg("i64", 0)] * 9, Arg("i32", 0)]
-    args += [Arg("ptr", cos), Arg("ptr", sin), Arg("ptr", rows), Arg("i32", int(rows.shape[0] > 1)),
-             Arg("i64", n_tokens), Arg("i64", seq_len), Arg("i32", head_dim), Arg("i32", rotary_dim),
-             Arg("i32", tail_v), Arg("i32", int(bool(inverse))), Arg("i32", tpb)]
+    args = []
+    for (x, y), ct in zip(items, copy_tail):
+        args += [x, y, i64(x.shape[2]), *_elem_strides(x, itemsize), *_elem_strides(y, itemsize), i32(ct)]
+    if len(items) == 1:  # no second tensor: zero heads
+        args += [x0, x0, *[i64(0)] * 9, i32(0)]
+    args += [cos, sin, rows, i32(rows.shape[0] > 1), i64(n_tokens), i64(seq_len), i32(head_dim), i32(rotary_dim),
+             i32(tail_v), i32(bool(inverse)), i32(tpb)]
     return Launch("rope", rope_kernel_name(dtype_name, v, layout == "interleaved"), grid, block, smem, tuple(args))
 
 
@@ -250,20 +271,19 @@ def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, d
                                                          threads=threads, shared_mem_limit=shared_mem_limit)
     args = []
     for a in (q, k, v, o):
-        args += [Arg("ptr", a), *[Arg("i64", s) for s in _elem_strides(a, itemsize)]]
+        args += [a, *_elem_strides(a, itemsize)]
     fmap = {"identity": 0, "elu": 1, "relu": 2}[feature_map]
-    args += [Arg("ptr", state_s), Arg("ptr", z_in), Arg("ptr", z_out), Arg("ptr", cos), Arg("ptr", sin),
-             Arg("ptr", rows),
-             Arg("i32", int(rows.shape[0] > 1)), Arg("i64", seq_len), Arg("i32", n_heads), Arg("i32", m),
-             Arg("i32", dv), Arg("i32", rotary_dim), Arg("i32", int(layout == "interleaved")),
-             Arg("i32", int(bool(causal))), Arg("i32", fmap), Arg("f64" if work == "double" else "f32", eps),
-             Arg("i32", c), Arg("i32", dt)]
+    i32 = np.int32
+    args += [state_s, z_in, z_out, cos, sin, rows, i32(rows.shape[0] > 1), np.int64(seq_len), i32(n_heads), i32(m),
+             i32(dv), i32(rotary_dim), i32(layout == "interleaved"), i32(bool(causal)), i32(fmap),
+             (np.float64 if work == "double" else np.float32)(eps), i32(c), i32(dt)]
     return Launch("linear_attention", linear_attention_kernel_name(dtype_name), grid, block, smem, tuple(args))
 
 
 # -- CuPy side ----------------------------------------------------------------------------------------
 _module_lock = threading.Lock()
-_modules: dict = {}
+_modules: dict = {}   # (device, family, dtype) -> cupy.RawModule
+_kernels: dict = {}   # (device, name expression) -> cupy.RawKernel
 
 
 def availability():
@@ -313,28 +333,29 @@ def table_converter(x):
 
 
 def _kernel(family: str, dtype_name: str, name: str):
-    """The compiled kernel ``name`` on the current device (module built on first use)."""
+    """The compiled kernel ``name`` on the current device (its dtype's module built on first use)."""
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), family, dtype_name)
+    device = cupy.cuda.runtime.getDevice()
+    kernel = _kernels.get((device, name))
+    if kernel is not None:
+        return kernel
     with _module_lock:
+        key = (device, family, dtype_name)
         module = _modules.get(key)
         if module is None:
             module = cupy.RawModule(code=source_text(family), options=NVRTC_OPTIONS,
                                     name_expressions=name_expressions(family, dtype_name))
             _modules[key] = module
-    return module.get_function(name)
+        kernel = _kernels[(device, name)] = module.get_function(name)
+    return kernel
 
 
 def _launch(plan: Launch, dtype_name: str) -> None:
-    import numpy as np
-
-    convert = {"i64": np.int64, "i32": np.int32, "f32": np.float32, "f64": np.float64}
-    args = tuple(a.value if a.kind == "ptr" else convert[a.kind](a.value) for a in plan.args)
     kernel = _kernel(plan.family, dtype_name, plan.kernel)
     if plan.shared_mem > SHARED_MEM_LIMIT and kernel.max_dynamic_shared_size_bytes < plan.shared_mem:
         kernel.max_dynamic_shared_size_bytes = plan.shared_mem
-    kernel((plan.grid,), (plan.block,), args, shared_mem=plan.shared_mem)
+    kernel((plan.grid,), (plan.block,), plan.args, shared_mem=plan.shared_mem)
 
 
 def max_shared_mem() -> int:

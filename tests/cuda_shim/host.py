@@ -49,6 +49,10 @@ def _translation_unit(entries) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: NumPy scalar type of a plan argument -> the ctypes type of the C++ parameter
+SCALARS = {np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+
+
 class HostKernels:
     """The compiled shim library; :meth:`launch` runs a plan."""
 
@@ -64,13 +68,8 @@ class HostKernels:
         fn.restype = None
         fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_size_t]
-        values = []
-        for arg in plan.args:
-            if arg.kind == "ptr":
-                values.append(ctypes.c_void_p(address(arg.value)))
-            else:
-                values.append({"i64": ctypes.c_int64, "i32": ctypes.c_int32, "f32": ctypes.c_float,
-                               "f64": ctypes.c_double}[arg.kind](arg.value))
+        values = [ctypes.c_void_p(address(a)) if isinstance(a, np.ndarray) else SCALARS[type(a)](a)
+                  for a in plan.args]
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
         sizes = (ctypes.c_size_t * len(values))(*[ctypes.sizeof(v) for v in values])
         fn(plan.grid, plan.block, plan.shared_mem, pointers, sizes, len(values))
