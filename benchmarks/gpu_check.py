@@ -130,7 +130,8 @@ def decode(cupy, rotary, cb, batch: int = 32) -> dict:
 
 
 def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=128, dtype="float32") -> dict:
-    """Causal linear attention at several shared-memory budgets (48 KiB needs no opt-in); the best is reported."""
+    """Causal linear attention at several shared-memory budgets (48 KiB needs no opt-in) and block sizes;
+    the best is reported."""
     from rotary import RopeSpec
 
     spec = RopeSpec(d)
@@ -141,28 +142,29 @@ def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=
     optin = cb.max_shared_mem()
     budgets = sorted({cb.SHARED_MEM_LIMIT, min(optin, 100 * 1024), optin})
     runs = []
-    saved = cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT
+    saved = cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT, cb.LINEAR_ATTENTION_THREADS
     reference = None
     try:
-        for budget in budgets:
-            cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT = budget
+        for budget, threads in [(b, t) for b in budgets for t in (64, 128, 256)]:
+            cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT, cb.LINEAR_ATTENTION_THREADS = budget, threads
             _, _, chunk, dv_tile, smem = cb.linear_attention_geometry(batch, heads, d, d, 4, 64,
                                                                       shared_mem_limit=budget)
             try:
                 t = _events_time(cupy, lambda: cb.linear_attention(q, k, v, cos, sin, rows, **kw), 2)
                 o, _ = cb.linear_attention(q, k, v, cos, sin, rows, **kw)
+                cupy.cuda.get_current_stream().synchronize()
                 if reference is None:
                     reference = o
                 diff = float(cupy.abs(o - reference).max() / cupy.abs(reference).max())
             except Exception as exc:
-                runs.append({"budget": budget, "error": f"{type(exc).__name__}: {exc}"})
+                runs.append({"budget": budget, "threads": threads, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             flop = 4 * batch * heads * T * d * (chunk + d)
-            runs.append({"budget": budget, "chunk": chunk, "dv_tile": dv_tile, "shared_mem": smem, "ms": t * 1e3,
+            runs.append({"budget": budget, "threads": threads, "chunk": chunk, "dv_tile": dv_tile, "shared_mem": smem, "ms": t * 1e3,
                          "GFLOPs": flop / t / 1e9, "fraction_of_fp32_peak": flop / t / 1e9 / peak_GFLOPs,
                          "max_rel_diff_vs_first_budget": diff})
     finally:
-        cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT = saved
+        cb.LINEAR_ATTENTION_SHARED_MEM_LIMIT, cb.LINEAR_ATTENTION_THREADS = saved
     ok = [r for r in runs if "error" not in r]
     best = max(ok, key=lambda r: r["GFLOPs"]) if ok else {}
     return {"B": batch, "H": heads, "T": T, "m": d, "dv": d, "runs": runs, **best}

@@ -48,6 +48,8 @@ NVRTC_OPTIONS = ("-std=c++17",)
 #: larger dynamic shared memory (up to the device's cudaDevAttrMaxSharedMemoryPerBlockOptin).
 #: benchmarks/gpu_check.py measures several budgets; the default is the one that needs no opt-in.
 LINEAR_ATTENTION_SHARED_MEM_LIMIT = SHARED_MEM_LIMIT
+#: threads per block of the linear attention kernel (also swept by benchmarks/gpu_check.py)
+LINEAR_ATTENTION_THREADS = 128
 
 
 # -- sources and instantiations (pure Python) ---------------------------------------------------
@@ -509,7 +511,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         plan = plan_linear_attention(exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v),
                                      exchange.to_cupy(o), s_state, z_in, z_state, c, s, rows_dev, dtype_name=name,
                                      rotary_dim=rotary_dim, layout=layout, causal=causal,
-                                     feature_map=feature_map, eps=eps, chunk=chunk,
+                                     feature_map=feature_map, eps=eps, chunk=chunk, threads=LINEAR_ATTENTION_THREADS,
                                      shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT, max_shared_mem()))
         if plan is not None:
             _launch(plan, name)
