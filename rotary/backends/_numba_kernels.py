@@ -293,6 +293,50 @@ def gemv_rows(coef, rows, y, count, n):
 
 
 @njit(cache=True)
+def gemv_rows_pair(coef0, coef1, rows, y0, y1, count, n):
+    """gemv_rows for two outputs at once: each loaded row of ``rows`` serves y0 and y1."""
+    r = 0
+    while r + 4 <= count:
+        x0, x1, x2, x3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
+        a0, a1, a2, a3 = coef0[r], coef0[r + 1], coef0[r + 2], coef0[r + 3]
+        b0, b1, b2, b3 = coef1[r], coef1[r + 1], coef1[r + 2], coef1[r + 3]
+        for j in range(n):
+            y0[j] += (a0 * x0[j] + a1 * x1[j]) + (a2 * x2[j] + a3 * x3[j])
+            y1[j] += (b0 * x0[j] + b1 * x1[j]) + (b2 * x2[j] + b3 * x3[j])
+        r += 4
+    while r < count:
+        axpy(coef0[r], rows[r], y0, n)
+        axpy(coef1[r], rows[r], y1, n)
+        r += 1
+
+
+@njit(cache=True)
+def finish_causal_row(o, g, b, t, h, a_plain_row, k_plain_row, cum, acc, eps):
+    """cum += b_t; o[b, t, h] = acc / (a_t . cum + eps) (cum holds z0 + sum of b up to token t, float64)."""
+    for j in range(cum.shape[0]):
+        cum[j] += k_plain_row[j]
+    store_row(o, g, b, t, h, acc, 1.0 / (dot4(a_plain_row, cum) + eps))
+
+
+@njit(cache=True)
+def dot4(x, y):
+    """sum_j x[j] y[j] in float64 with four interleaved partial sums (four independent add chains)."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = 0.0
+    j = 0
+    while j + 4 <= n:
+        s0 += x[j] * np.float64(y[j])
+        s1 += x[j + 1] * np.float64(y[j + 1])
+        s2 += x[j + 2] * np.float64(y[j + 2])
+        s3 += x[j + 3] * np.float64(y[j + 3])
+        j += 4
+    while j < n:
+        s0 += x[j] * np.float64(y[j])
+        j += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@njit(cache=True)
 def store_row(o, g, b, t, h, acc, scale):
     """o[b, t, h, :] = acc * scale, rounded to o's dtype."""
     base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
@@ -317,13 +361,14 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     k_plain = np.empty((chunk, m), work)
     k_hat_t = np.empty((m, chunk), work)
     values = np.empty((chunk, dv), work)
-    scores = np.empty(chunk, work)
-    acc = np.empty(dv, work)
-    kv = np.empty(dv, work)
+    scores = np.empty((2, chunk), work)
+    acc = np.empty((2, dv), work)
+    k_sum = np.empty(m, work)
     carried_s = state_s[b, h].astype(np.float64)
     carried_z = state_z[b, h].astype(np.float64)
     s_work = carried_s.astype(work)
     cum = np.empty(m, np.float64)
+    out_geo = geo[3]
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
         load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
@@ -333,40 +378,53 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
                           a_plain, a_hat, False)
             cum[:] = carried_z
-            for i in range(n):
-                a_row = a_hat[i]
-                acc[:] = 0
-                scores[:i + 1] = 0
-                gemv_rows(a_row, s_work, acc, m, dv)             # inter-chunk: A_hat S
-                gemv_rows(a_row, k_hat_t, scores, m, i + 1)      # intra-chunk scores, j <= i
-                gemv_rows(scores, values, acc, i + 1, dv)
-                den = 0.0
-                for j in range(m):
-                    cum[j] += k_plain[i, j]
-                    den += a_plain[i, j] * cum[j]
-                store_row(o, geo[3], b, t0 + i, h, acc, 1.0 / (den + eps))
-        for kk in range(m):                                        # S += B_hat^T V, z += sum B
-            kv[:] = 0
-            gemv_rows(k_hat_t[kk], values, kv, n, dv)
-            s_row = carried_s[kk]
-            for j in range(dv):
-                s_row[j] += kv[j]
-                s_work[kk, j] = s_row[j]
+            for i in range(0, n - 1, 2):    # two query rows per pass over S, B_hat and V
+                acc[:, :] = 0
+                scores[:, :] = 0
+                gemv_rows_pair(a_hat[i], a_hat[i + 1], s_work, acc[0], acc[1], m, dv)          # A_hat S
+                # full rows of scores (whole vectors), then the causal mask keeps j <= i (j <= i + 1)
+                gemv_rows_pair(a_hat[i], a_hat[i + 1], k_hat_t, scores[0], scores[1], m, n)
+                scores[0, i + 1] = 0
+                gemv_rows_pair(scores[0], scores[1], values, acc[0], acc[1], i + 2, dv)
+                finish_causal_row(o, out_geo, b, t0 + i, h, a_plain[i], k_plain[i], cum, acc[0], eps)
+                finish_causal_row(o, out_geo, b, t0 + i + 1, h, a_plain[i + 1], k_plain[i + 1], cum, acc[1], eps)
+            if n % 2:
+                i = n - 1
+                acc[0, :] = 0
+                scores[0, :n] = 0
+                gemv_rows(a_hat[i], s_work, acc[0], m, dv)
+                gemv_rows(a_hat[i], k_hat_t, scores[0], m, n)
+                gemv_rows(scores[0], values, acc[0], n, dv)
+                finish_causal_row(o, out_geo, b, t0 + i, h, a_plain[i], k_plain[i], cum, acc[0], eps)
+        for kk in range(0, m, 2):                                  # S += B_hat^T V, two rows of S per pass
+            acc[:, :] = 0
+            if kk + 1 < m:
+                gemv_rows_pair(k_hat_t[kk], k_hat_t[kk + 1], values, acc[0], acc[1], n, dv)
+            else:
+                gemv_rows(k_hat_t[kk], values, acc[0], n, dv)
+            for r in range(kk, min(kk + 2, m)):
+                s_row = carried_s[r]
+                for j in range(dv):
+                    s_row[j] += acc[r - kk, j]
+                    s_work[r, j] = s_row[j]
+        k_sum[:] = 0                                               # z += sum B (chunk sum, then float64)
         for i in range(n):
+            k_row = k_plain[i]
             for j in range(m):
-                carried_z[j] += k_plain[i, j]
+                k_sum[j] += k_row[j]
+        for j in range(m):
+            carried_z[j] += k_sum[j]
     if not causal:
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
                           a_plain, a_hat, False)
-            for i in range(n):
-                acc[:] = 0
-                gemv_rows(a_hat[i], s_work, acc, m, dv)
-                den = 0.0
-                for j in range(m):
-                    den += a_plain[i, j] * carried_z[j]
-                store_row(o, geo[3], b, t0 + i, h, acc, 1.0 / (den + eps))
+            for i in range(0, n, 2):
+                i1 = min(i + 1, n - 1)    # odd n: the last row twice
+                acc[:, :] = 0
+                gemv_rows_pair(a_hat[i], a_hat[i1], s_work, acc[0], acc[1], m, dv)
+                for r in range(i, i1 + 1):
+                    store_row(o, out_geo, b, t0 + r, h, acc[r - i], 1.0 / (dot4(a_plain[r], carried_z) + eps))
     new_s[b, h] = carried_s
     new_z[b, h] = carried_z
 
