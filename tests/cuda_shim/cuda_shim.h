@@ -79,7 +79,7 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t sha
         return;
     }
     const auto values = unpack<P...>(args, std::index_sequence_for<P...>{});
-    shared_buffer.assign(shared_bytes + shared_guard, 0xA5);  // garbage, not zeros
+    shared_buffer.assign(shared_bytes + shared_guard, 0xFF);  // NaN garbage: reading it unwritten shows
     block_dim = {block, 1, 1};
     grid_dim = {grid, 1, 1};
     std::barrier<> barrier(block);
@@ -99,7 +99,7 @@ void launch(void (*kernel)(P...), unsigned grid, unsigned block, std::size_t sha
     for (auto& th : threads) th.join();
     block_barrier = nullptr;
     for (std::size_t i = shared_bytes; i < shared_buffer.size(); ++i)
-        if (shared_buffer[i] != 0xA5) {
+        if (shared_buffer[i] != 0xFF) {
             report("write past the end of dynamic shared memory");
             break;
         }

@@ -13,17 +13,15 @@
 //     causal, per chunk:  N = Â S + tril(Â B̂^T) V,  D = rowsum(A * (z + cumsum_rows(B))),  O = N / (D + eps)
 //                         S += B̂^T V,  z += colsum(B)          (chunk sums first, then added to S, z)
 //     non-causal:         pass 1 accumulates S, z over all chunks; pass 2 writes O = Â S / (A z + eps).
-// Products are 4x4 register tiles over shared-memory operands. Shared memory (W elements), see
+// Products are 4x4 (or, when that leaves threads idle, 2x2) register tiles over shared-memory operands. Shared memory (W elements), see
 // rotary.backends.cupy.linear_attention_geometry:
 //     A, B: chunk x mp  |  V: chunk x dtp  |  S: m x dtp  |  P: chunk x (chunk + 1)  |  den: chunk  |  z: m
 // with mp = m | 1 and dtp = dv_tile | 1 (odd row strides avoid bank conflicts on column walks).
 #include "rotary_common.cuh"
 
-#define TILE 4
-
 // acc[i][j] = sum_{k<K} X[(r+i)*xr + k*xk] * Y[k*yk + (c+j)*yc]; rows/cols past nr/nc are clamped
 // (their results are discarded by the caller).
-template <typename W>
+template <int TILE, typename W>
 ROTARY_FN void mma_tile(W (&acc)[TILE][TILE], const W* X, int xr, int xk, const W* Y, int yk, int yc,
                         int r, int c, int nr, int nc, int K) {
     int xo[TILE], yo[TILE];
@@ -46,7 +44,7 @@ ROTARY_FN void mma_tile(W (&acc)[TILE][TILE], const W* X, int xr, int xk, const 
     }
 }
 
-template <typename W> ROTARY_FN void zero_tile(W (&acc)[TILE][TILE]) {
+template <int TILE, typename W> ROTARY_FN void zero_tile(W (&acc)[TILE][TILE]) {
 #pragma unroll
     for (int i = 0; i < TILE; ++i)
 #pragma unroll
@@ -89,16 +87,20 @@ ROTARY_FN void rotate_rows(W* X, int mp, int L, int half, int interleaved, const
     }
 }
 
+// TILE x TILE register tiles: 4 when there are at least as many 4x4 tiles as threads, else 2 (more
+// threads busy on small products, e.g. O = ÂS + PV of a short chunk).
+ROTARY_FN bool wide_tiles(int n_tiles4, int nthreads) { return n_tiles4 >= nthreads; }
+
 // S[j][c] += sum_{t<L} B̂[t][j] V[t][c]   (m x width)
-template <typename W>
+template <int TILE, typename W>
 ROTARY_FN void update_state(W* S, int dtp, const W* B, int mp, const W* Vs, int L, int m, int width, int tid,
                             int nthreads) {
     const int tr = (m + TILE - 1) / TILE, tc = (width + TILE - 1) / TILE;
     for (int tile = tid; tile < tr * tc; tile += nthreads) {
         const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
         W acc[TILE][TILE];
-        zero_tile(acc);
-        mma_tile(acc, B, 1, mp, Vs, dtp, 1, r, c, m, width, L);
+        zero_tile<TILE>(acc);
+        mma_tile<TILE>(acc, B, 1, mp, Vs, dtp, 1, r, c, m, width, L);
 #pragma unroll
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
@@ -118,7 +120,7 @@ ROTARY_FN void update_normalizer(W* z, const W* B, int mp, int L, int m, int tid
 }
 
 // o[t][c] = (Â_t . S[:, c] + [causal] sum_{s<=t} P[t][s] V[s][c]) / (den[t] + eps)
-template <typename T, typename W>
+template <int TILE, typename T, typename W>
 ROTARY_FN void write_output(T* o, i64 ost, i64 osd, const W* A, int mp, const W* S, int dtp, const W* P, int pp,
                             const W* Vs, const W* den, W eps, int L, int m, int width, int causal, int tid,
                             int nthreads) {
@@ -126,15 +128,35 @@ ROTARY_FN void write_output(T* o, i64 ost, i64 osd, const W* A, int mp, const W*
     for (int tile = tid; tile < tr * tc; tile += nthreads) {
         const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
         W acc[TILE][TILE];
-        zero_tile(acc);
-        mma_tile(acc, A, mp, 1, S, dtp, 1, r, c, L, width, m);
-        if (causal) mma_tile(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
+        zero_tile<TILE>(acc);
+        mma_tile<TILE>(acc, A, mp, 1, S, dtp, 1, r, c, L, width, m);
+        if (causal) mma_tile<TILE>(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
 #pragma unroll
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
             for (int j = 0; j < TILE; ++j)
                 if (r + i < L && c + j < width)
                     o[(r + i) * ost + (c + j) * osd] = Store<T>::from(acc[i][j] / (den[r + i] + eps));
+    }
+}
+
+// P[t][s] = Â_t . B̂_s for s <= t, 0 above the diagonal, for all t, s < L (tiles above the diagonal
+// are zero-filled without computing: write_output may tile P's rows differently)
+template <int TILE, typename W>
+ROTARY_FN void causal_scores(W* P, int pp, const W* A, const W* B, int mp, int L, int m, int tid, int nthreads) {
+    const int nt = (L + TILE - 1) / TILE;
+    for (int pt = tid; pt < nt * nt; pt += nthreads) {
+        const int tr = pt / nt, tc = pt - tr * nt;
+        W acc[TILE][TILE];
+        zero_tile<TILE>(acc);
+        if (tc <= tr) mma_tile<TILE>(acc, A, mp, 1, B, 1, mp, tr * TILE, tc * TILE, L, L, m);
+#pragma unroll
+        for (int i = 0; i < TILE; ++i)
+#pragma unroll
+            for (int j = 0; j < TILE; ++j) {
+                const int t = tr * TILE + i, s = tc * TILE + j;
+                if (t < L && s < L) P[t * pp + s] = s <= t ? acc[i][j] : W(0);
+            }
     }
 }
 
@@ -217,28 +239,24 @@ __global__ void linear_attention_chunked(
         rotate_rows(B, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
         __syncthreads();
         if (causal) {
-            // P = tril(Â B̂^T); tiles above the diagonal are skipped (never read)
-            const int nt = (L + TILE - 1) / TILE;
-            for (int pt = tid; pt < nt * nt; pt += nthreads) {
-                const int tr = pt / nt, tc = pt - tr * nt;
-                if (tc > tr) continue;
-                W acc[TILE][TILE];
-                zero_tile(acc);
-                mma_tile(acc, A, mp, 1, B, 1, mp, tr * TILE, tc * TILE, L, L, m);
-#pragma unroll
-                for (int i = 0; i < TILE; ++i)
-#pragma unroll
-                    for (int j = 0; j < TILE; ++j) {
-                        const int t = tr * TILE + i, s = tc * TILE + j;
-                        if (t < L && s < L) P[t * pp + s] = s <= t ? acc[i][j] : W(0);
-                    }
-            }
+            const int nt4 = (L + 3) / 4;
+            if (wide_tiles(nt4 * nt4, nthreads))
+                causal_scores<4>(P, pp, A, B, mp, L, m, tid, nthreads);
+            else
+                causal_scores<2>(P, pp, A, B, mp, L, m, tid, nthreads);
             __syncthreads();
-            write_output<T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
-                               tid, nthreads);
+            if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
+                write_output<4, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
+                                      tid, nthreads);
+            else
+                write_output<2, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
+                                      tid, nthreads);
             __syncthreads();
         }
-        update_state(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
+        if (wide_tiles(((m + 3) / 4) * ((width + 3) / 4), nthreads))
+            update_state<4>(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
+        else
+            update_state<2>(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
         __syncthreads();
     }
 
@@ -255,8 +273,12 @@ __global__ void linear_attention_chunked(
         __syncthreads();
         rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
         __syncthreads();
-        write_output<T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0, tid,
-                           nthreads);
+        if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
+            write_output<4, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
+                                  tid, nthreads);
+        else
+            write_output<2, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
+                                  tid, nthreads);
         __syncthreads();
     }
 
