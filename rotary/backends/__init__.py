@@ -37,7 +37,7 @@ _MODULES = {
 }
 _INSTALL = {
     "numpy": "numpy is a core dependency; reinstall rotary",
-    "numba": "pip install 'rotary[numba]'  (numba and scipy)",
+    "numba": "pip install 'rotary[numba]'",
     "cupy": "pip install 'rotary[cuda12]' or 'rotary[cuda13]' (CuPy) and use a machine with a CUDA GPU",
 }
 #: Order in which backend="auto" tries backends for a given input.

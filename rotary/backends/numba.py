@@ -2,8 +2,8 @@
 
 The glue here turns each canonical view into a flat buffer with int64 element offset and strides
 (no copy of a strided input; ``out is x`` works in place), picks the parallel or the serial kernel
-by size, and allocates outputs and states. Importing this module imports numba (and checks for
-SciPy, which numba's ``np.dot`` needs for BLAS); ``import rotary`` never imports it.
+by size, and allocates outputs and states. Importing this module imports numba; ``import rotary``
+never imports it (the registry loads this module on first use).
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 
 
 def availability():
-    try:
-        import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot calls BLAS through it)
-    except ImportError as exc:
-        return False, f"numba is installed but SciPy is not ({exc}); numba needs SciPy for BLAS"
     return True, "ok"
 
 
