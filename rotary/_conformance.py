@@ -4,6 +4,11 @@ Each :class:`Case` describes one call of ``apply``/``apply_qk`` (shape, axes, sp
 dtype, inverse, in place, strided input). :func:`run_case` makes seeded inputs, runs the call on
 a backend and compares with the float64 complex-multiplication oracle of ``rotary.testing``
 (computed from the spec's frequencies, independently of tables, views and backends).
+
+Each :class:`LinearCase` is one ``linear_attention`` computation (causal or not, chunk edges,
+layouts, partial rotary, odd feature dims, feature maps, offsets, per-batch positions, prefill then
+resume through the state), compared by :func:`run_linear_case` with the quadratic float64 oracle
+``rotary.testing.linear_attention_quadratic``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import numpy as np
 
 from . import _scaling
 from ._spec import RopeSpec
-from .testing import rope_complex, tolerance
+from .testing import linear_attention_quadratic, rope_complex, tolerance
 
 #: Scaling rules exercised by the suite (only those this build knows are used).
 SCALINGS = {
@@ -196,6 +201,144 @@ def run_case(case: Case, backend: str, *, to_backend=None, to_host=None, seed: i
     return Result(case.name, backend, worst, atol, ok, seconds, detail)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearCase:
+    """One ``linear_attention`` computation on (B, H, T, d) inputs (BSHD when ``bshd``).
+
+    ``split`` > 0: the first ``split`` tokens in one call (``return_state=True``), the rest in a second
+    call that continues from the state; the two outputs together must equal the one-call oracle
+    (non-causal: block-causal, the first call's tokens do not see the second call's).
+    """
+
+    name: str
+    B: int = 2
+    H: int = 3
+    T: int = 20
+    d: int = 8
+    dv: int = 5
+    causal: bool = True
+    layout: str = "half"
+    rotary_dim: int | None = None
+    feature_map: str = "elu"
+    positions: str = "none"      # none | offset | batch
+    dtype: str = "float32"
+    chunk: int = 8
+    bshd: bool = False
+    split: int = 0
+
+    def spec(self) -> RopeSpec:
+        return RopeSpec(self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
+
+
+#: Bound on max |o - o_ref| / rms(o_ref) per dtype: fp32 chunked sums and fp16 output rounding,
+#: with margin; a wrong rotation, mask or denominator is off by O(1).
+LINEAR_TOLERANCES = {"float64": 1e-10, "float32": 3e-5, "float16": 1e-2}
+
+
+def linear_cases(quick: bool = False) -> list[LinearCase]:
+    """Every linear-attention case (``quick``: one causal and one non-causal per layout, and a resume)."""
+    out = []
+    for causal in (True, False):
+        c = "causal" if causal else "noncausal"
+        out += [
+            LinearCase(f"la-{c}-basic", causal=causal),
+            LinearCase(f"la-{c}-interleaved", causal=causal, layout="interleaved", bshd=True),
+            LinearCase(f"la-{c}-chunk-edges", causal=causal, T=17, chunk=8, positions="offset"),
+            LinearCase(f"la-{c}-one-token", causal=causal, T=1),
+            LinearCase(f"la-{c}-partial-odd", causal=causal, d=11, rotary_dim=6, layout="interleaved"),
+            LinearCase(f"la-{c}-batch-pos", causal=causal, positions="batch", bshd=True),
+            LinearCase(f"la-{c}-relu", causal=causal, feature_map="relu"),
+            LinearCase(f"la-{c}-fp64", causal=causal, dtype="float64", T=33),
+            LinearCase(f"la-{c}-fp16", causal=causal, dtype="float16", bshd=True),
+            LinearCase(f"la-{c}-resume", causal=causal, T=21, split=13, chunk=4),
+        ]
+    out.append(LinearCase("la-causal-long", B=1, H=2, T=300, d=32, dv=16, chunk=64))
+    if quick:
+        keep = {"la-causal-basic", "la-noncausal-interleaved", "la-causal-resume", "la-causal-fp16"}
+        out = [c for c in out if c.name in keep]
+    return out
+
+
+def make_linear_inputs(case: LinearCase, seed: int = 0):
+    """Seeded (q, k, v) in (B, H, T, d) order and the positions argument (None, int or (B, T))."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(case.dtype)
+    q, k = (rng.standard_normal((case.B, case.H, case.T, case.d)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((case.B, case.H, case.T, case.dv)).astype(dtype)
+    if case.positions == "offset":
+        pos = 1000
+    elif case.positions == "batch":
+        pos = rng.integers(0, 500, size=(case.B, case.T), dtype=np.int64)
+    else:
+        pos = None
+    return q, k, v, pos
+
+
+def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:
+    """Run ``case`` on ``backend``; error = max |o - o_ref| / rms(o_ref) against the quadratic oracle."""
+    from . import _api
+    from ._linear_attention import linear_attention
+
+    to_backend = to_backend or (lambda a: a)
+    to_host = to_host or (lambda a: _api.to_numpy(a))
+    q, k, v, pos = make_linear_inputs(case, seed)
+    spec = case.spec()
+    if pos is None:
+        p = np.arange(case.T)
+    elif np.ndim(pos) == 0:
+        p = int(pos) + np.arange(case.T)
+    else:
+        p = pos[:, None, :]
+    oracle_kw = dict(layout=spec.layout, scale=spec.attention_scaling, causal=case.causal,
+                     feature_map=case.feature_map)
+    ref = linear_attention_quadratic(q, k, v, p, spec.inv_freq(), **oracle_kw)
+    if case.split and not case.causal:   # non-causal calls chained by a state are block-causal
+        n = case.split
+        p_head = p[..., :n] if np.ndim(p) else p
+        ref[:, :, :n] = linear_attention_quadratic(q[:, :, :n], k[:, :, :n], v[:, :, :n], p_head, spec.inv_freq(),
+                                                   **oracle_kw)
+    to_layout = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if case.bshd else (lambda a: a)
+    args = [to_backend(to_layout(a)) for a in (q, k, v)]
+    originals = [to_host(a).copy() for a in args]
+    kwargs = dict(causal=case.causal, feature_map=case.feature_map, spec=spec, chunk=case.chunk,
+                  seq_axis=-3 if case.bshd else -2, backend=backend)
+    t0 = time.perf_counter()
+    try:
+        if case.split:
+            ax = 1 if case.bshd else 2
+            cut = [slice(None)] * 4
+            cut[ax] = slice(None, case.split)
+            head = tuple(cut)
+            cut[ax] = slice(case.split, None)
+            tail = tuple(cut)
+            pos_parts = (None, None) if pos is None else (pos, pos + case.split) if np.ndim(pos) == 0 else (
+                to_backend(pos[:, :case.split]), to_backend(pos[:, case.split:]))
+            o1, state = linear_attention(*(a[head] for a in args), pos_parts[0], return_state=True, **kwargs)
+            o2 = linear_attention(*(a[tail] for a in args), pos_parts[1], state=state, **kwargs)
+            outs = [o1, o2]
+        else:
+            pos_arg = to_backend(pos) if isinstance(pos, np.ndarray) else pos
+            outs = [linear_attention(*args, pos_arg, **kwargs)]
+    except Exception as exc:  # reported as a failure, not raised, so the runner can print a table
+        return Result(case.name, backend, float("nan"), 0.0, False, 0.0, f"{type(exc).__name__}: {exc}")
+    seconds = time.perf_counter() - t0
+    tol = LINEAR_TOLERANCES[case.dtype]
+    for out in outs:
+        if type(out) is not type(args[0]) or out.dtype != args[0].dtype:
+            return Result(case.name, backend, float("nan"), tol, False, seconds,
+                          f"returned {type(out).__name__} {out.dtype}")
+    host = np.concatenate([to_host(o).astype(np.float64) for o in outs], axis=1 if case.bshd else 2)
+    if case.bshd:
+        host = np.swapaxes(host, 1, 2)
+    if host.shape != ref.shape:
+        return Result(case.name, backend, float("nan"), tol, False, seconds, f"shape {host.shape} != {ref.shape}")
+    err = float(np.max(np.abs(host - ref)) / np.sqrt(np.mean(ref**2)))
+    ok, detail = err <= tol, "error relative to rms(o)"
+    if not all(np.array_equal(to_host(a), o) for a, o in zip(args, originals)):
+        ok, detail = False, "input was modified"
+    return Result(case.name, backend, err, tol, ok, seconds, detail)
+
+
 def array_converters(backend: str):
     """(to_backend, to_host) for the array type a backend takes (CuPy arrays for "cupy")."""
     if backend == "cupy":
@@ -206,8 +349,8 @@ def array_converters(backend: str):
 
 
 def run(backends=None, quick: bool = False) -> list[Result]:
-    """Run every case on every requested (default: every available) backend."""
-    from .backends import available_backends
+    """Run every case (rotation, then linear attention) on every requested (default: available) backend."""
+    from .backends import available_backends, get
 
     avail = available_backends()
     names = [b for b, (ok, _) in avail.items() if ok] if backends is None else list(backends)
@@ -216,4 +359,7 @@ def run(backends=None, quick: bool = False) -> list[Result]:
         to_backend, to_host = array_converters(name)
         for case in cases(quick):
             results.append(run_case(case, name, to_backend=to_backend, to_host=to_host))
+        if hasattr(get(name), "linear_attention"):
+            for case in linear_cases(quick):
+                results.append(run_linear_case(case, name, to_backend=to_backend, to_host=to_host))
     return results

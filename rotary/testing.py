@@ -5,7 +5,8 @@ The oracles do not use the library's tables, views or backends: each takes the f
 
 - :func:`rope_2x2`: explicit 2x2 rotation matrices applied pair by pair;
 - :func:`rope_matrix`: the block-diagonal matrix R_m of RoFormer eq. (15), built per position;
-- :func:`rope_complex`: complex multiplication ``z_i * exp(1j * m * theta_i)``.
+- :func:`rope_complex`: complex multiplication ``z_i * exp(1j * m * theta_i)``;
+- :func:`linear_attention_quadratic`: linear attention with RoPE (RoFormer eq. 19) as a T x T matrix.
 """
 
 from __future__ import annotations
@@ -82,6 +83,37 @@ def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0):
     y = x.copy()
     y[..., a], y[..., b] = z.real, z.imag
     return y
+
+
+def feature_map64(x, feature_map="elu"):
+    """phi(x) in float64: "elu" is elu(x) + 1, "relu" is max(x, 0), "identity" is x."""
+    x = np.asarray(x, dtype=np.float64)
+    if feature_map == "elu":
+        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    if feature_map == "relu":
+        return np.maximum(x, 0.0)
+    if feature_map == "identity":
+        return x
+    raise ValueError(f"feature_map must be 'elu', 'relu' or 'identity', got {feature_map!r}")
+
+
+def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", scale=1.0, causal=False,
+                               feature_map="elu", eps=1e-6):
+    """Oracle: RoFormer eq. 19 written as a T x T matrix, in float64.
+
+    ``o_t = sum_s (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s a_t^T b_s + eps)`` with a = phi(q),
+    b = phi(k), s <= t when ``causal``; q, k (..., T, d), v (..., T, dv), positions (T,) or
+    broadcastable to (..., T); R from :func:`rope_complex` (``scale`` multiplies each rotation).
+    """
+    a, b = feature_map64(q, feature_map), feature_map64(k, feature_map)
+    v = np.asarray(v, dtype=np.float64)
+    T = a.shape[-2]
+    mask = np.tril(np.ones((T, T))) if causal else np.ones((T, T))
+    a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale)
+    b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale)
+    numerator = ((a_hat @ np.swapaxes(b_hat, -1, -2)) * mask) @ v
+    denominator = ((a @ np.swapaxes(b, -1, -2)) * mask).sum(-1, keepdims=True)
+    return numerator / (denominator + eps)
 
 
 def to_numpy64(a) -> np.ndarray:

@@ -119,6 +119,14 @@ def test_conformance_case(case, geometry, use_backend):
     assert result.passed, f"{case.name}: max error {result.max_error:.3g} (tol {result.tolerance:.1g}) {result.detail}"
 
 
+@pytest.mark.parametrize("threads", [32, 128])
+@pytest.mark.parametrize("case", conformance.linear_cases(), ids=lambda c: c.name)
+def test_linear_conformance_case(case, threads, use_backend):
+    """The linear-attention conformance cases through the CUDA kernel against the quadratic oracle."""
+    result = conformance.run_linear_case(case, use_backend(threads=threads))
+    assert result.passed, f"{case.name}: error {result.max_error:.3g} (tol {result.tolerance:.1g}) {result.detail}"
+
+
 # -- rotation: direct launches -----------------------------------------------------------------------
 def _tables(spec, positions, work=np.float32):
     cos, sin = spec.cos_sin(np.asarray(positions), dtype=work)
