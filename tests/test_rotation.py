@@ -37,6 +37,27 @@ def test_float32_against_oracle_and_dtype_kept(layout, backend, rng):
     T.assert_close(y, np.moveaxis(ref, 2, 1), like=x)
 
 
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("shape,per_batch", [((40, 2, 32, 128), True), ((40, 2, 32, 128), False),
+                                             ((3, 50, 32, 128), True), ((2, 70, 32, 130), False)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_many_blocks_decode_and_prefill(shape, per_batch, inplace, backend, rng):
+    """Inputs larger than one work block (the NumPy path works in 256 KiB blocks): batches of short
+    sequences (decode), long sequences, per-batch and shared positions, a head dim past rotary_dim."""
+    B, S, H, D = shape
+    x = rng.standard_normal(shape).astype(np.float32)
+    spec = rotary.RopeSpec(D, rotary_dim=128, base=500000.0)
+    pos = rng.integers(0, 100000, size=(B, S)) if per_batch else 77
+    original = x.copy()
+    y = rotary.apply(x, pos, spec=spec, seq_axis=1, out=x if inplace else None, backend=backend)
+    p = pos[:, None, :] if per_batch else 77 + np.arange(S)
+    ref = T.rope_complex(np.moveaxis(original, 1, 2).astype(np.float64), p, spec.inv_freq())
+    T.assert_close(y, np.moveaxis(ref, 2, 1), like=x)
+    assert (y is x) == inplace
+    if not inplace:
+        np.testing.assert_array_equal(x, original)
+
+
 def _exact_rotation(x, position, inv_freq, layout):
     """mpmath: angle p * w with w taken exactly as the float64 value, cos/sin to 30 digits."""
     mpmath = pytest.importorskip("mpmath")

@@ -79,7 +79,17 @@ def _rotate_numpy(x, out, cos_tok, sin_tok, rotary_dim, layout):
         tmp_a = np.empty((B, S, H, half), dtype=work)
         _rotate_numpy_block(x, out, cos_tok, sin_tok, sa, sb, tmp_a, np.empty_like(tmp_a))
         return
-    step = min(S, tokens_per_block)
+    if S <= tokens_per_block:   # short sequences (decode): blocks of whole batch rows
+        rows_per_block = tokens_per_block // S
+        tmp_a = np.empty((min(B, rows_per_block), S, H, half), dtype=work)
+        tmp_b = np.empty_like(tmp_a)
+        for b0 in range(0, B, rows_per_block):
+            b1 = min(B, b0 + rows_per_block)
+            cb = slice(b0, b1) if bp > 1 else slice(0, 1)
+            _rotate_numpy_block(x[b0:b1], out[b0:b1], cos_tok[cb], sin_tok[cb], sa, sb, tmp_a[:b1 - b0],
+                                tmp_b[:b1 - b0])
+        return
+    step = tokens_per_block
     tmp_a = np.empty((1, step, H, half), dtype=work)
     tmp_b = np.empty_like(tmp_a)
     for b in range(B):
