@@ -76,7 +76,13 @@ def test_conformance_cli_quick():
     assert lines[header].split() == ["backend", "case", "max", "error", "tolerance", "result", "detail"]
     rows = [line.split() for line in lines[header + 2:-1]]
     available = [b for b, (ok, _) in rotary.available_backends().items() if ok]
-    assert len(rows) == len(available) * len(_conformance.cases(quick=True))
+    from rotary.backends import get
+
+    per_backend = {b: len(_conformance.cases(quick=True))
+                   + (len(_conformance.linear_cases(quick=True)) if hasattr(get(b), "linear_attention") else 0)
+                   for b in available}
+    assert len(rows) == sum(per_backend.values())
+    assert {r[1] for r in rows} >= {c.name for c in _conformance.linear_cases(quick=True)}
     assert {r[0] for r in rows} == set(available)
     assert all(r[4] == "pass" and float(r[2]) <= float(r[3]) * 10 for r in rows)
     assert lines[-1].startswith("conformance (quick): OK")
