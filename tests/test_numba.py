@@ -291,6 +291,33 @@ def test_linear_attention_frontend_uses_numba(rng):
     assert _rel(o, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_register_tiles_match_numpy(rng, dtype):
+    """madd_tile / matmul_tiles / dot_f64 (compiled, and their Python bodies) against NumPy products."""
+    w = kernels.tile_width(np.empty(1, dtype))
+    a = rng.standard_normal((8, 13)).astype(dtype)
+    b = rng.standard_normal((13, 2 * w)).astype(dtype)
+    c = rng.standard_normal((8, 2 * w)).astype(dtype)
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    for madd_tile in (kernels.madd_tile, kernels.madd_tile.py_func):
+        got = c.copy()
+        madd_tile(a, b, got, 4, w, 13, True)           # rows 4..7, second tile of columns, accumulate
+        expected = c.astype(np.float64)
+        expected[4:, w:] += a[4:].astype(np.float64) @ b[:, w:]
+        assert _rel(got, expected) <= tol
+        got = c.copy()
+        madd_tile(a, b, got, 0, 0, 5, False)            # overwrite with a depth-5 product
+        expected = c.astype(np.float64)
+        expected[:4, :w] = a[:4, :5].astype(np.float64) @ b[:5, :w]
+        assert _rel(got, expected) <= tol
+    got = np.full_like(c, np.nan)
+    kernels.matmul_tiles(a, b, got, 8, 13, 2 * w)
+    assert _rel(got, a.astype(np.float64) @ b) <= tol
+    x, y = rng.standard_normal((2, 3 * kernels.lanes(np.empty(1, np.float64))))
+    for dot_f64 in (kernels.dot_f64, kernels.dot_f64.py_func):
+        assert abs(dot_f64(x, y) - x @ y) <= 1e-13 * np.abs(x * y).sum()
+
+
 # -- the kernels' bodies as plain Python (small inputs; coverage sees these lines) ----------------
 @pytest.fixture
 def pure_python(monkeypatch):

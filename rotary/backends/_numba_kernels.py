@@ -19,17 +19,21 @@ Linear attention (RoFormer eq. 19, a = phi(q), b = phi(k), hats = rotated)::
 
 with s <= t (causal) or all s. The causal form runs in chunks of C tokens: per chunk
 ``N = A_hat S + tril(A_hat B_hat^T) V``, ``D = A z + rowsum(A * cumsum(B))``, then
-``S += B_hat^T V``, ``z += sum B``. The chunk products are vectorised row sums written here (no
-BLAS call from inside the parallel loop, whose own threads would oversubscribe the cores); the
-carried (S, z) are float64.
+``S += B_hat^T V``, ``z += sum B``. The chunk products are register-tiled matrix products written
+here (:func:`madd_tile` on :class:`Vec` values, one SIMD register each; no BLAS call from inside the
+parallel loop, whose own threads would oversubscribe the cores). Chunk products sum in the work
+dtype; the carried S, z and the denominators are float64.
 """
 
 from __future__ import annotations
 
+import llvmlite.binding as ll
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.core import config, errors
+from numba.extending import intrinsic, models, overload, register_model
+from numba.np.numpy_support import as_dtype
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
 
@@ -220,128 +224,348 @@ def feature(x, feature_map):
     return x
 
 
-@njit(cache=True)
-def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, plain, rotated,
-                  transpose):
-    """plain[i] = phi(x[b, t0+i, h, :]) and its rotation R_{p(t0+i)} plain[i] for i < n.
+# -- SIMD vectors for the chunk products -----------------------------------------------------------
+def _vector_bytes():
+    """Bytes of the widest vector register of the compile target: 64 with AVX-512, 32 with AVX, else 16."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = "" if config.CPU_NAME not in (None, "host") else ll.get_host_cpu_features().flatten()
+    for flag, size in (("+avx512f", 64), ("+avx", 32)):
+        if flag in features.split(","):
+            return size
+    return 16
 
-    The rotated row goes to rotated[i, :] or, with ``transpose``, to rotated[:, i];
-    g: (offset, sB, sS, sH, sD) of x.
+
+#: size of one :class:`Vec` in bytes (one register; 16 float32 or 8 float64 lanes with AVX-512)
+VECTOR_BYTES = _vector_bytes()
+#: rows of one register tile of :func:`madd_tile`; its width is two vectors (:func:`tile_width`)
+TILE_ROWS = 4
+
+
+class Vec(types.Type):
+    """An LLVM vector of ``VECTOR_BYTES`` bytes of float32 or float64: a value kept in one register.
+
+    Only :func:`vload`, :func:`vstore`, :func:`vsplat`, :func:`vmadd` and :func:`vsum` use it, so
+    LLVM sees the register tiles of :func:`madd_tile` as vector values instead of scalars it would
+    have to re-vectorise. In pure Python (``py_func``) the same functions work on NumPy arrays.
     """
-    m = plain.shape[1]
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.lanes = VECTOR_BYTES // (dtype.bitwidth // 8)
+        super().__init__(name=f"Vec({dtype} x {self.lanes})")
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(dmm.lookup(fe_type.dtype).get_value_type(), fe_type.lanes))
+
+
+def _element_pointer(context, builder, row_type, row, index_type, index):
+    ary = context.make_array(row_type)(context, builder, row)
+    return builder.gep(ary.data, [context.cast(builder, index, index_type, types.intp)], inbounds=True)
+
+
+def _check_row(row):
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+            and row.dtype in (types.float32, types.float64)):
+        raise errors.TypingError(f"a contiguous 1-D float32/float64 array is required, got {row}")
+
+
+@intrinsic
+def _vload(typingctx, row, j):
+    _check_row(row)
+    vec = Vec(row.dtype)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        vec_ptr = builder.bitcast(ptr, context.get_value_type(vec).as_pointer())
+        return builder.load(vec_ptr, align=row.dtype.bitwidth // 8)
+
+    return vec(row, j), codegen
+
+
+@intrinsic
+def _vstore(typingctx, row, j, value):
+    _check_row(row)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=row.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(row, j, value), codegen
+
+
+@intrinsic
+def _vsplat(typingctx, x):
+    vec = Vec(x)
+
+    def codegen(context, builder, signature, args):
+        vec_type = context.get_value_type(vec)
+        first = builder.insert_element(ir.Constant(vec_type, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        lanes0 = ir.Constant(ir.VectorType(ir.IntType(32), vec.lanes), [0] * vec.lanes)
+        return builder.shuffle_vector(first, ir.Constant(vec_type, ir.Undefined), lanes0)
+
+    return vec(x), codegen
+
+
+@intrinsic
+def _vmadd(typingctx, acc, x, y):
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2]))   # no contract flag: no FMA
+
+    return acc(acc, x, y), codegen
+
+
+@intrinsic
+def _vsum(typingctx, value):
+    def codegen(context, builder, signature, args):
+        total = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, value.lanes):
+            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane)))
+        return total
+
+    return value.dtype(value), codegen
+
+
+def lanes(row):
+    """Lanes of one vector of row's dtype (16 float32 or 8 float64 with AVX-512)."""
+    return VECTOR_BYTES // row.itemsize
+
+
+def vload(row, j):
+    """The vector row[j : j + lanes] (row: contiguous 1-D float32/float64)."""
+    return row[j:j + lanes(row)].copy()
+
+
+def vstore(row, j, value):
+    """row[j : j + lanes] = value."""
+    row[j:j + value.shape[0]] = value
+
+
+def vzeros(row):
+    """A vector of zeros of row's dtype."""
+    return np.zeros(lanes(row), row.dtype)
+
+
+def vsplat(x):
+    """The vector (x, x, ..., x)."""
+    return np.full(VECTOR_BYTES // np.asarray(x).itemsize, x)
+
+
+def vmadd(acc, x, y):
+    """acc + x * y lane by lane, one multiply then one add (rounded twice: no fused multiply-add)."""
+    return acc + x * y
+
+
+def vsum(value):
+    """value[0] + value[1] + ... + value[lanes - 1], left to right."""
+    total = value[0]
+    for lane in range(1, value.shape[0]):
+        total += value[lane]
+    return total
+
+
+@overload(lanes)
+def _lanes_impl(row):
+    count = VECTOR_BYTES // (row.dtype.bitwidth // 8)
+    return lambda row: count
+
+
+@overload(vload)
+def _vload_impl(row, j):
+    return lambda row, j: _vload(row, j)
+
+
+@overload(vstore)
+def _vstore_impl(row, j, value):
+    return lambda row, j, value: _vstore(row, j, value)
+
+
+@overload(vzeros)
+def _vzeros_impl(row):
+    zero = as_dtype(row.dtype).type(0)
+    return lambda row: _vsplat(zero)
+
+
+@overload(vsplat)
+def _vsplat_impl(x):
+    return lambda x: _vsplat(x)
+
+
+@overload(vmadd)
+def _vmadd_impl(acc, x, y):
+    return lambda acc, x, y: _vmadd(acc, x, y)
+
+
+@overload(vsum)
+def _vsum_impl(value):
+    return lambda value: _vsum(value)
+
+
+# -- linear attention: chunk products and the chunk loop ---------------------------------------------
+@njit(cache=True)
+def padded(n, multiple):
+    """n rounded up to a multiple of ``multiple``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+@njit(cache=True)
+def tile_width(row):
+    """Columns of one register tile of :func:`madd_tile`: two vectors (32 float32 / 16 float64 with AVX-512)."""
+    return 2 * lanes(row)
+
+
+@njit(cache=True)
+def madd_tile(a, b, c, i0, j0, depth, accumulate):
+    """One register tile of a matrix product, TILE_ROWS = 4 rows by two vectors (w = 2 * lanes)::
+
+        c[i0+r, j0:j0+w] = (c[i0+r, j0:j0+w] if accumulate else 0) + sum_{k < depth} a[i0+r, k] b[k, j0:j0+w]
+
+    for r < 4. The eight vector accumulators stay in registers through the loop over k: each vector
+    loaded from b serves four rows, each broadcast of a[., k] two vectors. The sum runs in k order
+    in the work dtype, one multiply and one add per term. a, b, c: 2-D C-contiguous; the caller
+    keeps rows i0..i0+3 of a and c and columns j0..j0+w of b and c inside the (padded) buffers.
+    """
+    half = lanes(c)
+    c0, c1, c2, c3 = c[i0], c[i0 + 1], c[i0 + 2], c[i0 + 3]
+    if accumulate:
+        s00, s01, s10, s11 = vload(c0, j0), vload(c0, j0 + half), vload(c1, j0), vload(c1, j0 + half)
+        s20, s21, s30, s31 = vload(c2, j0), vload(c2, j0 + half), vload(c3, j0), vload(c3, j0 + half)
+    else:
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c0)
+    a0, a1, a2, a3 = a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3]
+    for k in range(depth):
+        b_row = b[k]
+        b0 = vload(b_row, j0)
+        b1 = vload(b_row, j0 + half)
+        x = vsplat(a0[k])
+        s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
+        x = vsplat(a1[k])
+        s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
+        x = vsplat(a2[k])
+        s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
+        x = vsplat(a3[k])
+        s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
+    vstore(c0, j0, s00)
+    vstore(c0, j0 + half, s01)
+    vstore(c1, j0, s10)
+    vstore(c1, j0 + half, s11)
+    vstore(c2, j0, s20)
+    vstore(c2, j0 + half, s21)
+    vstore(c3, j0, s30)
+    vstore(c3, j0 + half, s31)
+
+
+@njit(cache=True)
+def matmul_tiles(a, b, c, rows, depth, cols):
+    """c[:rows, :cols] = a[:rows, :depth] @ b[:depth, :cols] by :func:`madd_tile` (rows and cols rounded up
+    to whole tiles: the buffers are padded for that)."""
+    width = tile_width(c[0])
+    for i0 in range(0, rows, TILE_ROWS):
+        for j0 in range(0, cols, width):
+            madd_tile(a, b, c, i0, j0, depth, False)
+
+
+@njit(cache=True)
+def dot_f64(x, y):
+    """sum_j x[j] y[j] in float64 (lanes-wide partial sums, then across lanes); x, y: float64, a whole
+    number of vectors long (zero padded)."""
+    acc = vzeros(x)
+    for j in range(0, x.shape[0], lanes(x)):
+        acc = vmadd(acc, vload(x, j), vload(y, j))
+    return vsum(acc)
+
+
+@njit(cache=True)
+def rotate_features(x, y, cos_row, sin_row, half, rotary_dim, m, interleaved):
+    """y[:m] = R x[:m] for one feature row: on each pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``
+    (pairs (p, p + half) or (2p, 2p + 1)), y_j = x_j from rotary_dim on."""
+    if interleaved:
+        for p in range(half):
+            c, s = cos_row[p], sin_row[p]
+            xa, xb = x[2 * p], x[2 * p + 1]
+            y[2 * p] = xa * c - xb * s
+            y[2 * p + 1] = xb * c + xa * s
+    else:
+        for p in range(half):
+            c, s = cos_row[p], sin_row[p]
+            xa, xb = x[p], x[p + half]
+            y[p] = xa * c - xb * s
+            y[p + half] = xb * c + xa * s
+    for j in range(rotary_dim, m):
+        y[j] = x[j]
+
+
+@njit(cache=True)
+def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
+                  rotated, transpose):
+    """plain[i, :m] = phi(x[b, t0+i, h, :]) (float64) and its rotation R_{p(t0+i)} phi(...) for i < n.
+
+    phi(x) is computed in the work dtype in the row buffer ``phi``; the rotated row goes to
+    rotated[i, :m] or, with ``transpose``, to rotated[:m, i]. g: (offset, sB, sS, sH, sD) of x.
+    """
+    m = phi.shape[0]
+    hat = rotated[0] if not transpose else np.empty(m, phi.dtype)
     for i in range(n):
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        row_in = plain[i]
         if g[4] == 1:   # unit stride: a slice indexed from 0, a loop LLVM vectorises
             x_row = x[base:base + m]
             for j in range(m):
-                row_in[j] = feature(load(x_row, j), feature_map)
+                phi[j] = feature(load(x_row, j), feature_map)
         else:
             for j in range(m):
-                row_in[j] = feature(load(x, base + j * g[4]), feature_map)
+                phi[j] = feature(load(x, base + j * g[4]), feature_map)
+        plain_row = plain[i]
+        for j in range(m):
+            plain_row[j] = phi[j]
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
-        cos_row = cos[row]
-        sin_row = sin[row]
-        for p in range(half):
-            ia, ib = (2 * p, 2 * p + 1) if interleaved else (p, p + half)
-            xa = row_in[ia]
-            xb = row_in[ib]
-            ya = xa * cos_row[p] - xb * sin_row[p]
-            yb = xb * cos_row[p] + xa * sin_row[p]
-            if transpose:
-                rotated[ia, i] = ya
-                rotated[ib, i] = yb
-            else:
-                rotated[i, ia] = ya
-                rotated[i, ib] = yb
-        for j in range(rotary_dim, m):
-            if transpose:
-                rotated[j, i] = row_in[j]
-            else:
-                rotated[i, j] = row_in[j]
+        if not transpose:
+            hat = rotated[i]
+        rotate_features(phi, hat, cos[row], sin[row], half, rotary_dim, m, interleaved)
+        if transpose:
+            for j in range(m):
+                rotated[j, i] = hat[j]
 
 
 @njit(cache=True)
-def load_rows(x, g, b, h, t0, n, dest):
-    """dest[i] = x[b, t0+i, h, :] in the work dtype."""
+def load_values(x, g, b, h, t0, n, dest, dv):
+    """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n."""
     for i in range(n):
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        for j in range(dest.shape[1]):
-            dest[i, j] = load(x, base + j * g[4])
+        row = dest[i]
+        if g[4] == 1:
+            x_row = x[base:base + dv]
+            for j in range(dv):
+                row[j] = load(x_row, j)
+        else:
+            for j in range(dv):
+                row[j] = load(x, base + j * g[4])
 
 
 @njit(cache=True)
-def axpy(alpha, x, y, n):
-    """y[:n] += alpha * x[:n] (the vectorised inner loop of every chunk product)."""
-    for j in range(n):
-        y[j] += alpha * x[j]
-
-
-@njit(cache=True)
-def gemv_rows(coef, rows, y, count, n):
-    """y[:n] += sum_{r < count} coef[r] * rows[r, :n], four rows per pass over y (fewer loads/stores of y)."""
-    r = 0
-    while r + 4 <= count:
-        c0, c1, c2, c3 = coef[r], coef[r + 1], coef[r + 2], coef[r + 3]
-        x0, x1, x2, x3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
-        for j in range(n):
-            y[j] += (c0 * x0[j] + c1 * x1[j]) + (c2 * x2[j] + c3 * x3[j])
-        r += 4
-    while r < count:
-        axpy(coef[r], rows[r], y, n)
-        r += 1
-
-
-@njit(cache=True)
-def gemv_rows_pair(coef0, coef1, rows, y0, y1, count, n):
-    """gemv_rows for two outputs at once: each loaded row of ``rows`` serves y0 and y1."""
-    r = 0
-    while r + 4 <= count:
-        x0, x1, x2, x3 = rows[r], rows[r + 1], rows[r + 2], rows[r + 3]
-        a0, a1, a2, a3 = coef0[r], coef0[r + 1], coef0[r + 2], coef0[r + 3]
-        b0, b1, b2, b3 = coef1[r], coef1[r + 1], coef1[r + 2], coef1[r + 3]
-        for j in range(n):
-            y0[j] += (a0 * x0[j] + a1 * x1[j]) + (a2 * x2[j] + a3 * x3[j])
-            y1[j] += (b0 * x0[j] + b1 * x1[j]) + (b2 * x2[j] + b3 * x3[j])
-        r += 4
-    while r < count:
-        axpy(coef0[r], rows[r], y0, n)
-        axpy(coef1[r], rows[r], y1, n)
-        r += 1
-
-
-@njit(cache=True)
-def finish_causal_row(o, g, b, t, h, a_plain_row, k_plain_row, cum, acc, eps):
-    """cum += b_t; o[b, t, h] = acc / (a_t . cum + eps) (cum holds z0 + sum of b up to token t, float64)."""
-    for j in range(cum.shape[0]):
-        cum[j] += k_plain_row[j]
-    store_row(o, g, b, t, h, acc, 1.0 / (dot4(a_plain_row, cum) + eps))
-
-
-@njit(cache=True)
-def dot4(x, y):
-    """sum_j x[j] y[j] in float64 with four interleaved partial sums (four independent add chains)."""
-    n = x.shape[0]
-    s0 = s1 = s2 = s3 = 0.0
-    j = 0
-    while j + 4 <= n:
-        s0 += x[j] * np.float64(y[j])
-        s1 += x[j + 1] * np.float64(y[j + 1])
-        s2 += x[j + 2] * np.float64(y[j + 2])
-        s3 += x[j + 3] * np.float64(y[j + 3])
-        j += 4
-    while j < n:
-        s0 += x[j] * np.float64(y[j])
-        j += 1
-    return (s0 + s1) + (s2 + s3)
-
-
-@njit(cache=True)
-def store_row(o, g, b, t, h, acc, scale):
-    """o[b, t, h, :] = acc * scale, rounded to o's dtype."""
+def store_row(o, g, b, t, h, acc, dv, scale):
+    """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype."""
     base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
-    for j in range(acc.shape[0]):
-        store(o, base + j * g[4], acc[j] * scale)
+    if g[4] == 1:
+        o_row = o[base:base + dv]
+        for j in range(dv):
+            store(o_row, j, acc[j] * scale)
+    else:
+        for j in range(dv):
+            store(o, base + j * g[4], acc[j] * scale)
+
+
+@njit(cache=True)
+def add_state(carried_s, s_work, s_chunk, m, dv):
+    """S += B_hat^T V of one chunk: carried_s (float64) += s_chunk (work dtype), s_work = carried_s in the work dtype."""
+    for r in range(m):
+        carried_row, work_row, chunk_row = carried_s[r], s_work[r], s_chunk[r]
+        for j in range(dv):
+            carried_row[j] += chunk_row[j]
+            work_row[j] = carried_row[j]
 
 
 @njit(cache=True)
@@ -349,84 +573,79 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                           half, rotary_dim, interleaved, causal, feature_map, eps, chunk):
     """Linear attention of one (batch, head) in chunks of ``chunk`` tokens, (S, z) carried in float64.
 
-    Chunk products are sums of contiguous rows (:func:`gemv_rows`): ``N_i = sum_k A_hat[i,k] S[k] +
-    sum_{j<=i} P[i,j] V[j]`` with ``P[i,j] = sum_k A_hat[i,k] B_hat[j,k]`` (only j <= i is formed) and
-    ``S[k] += sum_j B_hat[j,k] V[j]``.
+    Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`)::
+
+        P = tril(A_hat B_hat^T)                       (row block i: only columns j < i + 4 are formed)
+        N = A_hat S + P V                             (one accumulator tile: both products, in that order)
+        o_i = N_i / (a_i . (z + sum_{j <= i} b_j) + eps)      (float64 denominator, running sum of b)
+        S += B_hat^T V,  z += sum_j b_j                (chunk product in the work dtype, carried in float64)
+
+    Non-causal: (S, z) over all chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)``. Buffers
+    are padded to whole register tiles with zeros (columns) so every tile is full width.
     """
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    a_plain = np.empty((chunk, m), work)
-    a_hat = np.empty((chunk, m), work)
-    k_plain = np.empty((chunk, m), work)
-    k_hat_t = np.empty((m, chunk), work)
-    values = np.empty((chunk, dv), work)
-    scores = np.empty((2, chunk), work)
-    acc = np.empty((2, dv), work)
-    k_sum = np.empty(m, work)
+    phi = np.empty(m, work)
+    width = tile_width(phi)
+    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, TILE_ROWS)
+    m_f64 = padded(m, lanes(np.empty(0, np.float64)))
+    a_plain = np.zeros((cp, m_f64))
+    k_plain = np.zeros((cp, m_f64))
+    a_hat = np.zeros((cp, m), work)
+    k_hat_t = np.zeros((mp, cp), work)
+    values = np.zeros((cp, dvp), work)
+    scores = np.zeros((cp, cp), work)
+    num = np.zeros((cp, dvp), work)
+    s_chunk = np.zeros((mp, dvp), work)
+    s_work = np.zeros((m, dvp), work)
     carried_s = state_s[b, h].astype(np.float64)
-    carried_z = state_z[b, h].astype(np.float64)
-    s_work = carried_s.astype(work)
-    cum = np.empty(m, np.float64)
+    carried_z = np.zeros(m_f64)             # z, then (causal) the running z + sum of b within the chunk
+    for j in range(m):
+        carried_z[j] = state_z[b, h, j]
+        for c in range(dv):
+            s_work[j, c] = carried_s[j, c]
     out_geo = geo[3]
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
-        load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+        load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
                       k_plain, k_hat_t, True)
-        load_rows(v, geo[2], b, h, t0, n, values)
+        load_values(v, geo[2], b, h, t0, n, values, dv)
         if causal:
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          a_plain, a_hat, False)
-            cum[:] = carried_z
-            for i in range(0, n - 1, 2):    # two query rows per pass over S, B_hat and V
-                acc[:, :] = 0
-                scores[:, :] = 0
-                gemv_rows_pair(a_hat[i], a_hat[i + 1], s_work, acc[0], acc[1], m, dv)          # A_hat S
-                # full rows of scores (whole vectors), then the causal mask keeps j <= i (j <= i + 1)
-                gemv_rows_pair(a_hat[i], a_hat[i + 1], k_hat_t, scores[0], scores[1], m, n)
-                scores[0, i + 1] = 0
-                gemv_rows_pair(scores[0], scores[1], values, acc[0], acc[1], i + 2, dv)
-                finish_causal_row(o, out_geo, b, t0 + i, h, a_plain[i], k_plain[i], cum, acc[0], eps)
-                finish_causal_row(o, out_geo, b, t0 + i + 1, h, a_plain[i + 1], k_plain[i + 1], cum, acc[1], eps)
-            if n % 2:
-                i = n - 1
-                acc[0, :] = 0
-                scores[0, :n] = 0
-                gemv_rows(a_hat[i], s_work, acc[0], m, dv)
-                gemv_rows(a_hat[i], k_hat_t, scores[0], m, n)
-                gemv_rows(scores[0], values, acc[0], n, dv)
-                finish_causal_row(o, out_geo, b, t0 + i, h, a_plain[i], k_plain[i], cum, acc[0], eps)
-        for kk in range(0, m, 2):                                  # S += B_hat^T V, two rows of S per pass
-            acc[:, :] = 0
-            if kk + 1 < m:
-                gemv_rows_pair(k_hat_t[kk], k_hat_t[kk + 1], values, acc[0], acc[1], n, dv)
-            else:
-                gemv_rows(k_hat_t[kk], values, acc[0], n, dv)
-            for r in range(kk, min(kk + 2, m)):
-                s_row = carried_s[r]
-                for j in range(dv):
-                    s_row[j] += acc[r - kk, j]
-                    s_work[r, j] = s_row[j]
-        k_sum[:] = 0                                               # z += sum B (chunk sum, then float64)
-        for i in range(n):
-            k_row = k_plain[i]
-            for j in range(m):
-                k_sum[j] += k_row[j]
-        for j in range(m):
-            carried_z[j] += k_sum[j]
+                          phi, a_plain, a_hat, False)
+            for i0 in range(0, n, TILE_ROWS):
+                end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
+                for j0 in range(0, end, width):
+                    madd_tile(a_hat, k_hat_t, scores, i0, j0, m, False)
+                for i in range(i0, end):
+                    for j in range(i + 1, end):
+                        scores[i, j] = 0
+                for j0 in range(0, dv, width):
+                    madd_tile(a_hat, s_work, num, i0, j0, m, False)
+                    madd_tile(scores, values, num, i0, j0, end, True)
+                for i in range(i0, end):
+                    k_row = k_plain[i]
+                    for j in range(m):
+                        carried_z[j] += k_row[j]
+                    store_row(o, out_geo, b, t0 + i, h, num[i], dv, 1.0 / (dot_f64(a_plain[i], carried_z) + eps))
+        else:
+            for i in range(n):
+                k_row = k_plain[i]
+                for j in range(m):
+                    carried_z[j] += k_row[j]
+        matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
+        add_state(carried_s, s_work, s_chunk, m, dv)
     if not causal:
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          a_plain, a_hat, False)
-            for i in range(0, n, 2):
-                i1 = min(i + 1, n - 1)    # odd n: the last row twice
-                acc[:, :] = 0
-                gemv_rows_pair(a_hat[i], a_hat[i1], s_work, acc[0], acc[1], m, dv)
-                for r in range(i, i1 + 1):
-                    store_row(o, out_geo, b, t0 + r, h, acc[r - i], 1.0 / (dot4(a_plain[r], carried_z) + eps))
+                          phi, a_plain, a_hat, False)
+            matmul_tiles(a_hat, s_work, num, n, m, dv)
+            for i in range(n):
+                store_row(o, out_geo, b, t0 + i, h, num[i], dv, 1.0 / (dot_f64(a_plain[i], carried_z) + eps))
     new_s[b, h] = carried_s
-    new_z[b, h] = carried_z
+    new_z[b, h] = carried_z[:m]
 
 
 @njit(parallel=True, cache=True)
