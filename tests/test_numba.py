@@ -1,6 +1,7 @@
 """The Numba backend against float64 oracles: options, strides, in place, fp16, huge positions and
 indices, linear attention, and the kernels' pure-Python bodies (``py_func``) so coverage sees them."""
 
+import os
 import subprocess
 import sys
 
@@ -375,3 +376,34 @@ def test_unknown_feature_map_is_a_value_error(rng):
 def test_import_rotary_does_not_import_numba():
     code = "import sys, rotary; assert 'numba' not in sys.modules, 'numba imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", ["generic", "haswell"])
+def test_linear_attention_on_narrower_vector_targets(cpu, tmp_path):
+    """The register tiles follow the target's vector width (16 bytes generic, 32 AVX2, 64 AVX-512):
+    compiled for a narrower target in a fresh process (own cache dir), results equal the float64 oracle."""
+    code = f"""
+import numpy as np, rotary
+from rotary import testing
+from rotary.backends import _numba_kernels as kernels
+assert kernels.VECTOR_BYTES == {16 if cpu == "generic" else 32}, kernels.VECTOR_BYTES
+rng = np.random.default_rng(5)
+for dtype, tol in ((np.float32, 3e-5), (np.float64, 1e-10)):
+    q, k = (rng.standard_normal((2, 3, 45, 11)).astype(dtype) for _ in range(2))
+    v = rng.standard_normal((2, 3, 45, 7)).astype(dtype)
+    spec = rotary.RopeSpec(11, rotary_dim=8, layout="interleaved")
+    for causal in (True, False):
+        o = rotary.linear_attention(q, k, v, 5, causal=causal, chunk=16, spec=spec, backend="numba")
+        ref = testing.linear_attention_quadratic(q, k, v, 5 + np.arange(45), spec.inv_freq(), layout="interleaved",
+                                                 causal=causal)
+        err = np.abs(o - ref).max() / np.sqrt((ref ** 2).mean())
+        assert err < tol, (dtype, causal, err)
+print("ok")
+"""
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    if cpu == "haswell":   # AVX2 without AVX-512, as on most laptops
+        env["NUMBA_CPU_FEATURES"] = "+64bit,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16,+avx,+avx2,+fma,+f16c"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
