@@ -14,7 +14,9 @@
 - first-call JIT compile time (empty cache) and the same call in a second process (cache=True).
 
 Every case is timed in interleaved rounds (each candidate once per round) and the best time is
-kept: on a shared machine other processes only add time, and they hit the candidates alike.
+kept: on a shared machine other processes only add time, and they hit the candidates alike. Candidates
+that call BLAS (sgemm, the NumPy backend's and the quadratic linear attention) are timed apart and
+followed by a pause, since OpenBLAS's threads keep spinning after a call and slow the next candidate.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ from rotary import _tables  # noqa: E402
 
 SECTION_BEGIN = "<!-- BEGIN benchmarks/bench_numba.py -->"
 SECTION_END = "<!-- END benchmarks/bench_numba.py -->"
+
+
+def settle(seconds: float = 0.5) -> None:
+    """Let other libraries' idle threads (OpenBLAS, OpenMP) stop spinning before the next timing."""
+    time.sleep(seconds)
 
 
 def best_times(candidates: dict, rounds: int) -> dict:
@@ -205,19 +212,22 @@ def linear(rounds: int, lengths):
         return lambda: nb.linear_attention(q, k, v, cos, sin, rows, rotary_dim=d, layout="half", causal=causal,
                                            feature_map=feature_map, eps=1e-6, chunk=C, state=None)
 
+    # BLAS users are timed on their own, each followed by a pause: OpenBLAS's threads spin for a while
+    # after a call and would take the two cores from the Numba threads of the next candidate.
+    sgemm = 2 * n**3 / best_times({"sgemm": lambda: np.dot(a, a, out=c)}, rounds)["sgemm"] / 1e9
+    settle()
     candidates = {
-        "sgemm np.dot 2048^2 (limit)": lambda: np.dot(a, a, out=c),
         "numba causal, identity": primitive("identity"),
         "numba causal, elu": primitive("elu"),
         "rotary.linear_attention numba causal, elu": lambda: rotary.linear_attention(
             q, k, v, causal=True, seq_axis=1, chunk=C, backend="numba"),
         "numba non-causal, elu": primitive("elu", causal=False),
-        "numpy backend causal, elu": lambda: rotary.linear_attention(q, k, v, causal=True, seq_axis=1, chunk=C,
-                                                                     backend="numpy"),
     }
     best = best_times(candidates, rounds)
+    best.update(best_times({"numpy backend causal, elu": lambda: rotary.linear_attention(
+        q, k, v, causal=True, seq_axis=1, chunk=C, backend="numpy")}, rounds))
     quad = best_times({"quadratic": quadratic_numpy}, max(1, rounds // 3))["quadratic"]
-    sgemm = 2 * n**3 / best.pop("sgemm np.dot 2048^2 (limit)") / 1e9
+    settle()
     flop = 4 * T * d * (C + d) * H
     rows_out = [("sgemm np.dot 2048 x 2048 (limit)", "", f"{sgemm:.1f}", "1.00", "")]
     for name, t in best.items():
