@@ -282,7 +282,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v_in, ax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried)
-    o = xp.astype(from_canonical(o, (*q.shape[:-1], dv), ax, xp), q.dtype)
+    o = xp.astype(from_canonical(o, (*q.shape[:-1], dv), ax, xp), q.dtype, copy=False)   # fresh from the backend
     if not return_state:
         return o
     new_state = LinearAttentionState(xp.reshape(S, (*other_shape, m, dv)), xp.reshape(z, (*other_shape, m)),
