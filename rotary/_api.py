@@ -8,6 +8,7 @@ cos/sin tables from ``rotary._tables`` and calls the backend's primitive.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -23,7 +24,23 @@ _SPEC_KEYWORDS = ("base", "layout", "rotary_dim", "scaling", "max_position_embed
 
 
 # -- small validators ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _numpy_namespace():
+    """``array_namespace`` of plain NumPy arrays (array_api_compat.numpy), resolved once."""
+    return array_namespace(np.empty(0))
+
+
+def _plain_numpy(arrays) -> bool:
+    """True when every array is exactly ``np.ndarray`` (no subclass): the frontend's cheap path."""
+    for a in arrays:
+        if type(a) is not np.ndarray:
+            return False
+    return True
+
+
 def _namespace(arrays, names):
+    if _plain_numpy(arrays):
+        return _numpy_namespace()
     for a, name in zip(arrays, names):
         if isinstance(a, (list, tuple)) or np.isscalar(a):
             raise TypeError(f"{name} must be an array (NumPy, CuPy, torch, JAX, array-API), got {type(a).__name__}")
@@ -34,6 +51,8 @@ def _namespace(arrays, names):
 
 
 def _check_float(x, name, xp):
+    if type(x) is np.ndarray and x.dtype.kind == "f":   # NumPy float16/32/64/longdouble
+        return
     ok = False
     try:
         ok = xp.isdtype(x.dtype, "real floating")
@@ -45,7 +64,7 @@ def _check_float(x, name, xp):
 
 def resolve_spec(spec, spec_kwargs: dict, head_dim: int, name: str = "x") -> RopeSpec:
     """The spec to use: ``spec`` itself (checked against head_dim) or one built from keywords."""
-    unknown = set(spec_kwargs) - set(_SPEC_KEYWORDS)
+    unknown = spec_kwargs and set(spec_kwargs) - set(_SPEC_KEYWORDS)
     if unknown:
         raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; spec keywords are {_SPEC_KEYWORDS}")
     if spec is None:
@@ -156,26 +175,41 @@ def canonical_axes(ndim: int, seq_axis: int):
     Only when axes lie both between axis 0 and the sequence axis and after it (e.g. (B, G, S, H, D))
     do all leading axes go to B.
     """
-    lead, mid = list(range(seq_axis)), list(range(seq_axis + 1, ndim - 1))
+    batch, heads, _, _ = _layout(ndim, seq_axis)
+    return list(batch), list(heads)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(ndim: int, seq_axis: int):
+    """(batch axes, head axes, perm to (B, S, H, D) order, that perm or None when no axes merge).
+
+    The last entry is the transposition that *is* the canonical view when B and H are one axis each
+    (4-D BSHD: the identity; 4-D BHSD: (0, 2, 1, 3)); then views need no stride arithmetic.
+    """
+    lead, mid = tuple(range(seq_axis)), tuple(range(seq_axis + 1, ndim - 1))
     if len(lead) > 1 and mid:
-        return lead, mid
-    return lead[:1], lead[1:] + mid
+        batch, heads = lead, mid
+    else:
+        batch, heads = lead[:1], lead[1:] + mid
+    perm = batch + (seq_axis,) + heads + (ndim - 1,)
+    return batch, heads, perm, (perm if len(batch) == 1 and len(heads) == 1 else None)
 
 
 def canonical_shape(shape, seq_axis):
-    batch, heads = canonical_axes(len(shape), seq_axis)
+    batch, heads, _, _ = _layout(len(shape), seq_axis)
     return (math.prod(shape[i] for i in batch), shape[seq_axis], math.prod(shape[i] for i in heads), shape[-1])
 
 
 def _canonical_perm(ndim, seq_axis):
-    batch, heads = canonical_axes(ndim, seq_axis)
-    return batch + [seq_axis] + heads + [ndim - 1]
+    return list(_layout(ndim, seq_axis)[2])
 
 
 def canonical_view(x, seq_axis):
     """A no-copy (B, S, H, D) view of a NumPy/CuPy array, or None if its strides do not allow one."""
     shape, strides = x.shape, x.strides
-    batch, heads = canonical_axes(len(shape), seq_axis)
+    batch, heads, perm, plain = _layout(len(shape), seq_axis)
+    if plain is not None:   # one batch axis, one head axis: a transposition (or x itself)
+        return x if plain == tuple(range(len(shape))) else x.transpose(plain)
     b = _merge([shape[i] for i in batch], [strides[i] for i in batch])
     h = _merge([shape[i] for i in heads], [strides[i] for i in heads])
     if b is None or h is None:
@@ -197,14 +231,24 @@ def to_canonical(x, seq_axis, xp):
 
 def from_canonical(y, shape, seq_axis, xp):
     """Inverse of :func:`to_canonical` for a (B, S, H, D) result: an array of ``shape``."""
-    perm = _canonical_perm(len(shape), seq_axis)
+    _, _, perm, plain = _layout(len(shape), seq_axis)
+    if plain is not None and type(y) is np.ndarray:
+        return y if plain == tuple(range(len(shape))) else y.transpose(_inverse_perm(plain))
     y = xp.reshape(y, tuple(shape[i] for i in perm))
     return xp.permute_dims(y, tuple(int(i) for i in np.argsort(perm)))
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_perm(perm):
+    return tuple(int(i) for i in np.argsort(perm))
 
 
 def _same_view(a, b) -> bool:
     if a is b:
         return True
+    if type(a) is np.ndarray and type(b) is np.ndarray:   # cheap tests first (__array_interface__ is slow)
+        if a.shape != b.shape or a.strides != b.strides or not np.may_share_memory(a, b):
+            return False
     try:
         if is_numpy_array(a):
             ptr = a.__array_interface__["data"][0], b.__array_interface__["data"][0]
@@ -219,14 +263,16 @@ def check_out(out, x, xp, name="out", xname="x"):
     """Validate an ``out=`` array for input ``x``."""
     if out is None:
         return
-    try:
-        out_xp = array_namespace(out)
-    except TypeError:
-        raise TypeError(f"{name} must be an array like {xname}, got {type(out).__name__}") from None
-    if out_xp is not xp and type(out) is not type(x):
-        raise TypeError(f"{name} must be the same array type as {xname} ({type(x).__name__}), got {type(out).__name__}")
-    if is_jax_array(out):
-        raise TypeError(f"{name}= is not supported for JAX arrays (they are immutable); use the return value")
+    if not (type(out) is np.ndarray and type(x) is np.ndarray):
+        try:
+            out_xp = array_namespace(out)
+        except TypeError:
+            raise TypeError(f"{name} must be an array like {xname}, got {type(out).__name__}") from None
+        if out_xp is not xp and type(out) is not type(x):
+            raise TypeError(f"{name} must be the same array type as {xname} ({type(x).__name__}), "
+                            f"got {type(out).__name__}")
+        if is_jax_array(out):
+            raise TypeError(f"{name}= is not supported for JAX arrays (they are immutable); use the return value")
     if tuple(out.shape) != tuple(x.shape):
         raise ValueError(f"{name} must have {xname}'s shape {tuple(x.shape)}, got {tuple(out.shape)}")
     if out.dtype != x.dtype:
@@ -234,7 +280,7 @@ def check_out(out, x, xp, name="out", xname="x"):
     if is_numpy_array(out):
         if not out.flags.writeable:
             raise ValueError(f"{name} is read-only")
-        if not _same_view(out, x) and np.may_share_memory(out, x):
+        if np.may_share_memory(out, x) and not _same_view(out, x):
             raise ValueError(f"{name} overlaps {xname} without being {xname} itself; pass out={xname} "
                              "for in place or a separate buffer")
     elif xp_device(out) != xp_device(x):
@@ -245,7 +291,7 @@ def check_out(out, x, xp, name="out", xname="x"):
 def _table_converter(module, x, xp):
     if hasattr(module, "table_converter"):
         return module.table_converter(x)
-    if is_numpy_array(x):
+    if type(x) is np.ndarray or is_numpy_array(x):
         return "numpy", None
     dev = xp_device(x)
     return (getattr(xp, "__name__", str(xp)), str(dev)), (lambda a: xp.asarray(np.array(a), device=dev))
@@ -280,7 +326,7 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     device_key, convert = _table_converter(module, x0, xp)
     cos, sin, rows = _tables.lookup(spec, pos, dtype=work, device_key=device_key, convert=convert)
 
-    strided = is_numpy_array(x0) or is_cupy_array(x0)
+    strided = type(x0) is np.ndarray or is_numpy_array(x0) or is_cupy_array(x0)
     items, written = [], []
     for x, out in zip(xs, outs):
         if strided:

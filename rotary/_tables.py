@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from functools import lru_cache
 
 import numpy as np
 
@@ -36,6 +37,14 @@ def _make(spec: RopeSpec, positions: np.ndarray, seq_len, dtype):
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
 
 
+@lru_cache(maxsize=512)
+def _frequency_key(spec: RopeSpec, seq_len):
+    """(spec, exact inv_freq bytes, attention scaling): one tuple object per (spec, seq_len), so the
+    table cache's key compares by identity and hashes cached bytes on every call."""
+    inv_freq, scale = _inv_freq_and_scaling(spec, seq_len)
+    return spec, inv_freq.tobytes(), scale
+
+
 def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", convert=None):
     """Tables and rows for ``positions`` (an int64 NumPy array of any shape).
 
@@ -48,7 +57,11 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     if positions.size == 0:
         empty = convert(np.zeros((1, half), dtype=dtype))
         return empty, empty, convert(np.zeros(positions.shape, dtype=np.int64))
-    lo, hi = int(positions.min()), int(positions.max())
+    if positions.size <= 64:   # decode-sized: cheaper in Python than two NumPy reductions
+        values = positions.ravel().tolist()
+        lo, hi = min(values), max(values)
+    else:
+        lo, hi = int(positions.min()), int(positions.max())
     seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
     max_rows = max(_MIN_ROWS, DENSE_TABLE_MAX_BYTES // (2 * half * dtype.itemsize))
     varying = (spec.rope_type == "dynamic" and seq_len is not None
@@ -58,8 +71,7 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
         cos, sin = _make(spec, unique, seq_len, dtype)
         return convert(cos), convert(sin), convert(rows.reshape(positions.shape).astype(np.int64))
 
-    inv_freq, scale = _inv_freq_and_scaling(spec, seq_len)
-    key = (spec, inv_freq.tobytes(), scale, dtype.str, device_key)
+    key = (_frequency_key(spec, seq_len), dtype.str, device_key)
     with _lock:
         entry = _cache.get(key)
         if entry is None or entry[0] <= hi:

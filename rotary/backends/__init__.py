@@ -57,6 +57,9 @@ def names() -> tuple[str, ...]:
 
 
 def _load(name: str):
+    module = _loaded.get(name)   # the common case, without the lock (entries are only added under it)
+    if module is not None or name in _errors:
+        return module
     with _lock:
         if name in _loaded:
             return _loaded[name]

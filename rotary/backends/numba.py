@@ -17,8 +17,10 @@ NAME = "numba"
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-#: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more)
-PARALLEL_MIN_ELEMENTS = 1 << 16
+#: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
+#: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
+#: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
+PARALLEL_MIN_ELEMENTS = 1 << 12
 
 
 def availability():
@@ -36,13 +38,17 @@ def flat_view(a):
     bits. None when a stride is not a multiple of the item size (the caller copies then).
     """
     itemsize = a.itemsize
+    bits = np.uint16 if a.dtype == np.float16 else a.dtype
+    if a.flags.c_contiguous and a.size:   # the common case, without as_strided's cost
+        return a.reshape(-1).view(bits), 0, tuple([st // itemsize for st in a.strides])
     if not _strides_ok(a):
         return None
-    bits = np.uint16 if a.dtype == np.float16 else a.dtype
     if a.size == 0:
         return np.empty(0, bits), 0, (0,) * a.ndim
-    if a.flags.c_contiguous:   # the common case, without as_strided's cost
-        return a.reshape(-1).view(bits), 0, tuple(st // itemsize for st in a.strides)
+    if min(a.strides) >= 0:   # a transposition of a dense block (e.g. a BHSD view): flatten that block
+        dense = a.transpose(sorted(range(a.ndim), key=a.strides.__getitem__, reverse=True))
+        if dense.flags.c_contiguous:
+            return dense.reshape(-1).view(bits), 0, tuple([st // itemsize for st in a.strides])
     low = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st < 0)
     high = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st > 0)
     first = a[tuple(slice(n - 1, n) if st < 0 else slice(0, 1) for n, st in zip(a.shape, a.strides))]
@@ -52,7 +58,11 @@ def flat_view(a):
 
 
 def _strides_ok(a) -> bool:
-    return all(st % a.itemsize == 0 for st in a.strides)
+    itemsize = a.itemsize
+    for st in a.strides:
+        if st % itemsize:
+            return False
+    return True
 
 
 def _readonly(a):
@@ -61,30 +71,80 @@ def _readonly(a):
     return view
 
 
+def _readonly_c(a):
+    """A read-only C-contiguous array equal to a: a itself when it already is one (cached tables)."""
+    if a.flags.writeable or not a.flags.c_contiguous:
+        return _readonly(np.ascontiguousarray(a))
+    return a
+
+
+def _geometry_row(x, out):
+    """(x_buf, out_buf, geo values as a list) of flat-viewable x and writable out; ``out is x``: in place."""
+    xf, of = flat_view(x), flat_view(out)
+    row = [0] * kernels.GEO_COLUMNS
+    row[kernels.GEO_HEADS] = x.shape[2]
+    row[kernels.GEO_X:kernels.GEO_X + 5] = (xf[1], *xf[2])
+    row[kernels.GEO_OUT:kernels.GEO_OUT + 5] = (of[1], *of[2])
+    row[kernels.GEO_COPY_TAIL] = int(out is not x)
+    return _readonly(xf[0]), of[0], row
+
+
 def _geometry(x, out):
     """(x_buf, out_buf, geo row) of flat-viewable x and writable out; ``out is x`` means in place."""
-    xf, of = flat_view(x), flat_view(out)
-    geo = np.empty(kernels.GEO_COLUMNS, dtype=np.int64)
-    geo[kernels.GEO_HEADS] = x.shape[2]
-    geo[kernels.GEO_X:kernels.GEO_X + 5] = (xf[1], *xf[2])
-    geo[kernels.GEO_OUT:kernels.GEO_OUT + 5] = (of[1], *of[2])
-    geo[kernels.GEO_COPY_TAIL] = out is not x
-    return _readonly(xf[0]), of[0], geo
+    x_buf, out_buf, row = _geometry_row(x, out)
+    return x_buf, out_buf, np.array(row, dtype=np.int64)
 
 
 def _prepare(x, out):
     """(x', out', result, copy_back): x' flat-viewable, out' flat-viewable and writable."""
-    result = out if out is not None else np.empty(x.shape, dtype=x.dtype)
+    if out is None:   # a fresh C-contiguous array: nothing to check
+        result = np.empty(x.shape, dtype=x.dtype)
+        return (x if x.flags.c_contiguous or _strides_ok(x) else np.ascontiguousarray(x)), result, result, False
+    result = out
     if not _strides_ok(x):
         x = np.ascontiguousarray(x)
     target = result if (_strides_ok(result) and result.flags.writeable) else np.empty(x.shape, x.dtype)
     return x, target, result, target is not result
 
 
+def _buffer(a, readonly: bool):
+    """flat_view(a)[0] (offset and strides live in the cached geometry), cheap for C-contiguous a."""
+    if a.flags.c_contiguous:
+        buf = a.reshape(-1)   # a new view object, like every buffer flat_view returns
+        if a.dtype == np.float16:
+            buf = buf.view(np.uint16)
+    else:
+        buf = flat_view(a)[0]
+    if readonly:
+        buf.flags.writeable = False   # one compiled signature for read-only and writable inputs
+    return buf
+
+
+#: geo arrays by the group's shapes, strides, item sizes and in-place flags (all that geo depends on)
+_geo_cache: dict = {}
+_GEO_CACHE_MAX = 256
+
+
+def _group_geometry(group):
+    """(2, GEO_COLUMNS) int64 geometry of a group of one or two (x, target) items; cached."""
+    key = tuple([(x.shape, x.strides, t.strides, x.itemsize, t is x) for x, t, _, _ in group])
+    geo = _geo_cache.get(key)
+    if geo is None:
+        geo_rows = [_geometry_row(x, t)[2] for x, t, _, _ in group]
+        if len(geo_rows) == 1:   # the second item: the same arrays with zero heads
+            geo_rows.append(list(geo_rows[0]))
+            geo_rows[1][kernels.GEO_HEADS] = 0
+        geo = np.array(geo_rows, dtype=np.int64)
+        if len(_geo_cache) >= _GEO_CACHE_MAX:
+            _geo_cache.clear()
+        _geo_cache[key] = geo
+    return geo
+
+
 def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     """Rotate every ``(x, out)`` of ``items`` (pairs of items in one pass); see ``rotary.backends``."""
     results = []
-    cos, sin, rows = (_readonly(np.ascontiguousarray(a)) for a in (cos, sin, rows))
+    cos, sin, rows = _readonly_c(cos), _readonly_c(sin), _readonly_c(rows)
     prepared = [_prepare(x, out) for x, out in items]
     for first in range(0, len(prepared), 2):
         group = [p for p in prepared[first:first + 2] if p[0].size]
@@ -99,13 +159,11 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
 
 def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
     B, S, _, D = group[0][0].shape
-    bufs = [_geometry(x, target) for x, target, _, _ in group]
-    if len(bufs) == 1:   # the second item: the same arrays with zero heads
-        geo_k = bufs[0][2].copy()
-        geo_k[kernels.GEO_HEADS] = 0
-        bufs.append((bufs[0][0], bufs[0][1], geo_k))
-    geo = np.stack([bufs[0][2], bufs[1][2]])
-    elements = sum(x.size for x, _, _, _ in group)
+    geo = _group_geometry(group)
+    bufs = [(_buffer(x, True), _buffer(target, False)) for x, target, _, _ in group]
+    if len(bufs) == 1:
+        bufs.append(bufs[0])
+    elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
     kernel = kernels.rotate_qk_parallel if elements >= PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
     kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, B * S, S, rotary_dim // 2,
            rotary_dim, D, layout == "interleaved", bool(inverse))
