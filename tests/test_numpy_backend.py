@@ -10,6 +10,11 @@ import rotary
 from rotary import _tables
 from rotary.backends import numpy as nb
 
+# inputs near the fp16 limits overflow on purpose (the overflow test checks the warning with pytest.warns)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning",
+                                        "ignore:underflow encountered in cast:RuntimeWarning")
+
+
 LAYOUTS = ["half", "interleaved"]
 
 
