@@ -256,11 +256,11 @@ _COMPILE_PROBE = """
 import time, sys
 t0 = time.perf_counter()
 import numpy as np, rotary
-q = np.ones((1, 16, 4, 64), np.float32); k = np.ones((1, 16, 2, 64), np.float32)
+q = np.ones((1, 4, 2, 64), np.float32); k = np.ones((1, 4, 1, 64), np.float32)   # < PARALLEL_MIN_ELEMENTS
 t1 = time.perf_counter()
 rotary.apply_qk(q, k, seq_axis=1, backend="numba")
 t2 = time.perf_counter()
-rotary.apply_qk(q.repeat(512, 1), k.repeat(512, 1), seq_axis=1, backend="numba")   # the parallel kernel
+rotary.apply_qk(q.repeat(1024, 1), k.repeat(1024, 1), seq_axis=1, backend="numba")   # the parallel kernel
 t3 = time.perf_counter()
 rotary.linear_attention(q, q, q, causal=True, seq_axis=1, backend="numba")
 t4 = time.perf_counter()
