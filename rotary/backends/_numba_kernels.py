@@ -101,6 +101,33 @@ def element_offset(offset, stride_b, stride_s, stride_h, b, s, h):
 
 
 # -- rotation ------------------------------------------------------------------------------------
+# The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
+# views: a view of an NRT-managed array costs an atomic incref/decref pair on its meminfo, which was
+# 60% of the serial kernel's time at decode size (the parfor gufunc of the parallel kernel gets views
+# without a meminfo, so it never paid). Unit-stride vectors rotate a whole SIMD register of pairs at a
+# time (:func:`rotate_pairs_simd`): loads of a block come before its stores, so ``out is x`` runs
+# vectorised too (LLVM's own vectoriser fell back to scalar code there: x and out alias).
+def borrowed(array):
+    """array itself; compiled, the same array without its meminfo: a view whose incref/decref do nothing
+    (the caller keeps array alive for the whole call, as it does the parfor gufunc's views)."""
+    return array
+
+
+@overload(borrowed)
+def _borrowed_impl(array):
+    return lambda array: _borrowed(array)
+
+
+@intrinsic
+def _borrowed(typingctx, array):
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(array)(context, builder, args[0])
+        ary.meminfo = ir.Constant(ary.meminfo.type, None)
+        return ary._getvalue()
+
+    return array(array), codegen
+
+
 @njit(cache=True)
 def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
                   copy_tail):
@@ -109,54 +136,38 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
         step, second = 2, 1
     else:
         step, second = 1, half
-    if xsd == 1 and osd == 1:   # unit stride: slices indexed from 0 with constant steps, loops LLVM vectorises
-        xv = x[xi:xi + rotary_dim]
-        ov = o[oi:oi + rotary_dim]
-        cos_row = cos[row]
-        sin_row = sin[row]
-        if interleaved:
-            for i in range(half):
-                c = cos_row[i]
-                s = -sin_row[i] if inverse else sin_row[i]
-                xa = load(xv, 2 * i)
-                xb = load(xv, 2 * i + 1)
-                store(ov, 2 * i, xa * c - xb * s)
-                store(ov, 2 * i + 1, xb * c + xa * s)
-        else:
-            for i in range(half):
-                c = cos_row[i]
-                s = -sin_row[i] if inverse else sin_row[i]
-                xa = load(xv, i)
-                xb = load(xv, half + i)
-                store(ov, i, xa * c - xb * s)
-                store(ov, half + i, xb * c + xa * s)
-    else:
-        for i in range(half):
-            c = cos[row, i]
-            s = -sin[row, i] if inverse else sin[row, i]
-            ia = i * step
-            xa = load(x, xi + ia * xsd)
-            xb = load(x, xi + (ia + second) * xsd)
-            store(o, oi + ia * osd, xa * c - xb * s)
-            store(o, oi + (ia + second) * osd, xb * c + xa * s)
+    start = 0
+    if xsd == 1 and osd == 1:
+        start = rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse)
+    for i in range(start, half):
+        c = cos[row, i]
+        s = -sin[row, i] if inverse else sin[row, i]
+        ia = i * step
+        xa = load(x, xi + ia * xsd)
+        xb = load(x, xi + (ia + second) * xsd)
+        store(o, oi + ia * osd, xa * c - xb * s)
+        store(o, oi + (ia + second) * osd, xb * c + xa * s)
     if copy_tail:
         for j in range(rotary_dim, head_dim):
             o[oi + j * osd] = x[xi + j * xsd]
 
 
 @njit(cache=True)
-def rotate_token(t, x, o, geo, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse):
-    """Rotate every head of token t (= b*seq_len + s) of one item; geo: its GEO_COLUMNS int64 values."""
+def rotate_token(t, x, o, geo, item, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse):
+    """Rotate every head of token t (= b*seq_len + s) of item ``item``; geo[item]: its GEO_COLUMNS int64 values."""
     b = t // seq_len
     s = t - b * seq_len
     row = rows[b if rows.shape[0] > 1 else 0, s]
-    xsd = geo[GEO_X + 4]
-    osd = geo[GEO_OUT + 4]
-    for h in range(geo[GEO_HEADS]):
-        xi = element_offset(geo[GEO_X], geo[GEO_X + 1], geo[GEO_X + 2], geo[GEO_X + 3], b, s, h)
-        oi = element_offset(geo[GEO_OUT], geo[GEO_OUT + 1], geo[GEO_OUT + 2], geo[GEO_OUT + 3], b, s, h)
+    xsd = geo[item, GEO_X + 4]
+    osd = geo[item, GEO_OUT + 4]
+    copy_tail = geo[item, GEO_COPY_TAIL] != 0
+    for h in range(geo[item, GEO_HEADS]):
+        xi = element_offset(geo[item, GEO_X], geo[item, GEO_X + 1], geo[item, GEO_X + 2], geo[item, GEO_X + 3],
+                            b, s, h)
+        oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2],
+                            geo[item, GEO_OUT + 3], b, s, h)
         rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
-                      geo[GEO_COPY_TAIL] != 0)
+                      copy_tail)
 
 
 @njit(parallel=True, cache=True)
@@ -164,17 +175,19 @@ def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, h
                        interleaved, inverse):
     """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row."""
     for t in prange(n_tokens):
-        rotate_token(t, xq, oq, geo[0], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
-        rotate_token(t, xk, ok, geo[1], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
 
 
 @njit(cache=True)
 def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, half, rotary_dim, head_dim,
                      interleaved, inverse):
     """rotate_qk_parallel on the calling thread (small calls: no thread hand-off)."""
+    xq, oq, xk, ok, geo = borrowed(xq), borrowed(oq), borrowed(xk), borrowed(ok), borrowed(geo)
+    cos, sin, rows = borrowed(cos), borrowed(sin), borrowed(rows)
     for t in range(n_tokens):
-        rotate_token(t, xq, oq, geo[0], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
-        rotate_token(t, xk, ok, geo[1], cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
 
 
 # -- linear attention ----------------------------------------------------------------------------
@@ -403,6 +416,142 @@ def _vmadd_impl(acc, x, y):
 @overload(vsum)
 def _vsum_impl(value):
     return lambda value: _vsum(value)
+
+
+# -- SIMD rotation of unit-stride head vectors ------------------------------------------------------
+def _work_dtype(buf_dtype):
+    """The dtype a buffer is computed in: float32 for float16 bits (uint16), else its own."""
+    return types.float32 if buf_dtype == types.uint16 else buf_dtype
+
+
+def _flat_pointer(context, builder, array_type, array, index_type, index):
+    """Pointer to element ``index`` of a C-contiguous array counted in its flat (row-major) order."""
+    ary = context.make_array(array_type)(context, builder, array)
+    return builder.gep(ary.data, [context.cast(builder, index, index_type, types.intp)], inbounds=True)
+
+
+@intrinsic
+def _vload_flat(typingctx, buf, i):
+    """The vector buf.flat[i : i + lanes] in the work dtype (float16 bits converted exactly by fpext)."""
+    vec = Vec(_work_dtype(buf.dtype))
+
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        vec_type = context.get_value_type(vec)
+        if buf.dtype == types.uint16:
+            bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), vec.lanes).as_pointer()), align=2)
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), vec.lanes)), vec_type)
+        return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=buf.dtype.bitwidth // 8)
+
+    return vec(buf, i), codegen
+
+
+@intrinsic
+def _vstore_flat(typingctx, buf, i, value):
+    """buf.flat[i : i + lanes] = value rounded to buf's dtype (float16 bits: fptrunc, to nearest even)."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        data = args[2]
+        if buf.dtype == types.uint16:
+            halves = builder.fptrunc(data, ir.VectorType(ir.HalfType(), value.lanes))
+            data = builder.bitcast(halves, ir.VectorType(ir.IntType(16), value.lanes))
+            builder.store(data, builder.bitcast(ptr, data.type.as_pointer()), align=2)
+        else:
+            builder.store(data, builder.bitcast(ptr, data.type.as_pointer()), align=buf.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(buf, i, value), codegen
+
+
+def _lane_indices(indices):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), list(indices))
+
+
+def _vector_binary(op):
+    @intrinsic
+    def _binary(typingctx, x, y):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1])
+        return x(x, y), codegen
+    return _binary
+
+
+_vmul, _vadd, _vsub = _vector_binary("fmul"), _vector_binary("fadd"), _vector_binary("fsub")
+
+
+@intrinsic
+def _vneg(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.fneg(args[0])
+    return x(x), codegen
+
+
+@intrinsic
+def _vdeinterleave(typingctx, lo, hi):
+    """(even lanes, odd lanes) of the 2 * lanes values lo ++ hi."""
+    pair = types.UniTuple(lo, 2)
+
+    def codegen(context, builder, signature, args):
+        n = lo.lanes
+        even = builder.shuffle_vector(args[0], args[1], _lane_indices([2 * j for j in range(n)]))
+        odd = builder.shuffle_vector(args[0], args[1], _lane_indices([2 * j + 1 for j in range(n)]))
+        return context.make_tuple(builder, pair, [even, odd])
+
+    return pair(lo, hi), codegen
+
+
+@intrinsic
+def _vinterleave(typingctx, even, odd):
+    """(first lanes, last lanes) of even[0], odd[0], even[1], odd[1], ..."""
+    pair = types.UniTuple(even, 2)
+
+    def codegen(context, builder, signature, args):
+        n = even.lanes
+        order = [j // 2 + (n if j % 2 else 0) for j in range(2 * n)]
+        lo = builder.shuffle_vector(args[0], args[1], _lane_indices(order[:n]))
+        hi = builder.shuffle_vector(args[0], args[1], _lane_indices(order[n:]))
+        return context.make_tuple(builder, pair, [lo, hi])
+
+    return pair(even, odd), codegen
+
+
+def rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+    """Rotate the first whole registers of pairs of the unit-stride vector x[xi:] into o[oi:], exactly
+    as the scalar loop of :func:`rotate_vector` does (same products and sums, float16 via float32);
+    returns how many pairs it did (0 when the dtypes do not allow it). Each block is loaded before it
+    is stored, so o may be x itself."""
+    return 0
+
+
+@overload(rotate_pairs_simd)
+def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+    work = _work_dtype(x.dtype)
+    if not (o.dtype == x.dtype and cos.dtype == work and sin.dtype == work and work in (types.float32, types.float64)
+            and x.layout == "C" and o.layout == "C" and cos.layout == "C" and sin.layout == "C" and cos.ndim == 2
+            and sin.ndim == 2):
+        return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
+    n = VECTOR_BYTES // (work.bitwidth // 8)
+
+    def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+        table = np.int64(row) * cos.shape[1]
+        done = half - half % n
+        for i in range(0, done, n):
+            c = _vload_flat(cos, table + i)
+            s = _vload_flat(sin, table + i)
+            if inverse:
+                s = _vneg(s)
+            if interleaved:
+                xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
+                lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
+                _vstore_flat(o, oi + 2 * i, lo)
+                _vstore_flat(o, oi + 2 * i + n, hi)
+            else:
+                xa = _vload_flat(x, xi + i)
+                xb = _vload_flat(x, xi + half + i)
+                _vstore_flat(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
+                _vstore_flat(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
+        return done
+    return impl
 
 
 # -- linear attention: chunk products and the chunk loop ---------------------------------------------
