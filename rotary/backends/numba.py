@@ -20,7 +20,7 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
 #: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
 #: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
-PARALLEL_MIN_ELEMENTS = 1 << 12
+PARALLEL_MIN_ELEMENTS = 1 << 13
 
 
 def availability():
