@@ -10,7 +10,14 @@ readout, O(T m dv). Causal: chunks of C rows; per chunk the intra-chunk masked q
 B_c plus the carried z; then ``S += B̂_c^T V_c``, ``z += sum B_c``. Features and rotations are made
 chunk by chunk too, so temporaries are chunk-sized: never a T x T matrix, never a T x m x dv tensor.
 Sums are blocked per chunk in the work dtype (float32, float64 for float64 input). All array
-operations are functional (no in-place writes), so JAX arrays work too.
+operations of that generic path are functional (no in-place writes), so JAX arrays work too.
+
+NumPy arrays take ``_linear_attention_numpy`` instead: the same chunk algebra for a group of G chunks
+of all (B, H) at once (batched matmuls on contiguous (B*H*G, C, .) stacks, no Python loop over chunks
+or heads), with the chunk states as an exclusive prefix sum over the group's chunk increments in the
+work dtype on top of a carried state that is float64 between groups (then at least as accurate as the
+old fp32 running sum); group sizes keep the temporaries cache-sized (``_GROUP_ELEMENTS``,
+``_STATE_ELEMENTS``). The returned state has the work dtype, as before.
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ def _heads_first(xp, x):
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
     """(o, (S, z)) for canonical q, k (B, S, H, m), v (B, S, H, dv); see the module docstring."""
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
+    if all(is_numpy_array(a) for a in (q, k, v, cos, sin)) and (state is None or all(is_numpy_array(s) for s in state)):
+        return _linear_attention_numpy(q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout, causal=causal,
+                                       feature_map=feature_map, eps=eps, chunk=chunk, state=state)
+    return _linear_attention_xp(q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout, causal=causal,
+                                feature_map=feature_map, eps=eps, chunk=chunk, state=state)
+
+
+def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+    """The generic array-API path (torch, JAX, array-api-strict, ...): a Python loop over chunks."""
     xp = array_namespace(q, k, v)
     dev = xp_device(q)
     work = _compute_dtype(q.dtype, xp)
@@ -97,3 +115,199 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     o = xp.concat(pieces, axis=-2) if pieces else xp.zeros((B, H, 0, dv), dtype=work, device=dev)
     o = xp.astype(xp.permute_dims(o, (0, 2, 1, 3)), q.dtype)                        # (B, T, H, dv)
     return o, (S, z)
+
+
+# -- NumPy: chunkwise-parallel form ------------------------------------------------------------------
+# A group of G chunks of all (B, H) at once: features and rotations in preallocated buffers, then batched
+# matmuls over (B*H*G) stacks: intra-chunk scores tril(Â_c B̂_cᵀ), their product with V_c, the chunk
+# increments B̂_cᵀ V_c; an exclusive prefix sum of the increments over the group's chunks (work dtype) on top
+# of the carried state, which is float64 between groups; then Â_c S_[c]. The denominator: a row cumsum of B_c
+# per chunk plus the exclusive prefix of chunk sums plus the carried z (float64 between groups).
+_GROUP_ELEMENTS = 1 << 18         # cap on a group's B*H*L*max(m, dv): a few such buffers stay in L2
+_STATE_ELEMENTS = 1 << 18         # cap on a group's B*H*G*m*dv (the materialised chunk states)
+
+
+def _group_chunks(bh, step, m, dv, nchunks):
+    g = min(_GROUP_ELEMENTS // max(1, bh * step * max(m, dv)), _STATE_ELEMENTS // max(1, bh * m * dv))
+    return max(1, min(nchunks, g))
+
+
+def _full_width_tables(cos_tok, sin_tok, rotary_dim, layout):
+    """(Bp, 1, T, rotary_dim) tables cf, sf with ``R_p x = x * cf + swap(x) * sf`` on the rotated dims."""
+    import numpy as np
+
+    if layout == "half":
+        cf = np.concatenate([cos_tok, cos_tok], axis=-1)
+        sf = np.concatenate([-sin_tok, sin_tok], axis=-1)
+    else:
+        cf = np.repeat(cos_tok, 2, axis=-1)
+        sf = np.stack([-sin_tok, sin_tok], axis=-1).reshape(cf.shape)
+    return cf, sf
+
+
+def _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work):
+    """(phi(x), R_p phi(x)) of tokens s0:s1, heads first, contiguous (B, H, n, m) in ``work``.
+
+    Same products as ``_rotate_xp`` (``x_a c - x_b s`` = ``x_a c + x_b (-s)`` exactly), but full-width:
+    one pair-swapped copy, then contiguous multiplies that broadcast the tables over the heads.
+    """
+    import numpy as np
+
+    B, _, H, m = x.shape
+    n = s1 - s0
+    f = np.empty((B, H, n, m), dtype=work)
+    np.copyto(f, x[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
+    sw = np.empty_like(f)
+    if feature_map == "elu":
+        np.minimum(f, 0, out=sw)
+        np.exp(sw, out=sw)
+        np.maximum(f, 0, out=f)
+        f += sw
+    elif feature_map == "relu":
+        np.maximum(f, 0, out=f)
+    rd, half = rotary_dim, rotary_dim // 2
+    if rd < m:
+        sw, r = sw[..., :rd], np.empty_like(f)
+        r[..., rd:] = f[..., rd:]
+        rot, fr = r[..., :rd], f[..., :rd]
+    else:
+        r = rot = np.empty_like(f)
+        fr = f
+    if layout == "half":
+        sw[..., :half] = fr[..., half:]
+        sw[..., half:] = fr[..., :half]
+    else:
+        sw[..., 0::2] = fr[..., 1::2]
+        sw[..., 1::2] = fr[..., 0::2]
+    np.multiply(fr, cf[:, :, s0:s1], out=rot)
+    sw *= sf[:, :, s0:s1]
+    rot += sw
+    return f, r
+
+
+def _row_cumsum(x):
+    """Inclusive cumsum over axis 2 of (P, G, n, m) in x's dtype, as a blocked scan: ~2 sqrt(n) NumPy calls.
+
+    Each row is a left-to-right sum of the rows up to it in the chunk (within a block of w rows, then plus
+    the previous block's last row), so every sum has at most n terms, all in x's dtype.
+    """
+    import numpy as np
+
+    P, G, n, m = x.shape
+    w = max(1, int(round(n ** 0.5)))
+    nb = n // w
+    y = np.empty_like(x)
+    head = nb * w
+    blocks = y[:, :, :head].reshape(P, G, nb, w, m)
+    src = x[:, :, :head].reshape(P, G, nb, w, m)
+    blocks[:, :, :, 0] = src[:, :, :, 0]
+    for i in range(1, w):
+        np.add(blocks[:, :, :, i - 1], src[:, :, :, i], out=blocks[:, :, :, i])
+    for j in range(1, nb):
+        blocks[:, :, j] += blocks[:, :, j - 1, -1:]
+    for i in range(head, n):
+        np.add(y[:, :, i - 1], x[:, :, i], out=y[:, :, i])
+    return y
+
+
+def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+    import numpy as np
+
+    work = np.float64 if q.dtype == np.float64 else np.float32
+    B, T, H, m = q.shape
+    dv = v.shape[-1]
+    bh = B * H
+    flat = np.asarray(rows).reshape(-1)
+    bp = rows.shape[0]
+    cos_tok = np.take(cos, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
+    sin_tok = np.take(sin, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
+    if state is None:
+        S = np.zeros((bh, dv, m))                                                 # S transposed
+        z = np.zeros((bh, m))
+    else:
+        S = np.array(np.asarray(state[0]).reshape(bh, m, dv).transpose(0, 2, 1), dtype=np.float64)
+        z = np.array(state[1], dtype=np.float64).reshape(bh, m)
+    o = np.empty((B, T, H, dv), dtype=q.dtype)
+
+    cf, sf = _full_width_tables(cos_tok, sin_tok, rotary_dim, layout)
+
+    def feats(x, s0, s1):
+        return _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work)
+
+    def values(s0, s1, n):
+        """V of tokens s0:s1 in chunks of n rows, (B*H*g, n, dv), and its per-chunk transpose; contiguous."""
+        val = np.empty((B, H, s1 - s0, dv), dtype=work)
+        np.copyto(val, v[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
+        val = val.reshape(-1, n, dv)
+        return val, np.ascontiguousarray(val.transpose(0, 2, 1))
+
+    def store(s0, s1, num, den):
+        """o[:, s0:s1] = num / (den + eps); num (B*H*..., dv) rows of tokens s0:s1, den the same rows."""
+        den += eps
+        num /= den[..., None]
+        o[:, s0:s1] = num.reshape(B, H, s1 - s0, dv).transpose(0, 2, 1, 3)
+
+    step = max(1, int(chunk))
+    if not causal:
+        nchunks = -(-T // step)
+        G = _group_chunks(bh, step, m, dv, nchunks)
+        for s0 in range(0, T, G * step):
+            s1 = min(T, s0 + G * step)
+            g, n = divmod(s1 - s0, step)
+            for t0, t1, gg, nn in ((s0, s0 + g * step, g, step), (s0 + g * step, s1, 1, n)):
+                if t1 <= t0:
+                    continue
+                bc, bhat = feats(k, t0, t1)
+                dS = np.matmul(values(t0, t1, nn)[1], bhat.reshape(bh * gg, nn, m))      # chunk sums (B̂_cᵀ V_c)ᵀ
+                S += dS.reshape(bh, gg, dv, m).sum(axis=1, dtype=np.float64)
+                z += bc.reshape(bh, gg, nn, m).sum(axis=2).sum(axis=1, dtype=np.float64)
+        Sw, zw = S.astype(work), z.astype(work)
+        L = max(1, _GROUP_ELEMENTS // max(1, bh * max(m, dv)))
+        for s0 in range(0, T, L):
+            s1 = min(T, s0 + L)
+            ac, ahat = feats(q, s0, s1)
+            num = np.matmul(ahat.reshape(bh, s1 - s0, m), Sw.transpose(0, 2, 1))
+            den = np.matmul(ac.reshape(bh, s1 - s0, m), zw[:, :, None])[..., 0]
+            store(s0, s1, num, den)
+    else:
+        nfull, tail = divmod(T, step)
+        G = _group_chunks(bh, step, m, dv, max(1, nfull))
+        groups = [(s0, min(nfull * step, s0 + G * step), step) for s0 in range(0, nfull * step, G * step)]
+        if tail:
+            groups.append((nfull * step, T, tail))
+        idx = np.arange(step)
+        upper = idx[:, None] < idx[None, :]                                         # strictly above the diagonal
+        for s0, s1, n in groups:
+            g = (s1 - s0) // n
+            (ac, ahat), (bc, bhat), (v3, vt) = feats(q, s0, s1), feats(k, s0, s1), values(s0, s1, n)
+            ahat3 = ahat.reshape(bh * g, n, m)
+            bhat3 = bhat.reshape(bh * g, n, m)
+            scores = np.matmul(ahat3, bhat3.transpose(0, 2, 1))
+            np.copyto(scores, 0, where=upper[:n, :n])
+            num = np.matmul(scores, v3)                                              # intra-chunk
+            dS = np.matmul(vt, bhat3).reshape(bh, g, dv, m)                          # chunk increments, transposed
+            # S before chunk j: the carried float64 state (rounded to work) + a work-dtype sum of <= G increments
+            prefix = np.empty_like(dS)
+            carried = S.astype(work)
+            prefix[:, 0] = carried
+            run = dS[:, 0].copy()
+            for j in range(1, g):
+                np.add(run, carried, out=prefix[:, j])
+                run += dS[:, j]
+            S += run
+            num += np.matmul(ahat3, prefix.reshape(bh * g, dv, m).transpose(0, 2, 1))
+            b4 = bc.reshape(bh, g, n, m)
+            zrows = _row_cumsum(b4)                                                  # within each chunk
+            zchunk = np.empty((bh, g, m), dtype=work)                                # z before each chunk
+            carried = z.astype(work)
+            zchunk[:, 0] = carried
+            zrun = zrows[:, 0, -1].copy()
+            for j in range(1, g):
+                np.add(zrun, carried, out=zchunk[:, j])
+                zrun += zrows[:, j, -1]
+            z += zrun
+            zrows += zchunk[:, :, None, :]
+            den = np.einsum("...i,...i->...", ac.reshape(bh, g, n, m), zrows)
+            store(s0, s1, num, den.reshape(bh * g, n))
+    S = np.ascontiguousarray(S.transpose(0, 2, 1), dtype=work)
+    return o, (S.reshape(B, H, m, dv), z.astype(work).reshape(B, H, m))

@@ -1,0 +1,160 @@
+"""The NumPy backend's chunkwise-parallel linear attention (rotary/backends/_numpy_linear.py).
+
+Groups of chunks for all (batch, head) at once, chunk states as an exclusive prefix sum on top of a float64
+carry. Checked against the quadratic float64 oracle ``rotary.testing.linear_attention_quadratic`` with small
+group caps so that sequences span several groups, partial last chunks and group edges.
+"""
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary.backends import _numpy_linear as nl
+from rotary.testing import linear_attention_quadratic
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}
+
+
+@pytest.fixture(params=["default", "small_groups"])
+def groups(request, monkeypatch):
+    """Default group caps, or caps small enough that every case below spans several groups."""
+    if request.param == "small_groups":
+        monkeypatch.setattr(nl, "_GROUP_ELEMENTS", 1)      # one chunk per group
+        monkeypatch.setattr(nl, "_STATE_ELEMENTS", 1)
+    return request.param
+
+
+def _rel_rms(actual, desired):
+    actual, desired = np.asarray(actual, np.float64), np.asarray(desired, np.float64)
+    assert actual.shape == desired.shape
+    return float(np.linalg.norm(actual - desired) / max(np.linalg.norm(desired), 1e-300))
+
+
+def _oracle(q, k, v, positions, spec, *, causal, feature_map="elu", eps=1e-6):
+    """q, k, v (B, H, T, d) and positions broadcastable to (B, H, T)."""
+    inv_freq = spec.inv_freq()
+    return linear_attention_quadratic(q, k, v, positions, inv_freq, layout=spec.layout, causal=causal,
+                                      feature_map=feature_map, eps=eps, scale=spec.attention_scaling)
+
+
+def _inputs(rng, shape, dv, dtype):
+    q, k, v = rng.standard_normal(shape), rng.standard_normal(shape), rng.standard_normal((*shape[:-1], dv))
+    return [a.astype(dtype) for a in (q, k, v)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,chunk", [(1, 8), (7, 8), (8, 8), (9, 8), (41, 8), (64, 16), (5, 1), (6, 100)])
+def test_matches_the_oracle_across_groups(groups, dtype, causal, T, chunk):
+    rng = np.random.default_rng(T * 31 + chunk)
+    B, H, d, dv = 2, 3, 8, 5
+    q, k, v = _inputs(rng, (B, H, T, d), dv, dtype)
+    spec = rotary.RopeSpec(d)
+    o = rotary.linear_attention(q, k, v, causal=causal, chunk=chunk, backend="numpy")
+    assert type(o) is np.ndarray and o.dtype == q.dtype and o.shape == (B, H, T, dv)
+    assert _rel_rms(o, _oracle(q, k, v, np.arange(T), spec, causal=causal)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["odd_dim", "partial", "interleaved", "relu", "identity", "per_batch", "bshd"])
+def test_dims_maps_layouts_positions(groups, causal, case):
+    rng = np.random.default_rng(5)
+    B, H, T, d, dv, chunk = 2, 2, 23, 6, 3, 4
+    kwargs, feature_map, positions = {}, "elu", np.arange(T) + 7
+    if case == "odd_dim":
+        d = 7
+    elif case == "partial":
+        kwargs["rotary_dim"] = 4
+    elif case == "interleaved":
+        kwargs["layout"] = "interleaved"
+    elif case in ("relu", "identity"):
+        feature_map = case
+    elif case == "per_batch":
+        positions = np.array([3, 1000])[:, None] + np.arange(T)
+    spec = rotary.RopeSpec(d, **kwargs)
+    q, k, v = _inputs(rng, (B, H, T, d), dv, np.float64)
+    oracle_pos = positions[:, None, :] if positions.ndim == 2 else positions
+    eps = 1e-3 if feature_map == "identity" else 1e-6
+    expected = _oracle(q, k, v, oracle_pos, spec, causal=causal, feature_map=feature_map, eps=eps)
+    before = [a.copy() for a in (q, k, v)]
+    if case == "bshd":   # (B, T, H, d) strided views of the (B, H, T, d) arrays
+        args = [np.swapaxes(a, 1, 2) for a in (q, k, v)]
+        o = rotary.linear_attention(*args, positions, spec=spec, causal=causal, chunk=chunk, seq_axis=1,
+                                    feature_map=feature_map, eps=eps, backend="numpy")
+        o = np.swapaxes(o, 1, 2)
+    else:
+        o = rotary.linear_attention(q, k, v, positions, spec=spec, causal=causal, chunk=chunk,
+                                    feature_map=feature_map, eps=eps, backend="numpy")
+    assert _rel_rms(o, expected) <= 1e-12
+    for a, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_state_resume_at_several_cuts(groups, dtype, causal):
+    rng = np.random.default_rng(9)
+    B, H, T, d, dv, chunk = 2, 2, 37, 6, 4, 5
+    q, k, v = _inputs(rng, (B, H, T, d), dv, dtype)
+    positions = np.array([11, 400])[:, None] + np.arange(T)
+    spec = rotary.RopeSpec(d)
+    full, full_state = rotary.linear_attention(q, k, v, positions, spec=spec, causal=causal, chunk=chunk,
+                                               return_state=True, backend="numpy")
+    for cut in (0, 1, 4, 5, 6, 17, 36, 37):
+        sl, sr = slice(None, cut), slice(cut, None)
+        o1, st = rotary.linear_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], positions[:, sl], spec=spec,
+                                         causal=causal, chunk=chunk, return_state=True, backend="numpy")
+        S_before, z_before = st.S.copy(), st.z.copy()
+        o2, st2 = rotary.linear_attention(q[:, :, sr], k[:, :, sr], v[:, :, sr], positions[:, sr],
+                                          causal=causal, chunk=chunk, state=st, return_state=True, backend="numpy")
+        np.testing.assert_array_equal(st.S, S_before)              # the state passed in is not written
+        np.testing.assert_array_equal(st.z, z_before)
+        assert st2.S.dtype == st2.z.dtype == np.dtype(dtype)
+        if causal:
+            assert _rel_rms(np.concatenate([o1, o2], axis=2), full) <= TOL[dtype], cut
+        assert _rel_rms(st2.S, full_state.S) <= TOL[dtype], cut
+        assert _rel_rms(st2.z, full_state.z) <= TOL[dtype], cut
+    # the state is the plain sum over all tokens: S = sum b̂ vᵀ, z = sum b
+    b = np.where(q.dtype.type(0) < k, k.astype(np.float64) + 1, np.exp(np.minimum(k.astype(np.float64), 0)))
+    z = b.sum(axis=2)
+    assert _rel_rms(full_state.z, z) <= TOL[dtype]
+
+
+def test_float16_state_is_float32(groups):
+    rng = np.random.default_rng(4)
+    q, k, v = _inputs(rng, (1, 2, 50, 8), 6, np.float16)
+    o, st = rotary.linear_attention(q, k, v, causal=True, chunk=8, return_state=True, backend="numpy")
+    assert o.dtype == np.float16 and st.S.dtype == np.float32 and st.z.dtype == np.float32
+    assert _rel_rms(o, _oracle(q, k, v, np.arange(50), rotary.RopeSpec(8), causal=True)) <= TOL["float16"]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_float32_stays_within_1e_5(causal):
+    """T = 4099 (64 chunks + 3 tokens), fp32: chunked fp32 sums + float64 carry, 1e-5 relative RMS."""
+    rng = np.random.default_rng(17)
+    T = 4099
+    q, k, v = _inputs(rng, (1, 2, T, 32), 16, np.float32)
+    spec = rotary.RopeSpec(32)
+    o, st = rotary.linear_attention(q, k, v, causal=causal, spec=spec, return_state=True, backend="numpy")
+    assert _rel_rms(o, _oracle(q, k, v, np.arange(T), spec, causal=causal)) <= 1e-5
+    z = np.where(k > 0, k.astype(np.float64) + 1, np.exp(np.minimum(k.astype(np.float64), 0))).sum(axis=2)
+    assert _rel_rms(st.z, z) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_same_result_as_the_generic_path(groups, dtype, causal):
+    """The NumPy fast path and the array-API loop (used for torch/JAX/...) agree to rounding."""
+    rng = np.random.default_rng(2)
+    q, k, v = _inputs(rng, (2, 35, 3, 6), 4, dtype)       # canonical (B, S, H, m)
+    spec = rotary.RopeSpec(6, layout="interleaved")
+    from rotary import _tables
+
+    pos = np.array([0, 50])[:, None] + np.arange(35)
+    cos, sin, rows = _tables.lookup(spec, pos, dtype=q.dtype, device_key="cpu")
+    kw = dict(rotary_dim=6, layout="interleaved", causal=causal, feature_map="elu", eps=1e-6, chunk=4, state=None)
+    fast, (S1, z1) = nl.linear_attention(q, k, v, cos, sin, rows, **kw)
+    slow, (S2, z2) = nl._linear_attention_xp(q, k, v, cos, sin, rows, **kw)
+    for a, b in ((fast, slow), (S1, S2), (z1, z2)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert _rel_rms(a, b) <= TOL[dtype]
