@@ -145,7 +145,7 @@ def _full_width_tables(cos_tok, sin_tok, rotary_dim, layout):
     return cf, sf
 
 
-def _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work):
+def _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work, buf, tag):
     """(phi(x), R_p phi(x)) of tokens s0:s1, heads first, contiguous (B, H, n, m) in ``work``.
 
     Same products as ``_rotate_xp`` (``x_a c - x_b s`` = ``x_a c + x_b (-s)`` exactly), but full-width:
@@ -155,48 +155,50 @@ def _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work):
 
     B, _, H, m = x.shape
     n = s1 - s0
-    f = np.empty((B, H, n, m), dtype=work)
+    f = buf(tag + "f", (B, H, n, m), work)
     np.copyto(f, x[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
-    sw = np.empty_like(f)
+    sw = buf("swap", (B, H, n, m), work)
+    if feature_map in ("elu", "relu"):
+        # an (n, m) block of zeros rather than the scalar 0: NumPy's min/max vector loops need two arrays
+        zero = buf("zero", (n, m), work, zeros=True)
     if feature_map == "elu":
-        np.minimum(f, 0, out=sw)
+        np.minimum(f, zero, out=sw)
         np.exp(sw, out=sw)
-        np.maximum(f, 0, out=f)
+        np.maximum(f, zero, out=f)
         f += sw
     elif feature_map == "relu":
-        np.maximum(f, 0, out=f)
+        np.maximum(f, zero, out=f)
     rd, half = rotary_dim, rotary_dim // 2
     if rd < m:
-        sw, r = sw[..., :rd], np.empty_like(f)
+        sw, r = sw[..., :rd], buf(tag + "r", (B, H, n, m), work)
         r[..., rd:] = f[..., rd:]
         rot, fr = r[..., :rd], f[..., :rd]
     else:
-        r = rot = np.empty_like(f)
+        r = rot = buf(tag + "r", (B, H, n, m), work)
         fr = f
-    if layout == "half":
-        sw[..., :half] = fr[..., half:]
-        sw[..., half:] = fr[..., :half]
+    if layout == "half":       # the swapped halves as a view: (..., 2, half) read backwards on the 2-axis
+        swapped = fr.reshape(*fr.shape[:-1], 2, half)[..., ::-1, :]
+        np.multiply(swapped, sf[:, :, s0:s1].reshape(*sf.shape[:2], n, 2, half), out=sw.reshape(swapped.shape))
     else:
         sw[..., 0::2] = fr[..., 1::2]
         sw[..., 1::2] = fr[..., 0::2]
+        sw *= sf[:, :, s0:s1]
     np.multiply(fr, cf[:, :, s0:s1], out=rot)
-    sw *= sf[:, :, s0:s1]
     rot += sw
     return f, r
 
 
-def _row_cumsum(x):
+def _row_cumsum(x, y):
     """Inclusive cumsum over axis 2 of (P, G, n, m) in x's dtype, as a blocked scan: ~2 sqrt(n) NumPy calls.
 
     Each row is a left-to-right sum of the rows up to it in the chunk (within a block of w rows, then plus
-    the previous block's last row), so every sum has at most n terms, all in x's dtype.
+    the previous block's last row), so every sum has at most n terms, all in x's dtype. Written into y.
     """
     import numpy as np
 
     P, G, n, m = x.shape
     w = max(1, int(round(n ** 0.5)))
     nb = n // w
-    y = np.empty_like(x)
     head = nb * w
     blocks = y[:, :, :head].reshape(P, G, nb, w, m)
     src = x[:, :, :head].reshape(P, G, nb, w, m)
@@ -228,18 +230,29 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         S = np.array(np.asarray(state[0]).reshape(bh, m, dv).transpose(0, 2, 1), dtype=np.float64)
         z = np.array(state[1], dtype=np.float64).reshape(bh, m)
     o = np.empty((B, T, H, dv), dtype=q.dtype)
+    pool = {}
+
+    def buf(name, shape, dtype=work, zeros=False):
+        """A work buffer reused by every group of the same shape (fresh large arrays cost page faults)."""
+        key = (name, shape, dtype)
+        a = pool.get(key)
+        if a is None:
+            a = pool[key] = np.zeros(shape, dtype=dtype) if zeros else np.empty(shape, dtype=dtype)
+        return a
 
     cf, sf = _full_width_tables(cos_tok, sin_tok, rotary_dim, layout)
 
-    def feats(x, s0, s1):
-        return _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work)
+    def feats(x, s0, s1, tag):
+        return _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work, buf, tag)
 
     def values(s0, s1, n):
         """V of tokens s0:s1 in chunks of n rows, (B*H*g, n, dv), and its per-chunk transpose; contiguous."""
-        val = np.empty((B, H, s1 - s0, dv), dtype=work)
+        val = buf("v", (B, H, s1 - s0, dv))
         np.copyto(val, v[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
         val = val.reshape(-1, n, dv)
-        return val, np.ascontiguousarray(val.transpose(0, 2, 1))
+        vt = buf("vt", (val.shape[0], dv, n))
+        np.copyto(vt, val.transpose(0, 2, 1))
+        return val, vt
 
     def store(s0, s1, num, den):
         """o[:, s0:s1] = num / (den + eps); num (B*H*..., dv) rows of tokens s0:s1, den the same rows."""
@@ -257,16 +270,16 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
             for t0, t1, gg, nn in ((s0, s0 + g * step, g, step), (s0 + g * step, s1, 1, n)):
                 if t1 <= t0:
                     continue
-                bc, bhat = feats(k, t0, t1)
-                dS = np.matmul(values(t0, t1, nn)[1], bhat.reshape(bh * gg, nn, m))      # chunk sums (B̂_cᵀ V_c)ᵀ
-                S += dS.reshape(bh, gg, dv, m).sum(axis=1, dtype=np.float64)
-                z += bc.reshape(bh, gg, nn, m).sum(axis=2).sum(axis=1, dtype=np.float64)
+                bc, bhat = feats(k, t0, t1, "k")
+                dS = np.matmul(values(t0, t1, nn)[1], bhat.reshape(bh * gg, nn, m), out=buf("dS", (bh * gg, dv, m)))      # chunk sums (B̂_cᵀ V_c)ᵀ
+                S += dS.reshape(bh, gg, dv, m).sum(axis=1)                             # <= G chunk sums, then float64
+                z += bc.reshape(bh, gg, nn, m).sum(axis=2).sum(axis=1)
         Sw, zw = S.astype(work), z.astype(work)
         L = max(1, _GROUP_ELEMENTS // max(1, bh * max(m, dv)))
         for s0 in range(0, T, L):
             s1 = min(T, s0 + L)
-            ac, ahat = feats(q, s0, s1)
-            num = np.matmul(ahat.reshape(bh, s1 - s0, m), Sw.transpose(0, 2, 1))
+            ac, ahat = feats(q, s0, s1, "q")
+            num = np.matmul(ahat.reshape(bh, s1 - s0, m), Sw.transpose(0, 2, 1), out=buf("num", (bh, s1 - s0, dv)))
             den = np.matmul(ac.reshape(bh, s1 - s0, m), zw[:, :, None])[..., 0]
             store(s0, s1, num, den)
     else:
@@ -279,25 +292,27 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         upper = idx[:, None] < idx[None, :]                                         # strictly above the diagonal
         for s0, s1, n in groups:
             g = (s1 - s0) // n
-            (ac, ahat), (bc, bhat), (v3, vt) = feats(q, s0, s1), feats(k, s0, s1), values(s0, s1, n)
+            (ac, ahat), (bc, bhat), (v3, vt) = feats(q, s0, s1, "q"), feats(k, s0, s1, "k"), values(s0, s1, n)
             ahat3 = ahat.reshape(bh * g, n, m)
             bhat3 = bhat.reshape(bh * g, n, m)
-            scores = np.matmul(ahat3, bhat3.transpose(0, 2, 1))
+            scores = np.matmul(ahat3, bhat3.transpose(0, 2, 1), out=buf("scores", (bh * g, n, n)))
             np.copyto(scores, 0, where=upper[:n, :n])
-            num = np.matmul(scores, v3)                                              # intra-chunk
-            dS = np.matmul(vt, bhat3).reshape(bh, g, dv, m)                          # chunk increments, transposed
+            num = np.matmul(scores, v3, out=buf("num", (bh * g, n, dv)))               # intra-chunk
+            dS = np.matmul(vt, bhat3, out=buf("dS", (bh * g, dv, m))).reshape(bh, g, dv, m)   # increments, transposed
             # S before chunk j: the carried float64 state (rounded to work) + a work-dtype sum of <= G increments
-            prefix = np.empty_like(dS)
-            carried = S.astype(work)
+            prefix = buf("prefix", dS.shape)
+            carried = buf("carried", S.shape)
+            np.copyto(carried, S, casting="unsafe")
             prefix[:, 0] = carried
-            run = dS[:, 0].copy()
+            run = buf("run", S.shape)
+            np.copyto(run, dS[:, 0])
             for j in range(1, g):
                 np.add(run, carried, out=prefix[:, j])
                 run += dS[:, j]
             S += run
-            num += np.matmul(ahat3, prefix.reshape(bh * g, dv, m).transpose(0, 2, 1))
+            num += np.matmul(ahat3, prefix.reshape(bh * g, dv, m).transpose(0, 2, 1), out=buf("inter", num.shape))
             b4 = bc.reshape(bh, g, n, m)
-            zrows = _row_cumsum(b4)                                                  # within each chunk
+            zrows = _row_cumsum(b4, buf("zrows", b4.shape))                          # within each chunk
             zchunk = np.empty((bh, g, m), dtype=work)                                # z before each chunk
             carried = z.astype(work)
             zchunk[:, 0] = carried
@@ -307,7 +322,7 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
                 zrun += zrows[:, j, -1]
             z += zrun
             zrows += zchunk[:, :, None, :]
-            den = np.einsum("...i,...i->...", ac.reshape(bh, g, n, m), zrows)
+            den = np.einsum("...i,...i->...", ac.reshape(bh, g, n, m), zrows, out=buf("den", (bh, g, n)))
             store(s0, s1, num, den.reshape(bh * g, n))
     S = np.ascontiguousarray(S.transpose(0, 2, 1), dtype=work)
     return o, (S.reshape(B, H, m, dv), z.astype(work).reshape(B, H, m))
