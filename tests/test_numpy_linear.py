@@ -158,3 +158,21 @@ def test_same_result_as_the_generic_path(groups, dtype, causal):
     for a, b in ((fast, slow), (S1, S2), (z1, z2)):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert _rel_rms(a, b) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_token_by_token_decode_equals_one_call(groups, dtype):
+    """One token per call (the K = 1 outer-product path, state carried in the work dtype)."""
+    rng = np.random.default_rng(12)
+    q, k, v = _inputs(rng, (3, 4, 9, 8), 6, dtype)
+    full = rotary.linear_attention(q, k, v, causal=True, chunk=4, backend="numpy")
+    o, st = rotary.linear_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], causal=True, chunk=4, return_state=True,
+                                    backend="numpy")
+    pieces = [o]
+    for t in range(2, 9):
+        o, st = rotary.linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True, chunk=4,
+                                        state=st, return_state=True, backend="numpy")
+        pieces.append(o)
+    assert _rel_rms(np.concatenate(pieces, axis=2), full) <= TOL[dtype]
+    assert _rel_rms(np.concatenate(pieces, axis=2), _oracle(q, k, v, np.arange(9), rotary.RopeSpec(8),
+                                                            causal=True)) <= TOL[dtype]

@@ -212,6 +212,24 @@ def _row_cumsum(x, y):
     return y
 
 
+def _outer_sum(kt, v3, out):
+    """kt @ v3 for (P, m, n) @ (P, n, dv); one token (decode) as a broadcast product (BLAS is slow at K = 1)."""
+    import numpy as np
+
+    if kt.shape[-1] == 1:
+        return np.multiply(kt, v3, out=out)
+    return np.matmul(kt, v3, out=out)
+
+
+def _accumulate(a, inc, owned, i):
+    """a + inc: in place once ``a`` is this call's own array (owned[i]), else a new array."""
+    if owned[i]:
+        a += inc
+        return a
+    owned[i] = True
+    return a + inc
+
+
 def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
     import numpy as np
 
@@ -223,12 +241,19 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
     bp = rows.shape[0]
     cos_tok = np.take(cos, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
     sin_tok = np.take(sin, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
+    step = max(1, int(chunk))
+    G = _group_chunks(bh, step, m, dv, max(1, T // step))
+    # The carried (S, z) is float64 between groups; a call with a single group, or one shorter than the
+    # state is wide (decode), carries in the work dtype: a couple of roundings at most, and no float64
+    # copies of a state much larger than the call's tokens.
+    carry = np.float64 if T > G * step and T >= min(m, dv) else work
     if state is None:
-        S = np.zeros((bh, dv, m))                                                 # S transposed
-        z = np.zeros((bh, m))
-    else:
-        S = np.array(np.asarray(state[0]).reshape(bh, m, dv).transpose(0, 2, 1), dtype=np.float64)
-        z = np.array(state[1], dtype=np.float64).reshape(bh, m)
+        S = np.zeros((bh, m, dv), dtype=carry)
+        z = np.zeros((bh, m), dtype=carry)
+    else:   # the state passed in is never written: the first update below is out of place (_accumulate)
+        S = np.reshape(state[0], (bh, m, dv)).astype(carry, copy=False)
+        z = np.reshape(state[1], (bh, m)).astype(carry, copy=False)
+    owned = [state is None, state is None]                  # S, z are this call's own arrays
     o = np.empty((B, T, H, dv), dtype=q.dtype)
     pool = {}
 
@@ -246,13 +271,17 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         return _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work, buf, tag)
 
     def values(s0, s1, n):
-        """V of tokens s0:s1 in chunks of n rows, (B*H*g, n, dv), and its per-chunk transpose; contiguous."""
+        """V of tokens s0:s1 in chunks of n rows, contiguous (B*H*g, n, dv)."""
         val = buf("v", (B, H, s1 - s0, dv))
         np.copyto(val, v[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
-        val = val.reshape(-1, n, dv)
-        vt = buf("vt", (val.shape[0], dv, n))
-        np.copyto(vt, val.transpose(0, 2, 1))
-        return val, vt
+        return val.reshape(-1, n, dv)
+
+    def keys_t(bhat, n):
+        """B̂ per chunk of n rows, transposed and contiguous (B*H*g, m, n): BLAS takes it without a copy."""
+        b3 = bhat.reshape(-1, n, m)
+        bt = buf("kt", (b3.shape[0], m, n))
+        np.copyto(bt, b3.transpose(0, 2, 1))
+        return bt
 
     def store(s0, s1, num, den):
         """o[:, s0:s1] = num / (den + eps); num (B*H*..., dv) rows of tokens s0:s1, den the same rows."""
@@ -260,10 +289,7 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         num /= den[..., None]
         o[:, s0:s1] = num.reshape(B, H, s1 - s0, dv).transpose(0, 2, 1, 3)
 
-    step = max(1, int(chunk))
     if not causal:
-        nchunks = -(-T // step)
-        G = _group_chunks(bh, step, m, dv, nchunks)
         for s0 in range(0, T, G * step):
             s1 = min(T, s0 + G * step)
             g, n = divmod(s1 - s0, step)
@@ -271,20 +297,19 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
                 if t1 <= t0:
                     continue
                 bc, bhat = feats(k, t0, t1, "k")
-                dS = np.matmul(values(t0, t1, nn)[1], bhat.reshape(bh * gg, nn, m), out=buf("dS", (bh * gg, dv, m)))      # chunk sums (B̂_cᵀ V_c)ᵀ
-                S += dS.reshape(bh, gg, dv, m).sum(axis=1)                             # <= G chunk sums, then float64
-                z += bc.reshape(bh, gg, nn, m).sum(axis=2).sum(axis=1)
-        Sw, zw = S.astype(work), z.astype(work)
+                dS = _outer_sum(keys_t(bhat, nn), values(t0, t1, nn), buf("dS", (bh * gg, m, dv)))   # B̂_cᵀ V_c
+                S = _accumulate(S, dS.reshape(bh, gg, m, dv).sum(axis=1), owned, 0)   # <= G chunk sums, then the carry
+                z = _accumulate(z, bc.reshape(bh, gg, nn, m).sum(axis=2).sum(axis=1), owned, 1)
+        Sw, zw = S.astype(work, copy=False), z.astype(work, copy=False)
         L = max(1, _GROUP_ELEMENTS // max(1, bh * max(m, dv)))
         for s0 in range(0, T, L):
             s1 = min(T, s0 + L)
             ac, ahat = feats(q, s0, s1, "q")
-            num = np.matmul(ahat.reshape(bh, s1 - s0, m), Sw.transpose(0, 2, 1), out=buf("num", (bh, s1 - s0, dv)))
+            num = np.matmul(ahat.reshape(bh, s1 - s0, m), Sw, out=buf("num", (bh, s1 - s0, dv)))
             den = np.matmul(ac.reshape(bh, s1 - s0, m), zw[:, :, None])[..., 0]
             store(s0, s1, num, den)
     else:
         nfull, tail = divmod(T, step)
-        G = _group_chunks(bh, step, m, dv, max(1, nfull))
         groups = [(s0, min(nfull * step, s0 + G * step), step) for s0 in range(0, nfull * step, G * step)]
         if tail:
             groups.append((nfull * step, T, tail))
@@ -292,25 +317,31 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         upper = idx[:, None] < idx[None, :]                                         # strictly above the diagonal
         for s0, s1, n in groups:
             g = (s1 - s0) // n
-            (ac, ahat), (bc, bhat), (v3, vt) = feats(q, s0, s1, "q"), feats(k, s0, s1, "k"), values(s0, s1, n)
+            (ac, ahat), (bc, bhat), v3 = feats(q, s0, s1, "q"), feats(k, s0, s1, "k"), values(s0, s1, n)
             ahat3 = ahat.reshape(bh * g, n, m)
             bhat3 = bhat.reshape(bh * g, n, m)
             scores = np.matmul(ahat3, bhat3.transpose(0, 2, 1), out=buf("scores", (bh * g, n, n)))
             np.copyto(scores, 0, where=upper[:n, :n])
             num = np.matmul(scores, v3, out=buf("num", (bh * g, n, dv)))               # intra-chunk
-            dS = np.matmul(vt, bhat3, out=buf("dS", (bh * g, dv, m))).reshape(bh, g, dv, m)   # increments, transposed
-            # S before chunk j: the carried float64 state (rounded to work) + a work-dtype sum of <= G increments
-            prefix = buf("prefix", dS.shape)
-            carried = buf("carried", S.shape)
-            np.copyto(carried, S, casting="unsafe")
-            prefix[:, 0] = carried
-            run = buf("run", S.shape)
-            np.copyto(run, dS[:, 0])
-            for j in range(1, g):
-                np.add(run, carried, out=prefix[:, j])
-                run += dS[:, j]
-            S += run
-            num += np.matmul(ahat3, prefix.reshape(bh * g, dv, m).transpose(0, 2, 1), out=buf("inter", num.shape))
+            dS = _outer_sum(keys_t(bhat, n), v3, buf("dS", (bh * g, m, dv))).reshape(bh, g, m, dv)   # increments
+            if g == 1 and carry == work:                          # the state itself is S before the chunk
+                num += np.matmul(ahat3, S, out=buf("inter", num.shape))
+                S = _accumulate(S, dS[:, 0], owned, 0)
+            else:
+                # S before chunk j: the carried state (rounded to work) + a work-dtype sum of <= G increments
+                prefix = buf("prefix", dS.shape)
+                carried = prefix[:, 0]
+                np.copyto(carried, S, casting="unsafe")
+                run = buf("run", S.shape)
+                np.copyto(run, dS[:, 0])
+                for j in range(1, g):
+                    np.add(run, carried, out=prefix[:, j])
+                    if j < g - 1:
+                        run += dS[:, j]
+                if g > 1:
+                    run += dS[:, g - 1]
+                S = _accumulate(S, run, owned, 0)
+                num += np.matmul(ahat3, prefix.reshape(bh * g, m, dv), out=buf("inter", num.shape))
             b4 = bc.reshape(bh, g, n, m)
             zrows = _row_cumsum(b4, buf("zrows", b4.shape))                          # within each chunk
             zchunk = np.empty((bh, g, m), dtype=work)                                # z before each chunk
@@ -320,9 +351,10 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
             for j in range(1, g):
                 np.add(zrun, carried, out=zchunk[:, j])
                 zrun += zrows[:, j, -1]
-            z += zrun
+            z = _accumulate(z, zrun, owned, 1)
             zrows += zchunk[:, :, None, :]
             den = np.einsum("...i,...i->...", ac.reshape(bh, g, n, m), zrows, out=buf("den", (bh, g, n)))
             store(s0, s1, num, den.reshape(bh * g, n))
-    S = np.ascontiguousarray(S.transpose(0, 2, 1), dtype=work)
-    return o, (S.reshape(B, H, m, dv), z.astype(work).reshape(B, H, m))
+    S = S.astype(work, copy=not owned[0])
+    z = z.astype(work, copy=not owned[1])
+    return o, (S.reshape(B, H, m, dv), z.reshape(B, H, m))
