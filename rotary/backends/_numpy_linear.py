@@ -15,9 +15,12 @@ operations of that generic path are functional (no in-place writes), so JAX arra
 NumPy arrays take ``_linear_attention_numpy`` instead: the same chunk algebra for a group of G chunks
 of all (B, H) at once (batched matmuls on contiguous (B*H*G, C, .) stacks, no Python loop over chunks
 or heads), with the chunk states as an exclusive prefix sum over the group's chunk increments in the
-work dtype on top of a carried state that is float64 between groups (then at least as accurate as the
-old fp32 running sum); group sizes keep the temporaries cache-sized (``_GROUP_ELEMENTS``,
-``_STATE_ELEMENTS``). The returned state has the work dtype, as before.
+work dtype on top of the carried state. The carry is float64 between groups when a call spans several
+groups and T >= min(m, dv); otherwise (one group, or decode-sized calls on a wide state) it stays in
+the work dtype, which is still no more roundings than the generic path's per-chunk running sum. Group
+sizes keep the temporaries cache-sized (``_GROUP_ELEMENTS``, ``_STATE_ELEMENTS``) and their buffers are
+reused across groups. Rotation: ``x * cos_full + swap(x) * sin_signed``, the same products as
+``_rotate_xp``. The returned state has the work dtype, as before.
 """
 
 from __future__ import annotations
