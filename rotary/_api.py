@@ -287,6 +287,25 @@ def check_out(out, x, xp, name="out", xname="x"):
         raise ValueError(f"{name} is on device {xp_device(out)}, {xname} on {xp_device(x)}")
 
 
+def _overlaps(a, b) -> bool:
+    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.may_share_memory(a, b) \
+        and np.shares_memory(a, b)
+
+
+def _check_cross_overlap(xs, outs, names):
+    """apply_qk: an out of q or k must share no memory with the other input or the other out (both are
+    rotated in one pass: such an out would be written before, or while, the other is read). Disjoint
+    views of one buffer (q and k sliced from a fused qkv) are fine."""
+    (q, k), (q_out, k_out), (nq, nk) = xs, outs, names
+    in_place = q_out is q and k_out is k
+    if _overlaps(q_out, k):
+        raise ValueError(f"out for {nq} overlaps {nk}: pass out={nk} only as {nk}'s own out, or a separate buffer")
+    if not in_place and _overlaps(k_out, q):
+        raise ValueError(f"out for {nk} overlaps {nq}: pass out={nq} only as {nq}'s own out, or a separate buffer")
+    if not in_place and _overlaps(q_out, k_out):
+        raise ValueError(f"out for {nq} and out for {nk} overlap; pass separate buffers")
+
+
 # -- rotation ------------------------------------------------------------------------------------
 def _table_converter(module, x, xp):
     if hasattr(module, "table_converter"):
@@ -318,6 +337,8 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     spec = resolve_spec(spec, spec_kwargs, int(x0.shape[-1]), names[0])
     for x, out, name in zip(xs, outs, names):
         check_out(out, x, xp, name="out" if len(xs) == 1 else f"out for {name}", xname=name)
+    if len(xs) == 2 and (outs[0] is not None or outs[1] is not None):
+        _check_cross_overlap(xs, outs, names)
     shape0 = tuple(x0.shape)
     pos = normalize_positions(positions, shape0[:ax], shape0[ax], canonical_batch=canonical_shape(shape0, ax)[0])
     module = _backends.pick(xs, backend)
