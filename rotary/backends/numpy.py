@@ -202,9 +202,10 @@ def _rotate_numpy(items, cos_tok, sin_tok, rotary_dim, layout):
     """Rotate every ``(x, out)`` of items ((B, S, H, D) NumPy arrays, same B, S and D, any H) with
     cos_tok/sin_tok (Bp, S, 1, half) in the work dtype, token block by token block; the items of a
     block share its tables, and fp16 items share one set of buffers (one pass per step for all)."""
-    B, S = items[0][0].shape[:2]
-    if B == 0 or S == 0:
+    items = [(x, out) for x, out in items if x.size]   # nothing to do for an empty item (H = 0 included)
+    if not items:
         return
+    B, S = items[0][0].shape[:2]
     for x, out in items:
         if out is not x and x.shape[-1] > rotary_dim:
             out[..., rotary_dim:] = x[..., rotary_dim:]
