@@ -288,8 +288,28 @@ def check_out(out, x, xp, name="out", xname="x"):
 
 
 def _overlaps(a, b) -> bool:
-    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.may_share_memory(a, b) \
-        and np.shares_memory(a, b)
+    """True when arrays a and b share memory: exact for NumPy, and for CuPy by address arithmetic on
+    the host (:func:`_address_view`); other array types (or None) are never reported."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.may_share_memory(a, b) and np.shares_memory(a, b)
+    if is_cupy_array(a) and is_cupy_array(b):
+        a, b = _address_view(a), _address_view(b)
+        return np.may_share_memory(a, b) and np.shares_memory(a, b)
+    return False
+
+
+class _AddressInterface:
+    def __init__(self, interface):
+        self.__array_interface__ = interface
+
+
+def _address_view(a) -> np.ndarray:
+    """A host NumPy array with the pointer, shape, strides and dtype of device array ``a``. It is never
+    read: ``np.shares_memory`` only does arithmetic on addresses (unique across devices with CUDA's
+    unified virtual addressing), so overlap of device arrays is decided without a kernel launch."""
+    return np.asarray(_AddressInterface({"shape": tuple(a.shape), "typestr": np.dtype(a.dtype).str,
+                                         "data": (int(a.data.ptr), True), "strides": tuple(a.strides),
+                                         "version": 3}))
 
 
 def _check_cross_overlap(xs, outs, names):

@@ -139,3 +139,16 @@ def test_linear_attention_primitive(cupy, causal, dtype, tol):
     rel = lambda a, b: np.linalg.norm(cupy.asnumpy(a).astype(np.float64) - b) / np.linalg.norm(b)
     assert o.dtype == q.dtype and S.dtype == work and z.dtype == work
     assert rel(o, ref) < tol and rel(S, S_ref) < max(tol, 1e-6) and rel(z, z_ref) < max(tol, 1e-6)
+
+
+def test_out_overlapping_the_other_input_is_an_error(cupy):
+    """apply_qk rotates q and k in one launch: an out for q that is k (or overlaps it) would race."""
+    rng = np.random.default_rng(3)
+    qkv = cupy.asarray(rng.standard_normal((1, 6, 3, 2, 32)).astype(np.float32))
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    with pytest.raises(ValueError, match="overlaps"):
+        rotary.apply_qk(q, k, out=(k, q), seq_axis=1, backend="cupy")
+    before = cupy.asnumpy(qkv)
+    q_rot, k_rot = rotary.apply_qk(q, k, out=(q, k), seq_axis=1, backend="cupy")   # fused-qkv in place: fine
+    assert q_rot is q and k_rot is k
+    np.testing.assert_array_equal(cupy.asnumpy(qkv[:, :, 2]), before[:, :, 2])   # v untouched

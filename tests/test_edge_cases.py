@@ -306,3 +306,29 @@ def test_linear_attention_empty_batch_or_heads(backend):
             o, state = rotary.linear_attention(q, q, v, causal=causal, backend=backend, return_state=True)
             assert o.shape == shape[:-1] + (4,) and o.dtype == np.float32
             assert state.S.shape == shape[:2] + (8, 4)
+
+
+# -- out= overlap of device arrays, decided on the host from addresses ---------------------------------
+def _device_like(a):
+    """An object shaped like a CuPy array (data.ptr, shape, strides, dtype) over a NumPy array's memory."""
+    import types
+
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=a.__array_interface__["data"][0]), shape=a.shape,
+                                 strides=a.strides, dtype=a.dtype)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_address_view_overlap_equals_numpy(seed):
+    """_address_view answers shares_memory like NumPy does on the real memory: fused-qkv slices (disjoint,
+    interleaved bounds), shifted views, reversed views, the same view."""
+    from rotary import _api
+
+    rng = np.random.default_rng(seed)
+    qkv = np.zeros((2, 5, 3, 4, 8), np.float32)          # (B, S, q|k|v, H, D)
+    views = [qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 1, :1], qkv[:, :, 2, ::-1], qkv.reshape(-1)[8:8 + 2 * 5 * 4 * 8]
+             .reshape(2, 5, 4, 8), qkv[:, ::2, 0], qkv[:, 1::2, 0], qkv[..., 3:5]]
+    for _ in range(20):
+        i, j = rng.integers(0, len(views), 2)
+        a, b = views[i], views[j]
+        got = np.shares_memory(_api._address_view(_device_like(a)), _api._address_view(_device_like(b)))
+        assert got == np.shares_memory(a, b), (i, j)
