@@ -431,3 +431,32 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
             np.testing.assert_array_equal(f, s)
             np.testing.assert_array_equal(i, s)
             testing.assert_close(f, oracle_bshd(x, pos, spec, inverse), like=x)
+
+
+# -- linear attention: borrowed work buffers ----------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_attention_parallel_equals_head_calls(rng, causal):
+    """The parallel entry (work buffers borrowed: views without refcounts, owners kept alive to the end)
+    gives exactly the bits of calling linear_attention_head per (batch, head) from Python, call after call."""
+    B, T, H, m, dv = 2, 37, 3, 20, 9
+    q, k, v = (rng.standard_normal((B, T, H, d)).astype(np.float32) for d in (m, m, dv))
+    cos, sin, rows = _tables.lookup(rotary.RopeSpec(m), np.arange(T)[None], dtype=np.float32)
+    cos, sin, rows = (np.ascontiguousarray(a) for a in (cos, sin, rows.astype(np.int64)))
+    ss = rng.standard_normal((B, H, m, dv)).astype(np.float32)
+    sz = rng.random((B, H, m)).astype(np.float32)
+    geo = np.array([[0, T * H * d, H * d, d, 1] for d in (m, m, dv, dv)], np.int64)
+    for chunk in (5, 16, 37):
+        outs = []
+        for parallel in (True, False):
+            o = np.zeros((B, T, H, dv), np.float32)
+            ns, nz = np.zeros_like(ss), np.zeros_like(sz)
+            args = (q.ravel(), k.ravel(), v.ravel(), o.ravel(), geo, cos, sin, rows, ss, sz, ns, nz)
+            if parallel:
+                kernels.linear_attention_parallel(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk)
+            else:
+                for b in range(B):
+                    for h in range(H):
+                        kernels.linear_attention_head(*args, b, h, T, m // 2, m, False, causal, 1, 1e-6, chunk)
+            outs.append((o, ns, nz))
+        for x, y in zip(*outs):
+            np.testing.assert_array_equal(x, y)

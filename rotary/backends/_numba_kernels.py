@@ -556,6 +556,13 @@ def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inve
 
 # -- linear attention: chunk products and the chunk loop ---------------------------------------------
 @njit(cache=True)
+def keep_alive(array):
+    """A use of ``array``: Numba releases a variable after its last use, so a call at the end of a kernel
+    keeps the owner of borrowed views alive until then."""
+    return array.size
+
+
+@njit(cache=True)
 def padded(n, multiple):
     """n rounded up to a multiple of ``multiple``."""
     return (n + multiple - 1) // multiple * multiple
@@ -735,21 +742,33 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    phi = np.empty(m, work)
+    phi_own = np.empty(m, work)
+    phi = borrowed(phi_own)
     width = tile_width(phi)
     cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, TILE_ROWS)
     m_f64 = padded(m, lanes(np.empty(0, np.float64)))
-    a_plain = np.zeros((cp, m_f64))
-    k_plain = np.zeros((cp, m_f64))
-    a_hat = np.zeros((cp, m), work)
-    k_hat_t = np.zeros((mp, cp), work)
-    values = np.zeros((cp, dvp), work)
-    scores = np.zeros((cp, cp), work)
-    num = np.zeros((cp, dvp), work)
-    s_chunk = np.zeros((mp, dvp), work)
-    s_work = np.zeros((m, dvp), work)
-    carried_s = state_s[b, h].astype(np.float64)
-    carried_z = np.zeros(m_f64)             # z, then (causal) the running z + sum of b within the chunk
+    a_plain_own = np.zeros((cp, m_f64))
+    a_plain = borrowed(a_plain_own)
+    k_plain_own = np.zeros((cp, m_f64))
+    k_plain = borrowed(k_plain_own)
+    a_hat_own = np.zeros((cp, m), work)
+    a_hat = borrowed(a_hat_own)
+    k_hat_t_own = np.zeros((mp, cp), work)
+    k_hat_t = borrowed(k_hat_t_own)
+    values_own = np.zeros((cp, dvp), work)
+    values = borrowed(values_own)
+    scores_own = np.zeros((cp, cp), work)
+    scores = borrowed(scores_own)
+    num_own = np.zeros((cp, dvp), work)
+    num = borrowed(num_own)
+    s_chunk_own = np.zeros((mp, dvp), work)
+    s_chunk = borrowed(s_chunk_own)
+    s_work_own = np.zeros((m, dvp), work)
+    s_work = borrowed(s_work_own)
+    carried_s_own = state_s[b, h].astype(np.float64)
+    carried_s = borrowed(carried_s_own)
+    carried_z_own = np.zeros(m_f64)             # z, then (causal) the running z + sum of b within the chunk
+    carried_z = borrowed(carried_z_own)
     for j in range(m):
         carried_z[j] = state_z[b, h, j]
         for c in range(dv):
@@ -795,6 +814,18 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                 store_row(o, out_geo, b, t0 + i, h, num[i], dv, 1.0 / (dot_f64(a_plain[i], carried_z) + eps))
     new_s[b, h] = carried_s
     new_z[b, h] = carried_z[:m]
+    keep_alive(a_plain_own)
+    keep_alive(k_plain_own)
+    keep_alive(a_hat_own)
+    keep_alive(k_hat_t_own)
+    keep_alive(values_own)
+    keep_alive(scores_own)
+    keep_alive(num_own)
+    keep_alive(s_chunk_own)
+    keep_alive(s_work_own)
+    keep_alive(carried_s_own)
+    keep_alive(carried_z_own)
+    keep_alive(phi_own)
 
 
 @njit(parallel=True, cache=True)
