@@ -34,3 +34,4 @@ def test_cli_info_and_demo():
     res = subprocess.run([sys.executable, "-m", "rotary", "demo", "--tokens", "64"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all backends agree" in res.stdout
+    assert "causal linear attention" in res.stdout and "prefill+resume" in res.stdout
