@@ -111,47 +111,87 @@ def to_numpy(a, name: str = "positions") -> np.ndarray:
 
 
 def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = "positions",
-                        canonical_batch: int | None = None) -> np.ndarray:
-    """int64 array (Bp, S), Bp in {1, canonical_batch}.
+                        canonical_batch: int | None = None, spec: RopeSpec | None = None) -> np.ndarray:
+    """int64 array (Bp, S), Bp in {1, canonical_batch}; (Bp, S, n_axes) for a multi-axis ``spec``
+    (float64 for a spec with ``float_positions``).
 
     None -> 0..S-1; an integer -> offset + 0..S-1; an integer array of shape (S,) or (batch, S)
-    with batch = lead_shape[0]. ``canonical_batch`` (default lead_shape[0]) is the B of the
-    canonical view (see :func:`canonical_axes`); rows are repeated when it merges more axes.
+    with batch = lead_shape[0]. A multi-axis spec takes (S, n_axes) or (batch, S, n_axes), and None
+    or an integer for M-RoPE only (text tokens: the same position on every axis). ``canonical_batch``
+    (default lead_shape[0]) is the B of the canonical view (see :func:`canonical_axes`); rows are
+    repeated when it merges more axes.
     """
+    n_axes = spec.n_axes if spec is not None and spec.multi_axis else 0
+    float_ok = spec is not None and spec.float_positions
+    if n_axes and (positions is None or isinstance(positions, (int, np.integer))) and spec.mrope_section is None:
+        raise ValueError(f"{name} must give the {n_axes} coordinates of every token for this multi-axis spec: an "
+                         f"array of shape ({seq_len}, {n_axes}) or (batch, {seq_len}, {n_axes}) (e.g. "
+                         "rotary.grid_positions(h, w)); only M-RoPE specs take None or an offset (text positions)")
     if positions is None:
-        return np.arange(seq_len, dtype=np.int64)[None, :]
+        return _spread(np.arange(seq_len, dtype=np.int64)[None, :], n_axes)
     if isinstance(positions, bool) or (isinstance(positions, np.ndarray) and positions.dtype == bool):
         raise TypeError(f"{name} must be None, an integer offset or an integer array, got a bool")
     if isinstance(positions, (int, np.integer)):
-        return (np.arange(seq_len, dtype=np.int64) + np.int64(positions))[None, :]
+        return _spread((np.arange(seq_len, dtype=np.int64) + np.int64(positions))[None, :], n_axes)
     if isinstance(positions, float):
         raise TypeError(f"{name} must be None, an integer offset or an integer array, got float {positions!r}")
     p = to_numpy(positions, name)
-    if p.dtype.kind not in "iu":
+    if p.dtype.kind not in ("iuf" if float_ok else "iu"):
+        if p.dtype.kind == "f":
+            raise TypeError(f"{name} must have an integer dtype, got {p.dtype} (real-valued coordinates need a spec "
+                            "with float_positions=True)")
         raise TypeError(f"{name} must have an integer dtype, got {p.dtype}")
-    if p.dtype == np.uint64 and p.size and p.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} does not fit in int64")
-    p = p.astype(np.int64, copy=False)
-    if p.ndim == 0:
+    if p.dtype.kind == "f":
+        p = p.astype(np.float64, copy=False)
+        if not np.all(np.isfinite(p)):
+            raise ValueError(f"{name} must be finite")
+    else:
+        if p.dtype == np.uint64 and p.size and p.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"{name} does not fit in int64")
+        p = p.astype(np.int64, copy=False)
+    if n_axes:
+        if p.ndim == 0 or p.shape[-1] != n_axes:
+            raise ValueError(f"{name} of shape {p.shape} must carry the spec's {n_axes} coordinates on a trailing "
+                             f"axis: ({seq_len}, {n_axes}) or (batch, {seq_len}, {n_axes}) (HF's M-RoPE "
+                             "position_ids (3, batch, seq) become np.moveaxis(position_ids, 0, -1))")
+        core = p.shape[:-1]
+    else:
+        core = p.shape
+        if spec is not None and p.ndim >= 1 and p.shape[-1] != seq_len and p.ndim <= 3 and p.shape[-1] in (2, 3):
+            raise ValueError(f"{name} of shape {p.shape} look like multi-axis coordinates, but this spec is 1-D "
+                             f"(one position per token): pass shape ({seq_len},) or (batch, {seq_len}), or a "
+                             "multi-axis spec (mrope_section=, RopeSpec.axial)")
+    if len(core) == 0:
+        if n_axes:
+            raise ValueError(f"{name} of shape {p.shape} needs a sequence axis: ({seq_len}, {n_axes})")
         return (np.arange(seq_len, dtype=np.int64) + p)[None, :]
-    if p.ndim == 1:
-        if p.shape[0] != seq_len:
+    tail = (n_axes,) if n_axes else ()
+    if len(core) == 1:
+        if core[0] != seq_len:
             raise ValueError(f"{name} of shape {p.shape} does not match the sequence length {seq_len} "
-                             f"(expected shape ({seq_len},) or ({lead_shape[0] if lead_shape else 'batch'}, {seq_len}))")
-        return np.ascontiguousarray(p[None, :])
-    if p.ndim == 2:
+                             f"(expected shape {(seq_len, *tail)} or "
+                             f"({lead_shape[0] if lead_shape else 'batch'}, {seq_len}{', ' + str(n_axes) if n_axes else ''}))")
+        return np.ascontiguousarray(p[None])
+    if len(core) == 2:
         if not lead_shape:
-            raise ValueError(f"{name} of shape {p.shape} is 2-D but the input has no batch axis before the "
-                             f"sequence axis; pass shape ({seq_len},)")
-        if p.shape != (lead_shape[0], seq_len):
-            raise ValueError(f"{name} of shape {p.shape} must be ({seq_len},) or (batch, seq) = "
-                             f"({lead_shape[0]}, {seq_len}); positions are never broadcast onto other axes")
+            raise ValueError(f"{name} of shape {p.shape} has a batch axis but the input has no batch axis before the "
+                             f"sequence axis; pass shape {(seq_len, *tail)}")
+        if core != (lead_shape[0], seq_len):
+            raise ValueError(f"{name} of shape {p.shape} must be {(seq_len, *tail)} or (batch, seq{', n_axes' if n_axes else ''}) "
+                             f"= {(lead_shape[0], seq_len, *tail)}; positions are never broadcast onto other axes")
         rep = (canonical_batch or lead_shape[0]) // lead_shape[0]
         if rep > 1:
             p = np.repeat(p, rep, axis=0)
         return np.ascontiguousarray(p)
-    raise ValueError(f"{name} must be None, an integer, or an integer array of shape ({seq_len},) or "
-                     f"(batch, {seq_len}); got shape {p.shape}")
+    raise ValueError(f"{name} must be None, an integer, or an array of shape {(seq_len, *tail)} or "
+                     f"(batch, {seq_len}{', ' + str(n_axes) if n_axes else ''}); got shape {p.shape}")
+
+
+def _spread(p: np.ndarray, n_axes: int) -> np.ndarray:
+    """(Bp, S) text positions -> (Bp, S, n_axes) with the same value on every axis (n_axes > 0)."""
+    if not n_axes:
+        return p
+    return np.ascontiguousarray(np.broadcast_to(p[..., None], p.shape + (n_axes,)))
 
 
 # -- canonical views -----------------------------------------------------------------------------
@@ -360,7 +400,8 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     if len(xs) == 2 and (outs[0] is not None or outs[1] is not None):
         _check_cross_overlap(xs, outs, names)
     shape0 = tuple(x0.shape)
-    pos = normalize_positions(positions, shape0[:ax], shape0[ax], canonical_batch=canonical_shape(shape0, ax)[0])
+    pos = normalize_positions(positions, shape0[:ax], shape0[ax], canonical_batch=canonical_shape(shape0, ax)[0],
+                              spec=spec)
     module = _backends.pick(xs, backend)
 
     work = np.float64 if all(x.dtype == xp.float64 for x in xs) else np.float32

@@ -163,10 +163,16 @@ def _next_position(pos, lead_shape, seq_len, positions, state):
         if state is not None:
             return state.next_position
         return int(positions) if isinstance(positions, numbers.Integral) else 0
+    if pos.ndim == 3 or pos.dtype.kind == "f":
+        # multi-axis (M-RoPE's decode rule: every axis continues from the largest coordinate + 1) or
+        # real-valued coordinates: one past the largest coordinate seen
+        last = np.floor(pos.reshape(pos.shape[0], -1).max(axis=1)).astype(np.int64) + 1
+    else:
+        last = pos[:, -1] + 1
     if pos.shape[0] == 1:
-        return int(pos[0, -1]) + 1
+        return int(last[0])
     rep = pos.shape[0] // lead_shape[0]
-    return pos[::rep, -1] + 1
+    return last[::rep]
 
 
 def _backend_module(arrays, backend):
@@ -255,7 +261,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         if positions is None:
             positions = _start_positions(state, lead_shape, seq_len)
     B, _, H, _ = canonical_shape(tuple(q.shape), ax)
-    pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B)
+    pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B, spec=spec)
 
     if seq_len == 0:
         dev = xp_device(q)

@@ -36,6 +36,37 @@ def _as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
+#: How an M-RoPE spec assigns its ``mrope_section`` sizes (pairs per t/h/w axis) to pairs, as in HF:
+#: "chunked" (Qwen2-VL, Qwen2.5-VL, GLM-4V): sections in order, pairs [0, s0) read t, then h, then w;
+#: "interleaved" (Qwen3-VL, Qwen3.5; HF ``mrope_interleaved=True``): pair i reads h when i % 3 == 1 and
+#: i < 3*s1, w when i % 3 == 2 and i < 3*s2, t otherwise;
+#: "ernie" (ERNIE-4.5-VL): the first s0 + s1 pairs alternate h, w, h, w, ..., the last s2 read t.
+MROPE_LAYOUTS = ("chunked", "interleaved", "ernie")
+
+
+def mrope_pair_axes(mrope_section, mrope_layout: str) -> tuple:
+    """The coordinate (0 = t, 1 = h, 2 = w) each pair reads for an M-RoPE section split (see MROPE_LAYOUTS)."""
+    s = list(mrope_section)
+    half = sum(s)
+    if mrope_layout == "chunked":
+        axes = [a for a, n in enumerate(s) for _ in range(n)]
+    elif mrope_layout == "interleaved":
+        axes = [0] * half
+        for axis in (1, 2):
+            for i in range(axis, min(3 * s[axis], half), 3):
+                axes[i] = axis
+    else:  # "ernie": sections are (h, w, t)
+        hw = s[0] + s[1]
+        axes = [1 + (i % 2) for i in range(hw)] + [0] * (half - hw)
+    return tuple(axes)
+
+
+def _int_tuple(value, name: str) -> tuple:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__} {value!r}")
+    return tuple(_as_int(v, f"{name}[{i}]") for i, v in enumerate(value))
+
+
 class RopeSpec:
     """Frequencies and layout of one RoPE convention.
 
@@ -55,16 +86,33 @@ class RopeSpec:
         "original_max_position_embeddings": 4096}``.
     max_position_embeddings : int, optional
         The model's context length (used by "dynamic", "yarn" and "longrope").
+    mrope_section : sequence of 3 ints, optional
+        M-RoPE (multimodal LLMs): pairs per t/h/w coordinate, summing to rotary_dim/2; positions then
+        carry 3 coordinates on a trailing axis. ``mrope_interleaved=True`` (Qwen3-VL) or
+        ``mrope_layout`` picks the assignment (:data:`MROPE_LAYOUTS`).
+    pair_axes : sequence of ints, optional
+        Any other multi-axis assignment: the coordinate each of the rotary_dim/2 pairs reads
+        (``RopeSpec.axial`` builds it for vision encoders). ``n_axes`` = max + 1 unless given.
+    frequencies : sequence of floats, optional
+        The rotary_dim/2 angular frequencies, used instead of ``base**(-2i/rotary_dim)`` (no
+        ``scaling`` then).
+    float_positions : bool
+        Positions are real coordinates (e.g. DINOv3's patch centres in [-1, 1]); otherwise integers.
 
     Notes
     -----
     Specs are immutable and hashable; two specs are equal exactly when every field is equal.
+    A multi-axis spec (``n_axes > 1``) rotates pair i at position vector p by ``p[pair_axes[i]] * omega_i``.
     """
 
-    __slots__ = ("head_dim", "rotary_dim", "base", "layout", "scaling", "max_position_embeddings", "_hash")
+    #: the stored fields, in order; value semantics (equality, hash, pickling, replace, repr) follow them
+    _FIELDS = ("head_dim", "rotary_dim", "base", "layout", "scaling", "max_position_embeddings",
+               "frequencies", "_pair_axes", "n_axes", "mrope_section", "mrope_layout", "float_positions")
+    __slots__ = _FIELDS + ("_hash",)
 
     def __init__(self, head_dim, *, rotary_dim=None, base=10000.0, layout="half", scaling=None,
-                 max_position_embeddings=None):
+                 max_position_embeddings=None, mrope_section=None, mrope_interleaved=None, mrope_layout=None,
+                 pair_axes=None, n_axes=None, frequencies=None, float_positions=False):
         head_dim = _as_int(head_dim, "head_dim")
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
@@ -80,7 +128,7 @@ class RopeSpec:
         base = float(base)
         if not (base > 0.0 and math.isfinite(base)):
             raise ValueError(f"base must be a finite number > 0, got {base}")
-        if base == 1.0:
+        if base == 1.0 and frequencies is None:
             raise ValueError("base must not be 1 (every frequency would be 1)")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -90,10 +138,18 @@ class RopeSpec:
                 raise ValueError(f"max_position_embeddings must be >= 1, got {max_position_embeddings}")
         scaling = _scaling.canonical_scaling(scaling, rotary_dim=rotary_dim, head_dim=head_dim, base=base,
                                              max_position_embeddings=max_position_embeddings)
-        for name, value in (("head_dim", head_dim), ("rotary_dim", rotary_dim), ("base", base),
-                            ("layout", layout), ("scaling", scaling),
-                            ("max_position_embeddings", max_position_embeddings)):
-            object.__setattr__(self, name, value)
+        half = rotary_dim // 2
+        frequencies = _check_frequencies(frequencies, half, scaling)
+        pair_axes, n_axes, mrope_section, mrope_layout = _check_axes(
+            half, mrope_section, mrope_interleaved, mrope_layout, pair_axes, n_axes)
+        if not isinstance(float_positions, (bool, np.bool_)):
+            raise TypeError(f"float_positions must be a bool, got {type(float_positions).__name__}")
+        values = dict(head_dim=head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
+                      max_position_embeddings=max_position_embeddings, frequencies=frequencies,
+                      _pair_axes=pair_axes, n_axes=n_axes, mrope_section=mrope_section, mrope_layout=mrope_layout,
+                      float_positions=bool(float_positions))
+        for name in self._FIELDS:
+            object.__setattr__(self, name, values[name])
         object.__setattr__(self, "_hash", hash(self._key()))
 
     # -- value semantics -------------------------------------------------------------------
@@ -101,7 +157,7 @@ class RopeSpec:
         raise AttributeError("RopeSpec is immutable; use spec.replace(...)")
 
     def _key(self):
-        return (self.head_dim, self.rotary_dim, self.base, self.layout, self.scaling, self.max_position_embeddings)
+        return tuple(getattr(self, name) for name in self._FIELDS)
 
     def __eq__(self, other):
         return isinstance(other, RopeSpec) and self._key() == other._key()
@@ -110,27 +166,50 @@ class RopeSpec:
         return self._hash
 
     def __reduce__(self):  # pickling: rebuild through __init__ (the fields are immutable)
-        return (_rebuild_spec, (self.head_dim, self.rotary_dim, self.base, self.layout, self.scaling_dict,
-                                self.max_position_embeddings))
+        return (_rebuild_spec, (self._init_kwargs(),))
+
+    def _init_kwargs(self) -> dict:
+        """Keyword arguments that rebuild this spec through ``RopeSpec(**kwargs)``."""
+        kwargs = {name.lstrip("_"): getattr(self, name) for name in self._FIELDS}
+        kwargs["scaling"] = self.scaling_dict
+        if self.mrope_section is not None:   # pair_axes follow from the sections
+            kwargs["pair_axes"] = None
+        else:
+            kwargs["mrope_layout"] = None
+        return kwargs
 
     def __repr__(self):
+        defaults = {"rotary_dim": self.head_dim - self.head_dim % 2, "scaling": None, "max_position_embeddings": None,
+                    "frequencies": None, "pair_axes": None, "n_axes": 1, "mrope_section": None,
+                    "mrope_layout": None, "float_positions": False}
         parts = [str(self.head_dim)]
-        if self.rotary_dim != self.head_dim:
-            parts.append(f"rotary_dim={self.rotary_dim}")
-        parts.append(f"base={self.base!r}")
-        parts.append(f"layout={self.layout!r}")
-        if self.scaling is not None:
-            parts.append(f"scaling={self.scaling_dict!r}")
-        if self.max_position_embeddings is not None:
-            parts.append(f"max_position_embeddings={self.max_position_embeddings}")
+        for name, value in self._init_kwargs().items():
+            if name == "head_dim" or (name in defaults and value == defaults[name]):
+                continue
+            if name == "n_axes" and self._pair_axes is not None and value == max(self._pair_axes) + 1:
+                continue
+            if name == "mrope_layout" and value == "interleaved":
+                name, value = "mrope_interleaved", True
+            elif name == "mrope_layout" and value == "chunked":
+                continue
+            parts.append(f"{name}={_short(value)}")
         return f"RopeSpec({', '.join(parts)})"
 
     def replace(self, **changes) -> "RopeSpec":
         """A copy with some fields changed, e.g. ``spec.replace(layout="interleaved")``."""
-        fields = dict(rotary_dim=self.rotary_dim, base=self.base, layout=self.layout,
-                      scaling=self.scaling_dict, max_position_embeddings=self.max_position_embeddings)
-        head_dim = changes.pop("head_dim", self.head_dim)
+        fields = self._init_kwargs()
+        if changes.keys() & {"mrope_section", "mrope_interleaved", "mrope_layout"}:
+            fields["pair_axes"], fields["n_axes"] = None, None
+            if "mrope_interleaved" in changes:
+                fields["mrope_layout"] = None
+        if changes.keys() & {"pair_axes", "n_axes"}:
+            fields["mrope_section"] = fields["mrope_layout"] = None
+            if "n_axes" not in changes:
+                fields["n_axes"] = None
+        if "rotary_dim" in changes and "pair_axes" not in changes and fields.get("pair_axes") is not None:
+            raise ValueError("pass pair_axes= too when changing the rotary_dim of a multi-axis spec")
         fields.update(changes)
+        head_dim = fields.pop("head_dim")
         return RopeSpec(head_dim, **fields)
 
     @property
@@ -144,17 +223,88 @@ class RopeSpec:
     def rope_type(self) -> str:
         return "default" if self.scaling is None else dict(self.scaling)["rope_type"]
 
+    # -- multi-axis ------------------------------------------------------------------------
+    @property
+    def mrope_interleaved(self) -> bool:
+        """HF's ``mrope_interleaved``: True for the Qwen3-VL t,h,w,t,h,w... assignment."""
+        return self.mrope_layout == "interleaved"
+
+    @property
+    def multi_axis(self) -> bool:
+        """True when positions carry several coordinates on a trailing axis (``n_axes`` of them)."""
+        return self._pair_axes is not None
+
+    def pair_axes(self) -> np.ndarray:
+        """int64 array of length rotary_dim/2: the coordinate each pair reads (zeros for a 1-D spec)."""
+        if self._pair_axes is None:
+            return np.zeros(self.rotary_dim // 2, dtype=np.int64)
+        return np.array(self._pair_axes, dtype=np.int64)
+
+    @classmethod
+    def axial(cls, head_dim, *, axes=2, base=10000.0, layout="half", rotary_dim=None, frequencies="per_axis",
+              axis_order=None, frequency_scale=1.0, float_positions=False) -> "RopeSpec":
+        """A vision encoder's axial (2-D / 3-D) RoPE: the rotary pairs split into ``axes`` equal groups,
+        group g reading coordinate ``axis_order[g]`` (default 0, 1, ...: e.g. (row, col)).
+
+        ``frequencies``:
+          - "per_axis": every group has the 1-D set of dim rotary_dim/axes, ``phi_j = base**(-2j*axes/rotary_dim)``
+            (Qwen2-VL / Qwen2.5-VL / Qwen3-VL / GLM-4V vision, SAM 2/3, EVA/timm, DINOv3 with
+            ``frequency_scale=2*pi`` and float positions);
+          - "strided": group g takes every axes-th frequency of the full set starting at g,
+            ``omega_{axes*j + g}`` (Pixtral).
+        ``frequency_scale`` multiplies every frequency (DINOv3: 2*pi, angles = 2*pi*coord/period).
+        Layout "half" pairs (i, i + rotary_dim/2) (HF ``rotate_half``); "interleaved" pairs
+        (2i, 2i+1) (SAM's complex form). Group g holds pairs [g*n, (g+1)*n), n = rotary_dim/(2*axes).
+        """
+        head_dim = _as_int(head_dim, "head_dim")
+        axes = _as_int(axes, "axes")
+        if axes < 1:
+            raise ValueError(f"axes must be >= 1, got {axes}")
+        if rotary_dim is None:
+            rotary_dim = head_dim - head_dim % (2 * axes)
+        rotary_dim = _as_int(rotary_dim, "rotary_dim")
+        if rotary_dim < 2 * axes or rotary_dim % (2 * axes):
+            raise ValueError(f"rotary_dim must be a positive multiple of 2*axes = {2 * axes} for an axial spec, "
+                             f"got {rotary_dim}")
+        if axis_order is None:
+            axis_order = tuple(range(axes))
+        axis_order = _int_tuple(axis_order, "axis_order")
+        if sorted(axis_order) != list(range(axes)):
+            raise ValueError(f"axis_order must be a permutation of 0..{axes - 1}, got {axis_order}")
+        if isinstance(frequency_scale, bool) or not isinstance(frequency_scale, (int, float, np.integer, np.floating)) \
+                or not (math.isfinite(frequency_scale) and frequency_scale > 0):
+            raise ValueError(f"frequency_scale must be a finite number > 0, got {frequency_scale!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)) \
+                or not (math.isfinite(base) and base > 0 and base != 1):
+            raise ValueError(f"base must be a finite number > 0 other than 1, got {base!r}")
+        n = rotary_dim // (2 * axes)
+        if frequencies == "per_axis":
+            group = _scaling._base_inv_freq(float(base), 2 * n)
+            freqs = np.tile(group, axes)
+        elif frequencies == "strided":
+            full = _scaling._base_inv_freq(float(base), rotary_dim)
+            freqs = np.concatenate([full[g::axes] for g in range(axes)])
+        else:
+            raise ValueError(f"frequencies must be 'per_axis' or 'strided', got {frequencies!r}")
+        freqs = freqs * float(frequency_scale)
+        pair_axes = tuple(axis_order[g] for g in range(axes) for _ in range(n))
+        return cls(head_dim, rotary_dim=rotary_dim, base=base, layout=layout, frequencies=tuple(freqs.tolist()),
+                   pair_axes=pair_axes, n_axes=axes, float_positions=float_positions)
+
     @classmethod
     def from_hf_config(cls, config, *, layout: str = "half") -> "RopeSpec":
         """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``.
 
         Reads ``rope_theta``, ``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x),
-        ``partial_rotary_factor``, ``head_dim`` (or ``hidden_size // num_attention_heads``) and
-        ``max_position_embeddings``. HF checkpoints use the "half" layout; pass
-        ``layout="interleaved"`` for Meta / GPT-J style weights.
+        ``partial_rotary_factor``, ``head_dim`` (or ``hidden_size // num_attention_heads``),
+        ``max_position_embeddings`` and M-RoPE's ``mrope_section`` / ``mrope_interleaved`` (a
+        multimodal config's ``text_config`` is read when the top level has no rope parameters).
+        HF checkpoints use the "half" layout; pass ``layout="interleaved"`` for Meta / GPT-J style
+        weights (GLM-4V and ERNIE-4.5-VL, whose HF code pairs (2i, 2i+1), get it by default).
         """
         kwargs = _scaling.spec_kwargs_from_hf_config(config)
         head_dim = kwargs.pop("head_dim")
+        layout = kwargs.pop("layout", None) or layout
         return cls(head_dim, layout=layout, **kwargs)
 
     # -- frequencies -----------------------------------------------------------------------
@@ -189,22 +339,52 @@ class RopeSpec:
 
     # -- angles and cos/sin ----------------------------------------------------------------
     def angles(self, positions, seq_len: int | None = None) -> np.ndarray:
-        """float64 angles ``position * inv_freq`` reduced to [-pi, pi), shape positions.shape + (d/2,).
+        """float64 angles ``position * inv_freq`` reduced to [-pi, pi), shape positions.shape[:-1] + (d/2,)
+        for a multi-axis spec (positions (..., n_axes); pair i reads coordinate ``pair_axes[i]``) and
+        positions.shape + (d/2,) otherwise.
 
         The product is formed in float64 (relative error 2**-53, i.e. < 3e-7 rad at position
         2**31) and reduced mod 2*pi before any cos/sin, so cos/sin stay exact to float32 at
         any position below 2**31.
         """
-        positions = np.asarray(positions)
-        if positions.dtype.kind not in "iu":
-            raise TypeError(f"positions must be integers, got dtype {positions.dtype}")
+        positions = self.check_positions(positions)
+        if self._pair_axes is None:
+            return self.pair_angles(positions[..., None], seq_len)
+        return self.pair_angles(positions[..., self.pair_axes()], seq_len)
+
+    def pair_angles(self, coordinates, seq_len: int | None = None) -> np.ndarray:
+        """float64 angles ``coordinates[..., i] * inv_freq[i]`` reduced to [-pi, pi): the angle of pair i
+        at the coordinate it reads (``coordinates`` broadcasts against (d/2,))."""
         inv_freq = _inv_freq_and_scaling(self, seq_len if self.depends_on_seq_len else None)[0]
-        theta = positions.astype(np.float64)[..., None] * inv_freq
+        theta = np.asarray(coordinates).astype(np.float64) * inv_freq
         return np.remainder(theta + math.pi, TWO_PI) - math.pi
 
+    def check_positions(self, positions, name: str = "positions") -> np.ndarray:
+        """``positions`` as a NumPy array checked against the spec: integers (reals for a
+        ``float_positions`` spec) and, for a multi-axis spec, a trailing axis of n_axes coordinates."""
+        positions = np.asarray(positions)
+        kinds = "iuf" if self.float_positions else "iu"
+        if positions.dtype.kind not in kinds:
+            what = "real numbers" if self.float_positions else "integers (this spec has float_positions=False)"
+            raise TypeError(f"{name} must be {what}, got dtype {positions.dtype}")
+        if self.float_positions and positions.dtype.kind == "f" and not np.all(np.isfinite(positions)):
+            raise ValueError(f"{name} must be finite")
+        if self._pair_axes is not None and (positions.ndim == 0 or positions.shape[-1] != self.n_axes):
+            raise ValueError(f"{name} of shape {positions.shape} must carry this spec's {self.n_axes} coordinates "
+                             f"on a trailing axis: (..., {self.n_axes})")
+        return positions
+
     def cos_sin(self, positions, seq_len: int | None = None, dtype=np.float32):
-        """(cos, sin) of the angles, times ``attention_scaling``, cast to ``dtype`` at the end."""
-        theta = self.angles(positions, seq_len)
+        """(cos, sin) of the angles, times ``attention_scaling``, cast to ``dtype`` at the end; shape
+        positions.shape + (d/2,), or positions.shape[:-1] + (d/2,) for a multi-axis spec."""
+        return self._cos_sin_of(self.angles(positions, seq_len), seq_len, dtype)
+
+    def pair_cos_sin(self, coordinates, seq_len: int | None = None, dtype=np.float32):
+        """(cos, sin) of :meth:`pair_angles` (times ``attention_scaling``): ``coordinates[..., None]``
+        gives every pair's value at one coordinate (the rows of a per-position table)."""
+        return self._cos_sin_of(self.pair_angles(coordinates, seq_len), seq_len, dtype)
+
+    def _cos_sin_of(self, theta, seq_len, dtype):
         scale = self.attention_scaling_at(seq_len)
         return (np.cos(theta) * scale).astype(dtype), (np.sin(theta) * scale).astype(dtype)
 
@@ -218,16 +398,83 @@ class RopeSpec:
         return 2 * i, 2 * i + 1
 
 
-def _rebuild_spec(head_dim, rotary_dim, base, layout, scaling, max_position_embeddings):
-    return RopeSpec(head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
-                    max_position_embeddings=max_position_embeddings)
+def _short(value) -> str:
+    """repr, with long tuples (per-pair frequencies and axes) shortened."""
+    if isinstance(value, tuple) and len(value) > 8:
+        return f"({', '.join(repr(v) for v in value[:3])}, ... {len(value)} values)"
+    return repr(value)
+
+
+def _rebuild_spec(kwargs):
+    kwargs = dict(kwargs)
+    return RopeSpec(kwargs.pop("head_dim"), **kwargs)
+
+
+def _check_frequencies(frequencies, half: int, scaling):
+    if frequencies is None:
+        return None
+    if scaling is not None:
+        raise ValueError("frequencies= replaces the base frequencies; it cannot be combined with scaling=")
+    values = np.asarray(frequencies)
+    if values.ndim != 1 or values.shape[0] != half or values.dtype.kind not in "iuf":
+        raise ValueError(f"frequencies must be a 1-D sequence of rotary_dim/2 = {half} real numbers, got "
+                         f"{values.dtype} of shape {values.shape}")
+    values = values.astype(np.float64)
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError("frequencies must be finite and >= 0")
+    return tuple(values.tolist())
+
+
+def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes, n_axes):
+    """(pair_axes, n_axes, mrope_section, mrope_layout), validated; all None for a 1-D spec."""
+    if mrope_interleaved is not None and not isinstance(mrope_interleaved, (bool, np.bool_)):
+        raise TypeError(f"mrope_interleaved must be a bool, got {type(mrope_interleaved).__name__}")
+    if mrope_section is None:
+        if mrope_interleaved or mrope_layout is not None:
+            raise ValueError("mrope_interleaved / mrope_layout need mrope_section")
+    else:
+        if pair_axes is not None:
+            raise ValueError("pass either mrope_section= or pair_axes=, not both")
+        mrope_section = _int_tuple(mrope_section, "mrope_section")
+        if len(mrope_section) != 3 or min(mrope_section) < 0:
+            raise ValueError(f"mrope_section must be 3 non-negative integers (pairs per t, h, w axis), "
+                             f"got {mrope_section}")
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {mrope_section} must sum to rotary_dim/2 = {half}, "
+                             f"got {sum(mrope_section)}")
+        if mrope_layout is None:
+            mrope_layout = "interleaved" if mrope_interleaved else "chunked"
+        elif mrope_layout not in MROPE_LAYOUTS:
+            raise ValueError(f"mrope_layout must be one of {MROPE_LAYOUTS}, got {mrope_layout!r}")
+        elif mrope_interleaved is not None and bool(mrope_interleaved) != (mrope_layout == "interleaved"):
+            raise ValueError(f"mrope_interleaved={mrope_interleaved} disagrees with mrope_layout={mrope_layout!r}")
+        if n_axes is not None and _as_int(n_axes, "n_axes") != 3:
+            raise ValueError(f"an M-RoPE spec has n_axes = 3, got {n_axes}")
+        pair_axes, n_axes = mrope_pair_axes(mrope_section, mrope_layout), 3
+        return pair_axes, n_axes, mrope_section, mrope_layout
+    if pair_axes is None:
+        if n_axes is not None and _as_int(n_axes, "n_axes") != 1:
+            raise ValueError(f"n_axes={n_axes} needs pair_axes= (or mrope_section=)")
+        return None, 1, None, None
+    pair_axes = _int_tuple(pair_axes, "pair_axes")
+    if len(pair_axes) != half:
+        raise ValueError(f"pair_axes must have rotary_dim/2 = {half} entries, got {len(pair_axes)}")
+    if min(pair_axes) < 0:
+        raise ValueError(f"pair_axes entries must be >= 0, got {pair_axes}")
+    n_axes = max(pair_axes) + 1 if n_axes is None else _as_int(n_axes, "n_axes")
+    if n_axes <= max(pair_axes):
+        raise ValueError(f"pair_axes reads coordinate {max(pair_axes)} but n_axes is {n_axes}")
+    return pair_axes, n_axes, None, None
 
 
 @lru_cache(maxsize=512)
 def _inv_freq_and_scaling(spec: RopeSpec, seq_len):
-    inv_freq, attention = _scaling.scaled_inv_freq(spec.base, spec.rotary_dim, spec.scaling, seq_len=seq_len,
-                                                   max_position_embeddings=spec.max_position_embeddings,
-                                                   head_dim=spec.head_dim)
+    if spec.frequencies is not None:
+        inv_freq, attention = np.array(spec.frequencies, dtype=np.float64), 1.0
+    else:
+        inv_freq, attention = _scaling.scaled_inv_freq(spec.base, spec.rotary_dim, spec.scaling, seq_len=seq_len,
+                                                       max_position_embeddings=spec.max_position_embeddings,
+                                                       head_dim=spec.head_dim)
     inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
     inv_freq.setflags(write=False)
     return inv_freq, float(attention)

@@ -8,6 +8,10 @@ each token, shape positions.shape, int64. Two kinds of table:
   shared by every call with the same key. Used when 0 <= positions < a size cap.
 - compact: one row per distinct position of this call (negative, huge or sparse positions, and
   dynamic-NTK lengths past the model's context, whose frequencies change with the length).
+- per-token (multi-axis specs, positions ``(..., n_axes)``): one row per token, pair i taken from
+  the row of the coordinate it reads, ``cos[t, i] = dense[pos[t, pair_axes[i]], i]`` (gathered from
+  the dense table when every coordinate fits it, else computed directly; always directly for
+  real-valued coordinates). Backends see the same (table, rows) contract.
 
 Cache keys hold the spec itself and the exact frequencies used, so two specs never share an
 entry. The cache is guarded by a lock (safe from several threads); tables are read-only.
@@ -33,8 +37,82 @@ _cache: OrderedDict = OrderedDict()
 
 
 def _make(spec: RopeSpec, positions: np.ndarray, seq_len, dtype):
-    cos, sin = spec.cos_sin(positions, seq_len=seq_len, dtype=dtype)
+    """Per-position rows: every pair's cos/sin at each of ``positions`` (1-D), shape (n, d/2)."""
+    cos, sin = spec.pair_cos_sin(positions[:, None], seq_len=seq_len, dtype=dtype)
     return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+
+
+@lru_cache(maxsize=256)
+def _axis_columns(pair_axes: tuple):
+    """[(axis, columns)]: the pairs reading each coordinate, as a slice when they are evenly spaced."""
+    groups = []
+    for axis in sorted(set(pair_axes)):
+        cols = [i for i, a in enumerate(pair_axes) if a == axis]
+        step = cols[1] - cols[0] if len(cols) > 1 else 1
+        if all(b - a == step for a, b in zip(cols, cols[1:])):
+            groups.append((axis, slice(cols[0], cols[-1] + 1, step)))
+        else:
+            groups.append((axis, np.array(cols, dtype=np.int64)))
+    return tuple(groups)
+
+
+def _per_token(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key, convert):
+    """(cos, sin, rows) with one table row per token for a multi-axis spec; positions (Bp, S, n_axes)."""
+    lead = positions.shape[:-1]
+    flat = positions.reshape(-1, positions.shape[-1])
+    rows = np.arange(flat.shape[0], dtype=np.int64).reshape(lead)
+    if flat.shape[0] == 0:
+        empty = np.zeros((1, spec.rotary_dim // 2), dtype=dtype)
+        return convert(empty), convert(empty), convert(rows)
+    if positions.dtype.kind == "f":
+        cos, sin = spec.cos_sin(flat, dtype=dtype)
+        return convert(np.ascontiguousarray(cos)), convert(np.ascontiguousarray(sin)), convert(rows)
+    lo, hi = int(flat.min()), int(flat.max())
+    seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
+    if lo < 0 or hi >= _max_rows(spec, np.dtype(dtype)) or _varying(spec, seq_len):
+        cos, sin = spec.cos_sin(flat, seq_len=seq_len, dtype=dtype)
+        return convert(np.ascontiguousarray(cos)), convert(np.ascontiguousarray(sin)), convert(rows)
+    _, dense_cos, dense_sin = _dense_entry(spec, hi, seq_len, np.dtype(dtype), "numpy", None)
+    half = spec.rotary_dim // 2
+    cos, sin = np.empty((flat.shape[0], half), dtype), np.empty((flat.shape[0], half), dtype)
+    for axis, cols in _axis_columns(spec._pair_axes):
+        coord = flat[:, axis]
+        cos[:, cols] = dense_cos[coord][:, cols]
+        sin[:, cols] = dense_sin[coord][:, cols]
+    return convert(cos), convert(sin), convert(rows)
+
+
+def _max_rows(spec: RopeSpec, dtype: np.dtype) -> int:
+    return max(_MIN_ROWS, DENSE_TABLE_MAX_BYTES // (2 * (spec.rotary_dim // 2) * dtype.itemsize))
+
+
+def _varying(spec: RopeSpec, seq_len) -> bool:
+    """True for dynamic-NTK lengths past the model's context (frequencies change with every length)."""
+    return (spec.rope_type == "dynamic" and seq_len is not None
+            and seq_len > (spec.max_position_embeddings or 0))
+
+
+def _dense_entry(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key, convert):
+    """The cached dense entry (n_rows, cos, sin) covering rows 0..hi, grown (doubled) when needed."""
+    key = (_frequency_key(spec, seq_len), dtype.str, device_key)
+    convert = convert or (lambda a: a)
+    with _lock:
+        entry = _cache.get(key)
+        if entry is None or entry[0] <= hi:
+            n = _MIN_ROWS if entry is None else entry[0]
+            while n <= hi:
+                n *= 2
+            n = min(n, _max_rows(spec, dtype))
+            cos, sin = _make(spec, np.arange(n, dtype=np.int64), seq_len, dtype)
+            cos.setflags(write=False)
+            sin.setflags(write=False)
+            entry = (n, convert(cos), convert(sin))
+            _cache[key] = entry
+            while len(_cache) > _MAX_ENTRIES:
+                _cache.popitem(last=False)
+        else:
+            _cache.move_to_end(key)
+    return entry
 
 
 @lru_cache(maxsize=512)
@@ -53,41 +131,27 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     """
     dtype = np.dtype(dtype)
     convert = convert or (lambda a: a)
+    if spec.multi_axis:
+        return _per_token(spec, positions, dtype=dtype, device_key=device_key, convert=convert)
     half = spec.rotary_dim // 2
     if positions.size == 0:
         empty = convert(np.zeros((1, half), dtype=dtype))
         return empty, empty, convert(np.zeros(positions.shape, dtype=np.int64))
+    if positions.dtype.kind == "f":   # real-valued 1-D coordinates: one row per token
+        cos, sin = spec.cos_sin(positions.reshape(-1), dtype=dtype)
+        rows = np.arange(positions.size, dtype=np.int64).reshape(positions.shape)
+        return convert(np.ascontiguousarray(cos)), convert(np.ascontiguousarray(sin)), convert(rows)
     if positions.size <= 64:   # decode-sized: cheaper in Python than two NumPy reductions
         values = positions.ravel().tolist()
         lo, hi = min(values), max(values)
     else:
         lo, hi = int(positions.min()), int(positions.max())
     seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
-    max_rows = max(_MIN_ROWS, DENSE_TABLE_MAX_BYTES // (2 * half * dtype.itemsize))
-    varying = (spec.rope_type == "dynamic" and seq_len is not None
-               and seq_len > (spec.max_position_embeddings or 0))
-    if lo < 0 or hi >= max_rows or varying:
+    if lo < 0 or hi >= _max_rows(spec, dtype) or _varying(spec, seq_len):
         unique, rows = np.unique(positions, return_inverse=True)
         cos, sin = _make(spec, unique, seq_len, dtype)
         return convert(cos), convert(sin), convert(rows.reshape(positions.shape).astype(np.int64))
-
-    key = (_frequency_key(spec, seq_len), dtype.str, device_key)
-    with _lock:
-        entry = _cache.get(key)
-        if entry is None or entry[0] <= hi:
-            n = _MIN_ROWS if entry is None else entry[0]
-            while n <= hi:
-                n *= 2
-            n = min(n, max_rows)
-            cos, sin = _make(spec, np.arange(n, dtype=np.int64), seq_len, dtype)
-            cos.setflags(write=False)
-            sin.setflags(write=False)
-            entry = (n, convert(cos), convert(sin))
-            _cache[key] = entry
-            while len(_cache) > _MAX_ENTRIES:
-                _cache.popitem(last=False)
-        else:
-            _cache.move_to_end(key)
+    entry = _dense_entry(spec, hi, seq_len, dtype, device_key, convert)
     rows = positions if positions.dtype == np.int64 else positions.astype(np.int64)
     return entry[1], entry[2], convert(np.ascontiguousarray(rows))
 
