@@ -16,7 +16,7 @@ import numpy as np
 from array_api_compat import (array_namespace, device as xp_device, is_cupy_array, is_jax_array,
                               is_numpy_array, is_torch_array)
 
-from . import _tables
+from . import _packing, _tables
 from . import backends as _backends
 from ._spec import RopeSpec
 
@@ -366,6 +366,40 @@ def _check_cross_overlap(xs, outs, names):
         raise ValueError(f"out for {nq} and out for {nk} overlap; pass separate buffers")
 
 
+# -- packed batches ------------------------------------------------------------------------------
+def packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, name="x"):
+    """``positions`` for a call with ``cu_seqlens`` (a packed batch, see :mod:`rotary._packing`).
+
+    Without cu_seqlens: positions unchanged (seqlen_offsets must be None). With it: x must have no
+    batch axis before its sequence axis (or one of size 1); positions None -> restarting per sequence
+    at seqlen_offsets; an explicit per-token positions array is used as given. Returns
+    ``(positions, packed)`` with ``packed`` None without cu_seqlens.
+    """
+    if cu_seqlens is None:
+        if seqlen_offsets is not None:
+            raise ValueError("seqlen_offsets needs cu_seqlens (one offset per packed sequence); for a padded "
+                             "batch pass positions=offset or positions of shape (batch, seq)")
+        return positions, None
+    shape = tuple(x.shape)
+    ax = normalize_seq_axis(seq_axis, len(shape), name)
+    if math.prod(shape[:ax]) != 1:
+        raise ValueError(f"cu_seqlens needs packed input: {name} of shape {shape} has batch axes {shape[:ax]} "
+                         f"before the sequence axis {ax}; pack the sequences along one token axis "
+                         "(total_tokens, heads, head_dim) and pass seq_axis=0")
+    try:
+        packed = _packing.pack(cu_seqlens, shape[ax], seqlen_offsets)
+    except ValueError as exc:
+        if "token count" in str(exc) and ax != 0:
+            raise ValueError(f"{exc}; {name}'s sequence axis is {ax} (seq_axis={seq_axis}): for packed "
+                             "(total_tokens, heads, head_dim) input pass seq_axis=0") from None
+        raise
+    if positions is None:
+        return packed.positions, packed
+    if seqlen_offsets is not None:
+        raise ValueError("pass seqlen_offsets or per-token positions with cu_seqlens, not both")
+    return positions, packed
+
+
 # -- rotation ------------------------------------------------------------------------------------
 def _table_converter(module, x, xp):
     if hasattr(module, "table_converter"):
@@ -438,7 +472,8 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     return outputs
 
 
-def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", **spec_kwargs):
+def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", cu_seqlens=None,
+          seqlen_offsets=None, **spec_kwargs):
     """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
 
     ``y_a = x_a cos(p w_i) - x_b sin(p w_i)``, ``y_b = x_b cos(p w_i) + x_a sin(p w_i)`` for each pair
@@ -458,16 +493,26 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
     out : array, optional
         Where to write (same shape/dtype/type as x); may be ``x`` itself for in place.
     backend : {"auto", "numpy", "numba", "cupy"}
+    cu_seqlens : integer array (N+1,), optional
+        A packed batch (flash-attn's varlen/THD form): N sequences concatenated along the sequence
+        axis (x of shape (total_tokens, heads, head_dim) with ``seq_axis=0``), sequence n owning tokens
+        ``cu_seqlens[n]:cu_seqlens[n+1]``. Positions restart at each sequence (at
+        ``seqlen_offsets[n]``, default 0); explicit per-token ``positions`` may be given instead.
+        One pass over all sequences.
+    seqlen_offsets : int or integer array (N,), optional
+        Per-sequence position offsets with ``cu_seqlens`` (a sequence continuing a cache of L tokens
+        has offset L).
     """
+    positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
                          backend=backend, spec_kwargs=spec_kwargs)[0]
 
 
 def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
-             **spec_kwargs):
+             cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
     """Rotate q and k together (one pass / one launch); head counts may differ (GQA).
 
-    Same arguments as :func:`apply`; ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
+    Same arguments as :func:`apply` (``cu_seqlens``/``seqlen_offsets`` for packed q and k); ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
     ``out=(q, k)`` rotates in place). Returns ``(q_rot, k_rot)``.
     """
     if out is None:
@@ -476,6 +521,7 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out
         outs = list(out)
     else:
         raise TypeError("out must be None or a pair (q_out, k_out)")
+    positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q")
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,
                                  inverse=inverse, backend=backend, spec_kwargs=spec_kwargs)
     return q_rot, k_rot
