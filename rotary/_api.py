@@ -367,13 +367,14 @@ def _check_cross_overlap(xs, outs, names):
 
 
 # -- packed batches ------------------------------------------------------------------------------
-def packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, name="x"):
+def packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, name="x", spec=None):
     """``positions`` for a call with ``cu_seqlens`` (a packed batch, see :mod:`rotary._packing`).
 
     Without cu_seqlens: positions unchanged (seqlen_offsets must be None). With it: x must have no
     batch axis before its sequence axis (or one of size 1); positions None -> restarting per sequence
     at seqlen_offsets; an explicit per-token positions array is used as given. Returns
-    ``(positions, packed)`` with ``packed`` None without cu_seqlens.
+    ``(positions, packed)`` with ``packed`` None without cu_seqlens. For an M-RoPE spec the restarted
+    text positions are spread over its axes, (T, n_axes).
     """
     if cu_seqlens is None:
         if seqlen_offsets is not None:
@@ -394,6 +395,8 @@ def packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, name="x
                              "(total_tokens, heads, head_dim) input pass seq_axis=0") from None
         raise
     if positions is None:
+        if isinstance(spec, RopeSpec) and spec.multi_axis and spec.mrope_section is not None:
+            return _spread(packed.positions, spec.n_axes), packed
         return packed.positions, packed
     if seqlen_offsets is not None:
         raise ValueError("pass seqlen_offsets or per-token positions with cu_seqlens, not both")
@@ -503,7 +506,7 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
         Per-sequence position offsets with ``cu_seqlens`` (a sequence continuing a cache of L tokens
         has offset L).
     """
-    positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets)
+    positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, spec=spec)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
                          backend=backend, spec_kwargs=spec_kwargs)[0]
 
@@ -521,7 +524,7 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out
         outs = list(out)
     else:
         raise TypeError("out must be None or a pair (q_out, k_out)")
-    positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q")
+    positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", spec)
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,
                                  inverse=inverse, backend=backend, spec_kwargs=spec_kwargs)
     return q_rot, k_rot

@@ -135,3 +135,16 @@ def test_apply_packed_bad_input(rng):
         rotary.apply(q, spec=SPEC, seq_axis=0, seqlen_offsets=[1])
     with pytest.raises(ValueError, match="not both"):
         rotary.apply(q, np.arange(T), spec=SPEC, seq_axis=0, cu_seqlens=cu, seqlen_offsets=0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_apply_packed_mrope_text_positions(backend, rng):
+    """An M-RoPE spec: packed text tokens get their restarted position on every axis, as each sequence alone."""
+    spec = RopeSpec(32, mrope_section=(4, 6, 6))
+    cu, q, _, offsets = _packed_case(rng, np.float32)
+    y = rotary.apply(q, spec=spec, seq_axis=0, cu_seqlens=cu, seqlen_offsets=offsets, backend=backend)
+    for n in range(len(cu) - 1):
+        a, b = cu[n], cu[n + 1]
+        np.testing.assert_array_equal(y[a:b], rotary.apply(q[a:b], int(offsets[n]), spec=spec, seq_axis=0,
+                                                           backend=backend))
+    testing.assert_close(y, _oracle(q, cu, offsets, spec), like=q)   # text tokens: plain 1-D RoPE
