@@ -1,15 +1,18 @@
 """Linear attention with RoPE in the numerator only (RoFormer eq. 19), causal or not, resumable.
 
-With a_t = phi(q_t), b_t = phi(k_t) and R_p the spec's rotation at position p::
+With a_t = phi(q_t), b_t = phi(k_t), R_p the spec's rotation at position p and a per-head decay
+gamma in (0, 1] (1 without ``decay``)::
 
-    o_t = sum_s (R_{p_t} a_t)^T (R_{p_s} b_s) v_s  /  (sum_s a_t^T b_s + eps)
+    o_t = sum_s gamma^(t-s) (R_{p_t} a_t)^T (R_{p_s} b_s) v_s  /  (sum_s gamma^(t-s) a_t^T b_s + eps)
 
-s over every token (``causal=False``) or s <= t (``causal=True``). The denominator is unrotated, so
-it stays positive for positive feature maps (RoFormer §3.3: "we keep the denominator unchanged to
-avoid the risk of dividing zero"); the weights then do not sum to 1 (see docs/linear_attention.md).
-A :class:`LinearAttentionState` carries ``S = sum_s (R_{p_s} b_s) v_s^T`` and ``z = sum_s b_s`` of
-the tokens seen so far (prefill, then decode or the next segment). The backend primitive is
-``linear_attention`` of ``rotary.backends`` (contract in ``rotary.backends``' docstring).
+s over every token (``causal=False``, no decay) or s <= t (``causal=True``); ``normalize=False``
+keeps the numerator alone (RetNet's retention with identity features and RetNet's gammas). The
+denominator is unrotated, so it stays positive for positive feature maps (RoFormer §3.3); the
+weights then do not sum to 1 (see docs/linear_attention.md). k and v may have fewer heads than q
+(GQA: q head h reads k/v head h // (H / H_kv) along the one axis where their shapes differ). A
+:class:`LinearAttentionState` carries ``S = sum_s gamma^(T-1-s) (R_{p_s} b_s) v_s^T`` and
+``z = sum_s gamma^(T-1-s) b_s`` per k/v head (prefill, then decode or the next segment). The backend
+primitive is ``linear_attention`` of ``rotary.backends`` (contract in ``rotary.backends``' docstring).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
 from . import _tables
 from . import backends as _backends
-from ._api import (_check_float, _namespace, _table_converter, canonical_shape, canonical_view, from_canonical,
-                   normalize_positions, normalize_seq_axis, resolve_spec, to_canonical)
+from ._api import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape, canonical_view, from_canonical,
+                   normalize_positions, normalize_seq_axis, resolve_spec, to_canonical, to_numpy)
 from ._spec import RopeSpec
 
 FEATURE_MAPS = ("elu", "relu", "identity")
@@ -35,25 +38,47 @@ class LinearAttentionState:
     Attributes
     ----------
     S : array (..., m, dv)
-        ``sum_s (R_{p_s} phi(k_s)) v_s^T``; ``...`` are q's axes other than the sequence and last axes.
-    z : array (..., m)
-        ``sum_s phi(k_s)`` (unrotated).
+        ``sum_s gamma^(T-1-s) (R_{p_s} phi(k_s)) v_s^T``; ``...`` are k's axes other than the sequence
+        and last axes: the state is kept per k/v head (with GQA, H_kv heads, not q's H).
+    z : array (..., m) or None
+        ``sum_s gamma^(T-1-s) phi(k_s)`` (unrotated); None when ``normalize=False``.
     next_position : int or int64 ndarray (batch,)
         The position the next token gets when a call passes ``positions=None``.
     spec : RopeSpec
     feature_map : str or callable
+    decay : float64 ndarray of k's head axes (read-only), or None
+        gamma per k/v head, as broadcast by the call that made the state (None: no decay).
+    normalize : bool
+    groups : int
+        q heads per k/v head (1 without GQA).
 
     S and z are float32 (float64 for float64 inputs; never float16), of the inputs' array type and
-    device. A state only continues calls with the same spec, feature map and shapes (ValueError).
+    device. A state only continues calls with the same spec, feature map, decay, normalize, groups
+    and shapes (ValueError).
     """
 
-    __slots__ = ("S", "z", "next_position", "spec", "feature_map")
+    __slots__ = ("S", "z", "next_position", "spec", "feature_map", "decay", "normalize", "groups")
 
-    def __init__(self, S, z, next_position, *, spec, feature_map="elu"):
+    def __init__(self, S, z, next_position, *, spec, feature_map="elu", decay=None, normalize=True, groups=1):
         if not isinstance(spec, RopeSpec):
             raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
-        if len(S.shape) < 2 or tuple(z.shape) != tuple(S.shape[:-1]):
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+        if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, numbers.Integral) or groups < 1:
+            raise ValueError(f"groups must be an integer >= 1 (q heads per k/v head), got {groups!r}")
+        if len(S.shape) < 2:
+            raise ValueError(f"state S must be (..., m, dv), got S {tuple(S.shape)}")
+        if z is None:
+            if normalize:
+                raise ValueError("state z is None, which only a normalize=False state may be")
+        elif tuple(z.shape) != tuple(S.shape[:-1]):
             raise ValueError(f"state S must be (..., m, dv) and z (..., m); got S {tuple(S.shape)}, z {tuple(z.shape)}")
+        if decay is not None:
+            decay = np.array(decay, dtype=np.float64, copy=True)
+            if decay.shape != tuple(S.shape[:-2]) or not np.all((decay > 0) & (decay <= 1)):
+                raise ValueError(f"state decay must be None or values in (0, 1] of shape {tuple(S.shape[:-2])}, "
+                                 f"got {decay!r}")
+            decay.setflags(write=False)
         if S.shape[-2] != spec.head_dim:
             raise ValueError(f"state S has feature dim {S.shape[-2]}, spec.head_dim is {spec.head_dim}")
         if isinstance(next_position, (bool, np.bool_)):
@@ -67,22 +92,27 @@ class LinearAttentionState:
             next_position = next_position.astype(np.int64)
             next_position.setflags(write=False)
         for name, value in (("S", S), ("z", z), ("next_position", next_position), ("spec", spec),
-                            ("feature_map", feature_map)):
+                            ("feature_map", feature_map), ("decay", decay), ("normalize", bool(normalize)),
+                            ("groups", int(groups))):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name, value):
         raise AttributeError("LinearAttentionState is immutable")
 
     def __reduce__(self):
-        return (_rebuild_state, (self.S, self.z, self.next_position, self.spec, self.feature_map))
+        return (_rebuild_state, (self.S, self.z, self.next_position, self.spec, self.feature_map, self.decay,
+                                 self.normalize, self.groups))
 
     def __repr__(self):
-        return (f"LinearAttentionState(S{tuple(self.S.shape)} {self.S.dtype}, z{tuple(self.z.shape)}, "
-                f"next_position={self.next_position!r}, spec={self.spec!r}, feature_map={self.feature_map!r})")
+        z = None if self.z is None else tuple(self.z.shape)
+        return (f"LinearAttentionState(S{tuple(self.S.shape)} {self.S.dtype}, z={z}, "
+                f"next_position={self.next_position!r}, spec={self.spec!r}, feature_map={self.feature_map!r}, "
+                f"decay={self.decay!r}, normalize={self.normalize}, groups={self.groups})")
 
 
-def _rebuild_state(S, z, next_position, spec, feature_map):
-    return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map)
+def _rebuild_state(S, z, next_position, spec, feature_map, decay=None, normalize=True, groups=1):
+    return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map, decay=decay,
+                                normalize=normalize, groups=groups)
 
 
 # -- validation --------------------------------------------------------------------------------
@@ -93,8 +123,8 @@ def _check_feature_map(feature_map):
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS} or a callable, got {feature_map!r}")
 
 
-def _check_scalars(causal, eps, chunk, return_state):
-    for name, value in (("causal", causal), ("return_state", return_state)):
+def _check_scalars(causal, eps, chunk, return_state, normalize):
+    for name, value in (("causal", causal), ("return_state", return_state), ("normalize", normalize)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
@@ -108,6 +138,11 @@ def _check_scalars(causal, eps, chunk, return_state):
 
 
 def _check_shapes(q, k, v, ax):
+    """The GQA axis of q (None without GQA) and the group size G = q heads per k/v head.
+
+    k and v have q's shape (v with its own last dim) except, with GQA, in one axis other than the
+    batch (first), sequence and last axes, where q's size is a multiple of theirs.
+    """
     if k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
     if k.shape[ax] != q.shape[ax] or v.shape[ax] != q.shape[ax]:
@@ -115,26 +150,69 @@ def _check_shapes(q, k, v, ax):
                          f"{q.shape[ax]}, {k.shape[ax]}, {v.shape[ax]}")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"k's last dim ({k.shape[-1]}) must equal q's ({q.shape[-1]})")
-    if tuple(k.shape) != tuple(q.shape):
-        raise ValueError(f"k of shape {tuple(k.shape)} must have q's shape {tuple(q.shape)} (no GQA here)")
-    if tuple(v.shape[:-1]) != tuple(q.shape[:-1]):
-        raise ValueError(f"v of shape {tuple(v.shape)} must match q {tuple(q.shape)} except in the last axis")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"v of shape {tuple(v.shape)} must match k {tuple(k.shape)} except in the last axis")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    differ = [i for i in range(q.ndim - 1) if q.shape[i] != k.shape[i]]
+    if not differ:
+        return None, 1
+    gax = differ[0]
+    if len(differ) > 1 or gax == 0 or k.shape[gax] == 0 or q.shape[gax] % k.shape[gax]:
+        raise ValueError(f"k of shape {tuple(k.shape)} must have q's shape {tuple(q.shape)}, or (GQA) differ in "
+                         f"one head axis (not the first, batch axis) where q's size is a multiple of k's")
+    return gax, q.shape[gax] // k.shape[gax]
 
 
-def _check_state(state, q, spec, feature_map, other_shape, m, dv):
+def _check_decay(decay, k_heads, causal):
+    """decay as a float64 array of k's head axes ``k_heads`` (None: no decay)."""
+    if decay is None:
+        return None
+    if isinstance(decay, (bool, np.bool_)):
+        raise TypeError("decay must be None, a number or an array of numbers in (0, 1], got a bool")
+    try:
+        d = np.asarray(to_numpy(decay, "decay"))
+    except Exception:
+        raise TypeError(f"decay must be None, a number or an array of numbers in (0, 1], got "
+                        f"{type(decay).__name__}") from None
+    if d.dtype.kind not in "iuf":
+        raise TypeError(f"decay must be real numbers in (0, 1], got dtype {d.dtype}")
+    d = d.astype(np.float64)
+    if d.ndim > len(k_heads) or any(n not in (1, h) for n, h in zip(d.shape[::-1], k_heads[::-1])):
+        raise ValueError(f"decay of shape {d.shape} must be a scalar or one value per k/v head: a shape that "
+                         f"broadcasts to k's axes other than the sequence and last axes {tuple(k_heads)}")
+    if not np.all((d > 0) & (d <= 1)):
+        bad = d[~((d > 0) & (d <= 1))]
+        raise ValueError(f"decay must be in (0, 1] (gamma of S_t = gamma S_(t-1) + ...), got {bad.ravel()[:4]}")
+    full = np.array(np.broadcast_to(d, k_heads), dtype=np.float64)
+    if not causal and np.any(full != 1):
+        raise ValueError("decay < 1 needs causal=True: a decayed state has a direction (gamma^(t-s), s <= t)")
+    full.setflags(write=False)
+    return full
+
+
+def _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups):
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
-    _namespace([q, state.S, state.z], ["q", "state.S", "state.z"])
-    expected = (*other_shape, m, dv)
+    _namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
+        state.z is not None)])
+    expected = (*kv_other, m, dv)
     if tuple(state.S.shape) != expected:
         raise ValueError(f"state belongs to inputs with S of shape {tuple(state.S.shape)}; this call needs "
-                         f"{expected} (q's axes other than seq and last, then m, dv)")
+                         f"{expected} (k's axes other than seq and last, then m, dv)")
     if state.spec != spec:
         raise ValueError(f"state was made with {state.spec!r}, this call uses {spec!r}")
     if state.feature_map is not feature_map and state.feature_map != feature_map:
         raise ValueError(f"state was made with feature_map={state.feature_map!r}, this call uses {feature_map!r}")
+    same_decay = (state.decay is None and decay is None) or (
+        state.decay is not None and decay is not None and np.array_equal(state.decay, decay))
+    if not same_decay:
+        raise ValueError(f"state was made with decay={state.decay!r}, this call uses decay={decay!r}")
+    if state.normalize != normalize:
+        raise ValueError(f"state was made with normalize={state.normalize}, this call uses normalize={normalize}")
+    if state.groups != groups:
+        raise ValueError(f"state was made with {state.groups} q heads per k/v head (GQA groups), this call has "
+                         f"{groups}")
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -185,18 +263,41 @@ def _backend_module(arrays, backend):
 
 
 # -- public ------------------------------------------------------------------------------------
+def _gqa_permutation(ndim, ax, gax):
+    """Axis order that makes the GQA axis the innermost canonical head axis (None: already is)."""
+    if gax is None:
+        return None
+    heads = canonical_axes(ndim, ax)[1]
+    if heads and heads[-1] == gax:
+        return None
+    return tuple(i for i in range(ndim - 1) if i != gax) + (gax, ndim - 1)
+
+
+def _other_perm(ndim, ax, perm):
+    """How ``perm`` reorders the axes other than seq and last (for states and decay)."""
+    other = [i for i in range(ndim - 1) if i != ax]
+    if perm is None:
+        return list(range(len(other)))
+    return [other.index(i) for i in perm[:-1] if i != ax]
+
+
 def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
-                     seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, **spec_kwargs):
+                     seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, decay=None,
+                     normalize=True, **spec_kwargs):
     """Linear attention with RoPE on the feature-mapped q and k, numerator only (RoFormer eq. 19).
 
-    ``o_t = sum_s (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s a_t^T b_s + eps)`` with a = phi(q),
-    b = phi(k); s <= t when ``causal``, every s otherwise; a ``state`` adds its earlier tokens to
-    both sums.
+    ``o_t = sum_s gamma^(t-s) (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s gamma^(t-s) a_t^T b_s + eps)``
+    with a = phi(q), b = phi(k), gamma = ``decay`` (1 by default); s <= t when ``causal``, every s
+    otherwise; a ``state`` adds its earlier tokens to both sums. ``normalize=False``: the numerator
+    alone (no denominator, ``eps`` unused).
 
     Parameters
     ----------
-    q, k : arrays (..., seq, ..., d), same shape and dtype
-    v : array, q's shape with its own last dim dv
+    q : array (..., seq, ..., d)
+    k : array
+        q's shape, or (GQA) q's shape with fewer heads in one head axis (not the first, batch axis),
+        q's size a multiple G of k's there: q head h reads k/v head h // G.
+    v : array, k's shape with its own last dim dv
     positions : None, int or integer array
         As in :func:`rotary.apply`. None: 0..seq-1, or with a ``state`` its ``next_position`` onwards.
     causal : bool
@@ -221,27 +322,36 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     backend : {"auto", "numpy", "numba", "cupy"}
     chunk : int
         Chunk length of the causal algorithm (intra-chunk quadratic, carried state in between).
+    decay : None, float or array of floats in (0, 1]
+        gamma: a scalar or one value per k/v head (any shape that broadcasts to k's axes other than
+        the sequence and last ones, e.g. (H_kv,)). ``S_t = gamma S_(t-1) + R b_t v_t^T`` and
+        ``z_t = gamma z_(t-1) + b_t``. With identity features, ``normalize=False`` and
+        ``1 - 2**(-5 - arange(H))`` it is RetNet's retention. Values < 1 need ``causal=True``.
+    normalize : bool
+        Divide by the (decayed) denominator (default) or return the numerator alone.
 
     Returns
     -------
     o or (o, state)
         ``o`` has q's array type and dtype and q's shape with last dim dv; ``(o, state)`` with
-        ``return_state=True``.
+        ``return_state=True``. The state is per k/v head (see :class:`LinearAttentionState`).
     """
     xp = _namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
-    _check_shapes(q, k, v, ax)
-    _check_scalars(causal, eps, chunk, return_state)
+    gax, groups = _check_shapes(q, k, v, ax)
+    _check_scalars(causal, eps, chunk, return_state, normalize)
     _check_feature_map(feature_map)
+    kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
+    decay = _check_decay(decay, kv_other, causal)
 
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
     if callable(feature_map):
         a, b = feature_map(xp.astype(q, work)), feature_map(xp.astype(k, work))
-        for x, name in ((a, "feature_map(q)"), (b, "feature_map(k)")):
-            if tuple(x.shape[:-1]) != tuple(q.shape[:-1]) or x.ndim != q.ndim:
-                raise ValueError(f"{name} must have shape {tuple(q.shape[:-1])} + (m,), got {tuple(x.shape)}")
+        for x, src, name in ((a, q, "feature_map(q)"), (b, k, "feature_map(k)")):
+            if tuple(x.shape[:-1]) != tuple(src.shape[:-1]) or x.ndim != src.ndim:
+                raise ValueError(f"{name} must have shape {tuple(src.shape[:-1])} + (m,), got {tuple(x.shape)}")
         if b.shape[-1] != a.shape[-1]:
             raise ValueError(f"feature_map(q) and feature_map(k) must have the same last dim, got "
                              f"{a.shape[-1]} and {b.shape[-1]}")
@@ -251,17 +361,37 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         a, b, v_in, backend_map = q, k, v, feature_map
     m, dv, seq_len = int(a.shape[-1]), int(v.shape[-1]), int(q.shape[ax])
     lead_shape = tuple(q.shape[:ax])
-    other_shape = lead_shape + tuple(q.shape[ax + 1:-1])
 
     if state is not None and spec is None and not spec_kwargs and isinstance(state, LinearAttentionState):
         spec = state.spec
     spec = resolve_spec(spec, spec_kwargs, m, "phi(q)" if callable(feature_map) else "q")
     if state is not None:
-        _check_state(state, q, spec, feature_map, other_shape, m, dv)
+        _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups)
         if positions is None:
             positions = _start_positions(state, lead_shape, seq_len)
-    B, _, H, _ = canonical_shape(tuple(q.shape), ax)
+
+    # GQA: the axis where k has fewer heads becomes the innermost canonical head axis (a view)
+    perm = _gqa_permutation(q.ndim, ax, gax)
+    if perm is not None:
+        a, b, v_in = (xp.permute_dims(x, perm) for x in (a, b, v_in))
+    wax = ax if perm is None else perm.index(ax)
+    operm = _other_perm(q.ndim, ax, perm)
+    kv_other_w = tuple(kv_other[i] for i in operm)
+    B, _, H, _ = canonical_shape(tuple(a.shape), wax)
+    Hk = canonical_shape(tuple(b.shape), wax)[2]
     pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B, spec=spec)
+
+    def to_state_layout(x, tail):
+        """Canonical (B, Hk, *tail) -> k's other axes + tail."""
+        x = xp.reshape(x, kv_other_w + tail)
+        if operm != sorted(operm):
+            x = xp.permute_dims(x, tuple(int(i) for i in np.argsort(operm)) + tuple(range(len(operm), x.ndim)))
+        return x
+
+    def make_state(S, z, next_pos):
+        return LinearAttentionState(to_state_layout(S, (m, dv)), to_state_layout(z, (m,)) if normalize else None,
+                                    next_pos, spec=spec, feature_map=feature_map, decay=decay, normalize=normalize,
+                                    groups=groups)
 
     if seq_len == 0:
         dev = xp_device(q)
@@ -270,10 +400,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
             return o
         if state is not None:
             return o, state
-        S = xp.zeros((*other_shape, m, dv), dtype=work, device=dev)
-        z = xp.zeros((*other_shape, m), dtype=work, device=dev)
-        return o, LinearAttentionState(S, z, _next_position(pos, lead_shape, 0, positions, None), spec=spec,
-                                       feature_map=feature_map)
+        S = xp.zeros((B, Hk, m, dv), dtype=work, device=dev)
+        z = xp.zeros((B, Hk, m), dtype=work, device=dev)
+        return o, make_state(S, z, _next_position(pos, lead_shape, 0, positions, None))
 
     module = _backend_module([q, k, v], backend)
     device_key, convert = _table_converter(module, q, xp)
@@ -281,17 +410,25 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     cos, sin, rows = _tables.lookup(spec, pos, dtype=table_dtype, device_key=device_key, convert=convert)
     carried = None
     if state is not None:
-        # canonical (B, H) is the row-major merge of q's axes other than seq and last: a plain reshape
-        carried = (xp.reshape(xp.astype(state.S, work, copy=False), (B, H, m, dv)),
-                   xp.reshape(xp.astype(state.z, work, copy=False), (B, H, m)))
+        def to_canonical_state(x, n_tail):
+            x = xp.astype(x, work, copy=False)
+            if operm != sorted(operm):
+                x = xp.permute_dims(x, tuple(operm) + tuple(range(len(operm), len(operm) + n_tail)))
+            return xp.reshape(x, (B, Hk) + tuple(x.shape[len(operm):]))
+
+        carried = (to_canonical_state(state.S, 2), None if state.z is None else to_canonical_state(state.z, 1))
+    decay_c = None
+    if decay is not None:
+        decay_c = np.ascontiguousarray(np.transpose(decay, operm)).reshape(B, Hk)
     o, (S, z) = module.linear_attention(
-        _canonical(a, ax, xp), _canonical(b, ax, xp), _canonical(v_in, ax, xp), cos, sin, rows,
+        _canonical(a, wax, xp), _canonical(b, wax, xp), _canonical(v_in, wax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
-        eps=float(eps), chunk=int(chunk), state=carried)
-    o = xp.astype(from_canonical(o, (*q.shape[:-1], dv), ax, xp), q.dtype, copy=False)   # fresh from the backend
+        eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize))
+    o_shape = tuple(a.shape[:-1]) + (dv,)
+    o = from_canonical(o, o_shape, wax, xp)
+    if perm is not None:
+        o = xp.permute_dims(o, tuple(int(i) for i in np.argsort(perm)))
+    o = xp.astype(o, q.dtype, copy=False)   # fresh from the backend
     if not return_state:
         return o
-    new_state = LinearAttentionState(xp.reshape(S, (*other_shape, m, dv)), xp.reshape(z, (*other_shape, m)),
-                                     _next_position(pos, lead_shape, seq_len, positions, state), spec=spec,
-                                     feature_map=feature_map)
-    return o, new_state
+    return o, make_state(S, z, _next_position(pos, lead_shape, seq_len, positions, state))

@@ -98,20 +98,30 @@ def feature_map64(x, feature_map="elu"):
 
 
 def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", scale=1.0, causal=False,
-                               feature_map="elu", eps=1e-6):
-    """Oracle: RoFormer eq. 19 written as a T x T matrix, in float64.
+                               feature_map="elu", eps=1e-6, decay=None, normalize=True):
+    """Oracle: RoFormer eq. 19 written as a T x T matrix, in float64, with optional decay.
 
-    ``o_t = sum_s (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s a_t^T b_s + eps)`` with a = phi(q),
-    b = phi(k), s <= t when ``causal``; q, k (..., T, d), v (..., T, dv), positions (T,) or
+    ``o_t = sum_s D_ts (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s D_ts a_t^T b_s + eps)`` with a = phi(q),
+    b = phi(k), ``D_ts = gamma^(t-s)`` for s <= t when ``causal`` (gamma = ``decay``, 1 by default, a scalar or
+    an array broadcastable to q.shape[:-2], e.g. one per head), ``D_ts = 1`` for every s otherwise;
+    ``normalize=False`` returns the numerator. q, k (..., T, d), v (..., T, dv), positions (T,) or
     broadcastable to (..., T); R from :func:`rope_complex` (``scale`` multiplies each rotation).
     """
     a, b = feature_map64(q, feature_map), feature_map64(k, feature_map)
     v = np.asarray(v, dtype=np.float64)
     T = a.shape[-2]
-    mask = np.tril(np.ones((T, T))) if causal else np.ones((T, T))
+    t = np.arange(T)
+    if causal:
+        gamma = np.ones(()) if decay is None else np.asarray(decay, dtype=np.float64)
+        lag = t[:, None] - t[None, :]
+        mask = np.where(lag >= 0, np.power(gamma[..., None, None], np.maximum(lag, 0)), 0.0)
+    else:
+        mask = np.ones((T, T))
     a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale)
     b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale)
     numerator = ((a_hat @ np.swapaxes(b_hat, -1, -2)) * mask) @ v
+    if not normalize:
+        return numerator
     denominator = ((a @ np.swapaxes(b, -1, -2)) * mask).sum(-1, keepdims=True)
     return numerator / (denominator + eps)
 

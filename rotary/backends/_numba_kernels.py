@@ -715,29 +715,41 @@ def store_row(o, g, b, t, h, acc, dv, scale):
 
 
 @njit(cache=True)
-def add_state(carried_s, s_work, s_chunk, m, dv):
-    """S += B_hat^T V of one chunk: carried_s (float64) += s_chunk (work dtype), s_work = carried_s in the work dtype."""
+def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
+    """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
+    s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied)."""
     for r in range(m):
         carried_row, work_row, chunk_row = carried_s[r], s_work[r], s_chunk[r]
-        for j in range(dv):
-            carried_row[j] += chunk_row[j]
-            work_row[j] = carried_row[j]
+        if decayed:
+            for j in range(dv):
+                carried_row[j] = carried_row[j] * factor + chunk_row[j]
+                work_row[j] = carried_row[j]
+        else:
+            for j in range(dv):
+                carried_row[j] += chunk_row[j]
+                work_row[j] = carried_row[j]
 
 
 @njit(cache=True)
-def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, h, seq_len,
-                          half, rotary_dim, interleaved, causal, feature_map, eps, chunk):
-    """Linear attention of one (batch, head) in chunks of ``chunk`` tokens, (S, z) carried in float64.
+def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, hk, seq_len,
+                          half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
+                          normalize):
+    """Linear attention of one (batch, k/v head) and its ``groups`` q heads hk*G .. hk*G+G-1, in chunks of
+    ``chunk`` tokens, (S, z) carried in float64.
 
-    Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`)::
+    Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`; gamma^j =
+    powers[b, hk, j], all ones without decay and then not applied)::
 
-        P = tril(A_hat B_hat^T)                       (row block i: only columns j < i + 4 are formed)
-        N = A_hat S + P V                             (one accumulator tile: both products, in that order)
-        o_i = N_i / (a_i . (z + sum_{j <= i} b_j) + eps)      (float64 denominator, running sum of b)
-        S += B_hat^T V,  z += sum_j b_j                (chunk product in the work dtype, carried in float64)
+        z_i = gamma z_(i-1) + b_i                               (float64 recurrence over the chunk's rows)
+        for each q head:
+            P = tril(A_hat B_hat^T) * gamma^(i-j)               (row block i: only columns j < i + 4 formed)
+            N = gamma^(i+1) A_hat S + P V                       (one accumulator tile, in that order)
+            o_i = N_i / (a_i . z_i + eps)                       (float64 denominator; N_i alone without normalize)
+        S = gamma^n S + (B_hat * gamma^(n-1-j))^T V              (chunk product in the work dtype, carried in float64)
 
-    Non-causal: (S, z) over all chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)``. Buffers
-    are padded to whole register tiles with zeros (columns) so every tile is full width.
+    Every power has an exponent in 0..n: exact for gamma near 0 and 1. Non-causal (no decay): (S, z) over all
+    chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)`` per q head. Buffers are padded to whole
+    register tiles with zeros (columns) so every tile is full width.
     """
     m = state_z.shape[2]
     dv = state_s.shape[3]
@@ -751,6 +763,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     a_plain = borrowed(a_plain_own)
     k_plain_own = np.zeros((cp, m_f64))
     k_plain = borrowed(k_plain_own)
+    z_rows_own = np.zeros((cp, m_f64))          # z after each row of the chunk (causal)
+    z_rows = borrowed(z_rows_own)
     a_hat_own = np.zeros((cp, m), work)
     a_hat = borrowed(a_hat_own)
     k_hat_t_own = np.zeros((mp, cp), work)
@@ -765,21 +779,42 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     s_chunk = borrowed(s_chunk_own)
     s_work_own = np.zeros((m, dvp), work)
     s_work = borrowed(s_work_own)
-    carried_s_own = state_s[b, h].astype(np.float64)
+    carried_s_own = state_s[b, hk].astype(np.float64)
     carried_s = borrowed(carried_s_own)
-    carried_z_own = np.zeros(m_f64)             # z, then (causal) the running z + sum of b within the chunk
+    carried_z_own = np.zeros(m_f64)
     carried_z = borrowed(carried_z_own)
+    pw_own = np.empty(chunk + 1)                 # gamma^j, float64
+    pw = borrowed(pw_own)
+    pw_work_own = np.empty(chunk + 1, work)
+    pw_work = borrowed(pw_work_own)
+    for j in range(chunk + 1):
+        pw[j] = powers[b, hk, j] if decayed else 1.0
+        pw_work[j] = pw[j]
+    gamma = pw[1]
     for j in range(m):
-        carried_z[j] = state_z[b, h, j]
+        carried_z[j] = state_z[b, hk, j]
         for c in range(dv):
             s_work[j, c] = carried_s[j, c]
     out_geo = geo[3]
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
-        load_features(k, geo[1], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
+        load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
                       k_plain, k_hat_t, True)
-        load_values(v, geo[2], b, h, t0, n, values, dv)
-        if causal:
+        load_values(v, geo[2], b, hk, t0, n, values, dv)
+        for i in range(n):
+            k_row = k_plain[i]
+            if decayed:
+                for j in range(m):
+                    carried_z[j] = carried_z[j] * gamma + k_row[j]
+            else:
+                for j in range(m):
+                    carried_z[j] += k_row[j]
+            if causal and normalize:
+                z_row = z_rows[i]
+                for j in range(m):
+                    z_row[j] = carried_z[j]
+        for g in range(groups if causal else 0):
+            h = hk * groups + g
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
                           phi, a_plain, a_hat, False)
             for i0 in range(0, n, TILE_ROWS):
@@ -789,33 +824,42 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                 for i in range(i0, end):
                     for j in range(i + 1, end):
                         scores[i, j] = 0
+                    if decayed:
+                        for j in range(i + 1):
+                            scores[i, j] *= pw_work[i - j]
                 for j0 in range(0, dv, width):
                     madd_tile(a_hat, s_work, num, i0, j0, m, False)
+                    if decayed:
+                        for i in range(i0, end):
+                            num_row = num[i]
+                            for j in range(j0, j0 + width):
+                                num_row[j] *= pw_work[i + 1]
                     madd_tile(scores, values, num, i0, j0, end, True)
                 for i in range(i0, end):
-                    k_row = k_plain[i]
-                    for j in range(m):
-                        carried_z[j] += k_row[j]
-                    store_row(o, out_geo, b, t0 + i, h, num[i], dv, 1.0 / (dot_f64(a_plain[i], carried_z) + eps))
-        else:
-            for i in range(n):
-                k_row = k_plain[i]
-                for j in range(m):
-                    carried_z[j] += k_row[j]
+                    scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
+                    store_row(o, out_geo, b, t0 + i, h, num[i], dv, scale)
+        if decayed:
+            for r in range(m):
+                kt_row = k_hat_t[r]
+                for j in range(n):
+                    kt_row[j] *= pw_work[n - 1 - j]
         matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
-        add_state(carried_s, s_work, s_chunk, m, dv)
-    if not causal:
+        add_state(carried_s, s_work, s_chunk, m, dv, pw[n], decayed)
+    for g in range(0 if causal else groups):
+        h = hk * groups + g
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
             load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
                           phi, a_plain, a_hat, False)
             matmul_tiles(a_hat, s_work, num, n, m, dv)
             for i in range(n):
-                store_row(o, out_geo, b, t0 + i, h, num[i], dv, 1.0 / (dot_f64(a_plain[i], carried_z) + eps))
-    new_s[b, h] = carried_s
-    new_z[b, h] = carried_z[:m]
+                scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
+                store_row(o, out_geo, b, t0 + i, h, num[i], dv, scale)
+    new_s[b, hk] = carried_s
+    new_z[b, hk] = carried_z[:m]
     keep_alive(a_plain_own)
     keep_alive(k_plain_own)
+    keep_alive(z_rows_own)
     keep_alive(a_hat_own)
     keep_alive(k_hat_t_own)
     keep_alive(values_own)
@@ -825,16 +869,98 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     keep_alive(s_work_own)
     keep_alive(carried_s_own)
     keep_alive(carried_z_own)
+    keep_alive(pw_own)
+    keep_alive(pw_work_own)
     keep_alive(phi_own)
 
 
 @njit(parallel=True, cache=True)
 def linear_attention_parallel(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
-                              rotary_dim, interleaved, causal, feature_map, eps, chunk):
-    """Parallel over batch x heads; geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
+                              rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
+                              normalize):
+    """Parallel over batch x k/v heads; geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
     n_heads = state_s.shape[1]
     for task in prange(state_s.shape[0] * n_heads):
         b = task // n_heads
         linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b,
                               task - b * n_heads, seq_len, half, rotary_dim, interleaved, causal, feature_map,
-                              eps, chunk)
+                              eps, chunk, groups, powers, decayed, normalize)
+
+
+@njit(cache=True)
+def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, half, rotary_dim,
+                          interleaved, feature_map, eps, groups, powers, decayed, normalize):
+    """One token per sequence (decode), on the calling thread: per (batch, k/v head), one pass over S::
+
+        S' = gamma S + b_hat v^T,  z' = gamma z + b,  o_h = (a_hat_h . S') / (a_h . z' + eps)  (h in the group)
+
+    S is read once and S' written once (work dtype, no float64 copy); o accumulates rows of S' in float64.
+    """
+    n_batch, n_kv, m, dv = state_s.shape
+    work = cos.dtype
+    b_plain_own = np.zeros((1, m))
+    b_plain = borrowed(b_plain_own)
+    b_hat_own = np.zeros((1, m), work)
+    b_hat = borrowed(b_hat_own)
+    a_plain_own = np.zeros((groups, m))
+    a_plain = borrowed(a_plain_own)
+    a_hat_own = np.zeros((groups, m), work)
+    a_hat = borrowed(a_hat_own)
+    vals_own = np.zeros((1, dv), work)
+    vals = borrowed(vals_own)
+    acc_own = np.zeros((groups, dv))
+    acc = borrowed(acc_own)
+    phi_own = np.empty(m, work)
+    phi = borrowed(phi_own)
+    row_own = np.empty(dv, work)
+    row = borrowed(row_own)
+    for b in range(n_batch):
+        for hk in range(n_kv):
+            gamma = powers[b, hk, 1] if decayed else 1.0
+            row[0] = gamma
+            gw = row[0]                                 # gamma in the work dtype
+            load_features(k, geo[1], b, hk, 0, 1, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
+                          b_plain, b_hat, False)
+            load_values(v, geo[2], b, hk, 0, 1, vals, dv)
+            for g in range(groups):
+                load_features(q, geo[0], b, hk * groups + g, 0, 1, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], False)
+                for c in range(dv):
+                    acc[g, c] = 0.0
+            v_row = vals[0]
+            old, new = state_s[b, hk], new_s[b, hk]
+            for j in range(m):
+                bj = b_hat[0, j]
+                old_row, new_row = old[j], new[j]
+                if decayed:
+                    for c in range(dv):
+                        row[c] = old_row[c] * gw + bj * v_row[c]
+                else:
+                    for c in range(dv):
+                        row[c] = old_row[c] + bj * v_row[c]
+                for c in range(dv):
+                    new_row[c] = row[c]
+                for g in range(groups):
+                    aj = np.float64(a_hat[g, j])
+                    acc_row = acc[g]
+                    for c in range(dv):
+                        acc_row[c] += aj * row[c]
+            for j in range(m):
+                new_z[b, hk, j] = state_z[b, hk, j] * gamma + b_plain[0, j] if decayed else \
+                    state_z[b, hk, j] + b_plain[0, j]
+            for g in range(groups):
+                scale = 1.0
+                if normalize:
+                    den = 0.0
+                    for j in range(m):
+                        den += a_plain[g, j] * np.float64(new_z[b, hk, j])
+                    scale = 1.0 / (den + eps)
+                store_row(o, geo[3], b, 0, hk * groups + g, acc[g], dv, scale)
+    keep_alive(b_plain_own)
+    keep_alive(b_hat_own)
+    keep_alive(a_plain_own)
+    keep_alive(a_hat_own)
+    keep_alive(vals_own)
+    keep_alive(acc_own)
+    keep_alive(phi_own)
+    keep_alive(row_own)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device as xp_device, is_numpy_array
 
-from .numpy import _compute_dtype, _rotate_xp, gather_rows
+from ._xp_rotate import _compute_dtype, _rotate_xp, gather_rows
 
 FEATURE_MAPS = ("elu", "relu", "identity")
 
@@ -54,19 +54,70 @@ def _heads_first(xp, x):
     return y
 
 
-def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
-    """(o, (S, z)) for canonical q, k (B, S, H, m), v (B, S, H, dv); see the module docstring."""
+def decay_powers(decay, n):
+    """gamma^j for j = 0..n, float64 (B, Hk, n + 1), of a float64 (B, Hk) decay (None: all ones)."""
+    import numpy as np
+
+    if decay is None:
+        return None
+    return np.power(np.asarray(decay, np.float64)[..., None], np.arange(n + 1, dtype=np.float64))
+
+
+def _expand_heads(xp, x, groups, axis):
+    """x with every index along ``axis`` repeated ``groups`` times (k/v head j -> q heads jG .. jG+G-1)."""
+    if groups == 1 or x is None:
+        return x
+    idx = xp.arange(x.shape[axis] * groups, device=xp_device(x)) // groups
+    return xp.take(x, idx, axis=axis)
+
+
+def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                     decay=None, normalize=True):
+    """(o, (S, z)) for canonical q (B, S, H, m), k (B, S, Hk, m), v (B, S, Hk, dv); see the module docstring.
+
+    GQA (H = G Hk) runs on k, v, state and decay repeated to q's heads (the reference keeps it simple:
+    G times the state work); the state returned is per k/v head (every G-th q head's).
+    """
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
-    if all(is_numpy_array(a) for a in (q, k, v, cos, sin)) and (state is None or all(is_numpy_array(s) for s in state)):
-        return _linear_attention_numpy(q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout, causal=causal,
-                                       feature_map=feature_map, eps=eps, chunk=chunk, state=state)
-    return _linear_attention_xp(q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout, causal=causal,
-                                feature_map=feature_map, eps=eps, chunk=chunk, state=state)
+    xp = array_namespace(q, k, v)
+    groups = q.shape[2] // k.shape[2]
+    k, v = _expand_heads(xp, k, groups, 2), _expand_heads(xp, v, groups, 2)
+    if state is not None:
+        S0, z0 = state
+        if z0 is None:
+            z0 = xp.zeros(tuple(S0.shape[:-1]), dtype=S0.dtype, device=xp_device(S0))
+        state = (_expand_heads(xp, S0, groups, 1), _expand_heads(xp, z0, groups, 1))
+    if decay is not None:
+        import numpy as np
+
+        decay = np.repeat(np.asarray(decay, np.float64), groups, axis=1)
+        if np.all(decay == 1):
+            decay = None
+    kw = dict(rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map, eps=eps, chunk=chunk,
+              state=state, normalize=normalize)
+    if decay is None and all(is_numpy_array(a) for a in (q, k, v, cos, sin)) and (
+            state is None or all(is_numpy_array(s) for s in state)):
+        o, (S, z) = _linear_attention_numpy(q, k, v, cos, sin, rows, **kw)
+    else:
+        o, (S, z) = _linear_attention_xp(q, k, v, cos, sin, rows, decay=decay, **kw)
+    if groups > 1:
+        S, z = S[:, ::groups, ...], z[:, ::groups, ...]
+    return o, (S, z)
 
 
-def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
-    """The generic array-API path (torch, JAX, array-api-strict, ...): a Python loop over chunks."""
+def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                         normalize=True, decay=None):
+    """The generic array-API path (torch, JAX, array-api-strict, NumPy with decay): a Python loop over chunks.
+
+    With decay (causal only; (B, H) float64 gammas), relative powers within a chunk of n rows::
+
+        N_i = gamma^(i+1) Â_i S + sum_{j<=i} gamma^(i-j) (Â_i . B̂_j) V_j
+        z_i = gamma^(i+1) z + sum_{j<=i} gamma^(i-j) B_j
+        S <- gamma^n S + sum_j gamma^(n-1-j) B̂_j V_j^T,   z <- z_(n-1)
+
+    Every power has an exponent in 0..n (no gamma^-t), so it is exact for gamma near 0 and near 1.
+    """
     xp = array_namespace(q, k, v)
     dev = xp_device(q)
     work = _compute_dtype(q.dtype, xp)
@@ -84,6 +135,9 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
     def values(s0, s1):
         return _heads_first(xp, xp.astype(v[:, s0:s1, ...], work, copy=False))       # (B, H, n, dv)
 
+    def finish(num, den):
+        return num / (den + eps) if normalize else num
+
     if state is None:
         S = xp.zeros((B, H, m, dv), dtype=work, device=dev)
         z = xp.zeros((B, H, m), dtype=work, device=dev)
@@ -100,20 +154,39 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
         for s0, s1 in bounds:                       # read out: Â_c S / (A_c z + eps)
             ac, ahat = features(q, s0, s1)
             den = xp.sum(ac * z[:, :, None, :], axis=-1, keepdims=True)
-            pieces.append(xp.matmul(ahat, S) / (den + eps))
+            pieces.append(finish(xp.matmul(ahat, S), den))
     else:
-        idx = xp.arange(max(1, min(step, T)), device=dev)
+        n_max = max(1, min(step, T))
+        idx = xp.arange(n_max, device=dev)
         tril = idx[:, None] >= idx[None, :]
         zero = xp.zeros((), dtype=work, device=dev)
+        if decay is not None:
+            import numpy as np
+
+            pw64 = decay_powers(decay, n_max)                                         # (B, H, n_max + 1)
+            i = np.arange(n_max)
+            mask64 = np.where(i[:, None] >= i[None, :], pw64[..., np.abs(i[:, None] - i[None, :])], 0.0)
+            host = np.float64 if work == xp.float64 else np.float32
+            pw = xp.asarray(pw64.astype(host), device=dev)
+            rev = xp.asarray(np.ascontiguousarray(pw64[..., ::-1]).astype(host), device=dev)   # gamma^(n_max-j)
+            dmask = xp.asarray(mask64.astype(host), device=dev)
         for s0, s1 in bounds:
             n = s1 - s0
             (ac, ahat), (bc, bhat), vc = features(q, s0, s1), features(k, s0, s1), values(s0, s1)
             scores = xp.where(tril[:n, :n], xp.matmul(ahat, xp.matrix_transpose(bhat)), zero)
-            num = xp.matmul(ahat, S) + xp.matmul(scores, vc)
-            z_rows = z[:, :, None, :] + xp.cumulative_sum(bc, axis=-2)                # z after each row
+            if decay is None:
+                num = xp.matmul(ahat, S) + xp.matmul(scores, vc)
+                z_rows = z[:, :, None, :] + xp.cumulative_sum(bc, axis=-2)            # z after each row
+                S = S + xp.matmul(xp.matrix_transpose(bhat), vc)
+            else:
+                d = dmask[:, :, :n, :n]                                              # gamma^(i-j), j <= i
+                inter = pw[:, :, 1:n + 1, None]                                      # gamma^(i+1)
+                num = xp.matmul(ahat, S) * inter + xp.matmul(scores * d, vc)
+                z_rows = z[:, :, None, :] * inter + xp.matmul(d, bc)
+                tail = rev[:, :, n_max - n + 1:n_max + 1, None]                      # gamma^(n-1-j)
+                S = S * pw[:, :, n:n + 1, None] + xp.matmul(xp.matrix_transpose(bhat * tail), vc)
             den = xp.sum(ac * z_rows, axis=-1, keepdims=True)
-            pieces.append(num / (den + eps))
-            S = S + xp.matmul(xp.matrix_transpose(bhat), vc)
+            pieces.append(finish(num, den))
             z = z_rows[:, :, -1, :]
     o = xp.concat(pieces, axis=-2) if pieces else xp.zeros((B, H, 0, dv), dtype=work, device=dev)
     o = xp.astype(xp.permute_dims(o, (0, 2, 1, 3)), q.dtype)                        # (B, T, H, dv)
@@ -233,7 +306,8 @@ def _accumulate(a, inc, owned, i):
     return a + inc
 
 
-def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                           normalize=True):
     import numpy as np
 
     work = np.float64 if q.dtype == np.float64 else np.float32
@@ -287,9 +361,11 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
         return bt
 
     def store(s0, s1, num, den):
-        """o[:, s0:s1] = num / (den + eps); num (B*H*..., dv) rows of tokens s0:s1, den the same rows."""
-        den += eps
-        num /= den[..., None]
+        """o[:, s0:s1] = num / (den + eps) (num alone without normalize); num (B*H*..., dv) rows of tokens
+        s0:s1, den the same rows."""
+        if normalize:
+            den += eps
+            num /= den[..., None]
         o[:, s0:s1] = num.reshape(B, H, s1 - s0, dv).transpose(0, 2, 1, 3)
 
     if not causal:

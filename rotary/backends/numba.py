@@ -169,23 +169,35 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
            rotary_dim, D, layout == "interleaved", bool(inverse))
 
 
-def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
-    """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract."""
+def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                     decay=None, normalize=True):
+    """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract.
+
+    One task per (batch, k/v head) running its q heads; a one-token call (decode) runs
+    :func:`kernels.linear_attention_step` on the calling thread (no thread hand-off, one pass over S).
+    """
+    from ._numpy_linear import decay_powers
+
     B, S, H, m = q.shape
-    dv = v.shape[3]
+    Hk, dv = k.shape[2], v.shape[3]
+    groups = H // Hk
     work = np.float64 if q.dtype == np.float64 else np.float32
     cos, sin = (_readonly(np.ascontiguousarray(a, dtype=work)) for a in (cos, sin))
     rows = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
     if feature_map not in kernels.FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {tuple(kernels.FEATURE_MAPS)}, got {feature_map!r}")
     if state is None:
-        state_s, state_z = np.zeros((B, H, m, dv), work), np.zeros((B, H, m), work)
+        state_s, state_z = np.zeros((B, Hk, m, dv), work), np.zeros((B, Hk, m), work)
     else:
-        state_s, state_z = (np.ascontiguousarray(a, dtype=work) for a in state)
+        state_s = np.ascontiguousarray(state[0], dtype=work)
+        state_z = np.zeros((B, Hk, m), work) if state[1] is None else np.ascontiguousarray(state[1], dtype=work)
     o = np.empty((B, S, H, dv), dtype=q.dtype)
-    new_s, new_z = np.empty((B, H, m, dv), work), np.empty((B, H, m), work)
-    if B * H == 0:
+    new_s, new_z = np.empty((B, Hk, m, dv), work), np.empty((B, Hk, m), work)
+    if B * Hk == 0:
         return o, (new_s, new_z)
+    chunk = max(1, min(int(chunk), S))
+    decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
+    powers = _readonly(decay_powers(decay, chunk) if decayed else np.ones((1, 1, 1)))
     bufs, geo = [], np.zeros((4, 5), dtype=np.int64)
     for i, a in enumerate((q, k, v, o)):
         view = flat_view(a)
@@ -193,8 +205,13 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
             view = flat_view(np.ascontiguousarray(a))
         geo[i] = (view[1], *view[2])
         bufs.append(view[0] if i == 3 else _readonly(view[0]))
-    kernels.linear_attention_parallel(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z),
-                                      new_s, new_z, S, rotary_dim // 2, rotary_dim, layout == "interleaved",
-                                      bool(causal), kernels.FEATURE_MAPS[feature_map], float(eps),
-                                      max(1, min(int(chunk), S)))
+    interleaved, fmap = layout == "interleaved", kernels.FEATURE_MAPS[feature_map]
+    if S == 1:
+        kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s,
+                                      new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps), groups,
+                                      powers, decayed, bool(normalize))
+    else:
+        kernels.linear_attention_parallel(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z),
+                                          new_s, new_z, S, rotary_dim // 2, rotary_dim, interleaved, bool(causal),
+                                          fmap, float(eps), chunk, groups, powers, decayed, bool(normalize))
     return o, (new_s, new_z)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import array_namespace, is_numpy_array
 
+from ._numpy_linear import linear_attention  # noqa: F401  (the backend's linear-attention primitive)
+from ._xp_rotate import _compute_dtype, _rotate_xp, gather_rows  # noqa: F401  (gather_rows: tests use it)
+
 NAME = "numpy"
 
 #: bytes of work-dtype temporaries (all items of a call, rotary part) per token block on the NumPy
@@ -33,10 +36,6 @@ def accepts(x) -> bool:
     except TypeError:
         return False
     return True
-
-
-def _compute_dtype(dtype, xp):
-    return xp.float64 if dtype == xp.float64 else xp.float32
 
 
 def _pair_slices(rotary_dim: int, layout: str):
@@ -251,41 +250,6 @@ def _rotate_numpy(items, cos_tok, sin_tok, rotary_dim, layout):
                                     shaped(bufs[0], n_b, n_s, h), shaped(bufs[1], n_b, n_s, h))
 
 
-# -- generic array-API path --------------------------------------------------------------------
-def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout):
-    """Functional version for any array-API namespace; returns a new array."""
-    dtype = x.dtype
-    work = _compute_dtype(dtype, xp)
-    xr = xp.astype(x[..., :rotary_dim], work)
-    half = rotary_dim // 2
-    if layout == "half":
-        xa, xb = xr[..., :half], xr[..., half:]
-    else:
-        pairs = xp.reshape(xr, (*xr.shape[:-1], half, 2))
-        xa, xb = pairs[..., 0], pairs[..., 1]
-    ya = xa * cos_tok - xb * sin_tok
-    yb = xb * cos_tok + xa * sin_tok
-    if layout == "half":
-        y = xp.concat([ya, yb], axis=-1)
-    else:
-        y = xp.reshape(xp.stack([ya, yb], axis=-1), xr.shape)
-    y = xp.astype(y, dtype)
-    if x.shape[-1] > rotary_dim:
-        y = xp.concat([y, x[..., rotary_dim:]], axis=-1)
-    return y
-
-
-def gather_rows(xp, cos, sin, rows, work_dtype, inverse):
-    """(cos_tok, sin_tok) of shape (Bp, S, 1, half) in ``work_dtype``; sin negated for the inverse."""
-    bp, s = rows.shape
-    flat = xp.reshape(rows, (-1,))
-    cos_tok = xp.reshape(xp.astype(xp.take(cos, flat, axis=0), work_dtype), (bp, s, 1, cos.shape[-1]))
-    sin_tok = xp.reshape(xp.astype(xp.take(sin, flat, axis=0), work_dtype), (bp, s, 1, sin.shape[-1]))
-    if inverse:
-        sin_tok = -sin_tok
-    return cos_tok, sin_tok
-
-
 def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     """Rotate every ``(x, out)`` of ``items``; see ``rotary.backends`` for the contract."""
     results = []
@@ -315,5 +279,3 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
         _rotate_numpy(group, *gathered[work], rotary_dim, layout)
     return results
 
-
-from ._numpy_linear import linear_attention  # noqa: F401

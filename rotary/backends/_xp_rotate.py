@@ -1,0 +1,44 @@
+"""Rotation helpers in plain array-API code, shared by the NumPy backend's rotation and linear attention.
+
+Rotation of pair (a, b) by angle t: ``y_a = x_a cos t - x_b sin t``, ``y_b = x_b cos t + x_a sin t``.
+"""
+
+from __future__ import annotations
+
+
+def _compute_dtype(dtype, xp):
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout):
+    """Functional version for any array-API namespace; returns a new array."""
+    dtype = x.dtype
+    work = _compute_dtype(dtype, xp)
+    xr = xp.astype(x[..., :rotary_dim], work)
+    half = rotary_dim // 2
+    if layout == "half":
+        xa, xb = xr[..., :half], xr[..., half:]
+    else:
+        pairs = xp.reshape(xr, (*xr.shape[:-1], half, 2))
+        xa, xb = pairs[..., 0], pairs[..., 1]
+    ya = xa * cos_tok - xb * sin_tok
+    yb = xb * cos_tok + xa * sin_tok
+    if layout == "half":
+        y = xp.concat([ya, yb], axis=-1)
+    else:
+        y = xp.reshape(xp.stack([ya, yb], axis=-1), xr.shape)
+    y = xp.astype(y, dtype)
+    if x.shape[-1] > rotary_dim:
+        y = xp.concat([y, x[..., rotary_dim:]], axis=-1)
+    return y
+
+
+def gather_rows(xp, cos, sin, rows, work_dtype, inverse):
+    """(cos_tok, sin_tok) of shape (Bp, S, 1, half) in ``work_dtype``; sin negated for the inverse."""
+    bp, s = rows.shape
+    flat = xp.reshape(rows, (-1,))
+    cos_tok = xp.reshape(xp.astype(xp.take(cos, flat, axis=0), work_dtype), (bp, s, 1, cos.shape[-1]))
+    sin_tok = xp.reshape(xp.astype(xp.take(sin, flat, axis=0), work_dtype), (bp, s, 1, sin.shape[-1]))
+    if inverse:
+        sin_tok = -sin_tok
+    return cos_tok, sin_tok
