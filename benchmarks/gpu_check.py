@@ -129,9 +129,10 @@ def decode(cupy, rotary, cb, batch: int = 32) -> dict:
             "host_wall_us_per_launch": wall_kernel * 1e6, "host_wall_us_per_apply_qk": wall_call * 1e6}
 
 
-def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=128, dtype="float32") -> dict:
+def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=128, dtype="float32",
+                     retention=False) -> dict:
     """Causal linear attention at several shared-memory budgets (48 KiB needs no opt-in) and block sizes;
-    the best is reported."""
+    the best is reported. ``retention``: RetNet's per-head decay, identity features, no denominator."""
     from rotary import RopeSpec
 
     spec = RopeSpec(d)
@@ -139,6 +140,9 @@ def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=
     cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(T), dtype=np.float32))
     rows = cupy.arange(T, dtype=cupy.int64)[None]
     kw = dict(rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=64, state=None)
+    if retention:
+        gammas = 1 - 2.0 ** (-5 - np.arange(heads))
+        kw.update(feature_map="identity", normalize=False, decay=np.tile(gammas, (batch, 1)))
     optin = cb.max_shared_mem()
     budgets = sorted({cb.SHARED_MEM_LIMIT, min(optin, 100 * 1024), optin})
     runs = []
@@ -212,6 +216,11 @@ def main(argv=None) -> int:
     peak = results["device"].get("GFLOPs", float("nan"))
     step("linear_attention_causal_fp32",
          lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))
+    step("linear_attention_retention_fp32",
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True))
+    plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))
+    results["linear_attention_retention_fp32"]["ms_over_plain"] = (
+        results["linear_attention_retention_fp32"].get("ms", float("nan")) / plain_ms)
 
     def goal(value, target, above=True):
         if not isinstance(value, (int, float)) or math.isnan(value):
@@ -225,6 +234,8 @@ def main(argv=None) -> int:
         ("decode host us per apply_qk call (<= 10)", results["decode_fp16"].get("host_wall_us_per_apply_qk"), 10, False),
         ("causal linear attention / fp32 FMA peak (>= 0.4)",
          results["linear_attention_causal_fp32"].get("fraction_of_fp32_peak"), 0.4, True),
+        ("retention (decay, no denominator) ms / plain causal ms (<= 1.2)",
+         results["linear_attention_retention_fp32"].get("ms_over_plain"), 1.2, False),
     ]
     results["goals"] = {name: {"value": v, "status": goal(v, t, a)} for name, v, t, a in summary}
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))

@@ -225,9 +225,15 @@ class LinearCase:
     chunk: int = 8
     bshd: bool = False
     split: int = 0
+    kv_heads: int = 0            # k/v heads (GQA); 0: H
+    decay: float | tuple | None = None   # gamma: a scalar or one per k/v head
+    normalize: bool = True
 
     def spec(self) -> RopeSpec:
         return RopeSpec(self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
+
+    def groups(self) -> int:
+        return self.H // (self.kv_heads or self.H)
 
 
 #: Bound on max |o - o_ref| / rms(o_ref) per dtype: fp32 chunked sums and fp16 output rounding,
@@ -253,6 +259,14 @@ def linear_cases(quick: bool = False) -> list[LinearCase]:
             LinearCase(f"la-{c}-resume", causal=causal, T=21, split=13, chunk=4),
         ]
     out.append(LinearCase("la-causal-long", B=1, H=2, T=300, d=32, dv=16, chunk=64))
+    out += [
+        LinearCase("la-gqa", H=4, kv_heads=2, T=19, chunk=8),
+        LinearCase("la-noncausal-mqa", H=3, kv_heads=1, causal=False, bshd=True),
+        LinearCase("la-retention", H=4, decay=tuple(1 - 2.0 ** (-5 - np.arange(4))), normalize=False,
+                   feature_map="identity", T=37, chunk=16),
+        LinearCase("la-decay-gqa-resume", H=4, kv_heads=2, decay=(0.9, 1e-4), T=21, split=13, chunk=4),
+        LinearCase("la-decay-near-one-fp64", decay=1 - 1e-9, dtype="float64", T=33, bshd=True),
+    ]
     if quick:
         keep = {"la-causal-basic", "la-noncausal-interleaved", "la-causal-resume", "la-causal-fp16"}
         out = [c for c in out if c.name in keep]
@@ -263,8 +277,10 @@ def make_linear_inputs(case: LinearCase, seed: int = 0):
     """Seeded (q, k, v) in (B, H, T, d) order and the positions argument (None, int or (B, T))."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(case.dtype)
-    q, k = (rng.standard_normal((case.B, case.H, case.T, case.d)).astype(dtype) for _ in range(2))
-    v = rng.standard_normal((case.B, case.H, case.T, case.dv)).astype(dtype)
+    hk = case.kv_heads or case.H
+    q = rng.standard_normal((case.B, case.H, case.T, case.d)).astype(dtype)
+    k = rng.standard_normal((case.B, hk, case.T, case.d)).astype(dtype)
+    v = rng.standard_normal((case.B, hk, case.T, case.dv)).astype(dtype)
     if case.positions == "offset":
         pos = 1000
     elif case.positions == "batch":
@@ -289,19 +305,25 @@ def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=
         p = int(pos) + np.arange(case.T)
     else:
         p = pos[:, None, :]
+    G = case.groups()
+    gamma = None   # the oracle's: per q head (q head h reads k/v head h // G and its gamma)
+    if case.decay is not None:
+        gamma = np.repeat(np.broadcast_to(np.asarray(case.decay, np.float64), (case.kv_heads or case.H,)), G)
     oracle_kw = dict(layout=spec.layout, scale=spec.attention_scaling, causal=case.causal,
-                     feature_map=case.feature_map)
-    ref = linear_attention_quadratic(q, k, v, p, spec.inv_freq(), **oracle_kw)
+                     feature_map=case.feature_map, decay=gamma, normalize=case.normalize)
+    k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    ref = linear_attention_quadratic(q, k_rep, v_rep, p, spec.inv_freq(), **oracle_kw)
     if case.split and not case.causal:   # non-causal calls chained by a state are block-causal
         n = case.split
         p_head = p[..., :n] if np.ndim(p) else p
-        ref[:, :, :n] = linear_attention_quadratic(q[:, :, :n], k[:, :, :n], v[:, :, :n], p_head, spec.inv_freq(),
-                                                   **oracle_kw)
+        ref[:, :, :n] = linear_attention_quadratic(q[:, :, :n], k_rep[:, :, :n], v_rep[:, :, :n], p_head,
+                                                   spec.inv_freq(), **oracle_kw)
     to_layout = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if case.bshd else (lambda a: a)
     args = [to_backend(to_layout(a)) for a in (q, k, v)]
     originals = [to_host(a).copy() for a in args]
     kwargs = dict(causal=case.causal, feature_map=case.feature_map, spec=spec, chunk=case.chunk,
-                  seq_axis=-3 if case.bshd else -2, backend=backend)
+                  seq_axis=-3 if case.bshd else -2, backend=backend, normalize=case.normalize,
+                  decay=None if case.decay is None else np.asarray(case.decay, np.float64))
     t0 = time.perf_counter()
     try:
         if case.split:

@@ -63,10 +63,12 @@ def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_lim
                                               max_tokens_per_block=max_tokens_per_block))
         return outs
 
-    def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+    def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                         decay=None, normalize=True):
         return run_linear_attention(kernels, q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout,
                                     causal=causal, feature_map=feature_map, eps=eps, chunk=chunk, state=state,
-                                    threads=threads, shared_mem_limit=shared_mem_limit)
+                                    threads=threads, shared_mem_limit=shared_mem_limit, decay=decay,
+                                    normalize=normalize)
 
     return types.SimpleNamespace(NAME="cuda-shim", availability=lambda: (True, "ok"),
                                  accepts=lambda x: isinstance(x, np.ndarray), rotate=rotate,
@@ -74,22 +76,25 @@ def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_lim
 
 
 def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk,
-                         state, threads=256, shared_mem_limit=cb.SHARED_MEM_LIMIT, dtype_name=None):
+                         state, threads=256, shared_mem_limit=cb.SHARED_MEM_LIMIT, dtype_name=None, decay=None,
+                         normalize=True):
     dtype_name = dtype_name or _dtype_name(q)
     work = np.float64 if cb.KERNEL_TYPES[dtype_name][1] == "double" else np.float32
-    n_batch, _, n_heads, m = q.shape
-    dv = v.shape[3]
-    o = np.empty(v.shape, q.dtype)
+    n_batch, seq_len, n_heads_q, m = q.shape
+    n_heads, dv = k.shape[2], v.shape[3]
+    o = np.empty((n_batch, seq_len, n_heads_q, dv), q.dtype)
     if state is None:
         s_state, z_in = np.zeros((n_batch, n_heads, m, dv), work), np.zeros((n_batch, n_heads, m), work)
     else:
-        s_state, z_in = np.array(state[0], work, order="C"), np.ascontiguousarray(state[1], work)
+        s_state = np.array(state[0], work, order="C")
+        z_in = np.zeros((n_batch, n_heads, m), work) if state[1] is None else np.ascontiguousarray(state[1], work)
     z_state = np.full((n_batch, n_heads, m), np.nan, work)
     plan = cb.plan_linear_attention(q, k, v, o, s_state, z_in, z_state, np.ascontiguousarray(cos, work),
                                     np.ascontiguousarray(sin, work), np.ascontiguousarray(rows, np.int64),
                                     dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout, causal=causal,
                                     feature_map=feature_map, eps=eps, chunk=chunk, threads=threads,
-                                    shared_mem_limit=shared_mem_limit)
+                                    shared_mem_limit=shared_mem_limit, normalize=normalize,
+                                    powers=cb.powers_table(decay, max(1, int(chunk)), work))
     kernels.launch(plan)
     return o, (s_state, z_state)
 
@@ -423,6 +428,53 @@ def test_linear_attention_frontend_prefill_then_decode(use_backend, causal, rng)
     for ours, ref in zip(results[name], results["numpy"]):
         assert ours.dtype == ref.dtype and ours.shape == ref.shape
         assert _rel(ours, ref) < 1e-5
+
+
+GQA_DECAY_CASES = {   # (H, Hk, decay, normalize, causal, dtype)
+    "gqa-2": (4, 2, None, True, True, np.float32),
+    "mqa-noncausal": (6, 1, None, True, False, np.float32),
+    "retnet": (4, 4, 1 - 2.0 ** (-5 - np.arange(4)), False, True, np.float32),
+    "near-zero-gqa": (4, 2, np.array([1e-6, 1e-30]), True, True, np.float64),
+    "near-one": (2, 2, 1 - 1e-7, True, True, np.float32),
+    "mixed-fp64": (4, 2, np.array([1.0, 0.3]), False, True, np.float64),
+    "numerator-noncausal": (2, 1, None, False, False, np.float64),
+}
+
+
+@pytest.mark.parametrize("threads", [32, 128])
+@pytest.mark.parametrize("case", list(GQA_DECAY_CASES))
+def test_linear_attention_gqa_decay_normalize(use_backend, case, threads, rng):
+    """GQA, decay and normalize=False through the CUDA kernel (prefill in pieces, then one-token steps)
+    against the quadratic float64 oracle with k/v heads repeated to q's heads."""
+    from rotary import linear_attention
+    from rotary.testing import linear_attention_quadratic
+
+    H, Hk, decay, normalize, causal, dtype = GQA_DECAY_CASES[case]
+    name = use_backend(threads=threads)
+    T, d, dv = 27, 8, 6
+    q = rng.standard_normal((2, H, T, d)).astype(dtype)
+    k = rng.standard_normal((2, Hk, T, d)).astype(dtype)
+    v = rng.standard_normal((2, Hk, T, dv)).astype(dtype)
+    spec = RopeSpec(d, base=100.0)
+    G = H // Hk
+    gamma = None if decay is None else np.repeat(np.broadcast_to(np.asarray(decay, np.float64), (Hk,)), G)
+    rep = (lambda a: np.repeat(a.astype(np.float64), G, axis=1))
+    ref = linear_attention_quadratic(q, rep(k), rep(v), np.arange(T), spec.inv_freq(), causal=causal,
+                                     decay=gamma,
+                                     normalize=normalize)
+    if not causal:   # calls chained by a state are block-causal
+        ref[:, :, :20] = linear_attention_quadratic(q[:, :, :20], rep(k)[:, :, :20], rep(v)[:, :, :20],
+                                                    np.arange(20), spec.inv_freq(), normalize=normalize)
+    kw = dict(causal=causal, spec=spec, return_state=True, chunk=8, decay=decay, normalize=normalize, backend=name)
+    pieces, st = [], None
+    cuts = (0, 20, 21, 22, 27) if causal else (0, 20, 27)
+    for s0, s1 in zip(cuts, cuts[1:]):
+        o, st = linear_attention(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], state=st, **kw)
+        pieces.append(o)
+    o = np.concatenate(pieces, axis=2)
+    tol = 1e-12 if dtype == np.float64 else 2e-5
+    assert _rel(o, ref) < tol
+    assert st.S.shape == (2, Hk, d, dv) and (st.z is None) == (not normalize)
 
 
 # -- the CuPy glue (rotary/backends/cupy.py) with a NumPy-backed stand-in for CuPy ---------------------

@@ -230,7 +230,7 @@ def _plan_rotate(items, cos, sin, rows, *, dtype_name, rotary_dim, layout, inver
 def linear_attention_shared_bytes(m: int, chunk: int, dv_tile: int, work_itemsize: int) -> int:
     """Dynamic shared memory of linear_attention_chunked (layout documented in the .cu file)."""
     mp, dtp = m | 1, dv_tile | 1
-    return work_itemsize * (2 * chunk * mp + chunk * dtp + m * dtp + chunk * (chunk + 1) + chunk + m)
+    return work_itemsize * (3 * chunk * mp + chunk * dtp + m * dtp + chunk * (chunk + 1) + chunk + m + chunk + 1)
 
 
 def linear_attention_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_itemsize: int, chunk: int, *,
@@ -259,11 +259,15 @@ def linear_attention_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_
 
 def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, dtype_name: str, rotary_dim: int,
                           layout: str, causal: bool, feature_map: str, eps: float, chunk: int, threads: int = 256,
-                          shared_mem_limit: int = SHARED_MEM_LIMIT) -> Launch | None:
-    """The launch for linear attention: state_s (B, H, m, dv) is read and overwritten with the new S;
-    z_in (B, H, m) is read and z_out (another buffer) receives the new z."""
+                          shared_mem_limit: int = SHARED_MEM_LIMIT, powers=None, normalize: bool = True
+                          ) -> Launch | None:
+    """The launch for linear attention: state_s (B, Hk, m, dv) is read and overwritten with the new S;
+    z_in (B, Hk, m) is read and z_out (another buffer) receives the new z. q (B, S, H, m) with
+    H = groups * Hk; k, v (B, S, Hk, .). ``powers``: None (no decay) or a device array (B * Hk, P) of
+    gamma^j in the work dtype, P > the chunk used (``powers_table`` makes it)."""
     itemsize = ITEMSIZE[dtype_name]
-    n_batch, seq_len, n_heads, m = q.shape
+    n_batch, seq_len, n_heads_q, m = q.shape
+    n_heads = k.shape[2]
     dv = v.shape[3]
     if n_batch * n_heads * dv == 0 or m == 0:
         return None
@@ -276,10 +280,26 @@ def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, d
         args += [a, *_elem_strides(a, itemsize)]
     fmap = {"identity": 0, "elu": 1, "relu": 2}[feature_map]
     i32 = np.int32
-    args += [state_s, z_in, z_out, cos, sin, rows, i32(rows.shape[0] > 1), np.int64(seq_len), i32(n_heads), i32(m),
-             i32(dv), i32(rotary_dim), i32(layout == "interleaved"), i32(bool(causal)), i32(fmap),
-             (np.float64 if work == "double" else np.float32)(eps), i32(c), i32(dt)]
+    decayed = powers is not None
+    if decayed and powers.shape[-1] <= c:
+        raise ValueError(f"powers table has {powers.shape[-1]} columns, the kernel's chunk {c} needs {c + 1}")
+    args += [state_s, z_in, z_out, cos, sin, rows, i32(rows.shape[0] > 1), np.int64(seq_len), i32(n_heads),
+             i32(n_heads_q // n_heads), i32(m), i32(dv), i32(rotary_dim), i32(layout == "interleaved"),
+             i32(bool(causal)), i32(fmap), (np.float64 if work == "double" else np.float32)(eps), i32(c), i32(dt),
+             powers if decayed else z_in, i32(powers.shape[-1] if decayed else 0), i32(decayed),
+             i32(bool(normalize))]
     return Launch("linear_attention", linear_attention_kernel_name(dtype_name), grid, block, smem, tuple(args))
+
+
+def powers_table(decay, chunk: int, work_dtype):
+    """Host (B * Hk, chunk + 1) gamma^j in ``work_dtype`` of a float64 (B, Hk) decay; None when there is no
+    decay or every gamma is 1 (the kernels then skip the factors)."""
+    from ._numpy_linear import decay_powers
+
+    if decay is None or bool(np.all(np.asarray(decay) == 1)):
+        return None
+    table = decay_powers(decay, chunk)
+    return np.ascontiguousarray(table.reshape(-1, chunk + 1), dtype=work_dtype)
 
 
 # -- CuPy side ----------------------------------------------------------------------------------------
@@ -482,7 +502,8 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     return results
 
 
-def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state):
+def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
+                     decay=None, normalize=True):
     """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary._linear_attention)."""
     import cupy
 
@@ -491,28 +512,32 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         name = exchange.dtype_name(q)
         work = KERNEL_TYPES[name][1]
         wdtype = cupy.float64 if work == "double" else cupy.float32
-        n_batch, _, n_heads, m = q.shape
-        dv = v.shape[3]
+        n_batch, seq_len, n_heads_q, m = q.shape
+        n_heads, dv = k.shape[2], v.shape[3]
+        shape_o = (n_batch, seq_len, n_heads_q, dv)
         if exchange.torch:
             import torch
 
-            o = torch.empty(tuple(v.shape), dtype=q.dtype, device=q.device)
+            o = torch.empty(shape_o, dtype=q.dtype, device=q.device)
         else:
-            o = cupy.empty(tuple(v.shape), dtype=q.dtype)
+            o = cupy.empty(shape_o, dtype=q.dtype)
         if state is None:
             s_state = cupy.zeros((n_batch, n_heads, m, dv), dtype=wdtype)
             z_in = cupy.zeros((n_batch, n_heads, m), dtype=wdtype)
         else:
             s_state = cupy.array(exchange.to_cupy(state[0]), dtype=wdtype, order="C", copy=True)
-            z_in = cupy.ascontiguousarray(exchange.to_cupy(state[1]), dtype=wdtype)
+            z_in = (cupy.zeros((n_batch, n_heads, m), dtype=wdtype) if state[1] is None
+                    else cupy.ascontiguousarray(exchange.to_cupy(state[1]), dtype=wdtype))
         z_state = cupy.empty((n_batch, n_heads, m), dtype=wdtype)
         c, s = _work_tables(cos, sin, work)
         rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64)
+        table = powers_table(decay, max(1, int(chunk)), np.float64 if work == "double" else np.float32)
         plan = plan_linear_attention(exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v),
                                      exchange.to_cupy(o), s_state, z_in, z_state, c, s, rows_dev, dtype_name=name,
                                      rotary_dim=rotary_dim, layout=layout, causal=causal,
                                      feature_map=feature_map, eps=eps, chunk=chunk, threads=LINEAR_ATTENTION_THREADS,
-                                     shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT, max_shared_mem()))
+                                     shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT, max_shared_mem()),
+                                     powers=None if table is None else cupy.asarray(table), normalize=normalize)
         if plan is not None:
             _launch(plan, name)
         else:  # no (batch, head) to run

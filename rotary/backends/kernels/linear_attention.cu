@@ -1,21 +1,28 @@
-// linear_attention.cu -- linear attention with RoPE in the numerator (RoFormer eq. 19), chunked.
+// linear_attention.cu -- linear attention with RoPE in the numerator (RoFormer eq. 19), chunked, with GQA,
+// an optional per-head decay gamma (RetNet retention / simple gated linear attention) and an optional
+// denominator.
 //
 // a_t = phi(q_t), b_t = phi(k_t) (phi: 0 identity, 1 elu+1, 2 relu), â = R_p a, b̂ = R_p b (pairs of
-// the layout below rotary_dim; the rest pass through). With the carried state (S, z):
-//     causal:      o_t = (â_t . (S + sum_{s<=t} b̂_s v_s^T)) / (a_t . (z + sum_{s<=t} b_s) + eps)
-//     non-causal:  o_t = (â_t . (S + sum_s b̂_s v_s^T)) / (a_t . (z + sum_s b_s) + eps)
-// S is read from and written back to state_s (each dv tile owns its columns); z is read from z_in
-// (never written: other tiles of the same head read it) and written to z_out by tile 0.
+// the layout below rotary_dim; the rest pass through). q has H = groups * Hk heads; q head h reads k/v
+// head h / groups. With the carried state (S, z) of the k/v head and D_ts = gamma^(t-s) (1 without decay):
+//     causal:      o_t = (â_t . (gamma^(t+1) S + sum_{s<=t} D_ts b̂_s v_s^T)) / (a_t . (gamma^(t+1) z + sum_{s<=t} D_ts b_s) + eps)
+//     non-causal:  o_t = (â_t . (S + sum_s b̂_s v_s^T)) / (a_t . (z + sum_s b_s) + eps)          (no decay)
+// (t counted from the call's first token; normalize = 0: the numerator alone.) S is read from and
+// written back to state_s (each dv tile owns its columns); z is read from z_in (never written: other
+// tiles of the same head read it) and written to z_out by tile 0.
 //
-// One block per (batch, head, dv tile of width dv_tile): grid.x = B * H * ceil(dv / dv_tile); any
+// One block per (batch, k/v head, dv tile of width dv_tile): grid.x = B * Hk * ceil(dv / dv_tile); any
 // blockDim.x. The tile's state S (m x dv_tile) and z (m) stay in shared memory in W (fp32, or fp64
-// for double data) for the whole sequence, which the block walks in chunks of `chunk` tokens:
-//     causal, per chunk:  N = Â S + tril(Â B̂^T) V,  D = rowsum(A * (z + cumsum_rows(B))),  O = N / (D + eps)
-//                         S += B̂^T V,  z += colsum(B)          (chunk sums first, then added to S, z)
-//     non-causal:         pass 1 accumulates S, z over all chunks; pass 2 writes O = Â S / (A z + eps).
+// for double data) for the whole sequence, which the block walks in chunks of `chunk` tokens; the k/v
+// chunk is loaded once and serves the group's q heads. Powers gamma^j (j = 0..chunk) come per head from
+// `powers` (host float64, rounded to W): every exponent is in 0..chunk, so no gamma^-t overflows.
+//     causal, per chunk:  Zr_t = gamma Zr_(t-1) + b_t (Zr_(-1) = z),  z = Zr_(L-1)
+//                         per q head: P = tril(Â B̂^T) * D,  N = gamma^(t+1) Â S + P V,  O = N / (rowsum(A * Zr) + eps)
+//                         S = gamma^L S + (B̂ * gamma^(L-1-t))^T V
+//     non-causal:         pass 1 accumulates S, z over all chunks; pass 2 writes O = Â S / (A z + eps) per q head.
 // Products are 4x4 (or, when that leaves threads idle, 2x2) register tiles over shared-memory operands. Shared memory (W elements), see
-// rotary.backends.cupy.linear_attention_geometry:
-//     A, B: chunk x mp  |  V: chunk x dtp  |  S: m x dtp  |  P: chunk x (chunk + 1)  |  den: chunk  |  z: m
+// rotary.backends.cupy.linear_attention_shared_bytes:
+//     A, B, Zr: chunk x mp  |  V: chunk x dtp  |  S: m x dtp  |  P: chunk x (chunk + 1)  |  den: chunk  |  z: m  |  pw: chunk + 1
 // with mp = m | 1 and dtp = dv_tile | 1 (odd row strides avoid bank conflicts on column walks).
 #include "rotary_common.cuh"
 
@@ -91,10 +98,10 @@ ROTARY_FN void rotate_rows(W* X, int mp, int L, int half, int interleaved, const
 // threads busy on small products, e.g. O = ÂS + PV of a short chunk).
 ROTARY_FN bool wide_tiles(int n_tiles4, int nthreads) { return n_tiles4 >= nthreads; }
 
-// S[j][c] += sum_{t<L} B̂[t][j] V[t][c]   (m x width)
+// S[j][c] = factor S[j][c] + sum_{t<L} B̂[t][j] V[t][c]   (m x width; factor 1: a plain add)
 template <int TILE, typename W>
-ROTARY_FN void update_state(W* S, int dtp, const W* B, int mp, const W* Vs, int L, int m, int width, int tid,
-                            int nthreads) {
+ROTARY_FN void update_state(W* S, int dtp, const W* B, int mp, const W* Vs, int L, int m, int width, W factor,
+                            int tid, int nthreads) {
     const int tr = (m + TILE - 1) / TILE, tc = (width + TILE - 1) / TILE;
     for (int tile = tid; tile < tr * tc; tile += nthreads) {
         const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
@@ -105,7 +112,10 @@ ROTARY_FN void update_state(W* S, int dtp, const W* B, int mp, const W* Vs, int 
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
             for (int j = 0; j < TILE; ++j)
-                if (r + i < m && c + j < width) S[(r + i) * dtp + c + j] += acc[i][j];
+                if (r + i < m && c + j < width) {
+                    W& x = S[(r + i) * dtp + c + j];
+                    x = factor == W(1) ? x + acc[i][j] : x * factor + acc[i][j];
+                }
     }
 }
 
@@ -119,31 +129,43 @@ ROTARY_FN void update_normalizer(W* z, const W* B, int mp, int L, int m, int tid
     }
 }
 
-// o[t][c] = (Â_t . S[:, c] + [causal] sum_{s<=t} P[t][s] V[s][c]) / (den[t] + eps)
+// o[t][c] = (gamma^(t+1) Â_t . S[:, c] + [causal] sum_{s<=t} P[t][s] V[s][c]) / (den[t] + eps)
+// (pw = nullptr: no gamma factor; normalize = 0: no division)
 template <int TILE, typename T, typename W>
 ROTARY_FN void write_output(T* o, i64 ost, i64 osd, const W* A, int mp, const W* S, int dtp, const W* P, int pp,
-                            const W* Vs, const W* den, W eps, int L, int m, int width, int causal, int tid,
-                            int nthreads) {
+                            const W* Vs, const W* den, W eps, int L, int m, int width, int causal, const W* pw,
+                            int normalize, int tid, int nthreads) {
     const int tr = (L + TILE - 1) / TILE, tc = (width + TILE - 1) / TILE;
     for (int tile = tid; tile < tr * tc; tile += nthreads) {
         const int r = (tile / tc) * TILE, c = (tile % tc) * TILE;
         W acc[TILE][TILE];
         zero_tile<TILE>(acc);
         mma_tile<TILE>(acc, A, mp, 1, S, dtp, 1, r, c, L, width, m);
+        if (pw != nullptr) {
+#pragma unroll
+            for (int i = 0; i < TILE; ++i) {
+                const W f = pw[imin(r + i, L - 1) + 1];
+#pragma unroll
+                for (int j = 0; j < TILE; ++j) acc[i][j] *= f;
+            }
+        }
         if (causal) mma_tile<TILE>(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
 #pragma unroll
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
             for (int j = 0; j < TILE; ++j)
                 if (r + i < L && c + j < width)
-                    o[(r + i) * ost + (c + j) * osd] = Store<T>::from(acc[i][j] / (den[r + i] + eps));
+                    o[(r + i) * ost + (c + j) * osd] =
+                        Store<T>::from(normalize ? acc[i][j] / (den[r + i] + eps) : acc[i][j]);
     }
 }
 
 // P[t][s] = Â_t . B̂_s for s <= t, 0 above the diagonal, for all t, s < L (tiles above the diagonal
 // are zero-filled without computing: write_output may tile P's rows differently)
+// (pw != nullptr: P[t][s] *= gamma^(t-s) = pw[t - s])
 template <int TILE, typename W>
-ROTARY_FN void causal_scores(W* P, int pp, const W* A, const W* B, int mp, int L, int m, int tid, int nthreads) {
+ROTARY_FN void causal_scores(W* P, int pp, const W* A, const W* B, int mp, int L, int m, const W* pw, int tid,
+                             int nthreads) {
     const int nt = (L + TILE - 1) / TILE;
     for (int pt = tid; pt < nt * nt; pt += nthreads) {
         const int tr = pt / nt, tc = pt - tr * nt;
@@ -155,7 +177,8 @@ ROTARY_FN void causal_scores(W* P, int pp, const W* A, const W* B, int mp, int L
 #pragma unroll
             for (int j = 0; j < TILE; ++j) {
                 const int t = tr * TILE + i, s = tc * TILE + j;
-                if (t < L && s < L) P[t * pp + s] = s <= t ? acc[i][j] : W(0);
+                if (t < L && s < L)
+                    P[t * pp + s] = s <= t ? (pw != nullptr ? acc[i][j] * pw[t - s] : acc[i][j]) : W(0);
             }
     }
 }
@@ -168,8 +191,9 @@ __global__ void linear_attention_chunked(
     T* o, i64 osb, i64 oss, i64 osh, i64 osd,
     W* state_s, const W* z_in, W* z_out,
     const W* cos_table, const W* sin_table, const i64* rows, int rows_batched,
-    i64 seq_len, int n_heads, int m, int dv, int rotary_dim, int interleaved, int causal, int feature_map,
-    W eps, int chunk, int dv_tile) {
+    i64 seq_len, int n_heads, int groups, int m, int dv, int rotary_dim, int interleaved, int causal,
+    int feature_map, W eps, int chunk, int dv_tile, const W* powers, int powers_stride, int decayed,
+    int normalize) {
     ROTARY_DYNAMIC_SMEM(smem);
     const int mp = m | 1, dtp = dv_tile | 1, pp = chunk + 1, half = rotary_dim / 2;
     W* A = reinterpret_cast<W*>(smem);
@@ -179,28 +203,31 @@ __global__ void linear_attention_chunked(
     W* P = S + m * dtp;
     W* den = P + chunk * pp;
     W* z = den + chunk;
+    W* Zr = z + m;
+    W* pw = Zr + chunk * mp;
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int n_tiles = (dv + dv_tile - 1) / dv_tile;
     const int tile = blockIdx.x % n_tiles;
-    const i64 bh = blockIdx.x / n_tiles;
+    const i64 bh = blockIdx.x / n_tiles;  // (batch, k/v head)
     const i64 b = bh / n_heads;
-    const int h = (int)(bh - b * n_heads);
+    const int hk = (int)(bh - b * n_heads);
     const int c_lo = tile * dv_tile;
     const int width = imin(dv_tile, dv - c_lo);
     const i64* row_base = rows + (rows_batched ? b : 0) * seq_len;
-    W* Sg = state_s + bh * m * dv;  // (m, dv) of this (b, h)
+    W* Sg = state_s + bh * m * dv;  // (m, dv) of this (b, k/v head)
+    const W* dpw = decayed ? pw : nullptr;
 
     for (int e = tid; e < m * width; e += nthreads) {
         const int j = e / width, c = e - j * width;
         S[j * dtp + c] = Sg[(i64)j * dv + c_lo + c];
     }
     for (int j = tid; j < m; j += nthreads) z[j] = z_in[bh * m + j];
+    for (int j = tid; j <= chunk; j += nthreads) pw[j] = decayed ? powers[bh * powers_stride + j] : W(1);
     __syncthreads();
+    const W gamma = pw[1];
 
-    const T* qb = q + b * qsb + h * qsh;
-    const T* kb = k + b * ksb + h * ksh;
-    const T* vb = v + b * vsb + h * vsh + c_lo * vsd;
-    T* ob = o + b * osb + h * osh + c_lo * osd;
+    const T* kb = k + b * ksb + hk * ksh;
+    const T* vb = v + b * vsb + hk * vsh + c_lo * vsd;
 
     // Pass 1 (causal: the only pass; non-causal: accumulate S and z over all tokens).
     for (i64 c0 = 0; c0 < seq_len; c0 += chunk) {
@@ -210,76 +237,93 @@ __global__ void linear_attention_chunked(
             const int t = e / width, c = e - t * width;
             Vs[t * dtp + c] = (W)load_float(vb[(c0 + t) * vss + c * vsd]);
         }
-        if (causal) load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
         __syncthreads();
         if (causal) {
-            // A[t][j] *= z[j] + sum_{s<=t} B[s][j] (chunk partial sum first), then z += chunk sum
+            // Zr[t][j] = z[j] after token t (decayed recurrence), then z = the chunk's last row
             for (int j = tid; j < m; j += nthreads) {
-                W run = W(0);
+                W run = z[j];
                 for (int t = 0; t < L; ++t) {
-                    run += B[t * mp + j];
-                    A[t * mp + j] *= z[j] + run;
+                    run = decayed ? run * gamma + B[t * mp + j] : run + B[t * mp + j];
+                    Zr[t * mp + j] = run;
                 }
-                z[j] += run;
+                z[j] = run;
             }
-            __syncthreads();
-            for (int t = tid; t < L; t += nthreads) {
-                W d = W(0);
-                for (int j = 0; j < m; ++j) d += A[t * mp + j];
-                den[t] = d;
-            }
-            __syncthreads();
-            load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
-            __syncthreads();
-            rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
         } else {
             update_normalizer(z, B, mp, L, m, tid, nthreads);
-            __syncthreads();
         }
+        __syncthreads();
         rotate_rows(B, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
         __syncthreads();
-        if (causal) {
+        for (int g = 0; causal && g < groups; ++g) {
+            const int h = hk * groups + g;
+            load_features<T, W>(A, mp, q + b * qsb + h * qsh + c0 * qss, qss, qsd, L, m, feature_map, tid,
+                                nthreads);
+            __syncthreads();
+            if (normalize) {
+                for (int t = tid; t < L; t += nthreads) {
+                    W d = W(0);
+                    for (int j = 0; j < m; ++j) d += A[t * mp + j] * Zr[t * mp + j];
+                    den[t] = d;
+                }
+                __syncthreads();
+            }
+            rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
+            __syncthreads();
             const int nt4 = (L + 3) / 4;
             if (wide_tiles(nt4 * nt4, nthreads))
-                causal_scores<4>(P, pp, A, B, mp, L, m, tid, nthreads);
+                causal_scores<4>(P, pp, A, B, mp, L, m, dpw, tid, nthreads);
             else
-                causal_scores<2>(P, pp, A, B, mp, L, m, tid, nthreads);
+                causal_scores<2>(P, pp, A, B, mp, L, m, dpw, tid, nthreads);
             __syncthreads();
+            T* ob = o + b * osb + h * osh + c_lo * osd + c0 * oss;
             if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
-                write_output<4, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
-                                      tid, nthreads);
+                write_output<4, T, W>(ob, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1, dpw,
+                                      normalize, tid, nthreads);
             else
-                write_output<2, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1,
-                                      tid, nthreads);
+                write_output<2, T, W>(ob, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1, dpw,
+                                      normalize, tid, nthreads);
             __syncthreads();
         }
+        if (decayed) {  // B̂ rows weighted by gamma^(L-1-t) for the state update
+            for (int e = tid; e < L * m; e += nthreads) {
+                const int t = e / m, j = e - t * m;
+                B[t * mp + j] *= pw[L - 1 - t];
+            }
+            __syncthreads();
+        }
+        const W factor = decayed ? pw[L] : W(1);
         if (wide_tiles(((m + 3) / 4) * ((width + 3) / 4), nthreads))
-            update_state<4>(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
+            update_state<4>(S, dtp, B, mp, Vs, L, m, width, factor, tid, nthreads);
         else
-            update_state<2>(S, dtp, B, mp, Vs, L, m, width, tid, nthreads);
+            update_state<2>(S, dtp, B, mp, Vs, L, m, width, factor, tid, nthreads);
         __syncthreads();
     }
 
-    // Pass 2 (non-causal): o_t = Â_t S / (A_t . z + eps) with the final S, z.
-    for (i64 c0 = 0; !causal && c0 < seq_len; c0 += chunk) {
-        const int L = (int)(seq_len - c0 < chunk ? seq_len - c0 : chunk);
-        load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
-        __syncthreads();
-        for (int t = tid; t < L; t += nthreads) {
-            W d = W(0);
-            for (int j = 0; j < m; ++j) d += A[t * mp + j] * z[j];
-            den[t] = d;
+    // Pass 2 (non-causal): o_t = Â_t S / (A_t . z + eps) with the final S, z, for each q head of the group.
+    for (int g = 0; !causal && g < groups; ++g) {
+        const int h = hk * groups + g;
+        const T* qb = q + b * qsb + h * qsh;
+        T* ob = o + b * osb + h * osh + c_lo * osd;
+        for (i64 c0 = 0; c0 < seq_len; c0 += chunk) {
+            const int L = (int)(seq_len - c0 < chunk ? seq_len - c0 : chunk);
+            load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
+            __syncthreads();
+            for (int t = tid; t < L; t += nthreads) {
+                W d = W(0);
+                for (int j = 0; j < m; ++j) d += A[t * mp + j] * z[j];
+                den[t] = d;
+            }
+            __syncthreads();
+            rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
+            __syncthreads();
+            if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
+                write_output<4, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
+                                      nullptr, normalize, tid, nthreads);
+            else
+                write_output<2, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
+                                      nullptr, normalize, tid, nthreads);
+            __syncthreads();
         }
-        __syncthreads();
-        rotate_rows(A, mp, L, half, interleaved, cos_table, sin_table, row_base + c0, tid, nthreads);
-        __syncthreads();
-        if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
-            write_output<4, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
-                                  tid, nthreads);
-        else
-            write_output<2, T, W>(ob + c0 * oss, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 0,
-                                  tid, nthreads);
-        __syncthreads();
     }
 
     for (int e = tid; e < m * width; e += nthreads) {
