@@ -434,29 +434,40 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
 
 
 # -- linear attention: borrowed work buffers ----------------------------------------------------------
+@pytest.mark.parametrize("groups,decayed", [(1, False), (2, True)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_linear_attention_parallel_equals_head_calls(rng, causal):
+def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decayed):
     """The parallel entry (work buffers borrowed: views without refcounts, owners kept alive to the end)
-    gives exactly the bits of calling linear_attention_head per (batch, head) from Python, call after call."""
-    B, T, H, m, dv = 2, 37, 3, 20, 9
-    q, k, v = (rng.standard_normal((B, T, H, d)).astype(np.float32) for d in (m, m, dv))
+    gives exactly the bits of calling linear_attention_head per (batch, k/v head) from Python, call after
+    call; also with GQA (two q heads per k/v head) and decay."""
+    from rotary.backends._numpy_linear import decay_powers
+
+    decayed = decayed and causal
+    B, T, H, m, dv = 2, 37, 4, 20, 9
+    Hk = H // groups
+    q = rng.standard_normal((B, T, H, m)).astype(np.float32)
+    k = rng.standard_normal((B, T, Hk, m)).astype(np.float32)
+    v = rng.standard_normal((B, T, Hk, dv)).astype(np.float32)
     cos, sin, rows = _tables.lookup(rotary.RopeSpec(m), np.arange(T)[None], dtype=np.float32)
     cos, sin, rows = (np.ascontiguousarray(a) for a in (cos, sin, rows.astype(np.int64)))
-    ss = rng.standard_normal((B, H, m, dv)).astype(np.float32)
-    sz = rng.random((B, H, m)).astype(np.float32)
-    geo = np.array([[0, T * H * d, H * d, d, 1] for d in (m, m, dv, dv)], np.int64)
+    ss = rng.standard_normal((B, Hk, m, dv)).astype(np.float32)
+    sz = rng.random((B, Hk, m)).astype(np.float32)
+    geo = np.array([[0, T * n * d, n * d, d, 1] for n, d in ((H, m), (Hk, m), (Hk, dv), (H, dv))], np.int64)
     for chunk in (5, 16, 37):
+        powers = decay_powers(rng.uniform(0.5, 1.0, (B, Hk)), chunk) if decayed else np.ones((1, 1, 1))
         outs = []
         for parallel in (True, False):
             o = np.zeros((B, T, H, dv), np.float32)
             ns, nz = np.zeros_like(ss), np.zeros_like(sz)
             args = (q.ravel(), k.ravel(), v.ravel(), o.ravel(), geo, cos, sin, rows, ss, sz, ns, nz)
+            tail = (groups, powers, decayed, True)
             if parallel:
-                kernels.linear_attention_parallel(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk)
+                kernels.linear_attention_parallel(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail)
             else:
                 for b in range(B):
-                    for h in range(H):
-                        kernels.linear_attention_head(*args, b, h, T, m // 2, m, False, causal, 1, 1e-6, chunk)
+                    for h in range(Hk):
+                        kernels.linear_attention_head(*args, b, h, T, m // 2, m, False, causal, 1, 1e-6, chunk,
+                                                      *tail)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
             np.testing.assert_array_equal(x, y)

@@ -81,7 +81,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
     xp = array_namespace(q, k, v)
-    groups = q.shape[2] // k.shape[2]
+    groups = q.shape[2] // k.shape[2] if k.shape[2] else 1
     k, v = _expand_heads(xp, k, groups, 2), _expand_heads(xp, v, groups, 2)
     if state is not None:
         S0, z0 = state

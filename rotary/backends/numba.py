@@ -180,7 +180,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 
     B, S, H, m = q.shape
     Hk, dv = k.shape[2], v.shape[3]
-    groups = H // Hk
+    groups = H // Hk if Hk else 1
     work = np.float64 if q.dtype == np.float64 else np.float32
     cos, sin = (_readonly(np.ascontiguousarray(a, dtype=work)) for a in (cos, sin))
     rows = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
