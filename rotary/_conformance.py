@@ -35,6 +35,30 @@ SCALINGS = {
                  "long_factor": [1.0 + 0.5 * i for i in range(8)]},
 }
 
+#: Multi-axis conventions exercised by the suite: (kind, arguments); positions then carry n_axes coordinates.
+MULTI_AXIS = {
+    "mrope": ("mrope", dict(mrope_layout="chunked")),          # Qwen2-VL / 2.5-VL (GLM-4V with interleaved pairs)
+    "mrope-il": ("mrope", dict(mrope_layout="interleaved")),   # Qwen3-VL / 3.5
+    "mrope-ernie": ("mrope", dict(mrope_layout="ernie")),      # ERNIE-4.5-VL
+    "axial2": ("axial", dict(axes=2)),                          # Qwen2-VL vision, SAM (interleaved pairs)
+    "axial2-strided": ("axial", dict(axes=2, frequencies="strided")),   # Pixtral
+    "axial2-wh": ("axial", dict(axes=2, axis_order=(1, 0))),    # w before h
+    "axial3": ("axial", dict(axes=3)),
+    "axial2-float": ("axial", dict(axes=2, float_positions=True, frequency_scale=6.283185307179586)),  # DINOv3
+}
+
+
+def multi_axis_spec(kind: str, head_dim: int, *, rotary_dim=None, layout="half", base=10000.0, scaling=None,
+                    max_position_embeddings=None) -> RopeSpec:
+    """The spec of one :data:`MULTI_AXIS` convention (M-RoPE sections split rotary_dim/2 as 1:1:1 + rest)."""
+    family, kwargs = MULTI_AXIS[kind]
+    if family == "mrope":
+        half = (rotary_dim or head_dim - head_dim % 2) // 2
+        section = (half - 2 * (half // 3), half // 3, half // 3)
+        return RopeSpec(head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
+                        max_position_embeddings=max_position_embeddings, mrope_section=section, **kwargs)
+    return RopeSpec.axial(head_dim, rotary_dim=rotary_dim, base=base, layout=layout, **kwargs)
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -53,10 +77,14 @@ class Case:
     k_heads: int | None = None
     inplace: bool = False
     strided: bool = False
+    axes: str | None = None       # a MULTI_AXIS convention: positions (seq, n) / (batch, seq, n)
 
     def spec(self) -> RopeSpec:
         scaling = SCALINGS[self.scaling] if self.scaling else None
         mpe = 64 if self.scaling else None
+        if self.axes:
+            return multi_axis_spec(self.axes, self.shape[-1], rotary_dim=self.rotary_dim, base=self.base,
+                                   layout=self.layout, scaling=scaling, max_position_embeddings=mpe)
         return RopeSpec(self.shape[-1], rotary_dim=self.rotary_dim, base=self.base, layout=self.layout,
                         scaling=scaling, max_position_embeddings=mpe)
 
@@ -86,11 +114,36 @@ def cases(quick: bool = False) -> list[Case]:
         out.append(Case(f"scaling-{name}", (2, 40, 2, 16), seq_axis=-3, scaling=name, positions="batch", k_heads=1))
         out.append(Case(f"scaling-{name}-interleaved-partial", (2, 70, 18), layout="interleaved", rotary_dim=16,
                         scaling=name, positions="offset"))
+    out += [
+        Case("mrope-text", (2, 9, 3, 24), seq_axis=-3, axes="mrope", positions="offset", k_heads=1),
+        Case("mrope-batch", (2, 11, 4, 24), seq_axis=-3, axes="mrope", positions="batch", k_heads=2),
+        Case("mrope-glm4v-partial", (2, 10, 2, 32), seq_axis=-3, axes="mrope", layout="interleaved",
+             rotary_dim=16, positions="tokens", k_heads=1),
+        Case("mrope-il-batch", (2, 10, 3, 36), seq_axis=-3, axes="mrope-il", positions="batch", k_heads=1),
+        Case("mrope-ernie", (1, 12, 2, 28), seq_axis=-3, axes="mrope-ernie", layout="interleaved", positions="batch"),
+        Case("mrope-huge", (2, 6, 2, 24), seq_axis=-3, axes="mrope", positions="huge", k_heads=1),
+        Case("mrope-fp16-inplace", (2, 9, 4, 24), seq_axis=-3, axes="mrope-il", positions="batch", dtype="float16",
+             inplace=True, k_heads=2),
+        Case("mrope-inverse", (2, 7, 2, 24), seq_axis=-3, axes="mrope", positions="batch", inverse=True, k_heads=2),
+        Case("mrope-yarn", (2, 40, 2, 24), seq_axis=-3, axes="mrope", scaling="yarn", positions="batch", k_heads=1),
+        Case("mrope-dynamic", (1, 70, 2, 24), seq_axis=-3, axes="mrope-il", scaling="dynamic", positions="batch"),
+        Case("axial2-vit", (2, 3, 12, 16), axes="axial2", positions="tokens"),
+        Case("axial2-sam", (2, 12, 3, 16), seq_axis=-3, axes="axial2", layout="interleaved", positions="tokens",
+             k_heads=3),
+        Case("axial2-pixtral", (3, 12, 20), axes="axial2-strided", positions="tokens"),
+        Case("axial2-wh-strided", (2, 12, 2, 16), seq_axis=-3, axes="axial2-wh", positions="tokens", strided=True,
+             k_heads=1),
+        Case("axial3-video", (1, 18, 2, 24), seq_axis=-3, axes="axial3", positions="tokens", inverse=True),
+        Case("axial2-dinov3-float", (2, 12, 3, 16), seq_axis=-3, axes="axial2-float", positions="tokens",
+             dtype="float64", k_heads=3),
+        Case("axial2-partial-odd", (2, 12, 21), axes="axial2", rotary_dim=12, positions="batch"),
+    ]
     known = set(_scaling.ROPE_TYPES)
     out = [c for c in out if c.scaling is None or SCALINGS[c.scaling]["rope_type"] in known]
     if quick:
         keep = ("basic", "bshd-gqa", "partial", "odd-dim", "inplace", "fp16", "huge-pos", "strided")
-        out = [c for c in out if c.name.split("-", 1)[1] in keep] + [c for c in out if c.name == "scaling-yarn"]
+        extra = ("scaling-yarn", "mrope-batch", "mrope-il-batch", "axial2-sam", "axial2-dinov3-float")
+        out = [c for c in out if c.name.split("-", 1)[1] in keep and not c.axes] + [c for c in out if c.name in extra]
     return out
 
 
@@ -109,11 +162,9 @@ def make_inputs(case: Case, seed: int = 0):
         return rng.standard_normal(shp).astype(dtype)
 
     x = data(shape)
-    k = None
-    if case.k_heads is not None:
-        kshape = list(shape)
-        kshape[-2] = case.k_heads
-        k = data(tuple(kshape))
+    if case.axes:
+        return x, _k_input(case, data), _multi_axis_positions(case, rng, seq)
+    k = _k_input(case, data)
     if case.positions == "none":
         pos = None
     elif case.positions == "offset":
@@ -131,6 +182,35 @@ def make_inputs(case: Case, seed: int = 0):
     return x, k, pos
 
 
+def _k_input(case: Case, data):
+    if case.k_heads is None:
+        return None
+    kshape = list(case.shape)
+    kshape[-2] = case.k_heads
+    return data(tuple(kshape))
+
+
+def _multi_axis_positions(case: Case, rng, seq: int):
+    """Positions of a multi-axis case: "offset" -> an int (M-RoPE text tokens); "tokens" -> an image
+    grid (seq, n) of row/col(/frame) ids (patch centres in [-1, 1] for float specs); "batch" -> random
+    (batch, seq, n) ids; "huge" -> (seq, n) ids near 2**31."""
+    spec = case.spec()
+    n = spec.n_axes
+    if case.positions == "offset":
+        return 37
+    if case.positions == "tokens":
+        side = [int(np.ceil(seq ** (1.0 / n)))] * n
+        grid = np.stack(np.meshgrid(*[np.arange(s) for s in side], indexing="ij"), -1).reshape(-1, n)[:seq]
+        if spec.float_positions:
+            return (grid + 0.5) / np.array(side) * 2.0 - 1.0
+        return grid.astype(np.int64) + np.arange(n)   # distinct offsets per axis
+    if case.positions == "batch":
+        return rng.integers(0, 90, size=(case.shape[0], seq, n), dtype=np.int64)
+    if case.positions == "huge":
+        return np.int64(2**31 - 1) - rng.integers(0, 5000, size=(seq, n), dtype=np.int64)
+    raise ValueError(case.positions)
+
+
 def expected(case: Case, x, pos):
     """float64 oracle for one input array (its own head count)."""
     spec = case.spec()
@@ -142,13 +222,19 @@ def expected(case: Case, x, pos):
         p = np.arange(seq) + int(pos)
     else:
         p = np.asarray(pos)
-    seq_len = int(p.max()) + 1
-    inv_freq = spec.inv_freq(seq_len)
+    pair_axes = None
+    if spec.multi_axis:
+        pair_axes = spec.pair_axes()
+        if p.ndim == 1:   # M-RoPE text tokens: the same position on every axis
+            p = np.repeat(p[:, None], spec.n_axes, axis=1)
+    seq_len = int(np.floor(p.max())) + 1
+    inv_freq = spec.inv_freq(seq_len) if spec.depends_on_seq_len else spec.inv_freq()
     scale = spec.attention_scaling_at(seq_len)
     xs = np.moveaxis(np.asarray(x, dtype=np.float64), ax, -2)      # (..., seq, d)
-    if p.ndim == 2:   # (batch, seq): batch is axis 0, broadcast over the middle axes
-        p = p.reshape((p.shape[0],) + (1,) * (xs.ndim - 3) + (p.shape[1],))
-    y = rope_complex(xs, p, -inv_freq if case.inverse else inv_freq, layout=spec.layout, scale=scale)
+    if p.ndim == (3 if spec.multi_axis else 2):   # (batch, seq[, n]): batch is axis 0, broadcast over the middle axes
+        p = p.reshape((p.shape[0],) + (1,) * (xs.ndim - 3) + p.shape[1:])
+    y = rope_complex(xs, p, -inv_freq if case.inverse else inv_freq, layout=spec.layout, scale=scale,
+                     pair_axes=pair_axes)
     return np.moveaxis(y, -2, ax)
 
 
@@ -228,8 +314,11 @@ class LinearCase:
     kv_heads: int = 0            # k/v heads (GQA); 0: H
     decay: float | tuple | None = None   # gamma: a scalar or one per k/v head
     normalize: bool = True
+    axes: str | None = None      # a MULTI_AXIS convention; positions "batch" are then (B, T, n)
 
     def spec(self) -> RopeSpec:
+        if self.axes:
+            return multi_axis_spec(self.axes, self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
         return RopeSpec(self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
 
     def groups(self) -> int:
@@ -266,6 +355,12 @@ def linear_cases(quick: bool = False) -> list[LinearCase]:
                    feature_map="identity", T=37, chunk=16),
         LinearCase("la-decay-gqa-resume", H=4, kv_heads=2, decay=(0.9, 1e-4), T=21, split=13, chunk=4),
         LinearCase("la-decay-near-one-fp64", decay=1 - 1e-9, dtype="float64", T=33, bshd=True),
+        LinearCase("la-causal-mrope", d=12, axes="mrope", positions="batch", bshd=True),
+        LinearCase("la-noncausal-mrope-il", d=18, axes="mrope-il", positions="batch", causal=False),
+        LinearCase("la-causal-mrope-resume", d=12, axes="mrope", positions="batch", T=21, split=13, chunk=4),
+        LinearCase("la-causal-axial2", d=16, axes="axial2", positions="batch", layout="interleaved"),
+        LinearCase("la-noncausal-axial2-float", d=16, axes="axial2-float", positions="batch", causal=False,
+                   dtype="float64"),
     ]
     if quick:
         keep = {"la-causal-basic", "la-noncausal-interleaved", "la-causal-resume", "la-causal-fp16"}
@@ -281,10 +376,13 @@ def make_linear_inputs(case: LinearCase, seed: int = 0):
     q = rng.standard_normal((case.B, case.H, case.T, case.d)).astype(dtype)
     k = rng.standard_normal((case.B, hk, case.T, case.d)).astype(dtype)
     v = rng.standard_normal((case.B, hk, case.T, case.dv)).astype(dtype)
+    n = case.spec().n_axes if case.axes else 0
     if case.positions == "offset":
         pos = 1000
+    elif case.positions == "batch" and case.axes and case.spec().float_positions:
+        pos = rng.uniform(-1.0, 1.0, size=(case.B, case.T, n))
     elif case.positions == "batch":
-        pos = rng.integers(0, 500, size=(case.B, case.T), dtype=np.int64)
+        pos = rng.integers(0, 500, size=(case.B, case.T) + ((n,) if n else ()), dtype=np.int64)
     else:
         pos = None
     return q, k, v, pos
@@ -304,18 +402,21 @@ def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=
     elif np.ndim(pos) == 0:
         p = int(pos) + np.arange(case.T)
     else:
-        p = pos[:, None, :]
+        p = pos[:, None]
+    if spec.multi_axis and np.ndim(p) == 1:
+        p = np.repeat(p[:, None], spec.n_axes, axis=1)
     G = case.groups()
     gamma = None   # the oracle's: per q head (q head h reads k/v head h // G and its gamma)
     if case.decay is not None:
         gamma = np.repeat(np.broadcast_to(np.asarray(case.decay, np.float64), (case.kv_heads or case.H,)), G)
     oracle_kw = dict(layout=spec.layout, scale=spec.attention_scaling, causal=case.causal,
-                     feature_map=case.feature_map, decay=gamma, normalize=case.normalize)
+                     feature_map=case.feature_map, decay=gamma, normalize=case.normalize,
+                     pair_axes=spec.pair_axes() if spec.multi_axis else None)
     k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     ref = linear_attention_quadratic(q, k_rep, v_rep, p, spec.inv_freq(), **oracle_kw)
     if case.split and not case.causal:   # non-causal calls chained by a state are block-causal
         n = case.split
-        p_head = p[..., :n] if np.ndim(p) else p
+        p_head = (p[..., :n, :] if spec.multi_axis else p[..., :n]) if np.ndim(p) else p
         ref[:, :, :n] = linear_attention_quadratic(q[:, :, :n], k_rep[:, :, :n], v_rep[:, :, :n], p_head,
                                                    spec.inv_freq(), **oracle_kw)
     to_layout = (lambda a: np.ascontiguousarray(np.swapaxes(a, 1, 2))) if case.bshd else (lambda a: a)

@@ -73,13 +73,21 @@ def rope_matrix(x, positions, inv_freq, *, layout="half", scale=1.0):
     return y
 
 
-def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0):
-    """Oracle: pairs as complex numbers z = x_a + i x_b, multiplied by scale * exp(i p theta)."""
+def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0, pair_axes=None):
+    """Oracle: pairs as complex numbers z = x_a + i x_b, multiplied by scale * exp(i p theta).
+
+    ``pair_axes`` (multi-axis specs): positions carry coordinates on a trailing axis and pair i turns
+    by ``positions[..., pair_axes[i]] * inv_freq[i]``."""
     x = np.asarray(x, dtype=np.float64)
     r = 2 * len(inv_freq)
     a, b = _pairs(r, layout)
     z = x[..., a] + 1j * x[..., b]
-    z = z * (scale * np.exp(1j * _angles(positions, inv_freq)))
+    if pair_axes is None:
+        theta = _angles(positions, inv_freq)
+    else:
+        coords = np.asarray(positions, dtype=np.float64)[..., np.asarray(pair_axes, dtype=np.int64)]
+        theta = coords * np.asarray(inv_freq, dtype=np.float64)
+    z = z * (scale * np.exp(1j * theta))
     y = x.copy()
     y[..., a], y[..., b] = z.real, z.imag
     return y
@@ -98,14 +106,15 @@ def feature_map64(x, feature_map="elu"):
 
 
 def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", scale=1.0, causal=False,
-                               feature_map="elu", eps=1e-6, decay=None, normalize=True):
+                               feature_map="elu", eps=1e-6, decay=None, normalize=True, pair_axes=None):
     """Oracle: RoFormer eq. 19 written as a T x T matrix, in float64, with optional decay.
 
     ``o_t = sum_s D_ts (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s D_ts a_t^T b_s + eps)`` with a = phi(q),
     b = phi(k), ``D_ts = gamma^(t-s)`` for s <= t when ``causal`` (gamma = ``decay``, 1 by default, a scalar or
     an array broadcastable to q.shape[:-2], e.g. one per head), ``D_ts = 1`` for every s otherwise;
     ``normalize=False`` returns the numerator. q, k (..., T, d), v (..., T, dv), positions (T,) or
-    broadcastable to (..., T); R from :func:`rope_complex` (``scale`` multiplies each rotation).
+    broadcastable to (..., T) ((..., T, n_axes) with ``pair_axes``: multi-axis specs); R from
+    :func:`rope_complex` (``scale`` multiplies each rotation).
     """
     a, b = feature_map64(q, feature_map), feature_map64(k, feature_map)
     v = np.asarray(v, dtype=np.float64)
@@ -117,8 +126,8 @@ def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", s
         mask = np.where(lag >= 0, np.power(gamma[..., None, None], np.maximum(lag, 0)), 0.0)
     else:
         mask = np.ones((T, T))
-    a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale)
-    b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale)
+    a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes)
+    b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes)
     numerator = ((a_hat @ np.swapaxes(b_hat, -1, -2)) * mask) @ v
     if not normalize:
         return numerator
