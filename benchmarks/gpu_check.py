@@ -98,6 +98,24 @@ def prefill(cupy, rotary, cb, dtype, tokens: int, copy_GBps: float) -> dict:
             "call_fraction_of_copy": nbytes / t_call / 1e9 / copy_GBps}
 
 
+def prefill_multi_axis(cupy, rotary, dtype, tokens: int) -> dict:
+    """apply_qk through the frontend, 1-D against M-RoPE (3-axis positions of an image grid; per-token
+    table rows gathered on the host, then copied to the device): the multi-axis overhead on the GPU."""
+    q = cupy.random.standard_normal((1, tokens, 32, 128), dtype=cupy.float32).astype(dtype)
+    k = cupy.random.standard_normal((1, tokens, 8, 128), dtype=cupy.float32).astype(dtype)
+    qo, ko = cupy.empty_like(q), cupy.empty_like(k)
+    side = int(np.sqrt(tokens))
+    h, w = np.meshgrid(np.arange(tokens // side), np.arange(side), indexing="ij")
+    pos = np.stack([np.zeros(h.size, np.int64), h.ravel(), w.ravel()], -1)[None]
+    one_d, mrope = rotary.RopeSpec(128, base=1e6), rotary.RopeSpec(128, base=1e6, mrope_section=(16, 24, 24))
+    t1 = _events_time(cupy, lambda: rotary.apply_qk(q, k, None, spec=one_d, seq_axis=-3, out=(qo, ko),
+                                                    backend="cupy"), 10)
+    tm = _events_time(cupy, lambda: rotary.apply_qk(q, k, pos, spec=mrope, seq_axis=-3, out=(qo, ko),
+                                                    backend="cupy"), 10)
+    return {"dtype": str(q.dtype), "tokens": int(h.size), "one_d_us": t1 * 1e6, "mrope_us": tm * 1e6,
+            "mrope_over_one_d": tm / t1}
+
+
 def decode(cupy, rotary, cb, batch: int = 32) -> dict:
     spec = rotary.RopeSpec(128)
     q = cupy.random.standard_normal((batch, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
@@ -213,6 +231,7 @@ def main(argv=None) -> int:
     step("prefill_fp16", lambda: prefill(cupy, rotary, cb, cupy.float16, tokens, copy_GBps))
     step("prefill_fp32", lambda: prefill(cupy, rotary, cb, cupy.float32, tokens, copy_GBps))
     step("decode_fp16", lambda: decode(cupy, rotary, cb))
+    step("prefill_multi_axis_fp16", lambda: prefill_multi_axis(cupy, rotary, cupy.float16, tokens))
     peak = results["device"].get("GFLOPs", float("nan"))
     step("linear_attention_causal_fp32",
          lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))

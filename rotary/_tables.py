@@ -44,16 +44,34 @@ def _make(spec: RopeSpec, positions: np.ndarray, seq_len, dtype):
 
 @lru_cache(maxsize=256)
 def _axis_columns(pair_axes: tuple):
-    """[(axis, columns)]: the pairs reading each coordinate, as a slice when they are evenly spaced."""
-    groups = []
-    for axis in sorted(set(pair_axes)):
-        cols = [i for i, a in enumerate(pair_axes) if a == axis]
-        step = cols[1] - cols[0] if len(cols) > 1 else 1
-        if all(b - a == step for a, b in zip(cols, cols[1:])):
-            groups.append((axis, slice(cols[0], cols[-1] + 1, step)))
-        else:
-            groups.append((axis, np.array(cols, dtype=np.int64)))
-    return tuple(groups)
+    """((axis, columns), ...) of the pairs reading each coordinate, and the permutation that puts the
+    columns grouped by axis back in pair order (None when they already are)."""
+    groups = tuple((axis, np.array([i for i, a in enumerate(pair_axes) if a == axis], dtype=np.int64))
+                   for axis in sorted(set(pair_axes)))
+    order = np.concatenate([cols for _, cols in groups])
+    return groups, (None if np.array_equal(order, np.arange(len(pair_axes))) else np.argsort(order))
+
+
+_sub_lock = threading.Lock()
+_sub_tables: OrderedDict = OrderedDict()
+
+
+def _axis_sub_tables(dense, pair_axes: tuple):
+    """For each axis, the columns of a dense table that read it, as one contiguous table (cached with
+    the dense table), so a token's row is gathered with one contiguous read per axis."""
+    key = (id(dense), dense.shape[0], pair_axes)
+    with _sub_lock:
+        entry = _sub_tables.get(key)
+        if entry is not None and entry[0] is dense:
+            _sub_tables.move_to_end(key)
+            return entry[1]
+    groups, _ = _axis_columns(pair_axes)
+    subs = tuple(np.ascontiguousarray(dense[:, cols]) for _, cols in groups)
+    with _sub_lock:
+        _sub_tables[key] = (dense, subs)
+        while len(_sub_tables) > 2 * _MAX_ENTRIES:
+            _sub_tables.popitem(last=False)
+    return subs
 
 
 def _per_token(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key, convert):
@@ -73,13 +91,14 @@ def _per_token(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key, conv
         cos, sin = spec.cos_sin(flat, seq_len=seq_len, dtype=dtype)
         return convert(np.ascontiguousarray(cos)), convert(np.ascontiguousarray(sin)), convert(rows)
     _, dense_cos, dense_sin = _dense_entry(spec, hi, seq_len, np.dtype(dtype), "numpy", None)
-    half = spec.rotary_dim // 2
-    cos, sin = np.empty((flat.shape[0], half), dtype), np.empty((flat.shape[0], half), dtype)
-    for axis, cols in _axis_columns(spec._pair_axes):
-        coord = flat[:, axis]
-        cos[:, cols] = dense_cos[coord][:, cols]
-        sin[:, cols] = dense_sin[coord][:, cols]
-    return convert(cos), convert(sin), convert(rows)
+    groups, back = _axis_columns(spec._pair_axes)
+    tables = []
+    for dense in (dense_cos, dense_sin):
+        parts = [np.take(sub, flat[:, axis], axis=0)
+                 for (axis, _), sub in zip(groups, _axis_sub_tables(dense, spec._pair_axes))]
+        table = np.concatenate(parts, axis=1)
+        tables.append(table if back is None else np.ascontiguousarray(table[:, back]))
+    return convert(tables[0]), convert(tables[1]), convert(rows)
 
 
 def _max_rows(spec: RopeSpec, dtype: np.dtype) -> int:
@@ -160,3 +179,5 @@ def clear_cache() -> None:
     """Drop every cached table."""
     with _lock:
         _cache.clear()
+    with _sub_lock:
+        _sub_tables.clear()
