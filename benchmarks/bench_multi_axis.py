@@ -17,14 +17,13 @@ import argparse
 import os
 import sys
 
-os.environ.setdefault("NUMBA_NUM_THREADS", "2")
+from pathlib import Path
 
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_numba import best_times  # noqa: E402  (sets the thread counts before numba/numpy load)
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rotary  # noqa: E402
 from rotary import _tables  # noqa: E402
 
@@ -92,15 +91,7 @@ def measure(rounds: int, backend: str) -> dict:
     peer = hf_qwen2_vl()
     if peer is not None:
         candidates["HF transformers Qwen2-VL rotary + apply (torch CPU)"] = peer
-    for fn in candidates.values():
-        fn()   # warm-up: compile, fill the table cache
-    best = {name: float("inf") for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    return best_times(candidates, rounds)
 
 
 def report(best: dict, rounds: int, backend: str, note: str) -> str:
