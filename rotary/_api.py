@@ -16,7 +16,7 @@ import numpy as np
 from array_api_compat import (array_namespace, device as xp_device, is_cupy_array, is_jax_array,
                               is_numpy_array, is_torch_array)
 
-from . import _packing, _tables
+from . import _adapters, _packing, _tables
 from . import backends as _backends
 from ._spec import RopeSpec
 
@@ -410,9 +410,11 @@ def _table_converter(module, x, xp):
     if type(x) is np.ndarray or is_numpy_array(x):
         return "numpy", None
     dev = xp_device(x)
-    return (getattr(xp, "__name__", str(xp)), str(dev)), (lambda a: xp.asarray(np.array(a), device=dev))
+    # device key None: host tables are cached, converted per call (a JAX trace's arrays never enter the cache)
+    return None, (lambda a: xp.asarray(np.array(a), device=dev))
 
 
+@_adapters.dispatch("rotate", 1)   # torch, JAX, Dask arrays: rotary/_torch.py, _jax.py, _dask.py
 def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs):
     """Shared body of apply/apply_qk: rotate each x of ``xs`` (same batch/seq/head_dim)."""
     xp = _namespace(xs, names)

@@ -23,7 +23,7 @@ import numbers
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
-from . import _tables
+from . import _adapters, _tables
 from . import backends as _backends
 from ._api import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape, canonical_view, from_canonical,
                    normalize_positions, normalize_seq_axis, resolve_spec, to_canonical, to_numpy)
@@ -281,6 +281,7 @@ def _other_perm(ndim, ax, perm):
     return [other.index(i) for i in perm[:-1] if i != ax]
 
 
+@_adapters.dispatch("linear_attention", 3)   # torch, JAX, Dask: rotary/_torch.py, _jax.py, _dask.py
 def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
                      seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, decay=None,
                      normalize=True, **spec_kwargs):

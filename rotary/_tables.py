@@ -146,8 +146,13 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     """Tables and rows for ``positions`` (an int64 NumPy array of any shape).
 
     ``convert(np_array)`` moves a host array to the backend's array type/device (identity for
-    NumPy); ``device_key`` is a hashable name of that destination, part of the cache key.
+    NumPy); ``device_key`` is a hashable name of that destination, part of the cache key, or None:
+    then only the host tables are cached and ``convert`` runs on every call (arrays of a JAX trace,
+    or of any namespace whose arrays may not outlive the call, never enter the cache).
     """
+    if device_key is None:   # cache the host tables only; convert on every call (see _api._table_converter)
+        cos, sin, rows = lookup(spec, positions, dtype=dtype)
+        return convert(cos), convert(sin), convert(rows)
     dtype = np.dtype(dtype)
     convert = convert or (lambda a: a)
     if spec.multi_axis:

@@ -1,0 +1,65 @@
+"""Dispatch of torch tensors, JAX arrays and Dask arrays to their adapters.
+
+``rotary._torch``, ``rotary._jax`` and ``rotary._dask`` each turn their library's arrays into what the
+backend primitives take (NumPy/CuPy views, host tables) and back. The frontend functions are wrapped
+once (:func:`dispatch`): plain NumPy/CuPy calls pay one type check; an adapter receives the wrapped
+function itself (``core``) and every keyword unchanged, so keywords added to the frontend pass through.
+No adapter imports its library before an array of that library arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import numpy as np
+
+_MODULES = {"torch": "rotary._torch", "jax": "rotary._jax", "jaxlib": "rotary._jax", "dask": "rotary._dask"}
+
+
+def library(a) -> str | None:
+    """'torch', 'jax' or 'dask' for an array of that library (tracers included), else None."""
+    if type(a) is np.ndarray or a is None:
+        return None
+    root = type(a).__module__.partition(".")[0]
+    if root in _MODULES:
+        return "jax" if root == "jaxlib" else root
+    return None
+
+
+def adapter_for(arrays):
+    """The adapter module for these arrays, or None (NumPy, CuPy, array-API namespaces: the core).
+
+    A Dask array anywhere wins (its blocks go back through the frontend); otherwise the first torch or
+    JAX array decides, and mixing libraries is left to the frontend's namespace check."""
+    found = None
+    for a in arrays:
+        name = library(a)
+        if name == "dask":
+            found = name
+            break
+        if name is not None and found is None:
+            found = name
+    return None if found is None else importlib.import_module(_MODULES[found])
+
+
+def dispatch(kind: str, n_arrays: int):
+    """Decorator for a frontend function whose first ``n_arrays`` positional arguments are arrays (or,
+    for ``kind="rotate"``, whose first argument is the list of arrays): calls are handed to
+    ``adapter.<kind>(core, *args, **kwargs)`` when an adapter takes the arrays."""
+
+    def wrap(core):
+        @functools.wraps(core)
+        def frontend(*args, **kwargs):
+            arrays = args[0] if kind == "rotate" else args[:n_arrays]
+            if type(arrays[0]) is np.ndarray and (kind != "rotate" or len(arrays) == 1 or type(arrays[1]) is np.ndarray):
+                return core(*args, **kwargs)
+            adapter = adapter_for(arrays)
+            if adapter is None:
+                return core(*args, **kwargs)
+            return getattr(adapter, kind)(core, *args, **kwargs)
+
+        frontend.core = core
+        return frontend
+
+    return wrap

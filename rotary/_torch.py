@@ -1,0 +1,231 @@
+"""torch adapter: CPU tensors through the NumPy/Numba kernels, CUDA tensors through the CuPy kernels.
+
+No copy on the way in or out: a CPU tensor is handed to the core as its ``Tensor.numpy()`` view (the
+same memory, any strides), a CUDA tensor as a CuPy array through DLPack (run on torch's current
+stream); results come back with ``torch.from_numpy`` / ``torch.from_dlpack``, so dtype, device and
+strides follow the NumPy contract, and ``out=`` tensors are written in place. bfloat16 (no NumPy or
+CuPy dtype) is computed in float32 on the CPU (one cast each way) and goes to the CuPy kernels as
+torch tensors on CUDA (their bfloat16 instantiation; ``out=`` then costs one copy).
+
+Autograd: when grad is enabled and an input requires grad, rotation runs inside
+:class:`torch.autograd.Function` ``_Rotate`` whose backward is the same rotation with ``inverse``
+flipped (``(a R_p)^T = a R_{-p}``, a the attention scaling); double backward works the same way.
+Linear attention with grad (or a callable feature map) runs the reference array-API path on the
+tensors themselves (torch operations, differentiable by torch); see docs/interop.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _needs_grad(tensors) -> bool:
+    torch = _torch()
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_device(tensors, names, backend):
+    """Every tensor on one device, and a backend that runs there (ValueError naming the fix)."""
+    torch = _torch()
+    dev = tensors[0].device
+    for t, name in zip(tensors, names):
+        if isinstance(t, torch.Tensor) and t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, {names[0]} on {dev}: move them to one device")
+    if backend == "cupy" and dev.type != "cuda":
+        raise ValueError(f"backend='cupy' needs CUDA tensors, but {names[0]} is on {dev}: move the tensors with "
+                         f".cuda(), or pass backend='auto' (Numba on the CPU)")
+    if backend in ("numba", "numpy") and dev.type == "cuda":
+        raise ValueError(f"backend={backend!r} runs on the CPU, but {names[0]} is on {dev}: pass backend='auto' "
+                         "or 'cupy' (the CUDA kernels), or move the tensors with .cpu()")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{names[0]} is on {dev}; rotary's kernels run on cpu and cuda tensors: move it with "
+                         ".cpu() (or use the array-API reference path through another library)")
+    return dev
+
+
+class _Bridge:
+    """Converts tensors to the core's arrays (zero copy) and results back, for one call."""
+
+    def __init__(self, device):
+        torch = _torch()
+        self.cuda = device.type == "cuda"
+        self.stream = None
+        if self.cuda:
+            import cupy
+
+            from .backends.cupy import _external_stream
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = cupy.cuda.Device(index)
+            self.stream = _external_stream(cupy, torch.cuda.current_stream(device), index)
+
+    def native(self, t) -> bool:
+        """False for tensors the core takes as torch tensors (bfloat16 on CUDA: the CuPy backend's own
+        torch exchange)."""
+        return not (self.cuda and t.dtype == _torch().bfloat16)
+
+    def to_core(self, t):
+        """A NumPy (CPU) or CuPy (CUDA) view of t; CPU bfloat16 becomes a float32 copy."""
+        if t is None:
+            return None
+        torch = _torch()
+        t = t.detach()
+        if not self.cuda:
+            if t.dtype == torch.bfloat16:
+                return t.float().numpy()
+            return t.resolve_conj().resolve_neg().numpy()
+        if not self.native(t):
+            return t
+        import cupy
+
+        return cupy.from_dlpack(t)
+
+    def from_core(self, a, like):
+        torch = _torch()
+        if isinstance(a, torch.Tensor):
+            return a
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+        return t.to(like.dtype) if t.dtype != like.dtype else t
+
+    def __enter__(self):
+        if self.cuda:
+            self.device.__enter__()
+            self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.stream.__exit__(*exc)
+            self.device.__exit__(*exc)
+
+
+def _rotate_plain(core, xs, outs, names, positions, kwargs):
+    torch = _torch()
+    for out, name in zip(outs, names):
+        if out is not None and not isinstance(out, torch.Tensor):
+            raise TypeError(f"out for {name} must be a torch tensor like {name}, got {type(out).__name__}")
+    dev = _check_device(list(xs) + [o for o in outs if o is not None], list(names) + ["out"] * len(outs),
+                        kwargs.get("backend", "auto"))
+    with _Bridge(dev) as bridge:
+        if any(not bridge.native(x) for x in xs):   # bfloat16 on CUDA: the torch path of the CuPy backend
+            return core(list(xs), list(outs), names, positions, **kwargs)
+        core_xs = [bridge.to_core(x) for x in xs]
+        core_outs, copies = [], []
+        for x, xc, out, name in zip(xs, core_xs, outs, names):
+            copy = out is not None and x.dtype == torch.bfloat16   # CPU bfloat16: computed in a float32 copy
+            if copy and (out.dtype != x.dtype or tuple(out.shape) != tuple(x.shape)):
+                raise ValueError(f"out for {name} must have {name}'s shape {tuple(x.shape)} and dtype {x.dtype}, "
+                                 f"got {tuple(out.shape)} {out.dtype}")
+            core_outs.append(None if out is None or copy else xc if out is x else bridge.to_core(out))
+            copies.append(copy)
+        results = core(core_xs, core_outs, names, positions, **kwargs)
+        final = []
+        for x, out, res, copy in zip(xs, outs, results, copies):
+            if out is None:
+                final.append(bridge.from_core(res, x))
+                continue
+            if copy:
+                out.copy_(torch.from_numpy(res))
+            final.append(out)
+        return final
+
+
+def _rotate_function():
+    torch = _torch()
+
+    class _Rotate(torch.autograd.Function):
+        """y = a R_p x on rotary's kernels; dx = a R_{-p} dy (the same call with inverse flipped)."""
+
+        @staticmethod
+        def forward(ctx, core, names, positions, kwargs, *xs):
+            ctx.call = (core, names, positions, kwargs)
+            return tuple(_rotate_plain(core, xs, [None] * len(xs), names, positions, kwargs))
+
+        @staticmethod
+        def backward(ctx, *grads):
+            core, names, positions, kwargs = ctx.call
+            back = dict(kwargs, inverse=not kwargs.get("inverse", False))
+            want = [i for i, g in enumerate(grads) if g is not None and ctx.needs_input_grad[4 + i]]
+            result = [None] * len(grads)
+            if want:
+                gs = [grads[i] for i in want]
+                rotated = rotate(core, gs, [None] * len(gs), [names[i] for i in want], positions, **back)
+                for i, g in zip(want, rotated):
+                    result[i] = g
+            return (None, None, None, None, *result)
+
+    return _Rotate
+
+
+_ROTATE = []
+
+
+def rotate(core, xs, outs, names, positions, **kwargs):
+    """``rotary._api.rotate_arrays`` for torch tensors (see the module docstring)."""
+    torch = _torch()
+    for x, name in zip(xs, names):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor like {names[0]}, got {type(x).__name__}")
+    if _needs_grad(xs):
+        if any(o is not None for o in outs):
+            raise ValueError("out= is not supported when an input requires grad (autograd needs a new tensor); "
+                             "drop out=, or call under torch.no_grad()")
+        if not _ROTATE:
+            _ROTATE.append(_rotate_function())
+        return list(_ROTATE[0].apply(core, tuple(names), positions, kwargs, *xs))
+    return _rotate_plain(core, xs, outs, names, positions, kwargs)
+
+
+def linear_attention(core, q, k, v, positions=None, **kwargs):
+    """``rotary.linear_attention`` for torch tensors: kernels when no grad is needed and the feature map
+    is a name; else the reference path on the tensors (differentiable; a callable feature map sees
+    torch tensors)."""
+    torch = _torch()
+    names = ("q", "k", "v")
+    for a, name in zip((q, k, v), names):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor like q, got {type(a).__name__}")
+    backend = kwargs.get("backend", "auto")
+    state = kwargs.get("state")
+    state_arrays = [] if state is None else [getattr(state, "S", None), getattr(state, "z", None)]
+    for a, name in zip(state_arrays, ("state.S", "state.z")):
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor like q (a state from a torch call), got "
+                            f"{type(a).__module__}.{type(a).__name__}")
+    dev = _check_device([q, k, v] + state_arrays, list(names) + ["state.S", "state.z"], backend)
+    reference = (_needs_grad([q, k, v] + state_arrays) or callable(kwargs.get("feature_map", "elu"))
+                 or (dev.type == "cpu" and q.dtype == torch.bfloat16))
+    if reference:
+        if backend not in ("auto", "numpy"):
+            raise ValueError(f"backend={backend!r} cannot run this linear_attention call (inputs that require "
+                             "grad or a callable feature map use the differentiable reference path): pass "
+                             "backend='auto' or 'numpy', or call under torch.no_grad() with a named feature_map")
+        return core(q, k, v, positions, **dict(kwargs, backend="numpy"))
+    with _Bridge(dev) as bridge:
+        if not bridge.native(q):
+            return core(q, k, v, positions, **kwargs)
+        args = [bridge.to_core(a) for a in (q, k, v)]
+        if state is not None and isinstance(state.S, torch.Tensor):
+            from ._linear_attention import LinearAttentionState
+
+            state = LinearAttentionState(bridge.to_core(state.S), bridge.to_core(state.z), state.next_position,
+                                         spec=state.spec, feature_map=state.feature_map)
+            kwargs = dict(kwargs, state=state)
+        result = core(*args, positions, **kwargs)
+        if not kwargs.get("return_state", False):
+            return bridge.from_core(result, q)
+        o, st = result
+        from ._linear_attention import LinearAttentionState
+
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        like = torch.empty(0, dtype=work)
+        return bridge.from_core(o, q), LinearAttentionState(
+            bridge.from_core(st.S, like), bridge.from_core(st.z, like), st.next_position, spec=st.spec,
+            feature_map=st.feature_map)
+
