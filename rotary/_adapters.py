@@ -1,6 +1,6 @@
 """Dispatch of torch tensors, JAX arrays and Dask arrays to their adapters.
 
-``rotary._torch``, ``rotary._jax`` and ``rotary._dask`` each turn their library's arrays into what the
+``rotary._torch``, ``rotary._jax``, ``rotary._dask`` and ``rotary._bf16`` (ml_dtypes bfloat16) each turn their library's arrays into what the
 backend primitives take (NumPy/CuPy views, host tables) and back. The frontend functions are wrapped
 once (:func:`dispatch`): plain NumPy/CuPy calls pay one type check; an adapter receives the wrapped
 function itself (``core``) and every keyword unchanged, so keywords added to the frontend pass through.
@@ -14,13 +14,17 @@ import importlib
 
 import numpy as np
 
-_MODULES = {"torch": "rotary._torch", "jax": "rotary._jax", "jaxlib": "rotary._jax", "dask": "rotary._dask"}
+_MODULES = {"torch": "rotary._torch", "jax": "rotary._jax", "jaxlib": "rotary._jax", "dask": "rotary._dask",
+            "bfloat16": "rotary._bf16"}
 
 
 def library(a) -> str | None:
-    """'torch', 'jax' or 'dask' for an array of that library (tracers included), else None."""
-    if type(a) is np.ndarray or a is None:
+    """'torch', 'jax' or 'dask' for an array of that library (tracers included), 'bfloat16' for an
+    ``ml_dtypes.bfloat16`` NumPy array, else None."""
+    if a is None:
         return None
+    if isinstance(a, np.ndarray):
+        return "bfloat16" if a.dtype.name == "bfloat16" else None
     root = type(a).__module__.partition(".")[0]
     if root in _MODULES:
         return "jax" if root == "jaxlib" else root
@@ -52,7 +56,8 @@ def dispatch(kind: str, n_arrays: int):
         @functools.wraps(core)
         def frontend(*args, **kwargs):
             arrays = args[0] if kind == "rotate" else args[:n_arrays]
-            if type(arrays[0]) is np.ndarray and (kind != "rotate" or len(arrays) == 1 or type(arrays[1]) is np.ndarray):
+            first = arrays[0]
+            if type(first) is np.ndarray and first.dtype.kind == "f" and len(arrays) == 1:   # the common case
                 return core(*args, **kwargs)
             adapter = adapter_for(arrays)
             if adapter is None:
@@ -63,3 +68,10 @@ def dispatch(kind: str, n_arrays: int):
         return frontend
 
     return wrap
+
+
+def with_arrays(state, S, z):
+    """A linear-attention ``state`` with its arrays S and z replaced (every other field kept, whatever
+    fields the state has)."""
+    rebuild, args = state.__reduce__()
+    return rebuild(S, z, *args[2:])

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._adapters import with_arrays
+
 
 def _torch():
     import torch
@@ -88,7 +90,7 @@ class _Bridge:
 
     def from_core(self, a, like):
         torch = _torch()
-        if isinstance(a, torch.Tensor):
+        if a is None or isinstance(a, torch.Tensor):
             return a
         t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
         return t.to(like.dtype) if t.dtype != like.dtype else t
@@ -195,9 +197,10 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     state = kwargs.get("state")
     state_arrays = [] if state is None else [getattr(state, "S", None), getattr(state, "z", None)]
     for a, name in zip(state_arrays, ("state.S", "state.z")):
-        if not isinstance(a, torch.Tensor):
+        if not isinstance(a, torch.Tensor) and not (a is None and name == "state.z"):
             raise TypeError(f"{name} must be a torch tensor like q (a state from a torch call), got "
                             f"{type(a).__module__}.{type(a).__name__}")
+    state_arrays = [a for a in state_arrays if a is not None]
     dev = _check_device([q, k, v] + state_arrays, list(names) + ["state.S", "state.z"], backend)
     reference = (_needs_grad([q, k, v] + state_arrays) or callable(kwargs.get("feature_map", "elu"))
                  or (dev.type == "cpu" and q.dtype == torch.bfloat16))
@@ -211,21 +214,12 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
         if not bridge.native(q):
             return core(q, k, v, positions, **kwargs)
         args = [bridge.to_core(a) for a in (q, k, v)]
-        if state is not None and isinstance(state.S, torch.Tensor):
-            from ._linear_attention import LinearAttentionState
-
-            state = LinearAttentionState(bridge.to_core(state.S), bridge.to_core(state.z), state.next_position,
-                                         spec=state.spec, feature_map=state.feature_map)
-            kwargs = dict(kwargs, state=state)
+        if state is not None:
+            kwargs = dict(kwargs, state=with_arrays(state, bridge.to_core(state.S), bridge.to_core(state.z)))
         result = core(*args, positions, **kwargs)
         if not kwargs.get("return_state", False):
             return bridge.from_core(result, q)
         o, st = result
-        from ._linear_attention import LinearAttentionState
-
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        like = torch.empty(0, dtype=work)
-        return bridge.from_core(o, q), LinearAttentionState(
-            bridge.from_core(st.S, like), bridge.from_core(st.z, like), st.next_position, spec=st.spec,
-            feature_map=st.feature_map)
+        like = torch.empty(0, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return bridge.from_core(o, q), with_arrays(st, bridge.from_core(st.S, like), bridge.from_core(st.z, like))
 

@@ -22,6 +22,7 @@ def _oracle(x, positions, spec=SPEC, inverse=False):
                         scale=spec.attention_scaling)
 
 
+@pytest.mark.interop("JAX", "cpu", "reference (jax.numpy)", "jit, grad")
 def test_jit_then_grad_then_jit_again_no_leaked_tracer():
     """The reported bug: after a jit, the cos/sin cache held a traced array and the next grad/jit failed."""
     x = _x((2, 8, 64))
@@ -35,6 +36,7 @@ def test_jit_then_grad_then_jit_again_no_leaked_tracer():
         assert all(isinstance(a, np.ndarray) for a in entry[1:]), [type(a) for a in entry[1:]]
 
 
+@pytest.mark.interop("JAX", "cpu", "reference (jax.numpy)", "vmap, jit")
 def test_vmap_and_concrete_positions_exact():
     x = _x((3, 5, 64), seed=1)
     big = np.array([0, 1, 2**20, 2**31 - 2, 123456789])
@@ -47,6 +49,7 @@ def test_vmap_and_concrete_positions_exact():
     assert_close(kr, np.moveaxis(_oracle(np.moveaxis(np.asarray(k), 2, 1), pos[:, None]), 1, 2))
 
 
+@pytest.mark.interop("JAX", "cpu", "reference (jax.numpy)", "jit with traced positions, grad")
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_traced_positions(layout):
     spec = rotary.RopeSpec(64, layout=layout, base=10000.0)
@@ -76,6 +79,7 @@ def test_errors():
         rotary.apply(x, backend="numba")
 
 
+@pytest.mark.interop("JAX", "cpu", "reference (jax.numpy)", "linear attention under jit, grad")
 @pytest.mark.parametrize("causal", [False, True])
 def test_linear_attention_jit_grad(causal):
     q, k, v = _x((2, 9, 16), 5), _x((2, 9, 16), 6), _x((2, 9, 8), 7)

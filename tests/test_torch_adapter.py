@@ -22,6 +22,7 @@ def _oracle(x, positions, spec, inverse=False):
     return np.moveaxis(y, 1, 2)
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "-")
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -43,6 +44,7 @@ def test_cpu_tensors_match_oracle_and_numpy(backend, dtype, layout):
         assert qr.stride() == tuple(s // qn.itemsize for s in qn.strides)
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "-")
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_strided_and_bhsd_views(backend):
     g = torch.Generator().manual_seed(1)
@@ -55,6 +57,7 @@ def test_strided_and_bhsd_views(backend):
     assert_close(yh.transpose(1, 2), _oracle(xh.transpose(1, 2), np.arange(20), rotary.RopeSpec(64)))
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "out= in place")
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_out_in_place_and_separate(backend, dtype):
@@ -76,6 +79,7 @@ def test_out_in_place_and_separate(backend, dtype):
         rotary.apply(q, seq_axis=-3, out=torch.empty(1, 16, 4, 30, dtype=dtype), backend=backend)
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "autograd (rotation)")
 def test_backward_is_the_inverse_rotation():
     g = torch.Generator().manual_seed(3)
     spec = rotary.RopeSpec(16, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
@@ -97,6 +101,7 @@ def test_backward_is_the_inverse_rotation():
     assert xf.grad.dtype == torch.float32 and xf.grad.shape == xf.shape
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "autograd (rotation)")
 def test_autograd_only_inputs_that_require_grad():
     q = torch.randn(1, 4, 2, 8, requires_grad=True)
     k = torch.randn(1, 4, 1, 8)
@@ -121,6 +126,7 @@ def test_errors_name_the_fix():
         rotary.apply(torch.ones(1, 4, 2, 8, dtype=torch.int32))
 
 
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "linear attention; its autograd on the reference path")
 @pytest.mark.parametrize("causal", [False, True])
 def test_linear_attention_kernels_and_reference_autograd(causal):
     g = torch.Generator().manual_seed(4)
@@ -151,3 +157,33 @@ def test_linear_attention_kernels_and_reference_autograd(causal):
                                                            np.arange(6), spec.inv_freq(), causal=causal), 1, 2))
     with pytest.raises(ValueError, match="backend='numba' cannot run"):
         rotary.linear_attention(*args, backend="numba")
+
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available() or "cupy" not in AVAILABLE:
+        pytest.skip("needs a CUDA device for torch and CuPy")
+
+
+@pytest.mark.gpu
+@pytest.mark.interop("torch", "cuda", "cupy", "out= in place, autograd (rotation), linear attention")
+def test_cuda_tensors_zero_copy_out_and_autograd():
+    _cuda_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q = torch.randn(2, 9, 4, 64, device="cuda", generator=g).to(dtype)
+        k = torch.randn(2, 9, 1, 64, device="cuda", generator=g).to(dtype)
+        qr, kr = rotary.apply_qk(q, k, seq_axis=-3)
+        assert qr.device == q.device and qr.dtype == dtype
+        assert_close(qr, _oracle(q, np.arange(9), rotary.RopeSpec(64)))
+        ptr = q.data_ptr()
+        rotary.apply_qk(q, k, seq_axis=-3, out=(q, k))
+        assert q.data_ptr() == ptr
+        assert torch.equal(q, qr)                              # in place: the same kernel, the same bits
+    x = torch.randn(2, 5, 3, 16, dtype=torch.float64, device="cuda", requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: rotary.apply(a, 3, seq_axis=-3), (x,))
+    qkv = [torch.randn(1, 40, 2, 16, device="cuda") for _ in range(3)]
+    o = rotary.linear_attention(*qkv, causal=True, seq_axis=-3)
+    on = rotary.linear_attention(*(a.cpu() for a in qkv), causal=True, seq_axis=-3)
+    assert o.is_cuda and torch.allclose(o.cpu(), on, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="backend='numba' runs on the CPU"):
+        rotary.apply(x.detach(), backend="numba")

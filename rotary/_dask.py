@@ -1,0 +1,263 @@
+"""Dask adapter: Dask arrays in, Dask arrays out, lazily; each block runs the chosen backend's kernel.
+
+Rotation (``apply``/``apply_qk``): one task per block (``da.blockwise``), the block rotated at its
+global positions (None/int offsets become a lazy ``arange`` chunked like the sequence axis; NumPy or
+Dask position arrays are rechunked to match). Output chunks equal input chunks; any axis but head_dim
+may be chunked. Blocks may hold NumPy or CuPy arrays (``backend="auto"`` picks per block).
+
+Linear attention, sequence axis chunked into blocks j = 0..n-1 (every other axis one chunk):
+
+1. per block, in parallel: the block's own state ``st_j`` (a call with no carried state; causal=False
+   unless decay is used, which is cheaper and gives the same sums);
+2. an exclusive prefix of the states across blocks, ``P_(j+1) = gamma^(n_j) P_j + st_j`` (P_0 the
+   caller's state or zero; gamma the per-head decay, n_j the block length), and for non-causal calls
+   the suffix ``Q_j`` the same way from the end;
+3. per block, in parallel: the block's output from one call with the carried state (causal: P_j;
+   non-causal: P_j + Q_(j+1), every token of the call).
+
+So a call is about 4n + n small tasks; step 1 and 3 are each as parallel as the blocks. The returned
+state's S and z are Dask arrays (the last prefix).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ._adapters import with_arrays
+
+
+def _da():
+    import dask.array as da
+
+    return da
+
+
+def _is_dask(a) -> bool:
+    return type(a).__module__.partition(".")[0] == "dask"
+
+
+def _check_head_dim(x, name):
+    if len(x.chunks[-1]) > 1:
+        raise ValueError(f"{name} is chunked along head_dim (the last axis, chunks {x.chunks[-1]}); rotary needs "
+                         f"whole head vectors in each block: rechunk with {name}.rechunk({{-1: -1}}) "
+                         "(chunk the sequence axis instead)")
+
+
+def _check_float(x, name):
+    dtype = np.dtype(x.dtype)
+    if dtype.kind != "f" and dtype.name != "bfloat16":
+        raise TypeError(f"{name} must have a real floating dtype (float16/bfloat16/float32/float64), got {dtype}")
+
+
+def _spec_of(kwargs, head_dim, name):
+    from ._api import resolve_spec
+
+    return resolve_spec(kwargs.get("spec"), kwargs.get("spec_kwargs") or {}, int(head_dim), name)
+
+
+def _positions_array(positions, x, ax, spec, name="positions"):
+    """(positions as a Dask int array chunked like x, its blockwise index) for a rotation of x."""
+    da = _da()
+    seq = x.shape[ax]
+    coord = getattr(spec, "n_axes", 1) > 1
+    if positions is None or isinstance(positions, (numbers.Integral, np.integer)) and not isinstance(positions, bool):
+        start = 0 if positions is None else int(positions)
+        if coord:
+            raise ValueError(f"{name} must be an array of shape (seq, {spec.n_axes}) for a multi-axis spec")
+        return da.arange(start, start + seq, chunks=(x.chunks[ax],), dtype=np.int64), (ax,)
+    p = positions if _is_dask(positions) else da.from_array(np.asarray(_host(positions, name)))
+    if p.dtype.kind not in "iu" and not getattr(spec, "float_positions", False):
+        raise TypeError(f"{name} must have an integer dtype, got {p.dtype}")
+    base = p.ndim - int(coord)
+    tail = (p.shape[-1],) if coord else ()
+    if base == 1 and p.shape[0] == seq:
+        index, chunks = (ax,), (x.chunks[ax],)
+    elif base == 2 and ax > 0 and p.shape[:2] == (x.shape[0], seq):
+        index, chunks = (0, ax), (x.chunks[0], x.chunks[ax])
+    else:
+        raise ValueError(f"{name} of shape {tuple(p.shape)} must be ({seq},{' n_axes' if coord else ''}) or "
+                         f"(batch, {seq}{', n_axes' if coord else ''}) with batch = {name}'s x.shape[0]")
+    if coord:
+        index, chunks = index + (x.ndim,), chunks + (tail,)
+    return p.rechunk(chunks), index
+
+
+def _host(a, name):
+    from ._api import to_numpy
+
+    return to_numpy(a, name)
+
+
+def _rotate_block(xb, pb, *, kwargs, label):
+    from ._api import rotate_arrays
+
+    return rotate_arrays([xb], [None], [label], pb, **kwargs)[0]
+
+
+def rotate(core, xs, outs, names, positions, **kwargs):
+    """``rotary._api.rotate_arrays`` for Dask arrays: one blockwise task per block."""
+    da = _da()
+    from ._api import normalize_seq_axis
+
+    for x, name in zip(xs, names):
+        if not _is_dask(x):
+            raise TypeError(f"{name} must be a Dask array like {names[0]}, got {type(x).__name__}")
+        _check_float(x, name)
+        _check_head_dim(x, name)
+    for out, name in zip(outs, names):
+        if out is not None:
+            raise TypeError(f"out= is not supported for Dask arrays (they are lazy): use the returned array for "
+                            f"{name}, and dask.array.store(result, target) to write it into a buffer")
+    x0 = xs[0]
+    ax = normalize_seq_axis(kwargs.get("seq_axis", -2), x0.ndim, names[0])
+    spec = _spec_of(kwargs, x0.shape[-1], names[0])
+    block_kwargs = dict(kwargs, spec=spec, spec_kwargs={})
+    results = []
+    for x, name in zip(xs, names):
+        if x.ndim != x0.ndim or x.shape[ax] != x0.shape[ax] or x.shape[-1] != x0.shape[-1]:
+            raise ValueError(f"{name} of shape {x.shape} must match {names[0]} of shape {x0.shape} in the sequence "
+                             "axis and head_dim")
+        p, p_index = _positions_array(positions, x, ax, spec)
+        index = tuple(range(x.ndim))
+        results.append(da.blockwise(_rotate_block, index, x, index, p, p_index, dtype=x.dtype, meta=x._meta,
+                                    concatenate=True, kwargs=block_kwargs, label=name))
+    return results
+
+
+# -- linear attention ------------------------------------------------------------------------------
+def _combine(prefix, st, length):
+    """The state after ``prefix``'s tokens then a block of ``length`` tokens whose own state is ``st``."""
+    if prefix is None or st is None:
+        return st if prefix is None else prefix
+    S, z = prefix.S, prefix.z
+    if st.decay is not None and length:
+        g = np.asarray(st.decay, dtype=np.float64) ** length
+        S = S * g[..., None, None].astype(S.dtype)
+        z = None if z is None else z * g[..., None].astype(z.dtype)
+    return with_arrays(st, S + st.S, None if z is None else z + st.z)
+
+
+def _block_state(q, k, v, p, kwargs):
+    from ._linear_attention import linear_attention
+
+    return linear_attention(q, k, v, p, **dict(kwargs, return_state=True, state=None))[1]
+
+
+def _block_output(q, k, v, p, state, kwargs):
+    from ._linear_attention import linear_attention
+
+    return linear_attention(q, k, v, p, **dict(kwargs, state=state, return_state=False))
+
+
+def linear_attention(core, q, k, v, positions=None, **kwargs):
+    """``rotary.linear_attention`` for Dask arrays chunked along the sequence axis (see module docstring)."""
+    da = _da()
+    import dask
+
+    from ._api import normalize_seq_axis
+
+    names = ("q", "k", "v")
+    for a, name in zip((q, k, v), names):
+        if not _is_dask(a):
+            raise TypeError(f"{name} must be a Dask array like q, got {type(a).__name__}")
+        _check_float(a, name)
+        _check_head_dim(a, name)
+    ax = normalize_seq_axis(kwargs.get("seq_axis", -2), q.ndim, "q")
+    for a, name in zip((q, k, v), names):
+        extra = [i for i in range(a.ndim) if i != ax and len(a.chunks[i]) > 1]
+        if extra:
+            raise ValueError(f"{name} is chunked along axes {extra}; linear_attention on Dask arrays chunks the "
+                             f"sequence axis only: rechunk with {name}.rechunk({{{', '.join(f'{i}: -1' for i in extra)}}})")
+    k, v = k.rechunk({ax: q.chunks[ax]}), v.rechunk({ax: q.chunks[ax]})
+    causal = bool(kwargs.get("causal", False))
+    return_state = kwargs.get("return_state", False)
+    state = kwargs.get("state")
+    kwargs = {key: val for key, val in kwargs.items() if key not in ("state", "return_state")}
+
+    # validate everything eagerly (and learn the state's fields) with a zero-length call on the host
+    def empty(a):
+        return np.zeros(tuple(0 if i == ax else n for i, n in enumerate(a.shape)), dtype=a.dtype)
+
+    host_state = None
+    if state is not None:
+        host_state = with_arrays(state, np.zeros(state.S.shape, state.S.dtype),
+                                 None if state.z is None else np.zeros(state.z.shape, state.z.dtype))
+    host_positions = positions
+    if positions is not None and not isinstance(positions, (numbers.Integral, np.integer)):
+        host_positions = None
+    _, template = core(empty(q), empty(k), empty(v), host_positions, **dict(kwargs, state=host_state,
+                                                                              return_state=True))
+    spec = template.spec
+    seq = q.shape[ax]
+    bounds = np.cumsum((0,) + q.chunks[ax])
+    lead = tuple(q.shape[:ax])
+
+    # per-block positions (ints, host slices or Dask blocks) and the next position after the call
+    if positions is None and state is not None:
+        positions = state.next_position
+    if positions is None or isinstance(positions, (numbers.Integral, np.integer)) and not isinstance(positions, bool):
+        start = 0 if positions is None else int(positions)
+        blocks_p = [start + int(b) for b in bounds[:-1]]
+        next_position = start + seq
+    elif isinstance(positions, np.ndarray) and positions.ndim == 1 and lead and positions.shape == (lead[0],):
+        starts = positions.astype(np.int64)                      # a state's per-batch next positions
+        blocks_p = [starts[:, None] + np.arange(s0, s1, dtype=np.int64)[None, :] for s0, s1 in zip(bounds[:-1], bounds[1:])]
+        next_position = starts + seq
+    else:
+        coord = getattr(spec, "n_axes", 1) > 1
+        p = positions if _is_dask(positions) else np.asarray(_host(positions, "positions"))
+        dim = 0 if p.ndim - int(coord) == 1 else 1
+        if p.shape[dim] != seq:
+            raise ValueError(f"positions of shape {tuple(p.shape)} do not match the sequence length {seq}")
+        if _is_dask(p):
+            p = p.rechunk({dim: q.chunks[ax], **{i: -1 for i in range(p.ndim) if i != dim}})
+            blocks_p = list(p.to_delayed().reshape(-1))
+        else:
+            blocks_p = [p[(slice(None),) * dim + (slice(s0, s1),)] for s0, s1 in zip(bounds[:-1], bounds[1:])]
+        last = p[(slice(None),) * dim + (-1,)]
+        last = np.asarray(last.compute() if _is_dask(last) else last)
+        if coord:
+            next_position = template.next_position
+        else:
+            next_position = int(last) + 1 if last.ndim == 0 else last.astype(np.int64) + 1
+
+    blocks = [tuple(a.to_delayed().reshape(-1)) for a in (q, k, v)]
+    n = len(bounds) - 1
+    lengths = [int(b1 - b0) for b0, b1 in zip(bounds[:-1], bounds[1:])]
+    decayed = template.decay is not None and bool(np.any(template.decay != 1))
+    state_kwargs = dict(kwargs, causal=causal if decayed else False)
+    block_state = dask.delayed(_block_state, pure=True)
+    own = [block_state(blocks[0][j], blocks[1][j], blocks[2][j], blocks_p[j], state_kwargs) for j in range(n)]
+    combine = dask.delayed(_combine, pure=True)
+    prefix = [None]
+    if state is not None:   # the caller's state (its arrays become dependencies when they are Dask arrays)
+        rebuild, args = state.__reduce__()
+        prefix = [dask.delayed(rebuild, pure=True)(state.S, state.z, *args[2:])]
+    for j in range(n):
+        prefix.append(combine(prefix[-1], own[j], lengths[j]))
+    if causal:
+        carried = prefix[:n]
+    else:   # no decay here (the core refuses decay < 1 without causal): every other block's tokens
+        suffix = [None] * (n + 1)
+        for j in range(n - 1, 0, -1):
+            suffix[j] = combine(suffix[j + 1], own[j], 0)
+        carried = [combine(prefix[j], suffix[j + 1], 0) if j < n - 1 else prefix[j] for j in range(n)]
+    output = dask.delayed(_block_output, pure=True)
+    dv = v.shape[-1]
+    o_blocks = []
+    for j in range(n):
+        o = output(blocks[0][j], blocks[1][j], blocks[2][j], blocks_p[j], carried[j], kwargs)
+        shape = tuple(lengths[j] if i == ax else (dv if i == q.ndim - 1 else s) for i, s in enumerate(q.shape))
+        o_blocks.append(da.from_delayed(o, shape, dtype=q.dtype, meta=q._meta))
+    o = da.concatenate(o_blocks, axis=ax) if n else da.zeros(q.shape[:-1] + (dv,), dtype=q.dtype, chunks=q.chunks[:-1] + ((dv,),))
+    if not return_state:
+        return o
+    final = prefix[n]
+    S = da.from_delayed(dask.delayed(getattr)(final, "S"), template.S.shape, dtype=template.S.dtype,
+                        meta=q._meta.astype(template.S.dtype))
+    z = None if template.z is None else da.from_delayed(dask.delayed(getattr)(final, "z"), template.z.shape,
+                                                        dtype=template.z.dtype, meta=q._meta.astype(template.z.dtype))
+    rebuild, args = template.__reduce__()
+    return o, rebuild(S, z, next_position, *args[3:])

@@ -1,0 +1,167 @@
+"""Dask arrays: lazy, one task per block on the backends' kernels, a state prefix for linear attention."""
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary.testing import assert_close, linear_attention_quadratic, rope_complex
+
+from .conftest import AVAILABLE
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+CPU_BACKENDS = [b for b in ("numba", "numpy") if b in AVAILABLE]
+SPEC = rotary.RopeSpec(32, base=10000.0)
+
+
+def _data(seed=0, T=96, H=3, Hk=None, d=32, dv=8, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, T, H, d)).astype(dtype)
+    k = rng.standard_normal((2, T, Hk or H, d)).astype(dtype)
+    v = rng.standard_normal((2, T, Hk or H, dv)).astype(dtype)
+    return q, k, v
+
+
+def _oracle_bshd(x, positions, spec=SPEC):
+    p = np.asarray(positions)
+    y = rope_complex(np.moveaxis(x.astype(np.float64), 2, 1), p[:, None] if p.ndim == 2 else p, spec.inv_freq(),
+                     layout=spec.layout, scale=spec.attention_scaling)
+    return np.moveaxis(y, 1, 2)
+
+
+def _la_oracle(q, k, v, causal, positions=None):
+    T = q.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    o = linear_attention_quadratic(*(np.moveaxis(a, 2, 1) for a in (q, k, v)),
+                                   np.arange(T) if positions is None else positions, SPEC.inv_freq(), causal=causal)
+    return np.moveaxis(o, 1, 2)
+
+
+@pytest.mark.interop("Dask (NumPy chunks)", "cpu", "numba, numpy", "threaded scheduler")
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_rotation_blockwise_matches_oracle(backend):
+    q, k, _ = _data(1, Hk=1)
+    pos = np.random.default_rng(2).integers(0, 2**31 - 1, size=(2, 96))
+    for chunks in ((1, 32, 3, 32), (2, (10, 50, 36), 1, 32)):
+        dq = da.from_array(q, chunks=chunks)
+        dk = da.from_array(k, chunks=(1, 24, 1, 32))
+        for p in (pos, da.from_array(pos, chunks=(1, 48)), pos[0], None, 7):
+            qr, kr = rotary.apply_qk(dq, dk, p, spec=SPEC, seq_axis=-3, backend=backend)
+            assert isinstance(qr, da.Array) and qr.chunks == dq.chunks and kr.chunks == dk.chunks
+            expect = np.broadcast_to(np.arange(96) + (7 if isinstance(p, int) else 0), (2, 96)) if p is None or isinstance(p, int) else np.asarray(p)
+            expect = expect if np.ndim(expect) == 2 else np.broadcast_to(expect, (2, 96))
+            with dask.config.set(scheduler="threads"):
+                assert_close(qr.compute(), _oracle_bshd(q, expect))
+                assert_close(kr.compute(), _oracle_bshd(k, expect))
+    # the same bits as the in-memory call (each block runs the same kernel at its global positions)
+    dq = da.from_array(q, chunks=(1, 32, 3, 32))
+    np.testing.assert_array_equal(rotary.apply(dq, pos, seq_axis=-3, backend=backend, inverse=True).compute(),
+                                  rotary.apply(q, pos, seq_axis=-3, backend=backend, inverse=True))
+
+
+def test_rotation_is_lazy_and_one_task_per_block():
+    q, _, _ = _data()
+    dq = da.from_array(q, chunks=(1, 16, 3, 32))
+    y = rotary.apply(dq, seq_axis=-3)
+    graph = dict(y.__dask_graph__())
+    n_blocks = 2 * 6
+    assert len([key for key in graph if key[0] == y.name]) == n_blocks
+    assert len(graph) <= 3 * n_blocks + 2                     # input blocks, positions blocks, outputs
+
+
+def test_errors_name_the_fix():
+    q, _, v = _data()
+    with pytest.raises(ValueError, match=r"head_dim.*x\.rechunk\(\{-1: -1\}\)"):
+        rotary.apply(da.from_array(q, chunks=(2, 32, 3, 16)), seq_axis=-3)
+    with pytest.raises(TypeError, match="out= is not supported for Dask arrays"):
+        rotary.apply(da.from_array(q), seq_axis=-3, out=q)
+    with pytest.raises(ValueError, match=r"chunks the sequence axis only.*rechunk"):
+        rotary.linear_attention(*(da.from_array(a, chunks=(1, 32, 3, a.shape[-1])) for a in (q, q, v)), seq_axis=-3)
+    with pytest.raises(ValueError, match="head_dim"):
+        rotary.linear_attention(*(da.from_array(a, chunks=(2, 32, 3, 4)) for a in (q, q, v)), seq_axis=-3)
+
+
+@pytest.mark.interop("Dask (NumPy chunks)", "cpu", "numba, numpy", "linear attention, threaded scheduler")
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_attention_chunked_sequence(causal):
+    q, k, v = _data(3, H=4, Hk=2)
+    dq, dk, dv = (da.from_array(a, chunks=(2, (20, 30, 14, 32), a.shape[2], a.shape[3])) for a in (q, k, v))
+    with dask.config.set(scheduler="threads"):
+        for backend in CPU_BACKENDS:
+            o, st = rotary.linear_attention(dq, dk, dv, causal=causal, seq_axis=-3, return_state=True, backend=backend)
+            assert isinstance(o, da.Array) and o.chunks[1] == dq.chunks[1]
+            assert_close(o.compute(), _la_oracle(q, k, v, causal), rtol=3e-5, atol=3e-5)
+            o_mem, st_mem = rotary.linear_attention(q, k, v, causal=causal, seq_axis=-3, return_state=True,
+                                                    backend=backend)
+            assert st.next_position == st_mem.next_position == 96 and st.groups == st_mem.groups == 2
+            assert_close(st.S.compute(), st_mem.S, rtol=3e-5, atol=3e-4)
+            assert_close(st.z.compute(), st_mem.z, rtol=3e-5, atol=3e-4)
+            # resume from the (lazy) state: the same as the in-memory resume
+            o2 = rotary.linear_attention(dq, dk, dv, causal=causal, seq_axis=-3, state=st, backend=backend)
+            e2 = rotary.linear_attention(q, k, v, causal=causal, seq_axis=-3, state=st_mem, backend=backend)
+            assert_close(o2.compute(), e2, rtol=3e-5, atol=3e-5)
+    n = 4
+    assert len(dict(o.__dask_graph__())) <= 12 * n            # O(number of chunks)
+
+
+def test_linear_attention_decay_and_positions():
+    q, k, v = _data(4)
+    pos = np.random.default_rng(5).integers(0, 10**6, size=(2, 96))
+    dec = np.array([0.9, 0.97, 1.0])
+    dq, dk, dv = (da.from_array(a, chunks=(2, 24, 3, a.shape[3])) for a in (q, k, v))
+    with dask.config.set(scheduler="threads"):
+        o, st = rotary.linear_attention(dq, dk, dv, pos, causal=True, seq_axis=-3, decay=dec, return_state=True)
+        e, est = rotary.linear_attention(q, k, v, pos, causal=True, seq_axis=-3, decay=dec, return_state=True)
+        assert_close(o.compute(), e, rtol=3e-5, atol=3e-5)
+        assert_close(st.S.compute(), est.S, rtol=3e-5, atol=3e-4)
+        np.testing.assert_array_equal(st.next_position, est.next_position)
+        o2 = rotary.linear_attention(dq, dk, dv, causal=True, seq_axis=-3, decay=dec,
+                                     positions=da.from_array(pos, chunks=(2, 48)))
+        assert_close(o2.compute(), e, rtol=3e-5, atol=3e-5)
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    distributed = pytest.importorskip("distributed")
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                                       memory_limit="1GiB")
+    client = distributed.Client(cluster, timeout=60)
+    try:
+        yield client
+    finally:
+        client.close(timeout=30)
+        cluster.close(timeout=30)
+
+
+@pytest.mark.interop("Dask (NumPy chunks)", "cpu", "numba", "distributed LocalCluster, 2 worker processes")
+def test_local_cluster_two_worker_processes(cluster_client):
+    assert len(cluster_client.scheduler_info()["workers"]) == 2
+    q, k, v = _data(6, T=128)
+    dq, dk, dv = (da.from_array(a, chunks=(2, 32, 3, a.shape[3])) for a in (q, k, v))
+    r = rotary.apply(dq, 11, seq_axis=-3)
+    o, st = rotary.linear_attention(dq, dk, dv, causal=True, seq_axis=-3, return_state=True)
+    r_c, o_c, S_c = cluster_client.compute([r, o, st.S], sync=True)
+    assert_close(r_c, _oracle_bshd(q, np.broadcast_to(np.arange(128) + 11, (2, 128))))
+    assert_close(o_c, _la_oracle(q, k, v, True), rtol=3e-5, atol=3e-5)
+    assert_close(S_c, rotary.linear_attention(q, k, v, causal=True, seq_axis=-3, return_state=True)[1].S,
+                 rtol=3e-5, atol=3e-4)
+    o_nc = cluster_client.compute(rotary.linear_attention(dq, dk, dv, seq_axis=-3), sync=True)
+    assert_close(o_nc, _la_oracle(q, k, v, False), rtol=3e-5, atol=3e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.interop("Dask (CuPy chunks)", "cuda", "cupy", "threaded scheduler, linear attention")
+def test_cupy_chunks():
+    if "cupy" not in AVAILABLE:
+        pytest.skip("needs a CUDA device and CuPy")
+    import cupy
+
+    q, k, v = _data(7)
+    dq, dk, dv = (da.from_array(a, chunks=(2, 32, 3, a.shape[3])).map_blocks(cupy.asarray) for a in (q, k, v))
+    with dask.config.set(scheduler="threads"):
+        r = rotary.apply(dq, 3, seq_axis=-3)
+        assert isinstance(r._meta, cupy.ndarray)
+        assert_close(cupy.asnumpy(r.compute()), _oracle_bshd(q, np.broadcast_to(np.arange(96) + 3, (2, 96))))
+        o = rotary.linear_attention(dq, dk, dv, causal=True, seq_axis=-3)
+        assert_close(cupy.asnumpy(o.compute()), _la_oracle(q, k, v, True), rtol=3e-5, atol=3e-5)
