@@ -25,8 +25,9 @@ from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
 from . import _adapters, _tables
 from . import backends as _backends
-from ._api import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape, canonical_view, from_canonical,
-                   normalize_positions, normalize_seq_axis, resolve_spec, to_canonical, to_numpy)
+from ._api import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape, canonical_view,
+                   from_canonical, normalize_positions, normalize_seq_axis, packed_positions, resolve_spec,
+                   to_canonical, to_numpy)
 from ._spec import RopeSpec
 
 FEATURE_MAPS = ("elu", "relu", "identity")
@@ -284,7 +285,7 @@ def _other_perm(ndim, ax, perm):
 @_adapters.dispatch("linear_attention", 3)   # torch, JAX, Dask: rotary/_torch.py, _jax.py, _dask.py
 def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
                      seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, decay=None,
-                     normalize=True, **spec_kwargs):
+                     normalize=True, cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
     """Linear attention with RoPE on the feature-mapped q and k, numerator only (RoFormer eq. 19).
 
     ``o_t = sum_s gamma^(t-s) (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s gamma^(t-s) a_t^T b_s + eps)``
@@ -330,6 +331,15 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         ``1 - 2**(-5 - arange(H))`` it is RetNet's retention. Values < 1 need ``causal=True``.
     normalize : bool
         Divide by the (decayed) denominator (default) or return the numerator alone.
+    cu_seqlens : integer array (N+1,), optional
+        A packed batch (flash-attn's varlen convention, see :mod:`rotary._packing`): q, k, v have no
+        batch axis before the sequence axis (or one of size 1) and sequence n owns tokens
+        ``cu_seqlens[n]:cu_seqlens[n+1]``; no token sees another sequence's, positions restart per
+        sequence (at ``seqlen_offsets``, or at the state's ``next_position``), and the state is per
+        sequence: S of shape (N, *k's axes after the sequence axis except the last, m, dv),
+        next_position (N,).
+    seqlen_offsets : integer array (N,) or int, optional
+        With ``cu_seqlens``: the position of each sequence's first token.
 
     Returns
     -------
@@ -342,6 +352,11 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         _check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
     gax, groups = _check_shapes(q, k, v, ax)
+    if cu_seqlens is not None or seqlen_offsets is not None:
+        return _packed(xp, q, k, v, positions, ax, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
+                       state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
+                       normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                       spec_kwargs=spec_kwargs)
     _check_scalars(causal, eps, chunk, return_state, normalize)
     _check_feature_map(feature_map)
     kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
@@ -433,3 +448,77 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     if not return_state:
         return o
     return o, make_state(S, z, _next_position(pos, lead_shape, seq_len, positions, state))
+
+
+def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state, return_state, backend, chunk,
+            decay, normalize, cu_seqlens, seqlen_offsets, spec_kwargs):
+    """linear_attention over a packed batch: one state per sequence, no token sees another sequence.
+
+    The packed (1.., T, rest) arrays are seen as a batch of sequences: equal lengths as one call on
+    (N, L, rest) with per-batch positions; otherwise one call per sequence on (1, L_n, rest).
+    """
+    if cu_seqlens is None:
+        raise ValueError("seqlen_offsets needs cu_seqlens (one offset per packed sequence)")
+    _check_scalars(causal, eps, chunk, return_state, normalize)
+    if state is not None and not isinstance(state, LinearAttentionState):
+        raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
+    if state is not None and spec is None and not spec_kwargs:
+        spec = state.spec
+    if state is not None:
+        N = int(np.size(to_numpy(cu_seqlens, "cu_seqlens"))) - 1
+        if not isinstance(state.next_position, np.ndarray) or state.next_position.shape != (N,):
+            raise ValueError(f"state has next_position {state.next_position!r}; a packed call needs a state of "
+                             f"{N} sequences (from a call with cu_seqlens of {N} sequences)")
+        if tuple(state.S.shape[:1]) != (N,):
+            raise ValueError(f"state has S of shape {tuple(state.S.shape)}; this call packs {N} sequences")
+        if positions is None and seqlen_offsets is None:
+            seqlen_offsets = state.next_position
+    positions, packed = packed_positions(q, ax, positions, cu_seqlens, seqlen_offsets, "q",
+                                         spec if isinstance(spec, RopeSpec) else None)
+    positions = np.asarray(to_numpy(positions, "positions"))
+    if positions.shape[:1] != (q.shape[ax],):
+        raise ValueError(f"positions with cu_seqlens must be per token, shape ({q.shape[ax]}, ...), got "
+                         f"{positions.shape}")
+    N = packed.n_seqs
+    rest_q, rest_k, rest_v = tuple(q.shape[ax + 1:]), tuple(k.shape[ax + 1:]), tuple(v.shape[ax + 1:])
+    heads_k = (N,) + tuple(k.shape[ax + 1:-1])
+    decay_full = _check_decay(decay, heads_k, causal)
+    kw = dict(causal=causal, feature_map=feature_map, eps=eps, spec=spec, seq_axis=1, backend=backend, chunk=chunk,
+              normalize=normalize, return_state=True, **spec_kwargs)
+    lengths = packed.lengths
+    pieces, states = [], []
+    if N and np.all(lengths == lengths[0]):
+        L = int(lengths[0])
+        groups = [(0, N, L)]
+    else:
+        groups = [(n, n + 1, int(lengths[n])) for n in range(N)]
+    for n0, n1, L in groups:
+        t0, t1 = int(packed.cu_seqlens[n0]), int(packed.cu_seqlens[n1])
+        sl = (slice(None),) * ax + (slice(t0, t1),)
+        qs, ks, vs = (xp.reshape(a[sl], (n1 - n0, L) + r) for a, r in ((q, rest_q), (k, rest_k), (v, rest_v)))
+        pos = positions[t0:t1].reshape((n1 - n0, L) + positions.shape[1:])
+        sub_state = None
+        if state is not None:
+            sub_state = LinearAttentionState(
+                state.S[n0:n1], None if state.z is None else state.z[n0:n1], state.next_position[n0:n1],
+                spec=state.spec, feature_map=state.feature_map,
+                decay=None if state.decay is None else state.decay[n0:n1], normalize=state.normalize,
+                groups=state.groups)
+        o, st = linear_attention(qs, ks, vs, pos, state=sub_state,
+                                 decay=None if decay_full is None else decay_full[n0:n1], **kw)
+        pieces.append(xp.reshape(o, tuple(q.shape[:ax]) + (t1 - t0,) + rest_q[:-1] + (v.shape[-1],)))
+        states.append(st)
+    if pieces:
+        o = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=ax)
+    else:
+        o = xp.zeros(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device=xp_device(q))
+    if not return_state:
+        return o
+    if not states:   # no sequences
+        raise ValueError("cu_seqlens with return_state=True needs at least one sequence")
+    S = states[0].S if len(states) == 1 else xp.concat([st.S for st in states], axis=0)
+    z = None if not normalize else (states[0].z if len(states) == 1 else xp.concat([st.z for st in states], axis=0))
+    nxt = np.concatenate([np.broadcast_to(np.asarray(st.next_position, np.int64), (n1 - n0,)) if L else
+                          packed.offsets[n0:n1] for st, (n0, n1, L) in zip(states, groups)])
+    return o, LinearAttentionState(S, z, nxt, spec=states[0].spec, feature_map=feature_map, decay=decay_full,
+                                   normalize=normalize, groups=states[0].groups)

@@ -336,3 +336,54 @@ def test_peer_fla_naive_recurrent_linear_attn(backend, normalize):
     o2, _ = rotary.linear_attention(to(qs[:, 20:]), to(k[:, 20:]), to(v[:, 20:]), state=st, **kw)
     ours = np.concatenate([np.asarray(o.get() if hasattr(o, "get") else o) for o in (o1, o2)], axis=1)
     assert rel_rms(ours, theirs.numpy().astype(np.float64)) <= 1e-5
+
+
+# -- packed batches (cu_seqlens) ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lengths", [(5, 0, 9, 1), (4, 4, 4)], ids=["ragged", "equal"])
+def test_packed_batch_per_sequence_state(backend, lengths):
+    """(total_tokens, H, d) with cu_seqlens: each sequence alone against the oracle (positions restarting
+    at seqlen_offsets), one state per sequence; then a packed one-token decode step from those states."""
+    rng = np.random.default_rng(13)
+    spec = rotary.RopeSpec(8, base=100.0)
+    T, H, Hk = sum(lengths), 4, 2
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = np.array([3, 100, 0, 7][:len(lengths)])
+    q = rng.standard_normal((T + len(lengths), H, 8))
+    k = rng.standard_normal((T + len(lengths), Hk, 8))
+    v = rng.standard_normal((T + len(lengths), Hk, 5))
+    decay = np.array([0.9, 0.6])
+    to = _to_backend(backend)
+    host = (lambda a: np.asarray(a.get() if hasattr(a, "get") else a))
+    kw = dict(causal=True, spec=spec, seq_axis=0, decay=decay, backend=backend, chunk=4, return_state=True)
+    o, st = rotary.linear_attention(to(q[:T]), to(k[:T]), to(v[:T]), cu_seqlens=cu, seqlen_offsets=offsets, **kw)
+    o = host(o)
+    assert st.S.shape == (len(lengths), Hk, 8, 5) and st.next_position.tolist() == (offsets + lengths).tolist()
+    # the decode step: token T + n continues sequence n
+    step = np.arange(len(lengths) + 1)
+    o2, st2 = rotary.linear_attention(to(q[T:]), to(k[T:]), to(v[T:]), cu_seqlens=step, state=st, **kw)
+    o2 = host(o2)
+    for n, (s0, s1) in enumerate(zip(cu, cu[1:])):
+        idx = list(range(s0, s1)) + [T + n]
+        qs, ks, vs = (np.moveaxis(a[idx], 0, 1)[None] for a in (q, k, v))       # (1, H, L + 1, .)
+        pos = offsets[n] + np.arange(len(idx))
+        ref = _reference(qs, ks, vs, spec, positions=pos, decay=decay)[0]      # (H, L + 1, dv)
+        assert rel_rms(o[s0:s1], np.moveaxis(ref[:, :-1], 1, 0)) <= 1e-12 if s1 > s0 else True
+        assert rel_rms(o2[n], ref[:, -1]) <= 1e-12
+    assert st2.next_position.tolist() == (offsets + lengths + 1).tolist()
+
+
+def test_packed_batch_errors():
+    q = np.zeros((6, 2, 4))
+    with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):
+        rotary.linear_attention(q, q, q, causal=True, cu_seqlens=[0, 2, 5], seq_axis=0)
+    with pytest.raises(ValueError, match="seqlen_offsets needs cu_seqlens"):
+        rotary.linear_attention(q, q, q, causal=True, seqlen_offsets=[0, 1], seq_axis=0)
+    with pytest.raises(ValueError, match="packed input"):
+        rotary.linear_attention(np.zeros((2, 6, 2, 4)), np.zeros((2, 6, 2, 4)), np.zeros((2, 6, 2, 4)),
+                                cu_seqlens=[0, 6], seq_axis=1)
+    _, st = rotary.linear_attention(q, q, q, causal=True, cu_seqlens=[0, 2, 6], seq_axis=0, return_state=True)
+    with pytest.raises(ValueError, match="a state of 3 sequences"):
+        rotary.linear_attention(q, q, q, causal=True, cu_seqlens=[0, 1, 2, 6], seq_axis=0, state=st)
+    with pytest.raises(ValueError, match="decay"):
+        rotary.linear_attention(q, q, q, causal=True, cu_seqlens=[0, 2, 6], seq_axis=0, decay=[0.5, 0.5, 0.5])
