@@ -362,7 +362,8 @@ def test_module_surface():
     assert nb.accepts(np.zeros(3, np.float16)) and nb.accepts(np.zeros(3, np.float64))
     assert not nb.accepts(np.zeros(3, np.int32)) and not nb.accepts([1.0, 2.0])
     assert rotary.backends.get("numba") is nb
-    for kernel in (kernels.rotate_qk_parallel, kernels.rotate_qk_serial, kernels.linear_attention_parallel):
+    for kernel in (kernels.rotate_qk_parallel, kernels.rotate_qk_serial, kernels.linear_attention_tasks,
+                   kernels.linear_attention_step):
         assert kernel.targetoptions.get("cache") is not False and kernel._cache.__class__.__name__ != "NullCache"
         assert not kernel.targetoptions.get("fastmath")
 
@@ -462,7 +463,7 @@ def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decaye
             args = (q.ravel(), k.ravel(), v.ravel(), o.ravel(), geo, cos, sin, rows, ss, sz, ns, nz)
             tail = (groups, powers, decayed, True)
             if parallel:
-                kernels.linear_attention_parallel(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail)
+                kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail, 0, B * Hk)
             else:
                 for b in range(B):
                     for h in range(Hk):
@@ -471,3 +472,25 @@ def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decaye
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
             np.testing.assert_array_equal(x, y)
+
+
+def test_linear_attention_thread_split_is_bit_identical(rng):
+    """Ranges of (batch, k/v head) tasks on several threads give the bits of one thread (each task is
+    computed by one thread, whatever the split)."""
+    import numba
+
+    q = rng.standard_normal((3, 21, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((3, 21, 2, d)).astype(np.float32) for d in (8, 5))
+    cos, sin, rows = _tables.lookup(rotary.RopeSpec(8), np.arange(21)[None], dtype=np.float32)
+    kw = dict(rotary_dim=8, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=8, state=None,
+              decay=np.full((3, 2), 0.9))
+    saved = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = nb.linear_attention(q, k, v, cos, sin, rows, **kw)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = nb.linear_attention(q, k, v, cos, sin, rows, **kw)
+    finally:
+        numba.set_num_threads(saved)
+    for x, y in zip((one[0], *one[1]), (many[0], *many[1])):
+        np.testing.assert_array_equal(x, y)

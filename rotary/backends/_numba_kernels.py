@@ -874,13 +874,15 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     keep_alive(phi_own)
 
 
-@njit(parallel=True, cache=True)
-def linear_attention_parallel(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
-                              rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
-                              normalize):
-    """Parallel over batch x k/v heads; geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
+@njit(nogil=True, cache=True)
+def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
+                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
+                           normalize, first, last):
+    """Tasks first..last-1 of batch x k/v heads (task = b * Hk + hk), without the GIL: the glue runs
+    ranges of tasks on a few Python threads (no parfor, whose compilation took most of the first-call
+    time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
     n_heads = state_s.shape[1]
-    for task in prange(state_s.shape[0] * n_heads):
+    for task in range(first, last):
         b = task // n_heads
         linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b,
                               task - b * n_heads, seq_len, half, rotary_dim, interleaved, causal, feature_map,
@@ -894,7 +896,8 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
 
         S' = gamma S + b_hat v^T,  z' = gamma z + b,  o_h = (a_hat_h . S') / (a_h . z' + eps)  (h in the group)
 
-    S is read once and S' written once (work dtype, no float64 copy); o accumulates rows of S' in float64.
+    Row j of S is read, updated, written to S' and added into the group's outputs while it is in L1
+    (work dtype throughout, unit-stride loops LLVM vectorises; no float64 copy of the state).
     """
     n_batch, n_kv, m, dv = state_s.shape
     work = cos.dtype
@@ -908,25 +911,24 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     a_hat = borrowed(a_hat_own)
     vals_own = np.zeros((1, dv), work)
     vals = borrowed(vals_own)
-    acc_own = np.zeros((groups, dv))
+    acc_own = np.zeros((groups, dv), work)
     acc = borrowed(acc_own)
     phi_own = np.empty(m, work)
     phi = borrowed(phi_own)
-    row_own = np.empty(dv, work)
-    row = borrowed(row_own)
     for b in range(n_batch):
         for hk in range(n_kv):
             gamma = powers[b, hk, 1] if decayed else 1.0
-            row[0] = gamma
-            gw = row[0]                                 # gamma in the work dtype
+            phi[0] = gamma
+            gw = phi[0]                                 # gamma in the work dtype
             load_features(k, geo[1], b, hk, 0, 1, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
                           b_plain, b_hat, False)
             load_values(v, geo[2], b, hk, 0, 1, vals, dv)
             for g in range(groups):
                 load_features(q, geo[0], b, hk * groups + g, 0, 1, cos, sin, rows, half, rotary_dim, interleaved,
                               feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], False)
+                acc_row = acc[g]
                 for c in range(dv):
-                    acc[g, c] = 0.0
+                    acc_row[c] = 0
             v_row = vals[0]
             old, new = state_s[b, hk], new_s[b, hk]
             for j in range(m):
@@ -934,17 +936,15 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                 old_row, new_row = old[j], new[j]
                 if decayed:
                     for c in range(dv):
-                        row[c] = old_row[c] * gw + bj * v_row[c]
+                        new_row[c] = old_row[c] * gw + bj * v_row[c]
                 else:
                     for c in range(dv):
-                        row[c] = old_row[c] + bj * v_row[c]
-                for c in range(dv):
-                    new_row[c] = row[c]
+                        new_row[c] = old_row[c] + bj * v_row[c]
                 for g in range(groups):
-                    aj = np.float64(a_hat[g, j])
+                    aj = a_hat[g, j]
                     acc_row = acc[g]
                     for c in range(dv):
-                        acc_row[c] += aj * row[c]
+                        acc_row[c] += aj * new_row[c]
             for j in range(m):
                 new_z[b, hk, j] = state_z[b, hk, j] * gamma + b_plain[0, j] if decayed else \
                     state_z[b, hk, j] + b_plain[0, j]
@@ -963,4 +963,3 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     keep_alive(vals_own)
     keep_alive(acc_own)
     keep_alive(phi_own)
-    keep_alive(row_own)

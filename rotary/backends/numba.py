@@ -8,7 +8,9 @@ never imports it (the registry loads this module on first use).
 
 from __future__ import annotations
 
-import numba  # noqa: F401  (ImportError here -> the registry's "pip install" hint)
+import threading
+
+import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
 
 from . import _numba_kernels as kernels
@@ -173,8 +175,9 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                      decay=None, normalize=True):
     """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract.
 
-    One task per (batch, k/v head) running its q heads; a one-token call (decode) runs
-    :func:`kernels.linear_attention_step` on the calling thread (no thread hand-off, one pass over S).
+    One task per (batch, k/v head) running its q heads, ranges of tasks on ``numba.get_num_threads()``
+    threads; a one-token call (decode) runs :func:`kernels.linear_attention_step` on the calling
+    thread (no thread hand-off, one pass over S).
     """
     from ._numpy_linear import decay_powers
 
@@ -211,7 +214,33 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                                       new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps), groups,
                                       powers, decayed, bool(normalize))
     else:
-        kernels.linear_attention_parallel(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z),
-                                          new_s, new_z, S, rotary_dim // 2, rotary_dim, interleaved, bool(causal),
-                                          fmap, float(eps), chunk, groups, powers, decayed, bool(normalize))
+        args = (*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s, new_z, S, rotary_dim // 2,
+                rotary_dim, interleaved, bool(causal), fmap, float(eps), chunk, groups, powers, decayed,
+                bool(normalize))
+        _run_tasks(kernels.linear_attention_tasks, args, B * Hk)
     return o, (new_s, new_z)
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _run_tasks(kernel, args, n_tasks):
+    """kernel(*args, first, last) over 0..n_tasks split into numba.get_num_threads() contiguous ranges,
+    run on a thread pool (the kernel releases the GIL); one range runs on the calling thread."""
+    global _pool
+    n = max(1, min(numba.get_num_threads(), n_tasks))
+    bounds = [n_tasks * i // n for i in range(n + 1)]
+    if n == 1:
+        kernel(*args, 0, n_tasks)
+        return
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS, thread_name_prefix="rotary-la")
+        pool = _pool
+    futures = [pool.submit(kernel, *args, bounds[i], bounds[i + 1]) for i in range(1, n)]
+    kernel(*args, bounds[0], bounds[1])
+    for f in futures:
+        f.result()
