@@ -882,11 +882,29 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     ranges of tasks on a few Python threads (no parfor, whose compilation took most of the first-call
     time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
     n_heads = state_s.shape[1]
+    # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
+    # incref/decref; the caller's references keep the arrays alive for the whole call
+    bq, bk, bv, bo, bgeo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
+    bcos, bsin, brows, bpow = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
+    bss, bsz, bns, bnz = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
     for task in range(first, last):
         b = task // n_heads
-        linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b,
+        linear_attention_head(bq, bk, bv, bo, bgeo, bcos, bsin, brows, bss, bsz, bns, bnz, b,
                               task - b * n_heads, seq_len, half, rotary_dim, interleaved, causal, feature_map,
-                              eps, chunk, groups, powers, decayed, normalize)
+                              eps, chunk, groups, bpow, decayed, normalize)
+    keep_alive(q)
+    keep_alive(k)
+    keep_alive(v)
+    keep_alive(o)
+    keep_alive(geo)
+    keep_alive(cos)
+    keep_alive(sin)
+    keep_alive(rows)
+    keep_alive(powers)
+    keep_alive(state_s)
+    keep_alive(state_z)
+    keep_alive(new_s)
+    keep_alive(new_z)
 
 
 @njit(cache=True)
