@@ -13,23 +13,13 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_numba import best_times  # noqa: E402  (sets the thread counts before numba/numpy load)
+
+import numpy as np  # noqa: E402
 import rotary  # noqa: E402
 from rotary import _tables  # noqa: E402
-
-
-def best_times(candidates: dict, rounds: int) -> dict:
-    for f in candidates.values():
-        f()
-    best = {name: float("inf") for name in candidates}
-    for _ in range(rounds):
-        for name, f in candidates.items():
-            t0 = time.perf_counter()
-            f()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def prefill(rounds):
