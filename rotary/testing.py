@@ -6,7 +6,9 @@ The oracles do not use the library's tables, views or backends: each takes the f
 - :func:`rope_2x2`: explicit 2x2 rotation matrices applied pair by pair;
 - :func:`rope_matrix`: the block-diagonal matrix R_m of RoFormer eq. (15), built per position;
 - :func:`rope_complex`: complex multiplication ``z_i * exp(1j * m * theta_i)``;
-- :func:`linear_attention_quadratic`: linear attention with RoPE (RoFormer eq. 19) as a T x T matrix.
+- :func:`linear_attention_quadratic`: linear attention with RoPE (RoFormer eq. 19) as a T x T matrix;
+- :func:`attention_quadratic`: softmax attention with RoPE, masks (causal by position, sliding window),
+  soft-capping and GQA as one full score matrix.
 """
 
 from __future__ import annotations
@@ -133,6 +135,42 @@ def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", s
         return numerator
     denominator = ((a @ np.swapaxes(b, -1, -2)) * mask).sum(-1, keepdims=True)
     return numerator / (denominator + eps)
+
+
+def attention_quadratic(q, k, v, q_positions, k_positions, inv_freq=None, *, layout="half", rotation_scale=1.0,
+                        scale=None, causal=False, window=None, softcap=None):
+    """Oracle: softmax attention in float64 with the whole (Sq, Sk) score matrix.
+
+    q (..., Hq, Sq, d), k (..., Hk, Sk, d), v (..., Hk, Sk, dv): q head j uses k/v head j // (Hq/Hk)
+    (explicitly repeated). q_positions (Sq,) or (B, Sq) and k_positions likewise (B = axis 0) rotate
+    q and k (:func:`rope_complex`; none when ``inv_freq`` is None) and mask: key s is hidden from
+    query t when ``causal`` and p_s > p_t, or ``window`` and p_t - p_s >= window. Scores
+    ``softcap * tanh(scale <q, k> / softcap)`` (scale default d**-0.5); rows seeing no key give 0.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    qp, kp = np.asarray(q_positions), np.asarray(k_positions)
+    qpb = qp.reshape(qp.shape[:1] + (1,) * (q.ndim - 3) + qp.shape[1:]) if qp.ndim == 2 else qp
+    kpb = kp.reshape(kp.shape[:1] + (1,) * (k.ndim - 3) + kp.shape[1:]) if kp.ndim == 2 else kp
+    if inv_freq is not None:
+        q = rope_complex(q, qpb, inv_freq, layout=layout, scale=rotation_scale)
+        k = rope_complex(k, kpb, inv_freq, layout=layout, scale=rotation_scale)
+    g = q.shape[-3] // k.shape[-3]
+    k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = np.einsum("...td,...sd->...ts", q, k) * scale
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    t, s_ = np.asarray(qpb, np.float64)[..., :, None], np.asarray(kpb, np.float64)[..., None, :]
+    visible = np.ones(np.broadcast_shapes(t.shape, s_.shape), bool)
+    if causal:
+        visible &= s_ <= t
+    if window is not None:
+        visible &= (t - s_) < window
+    scores = np.where(visible, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    w = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = w.sum(-1, keepdims=True)
+    return (w / np.where(total > 0, total, 1.0)) @ v
 
 
 def to_numpy64(a) -> np.ndarray:

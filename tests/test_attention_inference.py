@@ -1,0 +1,174 @@
+"""rotary.attention for inference: KV cache (q shorter than k), explicit positions, GQA, sliding window,
+soft-capping, pre-rotated inputs and packed batches, against the quadratic float64 oracle
+(rotary.testing.attention_quadratic); the blocked online softmax with tiny blocks so every path
+(skipped, partially masked and full blocks; several q blocks) runs."""
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary import RopeSpec, _attention, testing
+
+from .conftest import backend_params
+
+SPEC = RopeSpec(16, base=500.0)
+
+
+def _tol(dtype):
+    return dict(rtol=1e-11, atol=1e-11) if dtype == np.float64 else dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(params=["one block", "tiny blocks"])
+def blocks(request, monkeypatch):
+    """block_size to pass; "tiny blocks" also splits q into many row blocks."""
+    if request.param == "tiny blocks":
+        monkeypatch.setattr(_attention, "_SCORE_BLOCK_ELEMENTS", 1)
+        return 3
+    return 512
+
+
+def _bhsd(rng, dtype, B=2, Hq=4, Hk=2, Sq=5, Sk=11, d=16, dv=6):
+    q = rng.standard_normal((B, Hq, Sq, d)).astype(dtype)
+    k = rng.standard_normal((B, Hk, Sk, d)).astype(dtype)
+    v = rng.standard_normal((B, Hk, Sk, dv)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("backend", backend_params())
+def test_kv_cache_end_aligned_causal_gqa(backend, dtype, blocks, rng):
+    q, k, v = _bhsd(rng, dtype)
+    off = 40
+    kp = off + np.arange(11)
+    o = rotary.attention(q, k, v, off, causal=True, spec=SPEC, backend=backend, block_size=blocks)
+    ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, SPEC.inv_freq(), causal=True)
+    testing.assert_close(o, ref, like=q, **_tol(dtype))
+    # BSHD gives the same
+    o2 = rotary.attention(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), off, causal=True, spec=SPEC, seq_axis=1,
+                          backend=backend, block_size=blocks)
+    np.testing.assert_allclose(np.swapaxes(o2, 1, 2), o, **_tol(dtype))
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_window_softcap_and_explicit_positions(backend, blocks, rng):
+    q, k, v = _bhsd(rng, np.float64, Sq=7, Sk=13)
+    kp = np.stack([np.arange(13) * 2, np.arange(13) + 5])        # per-batch, gaps
+    qp = np.stack([np.arange(7) * 3 + 1, np.arange(7) + 11])
+    o = rotary.attention(q, k, v, q_positions=qp, k_positions=kp, causal=True, window=4, softcap=2.5, scale=0.7,
+                         spec=SPEC, backend=backend, block_size=blocks)
+    ref = testing.attention_quadratic(q, k, v, qp, kp, SPEC.inv_freq(), causal=True, window=4, softcap=2.5,
+                                      scale=0.7)
+    testing.assert_close(o, ref, like=q)
+
+
+def test_row_without_visible_keys_is_zero(rng):
+    q, k, v = _bhsd(rng, np.float64, Sq=1, Sk=4)
+    o = rotary.attention(q, k, v, q_positions=np.array([100]), k_positions=np.arange(4), causal=True, window=3,
+                         spec=SPEC, backend="numpy")
+    assert np.all(o == 0)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_pre_rotated_mode_and_sliding_window_decode(backend, blocks, rng):
+    """rope=False on q, k rotated by the caller equals rope=True; a decode step over a rotated cache."""
+    q, k, v = _bhsd(rng, np.float32, Sq=1, Sk=20)
+    kp = np.arange(20) + 7
+    k_rot = rotary.apply(k, kp, spec=SPEC, backend=backend)
+    q_rot = rotary.apply(q, kp[-1:], spec=SPEC, backend=backend)
+    o = rotary.attention(q_rot, k_rot, v, 7, causal=True, window=6, rope=False, backend=backend, block_size=blocks)
+    ref = testing.attention_quadratic(q, k, v, kp[-1:], kp, SPEC.inv_freq(), causal=True, window=6)
+    testing.assert_close(o, ref, like=q)
+    o2 = rotary.attention(q, k, v, 7, causal=True, window=6, spec=SPEC, backend=backend, block_size=blocks)
+    np.testing.assert_allclose(o2, o, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_non_causal_more_queries_than_keys(backend, rng):
+    q, k, v = _bhsd(rng, np.float64, Sq=9, Sk=4)
+    o = rotary.attention(q, k, v, spec=SPEC, backend=backend, block_size=2)
+    ref = testing.attention_quadratic(q, k, v, np.arange(-5, 4), np.arange(4), SPEC.inv_freq())
+    testing.assert_close(o, ref, like=q)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("backend", backend_params())
+def test_packed_never_mixes_sequences(backend, dtype, blocks, rng):
+    lq, lk = [3, 1, 0, 6], [5, 9, 2, 6]
+    cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lk)])
+    offsets = np.array([0, 100, 3, 17])
+    q = rng.standard_normal((cu_q[-1], 4, 16)).astype(dtype)
+    k = rng.standard_normal((cu_k[-1], 2, 16)).astype(dtype)
+    v = rng.standard_normal((cu_k[-1], 2, 8)).astype(dtype)
+    o = rotary.attention(q, k, v, causal=True, window=5, spec=SPEC, seq_axis=0, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+                         seqlen_offsets=offsets, backend=backend, block_size=blocks)
+    assert o.shape == (cu_q[-1], 4, 8) and o.dtype == dtype
+    for n in range(4):
+        a, b, c, e = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+        if a == b:
+            continue
+        kp = offsets[n] + np.arange(lk[n])
+        ref = testing.attention_quadratic(*(np.swapaxes(x, 0, 1) for x in (q[a:b], k[c:e], v[c:e])),
+                                          kp[lk[n] - lq[n]:], kp, SPEC.inv_freq(), causal=True, window=5)
+        testing.assert_close(o[a:b], np.swapaxes(ref, 0, 1), like=q, **_tol(dtype))
+        alone = rotary.attention(q[a:b], k[c:e], v[c:e], int(offsets[n]), causal=True, window=5, spec=SPEC,
+                                 seq_axis=0, backend=backend)
+        np.testing.assert_allclose(o[a:b], alone, **_tol(dtype))
+
+
+def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
+    q, k, v = _bhsd(rng, np.float64)
+    spec = RopeSpec(16, base=500.0)
+    monkeypatch.setattr(RopeSpec, "softmax_scale_factor", 1.7, raising=False)
+    o = rotary.attention(q, k, v, causal=True, spec=spec, backend="numpy")
+    kp = np.arange(11)
+    ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, spec.inv_freq(), causal=True, scale=1.7 / 4.0)
+    testing.assert_close(o, ref, like=q)
+
+
+def test_torch_inputs_through_the_array_api_path(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = _bhsd(rng, np.float64)
+    o = rotary.attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=3, softcap=3.0,
+                         spec=SPEC, block_size=4)
+    assert isinstance(o, torch.Tensor)
+    kp = np.arange(11)
+    ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, SPEC.inv_freq(), causal=True, window=3, softcap=3.0)
+    testing.assert_close(o.numpy(), ref)
+
+
+def test_inference_bad_input(rng):
+    q, k, v = _bhsd(rng, np.float32, Sq=5, Sk=3)
+    with pytest.raises(ValueError, match=r"q_len \(5\) > k_len \(3\) with causal=True"):
+        rotary.attention(q, k, v, causal=True, spec=SPEC)
+    q, k, v = _bhsd(rng, np.float32)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="window must be > 0"):
+            rotary.attention(q, k, v, causal=True, window=bad, spec=SPEC)
+    with pytest.raises(ValueError, match="window .* needs causal=True"):
+        rotary.attention(q, k, v, window=3, spec=SPEC)
+    with pytest.raises(TypeError, match="window must be an integer"):
+        rotary.attention(q, k, v, causal=True, window=2.5, spec=SPEC)
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        rotary.attention(q, k, v, softcap=0.0, spec=SPEC)
+    with pytest.raises(ValueError, match="both q_positions and k_positions"):
+        rotary.attention(q, k, v, q_positions=np.arange(5), spec=SPEC)
+    with pytest.raises(ValueError, match="not both"):
+        rotary.attention(q, k, v, 3, q_positions=np.arange(5), k_positions=np.arange(11), spec=SPEC)
+    with pytest.raises(ValueError, match="k_positions of shape"):
+        rotary.attention(q, k, v, q_positions=np.arange(5), k_positions=np.arange(10), spec=SPEC)
+    qp, kp, vp = (np.swapaxes(a[0], 0, 1) for a in (q, k, v))   # packed (T, H, d)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([1, 5]), cu_seqlens_k=np.array([0, 11]))
+    with pytest.raises(ValueError, match="cu_seqlens_k must end at the token count 11"):
+        rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([0, 5]), cu_seqlens_k=np.array([0, 10]))
+    with pytest.raises(ValueError, match="as many sequences"):
+        rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([0, 5]), cu_seqlens_k=np.array([0, 1, 11]))
+    with pytest.raises(ValueError, match="sequence 0 has q_len 5 > k_len 1"):
+        rotary.attention(qp, kp, vp, causal=True, seq_axis=0, cu_seqlens=np.array([0, 5, 5]),
+                         cu_seqlens_k=np.array([0, 1, 11]))
+    with pytest.raises(ValueError, match="seqlen_offsets must have one offset per sequence"):
+        rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([0, 5]), cu_seqlens_k=np.array([0, 11]),
+                         seqlen_offsets=[1, 2])
+    with pytest.raises(ValueError, match="seq_axis=0"):
+        rotary.attention(q, k, v, cu_seqlens=np.array([0, 5]))
