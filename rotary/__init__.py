@@ -11,6 +11,8 @@ from ._api import apply, apply_qk
 from ._attention import attention
 from ._diagnostics import convert_layout, decay_curve, permute_weights
 from ._linear_attention import LinearAttentionState, linear_attention
+from ._rerotate import rerotate
+from ._rope import Rope
 from ._spec import LAYOUTS, RopeSpec
 from ._tables import clear_cache
 from .backends import BackendUnavailableError, available_backends
@@ -21,6 +23,8 @@ __all__ = [
     "LAYOUTS",
     "apply",
     "apply_qk",
+    "Rope",
+    "rerotate",
     "attention",
     "linear_attention",
     "LinearAttentionState",

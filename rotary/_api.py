@@ -415,8 +415,11 @@ def _table_converter(module, x, xp):
 
 
 @_adapters.dispatch("rotate", 1)   # torch, JAX, Dask arrays: rotary/_torch.py, _jax.py, _dask.py
-def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs):
-    """Shared body of apply/apply_qk: rotate each x of ``xs`` (same batch/seq/head_dim)."""
+def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs, tables=None):
+    """Shared body of apply/apply_qk: rotate each x of ``xs`` (same batch/seq/head_dim).
+
+    ``tables(spec, pos, dtype, device_key, convert) -> (cos, sin, rows)`` replaces the table lookup of the
+    normalized positions ``pos`` (rerotate gives table rows of angle differences)."""
     xp = _namespace(xs, names)
     for x, name in zip(xs, names):
         _check_float(x, name, xp)
@@ -445,7 +448,7 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
 
     work = np.float64 if all(x.dtype == xp.float64 for x in xs) else np.float32
     device_key, convert = _table_converter(module, x0, xp)
-    cos, sin, rows = _tables.lookup(spec, pos, dtype=work, device_key=device_key, convert=convert)
+    cos, sin, rows = (tables or _tables.lookup)(spec, pos, dtype=work, device_key=device_key, convert=convert)
 
     strided = type(x0) is np.ndarray or is_numpy_array(x0) or is_cupy_array(x0)
     items, written = [], []

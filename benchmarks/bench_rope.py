@@ -1,0 +1,86 @@
+"""rotary.Rope on a decode step: 32 sequences x 1 token, q 32 heads, k 8 heads, d=128, fp32.
+
+    PYTHONPATH=. python benchmarks/bench_rope.py [--rounds 7]
+
+Numba: per-call time of ``rope(q, k, positions)`` (new outputs and in place) next to ``rotary.apply_qk`` and
+the compiled kernel alone with prepared arguments (the floor). CUDA launch path: the host time per call
+of the same object's CuPy path with the launch mocked (NumPy arrays stand in for device arrays, the
+launch is a no-op), i.e. everything Rope does on the host besides the launch itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import rotary
+from rotary import _tables
+
+
+def best_us(fn, calls, rounds):
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=300)
+    args = ap.parse_args()
+    from rotary.backends import _numba_kernels as kernels
+    from rotary.backends import numba as nb
+
+    B, Hq, Hk, D = 32, 32, 8, 128
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32)
+    k = rng.standard_normal((B, 1, Hk, D), dtype=np.float32)
+    positions = rng.integers(100, 8000, size=(B, 1))
+    spec = rotary.RopeSpec(D, base=500000.0)
+    rope = rotary.Rope(spec, backend="numba", dtype=np.float32, max_positions=8192)
+    qi, ki = q.copy(), k.copy()
+
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    cos, sin, rows = _tables.lookup(spec, positions, dtype=np.float32)
+    xq, oq, gq = nb._geometry(q, q_out)
+    xk, ok, gk = nb._geometry(k, k_out)
+    kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), B, 1,
+             D // 2, D, D, False, False)
+    kernel = kernels.rotate_qk_parallel if q.size + k.size >= nb.PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+    cands = {
+        "compiled kernel alone (prepared arguments)": lambda: kernel(*kargs),
+        "Rope numba: rope(q, k, positions)": lambda: rope(q, k, positions, seq_axis=1),
+        "Rope numba, in place: rope(q, k, positions, out=(q, k))": lambda: rope(qi, ki, positions, seq_axis=1,
+                                                                                 out=(qi, ki)),
+        "rotary.apply_qk numba": lambda: rotary.apply_qk(q, k, positions, spec=spec, seq_axis=1, backend="numba"),
+    }
+    print(f"decode q {q.shape} k {k.shape} fp32, best of {args.rounds} x {args.calls} calls, "
+          f"numba threads {__import__('numba').get_num_threads()}")
+    print("| call | us per call |\n|---|---|")
+    for name, fn in cands.items():
+        print(f"| {name} | {best_us(fn, args.calls, args.rounds):.1f} |")
+
+    # the CUDA launch path with a mocked launch: Rope's host work per call
+
+    launches = []
+    dev_rope = rotary.Rope(spec, backend="numpy", dtype=np.float32, max_positions=8192)
+    hooks = dict(address=lambda a: a.__array_interface__["data"][0], launch=lambda plan, name: launches.append(1),
+                 empty=np.empty, to_device=lambda a: a)
+    dev_rope._prepare_device_path((qi, ki), (qi, ki), seq_axis=1, **hooks)
+    pos_dev = positions.copy()   # stands for device positions (no host round trip)
+    t = best_us(lambda: dev_rope(qi, ki, pos_dev, seq_axis=1, out=(qi, ki)), args.calls, args.rounds)
+    launches.clear()
+    dev_rope(qi, ki, pos_dev, seq_axis=1, out=(qi, ki))
+    assert len(launches) == 1, "the CUDA path must launch exactly once per call"
+    print(f"| Rope CUDA launch path, host time per call, launch mocked (in place) | {t:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

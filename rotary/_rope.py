@@ -1,0 +1,319 @@
+"""``Rope``: a prepared rotation for the hot loop (a decode step), the way HF/vLLM users hold a module.
+
+``rope = Rope(spec, backend="numba", dtype=np.float32)`` does once what ``apply_qk`` does per call:
+it resolves the backend and holds the spec's cos/sin table (grown when a larger position comes, or
+made for ``max_positions`` up front); the first call with a new geometry (shapes, strides, seq_axis,
+in place or not) is validated by the full frontend, and later calls with the same geometry reuse
+the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
+call only reads positions, allocates outputs and launches. Anything else (array types other than
+NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, positions outside the table)
+takes the general path of :func:`rotary.apply_qk`, with the same results.
+
+On CuPy, device (CuPy) int64 positions are used as table rows without a host round trip and are
+*not* range-checked: pass ``max_positions`` and keep positions in ``[0, max_positions)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _tables
+from . import backends as _backends
+from ._api import _layout, canonical_view, packed_positions, rotate_arrays
+from ._spec import RopeSpec
+
+_FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+class Rope:
+    """A prepared RoPE: ``rope(q, k, positions)`` and ``rope.apply(x, positions)``.
+
+    Parameters
+    ----------
+    spec : RopeSpec
+    backend : {"numba", "numpy", "cupy", "auto"}
+    dtype : float16, float32 or float64
+        The dtype of the arrays the fast path is prepared for (others take the general path).
+    max_positions : int, optional
+        Build the cos/sin table for positions ``0 .. max_positions-1`` now (else it grows on demand).
+
+    Calls take the keywords of :func:`rotary.apply_qk` (``seq_axis``, ``inverse``, ``out``,
+    ``cu_seqlens``, ``seqlen_offsets``) and give the same results.
+    """
+
+    def __init__(self, spec, backend="numba", dtype=np.float32, max_positions=None):
+        if not isinstance(spec, RopeSpec):
+            raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be float16, float32 or float64, got {dtype!r}") from None
+        if dt.name not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float16, float32 or float64, got {dt}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+        if max_positions is not None:
+            if isinstance(max_positions, bool) or not isinstance(max_positions, (int, np.integer)):
+                raise TypeError(f"max_positions must be an int or None, got {type(max_positions).__name__}")
+            if max_positions <= 0:
+                raise ValueError(f"max_positions must be > 0, got {max_positions}")
+        self.spec, self.backend, self.dtype, self.max_positions = spec, backend, dt, max_positions
+        self._module = None if backend == "auto" else _backends.get(backend)
+        self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
+        self._fast_ok = not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
+        self._half, self._rotary_dim = spec.rotary_dim // 2, spec.rotary_dim
+        self._interleaved = spec.layout == "interleaved"
+        self._plans: dict = {}
+        self._table = None   # (rows R, cos, sin) on the host
+        self._device_tables: dict = {}
+        if max_positions is not None and self._fast_ok:
+            self._grow(int(max_positions) - 1)
+
+    def __repr__(self):
+        return f"Rope({self.spec!r}, backend={self.backend!r}, dtype={self.dtype.name}, max_positions={self.max_positions})"
+
+    # -- public calls --------------------------------------------------------------------------------
+    def __call__(self, q, k, positions=None, *, seq_axis=-2, inverse=False, out=None, cu_seqlens=None,
+                 seqlen_offsets=None):
+        """Rotate q and k (one pass); as :func:`rotary.apply_qk`. Returns ``(q_rot, k_rot)``."""
+        if out is None:
+            outs = (None, None)
+        elif isinstance(out, (tuple, list)) and len(out) == 2:
+            outs = tuple(out)
+        else:
+            raise TypeError("out must be None or a pair (q_out, k_out)")
+        if cu_seqlens is not None or seqlen_offsets is not None:
+            positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", self.spec)
+        return tuple(self._rotate((q, k), outs, ("q", "k"), positions, seq_axis, inverse))
+
+    def apply(self, x, positions=None, *, seq_axis=-2, inverse=False, out=None, cu_seqlens=None, seqlen_offsets=None):
+        """Rotate one array; as :func:`rotary.apply`."""
+        if cu_seqlens is not None or seqlen_offsets is not None:
+            positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, "x", self.spec)
+        return self._rotate((x,), (out,), ("x",), positions, seq_axis, inverse)[0]
+
+    # -- the prepared path -----------------------------------------------------------------------------
+    def _rotate(self, xs, outs, names, positions, seq_axis, inverse):
+        plan = None
+        if self._fast_ok:
+            key = self._key(xs, outs, seq_axis, inverse)
+            if key is not None:
+                plan = self._plans.get(key)
+                if plan is not None:
+                    rows = self._rows(positions, plan)
+                    if rows is not None:
+                        result = plan.run(self, xs, outs, rows)
+                        if result is not None:
+                            return result
+        result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
+                               inverse=inverse, backend=self.backend, spec_kwargs={})
+        if self._fast_ok and key is not None and plan is None:   # validated: prepare this geometry
+            plan = self._prepare(xs, outs, seq_axis, inverse)
+            if plan is not None:
+                if len(self._plans) >= 64:
+                    self._plans.clear()
+                self._plans[key] = plan
+        return result
+
+    def _key(self, xs, outs, seq_axis, inverse):
+        """Geometry key of a call the fast path can take, else None."""
+        key = [seq_axis, inverse]
+        dtype = self.dtype
+        for x, o in zip(xs, outs):
+            t = type(x)
+            if x.dtype != dtype or not (t is np.ndarray or t.__module__.startswith("cupy")):
+                return None
+            if not x.flags.c_contiguous:
+                return None
+            if o is None:
+                key.append((t, x.shape, 0))
+            elif o is x:
+                key.append((t, x.shape, 1))
+            else:
+                return None   # a separate out buffer: the general path checks overlaps
+        if len(xs) == 2 and (outs[0] is None) != (outs[1] is None):
+            return None
+        if type(seq_axis) is not int or type(inverse) is not bool:
+            return None
+        return tuple(key)
+
+    def _grow(self, hi):
+        """Make the host table cover positions 0..hi (False when it cannot be dense)."""
+        cos, sin, _ = _tables.lookup(self.spec, np.array([0, hi], dtype=np.int64), dtype=self._work)
+        if cos.shape[0] <= hi:   # a compact table: positions past the dense cap
+            return False
+        self._table = (cos.shape[0], cos, sin)
+        self._device_tables.clear()
+        return True
+
+    def _device_table(self, to_device):
+        """cos/sin of the current host table on the device (cached per table size)."""
+        table = self._device_tables.get(to_device)
+        if table is None or table[0] != self._table[0]:
+            table = (self._table[0], to_device(self._table[1]), to_device(self._table[2]))
+            self._device_tables[to_device] = table
+        return table[1], table[2]
+
+    def _rows(self, positions, plan):
+        """int64 (Bp, S) table rows of this call, or None when the general path must take it."""
+        S = plan.seq_len
+        if positions is None:
+            rows = plan.default_rows
+        elif type(positions) is int:
+            if positions == 0:
+                rows = plan.default_rows
+            else:
+                rows = plan.default_rows + positions
+                rows.flags.writeable = False
+        elif type(positions) is np.ndarray and positions.dtype == np.int64:
+            if positions.shape == (S,):
+                rows = positions.reshape(1, S)
+            elif positions.shape == (plan.lead0, S) and plan.batch_rep == 1:
+                rows = positions if positions.flags.c_contiguous else np.ascontiguousarray(positions)
+            else:
+                return None
+            if rows.flags.writeable:
+                rows = rows.view()
+                rows.flags.writeable = False
+        elif plan.device and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
+            return positions.reshape(1, S) if positions.shape == (S,) else (
+                positions if positions.shape == (plan.lead0, S) and plan.batch_rep == 1 else None)
+        else:
+            return None
+        if rows.size:
+            table = self._table
+            if table is None or rows.view(np.uint64).max() >= np.uint64(table[0]):
+                if rows.min() < 0 or not self._grow(int(rows.max())):
+                    return None
+        return rows
+
+    def _prepare(self, xs, outs, seq_axis, inverse, device_hooks=None):
+        """The plan of this geometry. ``device_hooks`` (address, launch, empty, to_device) prepare the
+        CUDA launch path for other arrays (tests and benchmarks: the host shim, a mocked launch)."""
+        module = self._module or _backends.pick(list(xs), "auto")
+        name = "cupy" if device_hooks else module.NAME
+        if name not in ("numba", "cupy") or self._table is None and not self._grow(255):
+            return None
+        x0 = xs[0]
+        ndim = x0.ndim
+        ax = seq_axis % ndim
+        batch_axes, _, _, _ = _layout(ndim, ax)
+        S = x0.shape[ax]
+        views = [canonical_view(x, ax) for x in xs]
+        if any(v is None for v in views):
+            return None
+        B = views[0].shape[0]
+        lead0 = x0.shape[0] if ax > 0 else 1
+        plan = _Plan(S=S, B=B, lead0=lead0, batch_rep=B // max(1, lead0) if ax > 0 else B,
+                     in_place=[o is not None for o in outs], inverse=inverse)
+        if name == "numba":
+            return plan.for_numba(module, views, self)
+        return plan.for_cupy(views, self, device_hooks)
+
+    def _prepare_device_path(self, xs, outs=None, seq_axis=-2, inverse=False, **hooks):
+        """Prepare (and keep) the CUDA launch path for this geometry with the given hooks (tests, benchmarks)."""
+        outs = outs or (None,) * len(xs)
+        key = self._key(xs, outs, seq_axis, inverse)
+        if self._table is None:
+            self._grow(255)
+        plan = self._prepare(xs, outs, seq_axis, inverse, device_hooks=hooks)
+        self._plans[key] = plan
+        return plan
+
+
+class _Plan:
+    """What a geometry needs per call (see :class:`Rope`)."""
+
+    def __init__(self, S, B, lead0, batch_rep, in_place, inverse):
+        self.seq_len, self.B, self.lead0, self.batch_rep = S, B, lead0, batch_rep
+        self.in_place, self.inverse, self.device = in_place, inverse, False
+        self.default_rows = np.arange(S, dtype=np.int64).reshape(1, S)
+        self.default_rows.flags.writeable = False
+
+    def for_numba(self, nb, views, rope):
+        from .backends import _numba_kernels as kernels
+
+        group = [(v, v if ip else np.empty(v.shape, v.dtype), None, False) for v, ip in zip(views, self.in_place)]
+        self.geo = nb._group_geometry(group)
+        elements = sum(v.size for v in views)
+        self.kernel = kernels.rotate_qk_parallel if elements >= nb.PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+        self.consts = (self.B * self.seq_len, self.seq_len, rope._half, rope._rotary_dim, views[0].shape[3],
+                       rope._interleaved, bool(self.inverse))
+        self.f16 = rope.dtype == np.float16
+        self.run = self._run_numba
+        return self
+
+    def _run_numba(self, rope, xs, outs, rows):
+        bufs = []
+        results = []
+        for x, o in zip(xs, outs):
+            y = x if o is not None else np.empty(x.shape, x.dtype)
+            xb, yb = x.reshape(-1), y.reshape(-1)
+            if self.f16:
+                xb, yb = xb.view(np.uint16), yb.view(np.uint16)
+            if xb is not yb and xb.flags.writeable:
+                xb.flags.writeable = False
+            bufs += (xb, yb)
+            results.append(y)
+        if len(bufs) == 2:
+            bufs += bufs
+        if bufs[0].size and self.B * self.seq_len:
+            _, cos, sin = rope._table
+            self.kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, cos, sin, rows, *self.consts)
+        return results
+
+    def for_cupy(self, views, rope, hooks=None):
+        """The launch with every array slot open; the tables moved to the device once per table size."""
+        from .backends import cupy as cb
+
+        if hooks:
+            address, launch, empty, to_device = (hooks["address"], hooks["launch"], hooks["empty"],
+                                                 hooks["to_device"])
+        else:
+            import cupy
+
+            address, launch, empty, to_device = cb._address, cb._launch, cupy.empty, cupy.asarray
+        self.device = True
+        self.dtype_name = str(views[0].dtype)
+        self.address, self.launch_fn, self.empty = address, launch, empty
+        items = [(v, v if ip else empty(v.shape, v.dtype)) for v, ip in zip(views, self.in_place)]
+        cos, sin = rope._device_table(to_device)
+        plan = cb.plan_rotate(items, cos, sin, to_device(self.default_rows), dtype_name=self.dtype_name,
+                                   rotary_dim=rope._rotary_dim, layout=rope.spec.layout, inverse=self.inverse,
+                                   address=self.address)
+        if plan is None:
+            return None
+        self.align = [self.address(a) & 15 for pair in items for a in pair]
+        self.slots = [i for i, a in enumerate(plan.args) if not isinstance(a, np.generic)]
+        self.per_batch = (np.int32(0), np.int32(1))
+        self.template = list(plan.args)
+        self.launch_plan = plan
+        self.to_device = to_device
+        self.run = self._run_cupy
+        return self
+
+    def _run_cupy(self, rope, xs, outs, rows):
+        arrays = []
+        results = []
+        address = self.address
+        for x, o in zip(xs, outs):
+            y = x if o is not None else self.empty(x.shape, x.dtype)
+            arrays += (x, y)
+            results.append(y)
+        for a, al in zip(arrays, self.align):
+            if address(a) & 15 != al:   # another alignment: another vector width
+                return None
+        if type(rows) is np.ndarray:
+            rows = self.to_device(rows)
+        cos, sin = rope._device_table(self.to_device)
+        if len(arrays) == 2:
+            arrays += arrays
+        args = self.template
+        for i, a in zip(self.slots, (*arrays, cos, sin, rows)):
+            args[i] = a
+        args[self.slots[-1] + 1] = self.per_batch[rows.shape[0] > 1]   # rows (Bp, S): Bp > 1 or not
+        self.launch_fn(self.launch_plan._replace(args=tuple(args)), self.dtype_name)
+        for i in self.slots:
+            args[i] = None
+        return results
+

@@ -1,0 +1,113 @@
+"""rotary.Rope: the prepared object gives apply/apply_qk's results (bit for bit) on every call form, through
+its fast path (prepared geometry) and its general path, on NumPy, Numba and the CUDA kernels via the host
+shim (the same launch path as CuPy: prepared launch arguments, one launch per call)."""
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary import RopeSpec, testing
+
+from .conftest import backend_params
+from .cuda_shim import host
+from .test_cuda_kernels_cpu import kernels  # noqa: F401  (host-shim fixture)
+
+SPEC = RopeSpec(32, base=10000.0)
+
+
+def _qk(rng, dtype, B=3, S=2, Hq=4, Hk=2, D=32):
+    return (rng.standard_normal((B, S, Hq, D)).astype(dtype), rng.standard_normal((B, S, Hk, D)).astype(dtype))
+
+
+POSITIONS = {
+    "none": lambda rng, B, S: None,
+    "offset": lambda rng, B, S: 300,
+    "shared": lambda rng, B, S: rng.integers(0, 600, size=S),
+    "per_batch": lambda rng, B, S: rng.integers(0, 600, size=(B, S)),
+    "int32": lambda rng, B, S: rng.integers(0, 600, size=(B, S)).astype(np.int32),
+    "past_table": lambda rng, B, S: rng.integers(5000, 9000, size=(B, S)),
+    "negative": lambda rng, B, S: -rng.integers(1, 50, size=(B, S)),
+}
+
+
+@pytest.mark.parametrize("kind", list(POSITIONS))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("backend", backend_params())
+def test_rope_equals_apply_qk(backend, dtype, kind, rng):
+    if backend == "cupy":
+        pytest.skip("the CuPy path is checked on the GPU (benchmarks/gpu_check.py) and through the host shim")
+    rope = rotary.Rope(SPEC, backend=backend, dtype=dtype)
+    q, k = _qk(rng, dtype)
+    for step in range(3):   # first call: validation + preparation; later calls: the prepared path
+        pos = POSITIONS[kind](rng, 3, 2)
+        got = rope(q, k, pos, seq_axis=1)
+        want = rotary.apply_qk(q, k, pos, spec=SPEC, seq_axis=1, backend=backend)
+        for g, w in zip(got, want):
+            assert type(g) is np.ndarray and g.dtype == dtype
+            np.testing.assert_array_equal(g, w)
+        x = rope.apply(k, pos, seq_axis=1, inverse=True)
+        np.testing.assert_array_equal(x, rotary.apply(k, pos, spec=SPEC, seq_axis=1, inverse=True, backend=backend))
+    if backend != "numpy" and kind not in ("int32", "negative"):
+        assert rope._plans, "the prepared path was never taken"
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_rope_in_place_bhsd_packed_and_oracle(backend, rng):
+    if backend == "cupy":
+        pytest.skip("checked through the host shim here")
+    rope = rotary.Rope(SPEC, backend=backend, dtype=np.float64, max_positions=1024)
+    q, k = (np.swapaxes(a, 1, 2).copy() for a in _qk(rng, np.float64))   # BHSD
+    for _ in range(2):
+        pos = rng.integers(0, 1024, size=(3, 2))
+        qq, kk = q.copy(), k.copy()
+        res = rope(qq, kk, pos, out=(qq, kk))
+        assert res[0] is qq and res[1] is kk
+        testing.assert_close(qq, testing.rope_2x2(q, pos[:, None, :], SPEC.inv_freq()))
+        testing.assert_close(kk, testing.rope_2x2(k, pos[:, None, :], SPEC.inv_freq()))
+    t = rng.standard_normal((7, 4, 32))   # packed (T, H, D)
+    cu = np.array([0, 2, 7])
+    for _ in range(2):
+        got = rope.apply(t, seq_axis=0, cu_seqlens=cu, seqlen_offsets=[5, 9])
+        np.testing.assert_array_equal(got, rotary.apply(t, spec=SPEC, seq_axis=0, cu_seqlens=cu,
+                                                        seqlen_offsets=[5, 9], backend=backend))
+
+
+def test_rope_cuda_launch_path_through_host_shim(kernels, rng):  # noqa: F811
+    """The CuPy path's prepared launch (template + array slots) with the shim's launcher on NumPy arrays."""
+    rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32)
+    q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
+    hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
+                 to_device=lambda a: a)
+    rope._prepare_device_path((q, k), seq_axis=1, **hooks)
+    for step in range(3):
+        pos = rng.integers(0, 3000, size=(5, 1))   # past the first table: it grows
+        qr, kr = rope(q, k, pos, seq_axis=1)
+        testing.assert_close(qr, np.swapaxes(testing.rope_2x2(np.swapaxes(q, 1, 2), pos[:, None, :],
+                                                              SPEC.inv_freq()), 1, 2), like=q)
+        testing.assert_close(kr, np.swapaxes(testing.rope_2x2(np.swapaxes(k, 1, 2), pos[:, None, :],
+                                                              SPEC.inv_freq()), 1, 2), like=k)
+    qq, kk = q.copy(), k.copy()
+    rope._prepare_device_path((qq, kk), (qq, kk), seq_axis=1, **hooks)
+    rope(qq, kk, pos, seq_axis=1, out=(qq, kk))
+    np.testing.assert_array_equal(qq, qr)
+
+
+def test_rope_bad_input(rng):
+    with pytest.raises(TypeError, match="spec must be a rotary.RopeSpec"):
+        rotary.Rope(32)
+    with pytest.raises(TypeError, match="dtype must be float16, float32 or float64"):
+        rotary.Rope(SPEC, dtype=np.int32)
+    with pytest.raises(ValueError, match="max_positions must be > 0"):
+        rotary.Rope(SPEC, max_positions=0)
+    with pytest.raises(ValueError, match="backend must be"):
+        rotary.Rope(SPEC, backend="tpu")
+    rope = rotary.Rope(SPEC, backend="numpy")
+    q, k = _qk(rng, np.float32)
+    rope(q, k, seq_axis=1)
+    rope(q, k, seq_axis=1)
+    with pytest.raises(ValueError, match="positions of shape"):
+        rope(q, k, np.arange(3), seq_axis=1)
+    with pytest.raises(TypeError, match="out must be None or a pair"):
+        rope(q, k, seq_axis=1, out=q)
+    with pytest.raises(ValueError, match="cu_seqlens must end at the token count"):
+        rope.apply(q[0], seq_axis=0, cu_seqlens=[0, 1])
