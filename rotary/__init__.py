@@ -11,6 +11,7 @@ from ._api import apply, apply_qk
 from ._attention import attention
 from ._diagnostics import convert_layout, decay_curve, permute_weights
 from ._linear_attention import LinearAttentionState, linear_attention
+from ._positions import grid_positions, mrope_next_positions, mrope_positions
 from ._rerotate import rerotate
 from ._rope import Rope
 from ._spec import LAYOUTS, RopeSpec
@@ -28,6 +29,9 @@ __all__ = [
     "attention",
     "linear_attention",
     "LinearAttentionState",
+    "grid_positions",
+    "mrope_positions",
+    "mrope_next_positions",
     "decay_curve",
     "convert_layout",
     "permute_weights",
