@@ -20,7 +20,7 @@ from rotary.testing import rope_complex
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 #: pages whose ```python blocks are executed, in order, one namespace per page
-PAGES = ["getting-started.md", "conventions.md", "length-extension.md", "theory.md", "porting.md"]
+PAGES = ["getting-started.md", "conventions.md", "length-extension.md", "theory.md", "porting.md", "multi-axis.md"]
 
 
 def python_blocks(page: str) -> list[str]:
@@ -135,6 +135,21 @@ def test_scaling_figure_data():
     np.testing.assert_allclose(scaled["linear (PI)"], base / 8, rtol=1e-14)
     for w in scaled.values():                                 # every rule slows frequencies down by 1..8
         assert np.all(w <= base * (1 + 1e-12)) and np.all(w >= base / 8 * (1 - 1e-12))
+
+
+def test_multi_axis_figure_data():
+    fig = load_script("docs/scripts/plot_multi_axis.py")
+    rows = {label.split("\n")[0]: fig.coordinate_map(spec) for label, (spec, _) in fig.FAMILIES.items()}
+    axis, shade = rows["Qwen2-VL / Qwen2.5-VL text"]
+    assert axis.tolist() == ([0] * 16 + [1] * 24 + [2] * 24) * 2 and shade[0] == 0 and shade[15] == 1
+    axis, _ = rows["Qwen3-VL text"]
+    assert axis[:6].tolist() == [0, 1, 2, 0, 1, 2] and axis[60:64].tolist() == [0, 0, 0, 0]
+    axis, _ = rows["GLM-4V text"]
+    assert axis[:4].tolist() == [0, 0, 0, 0] and axis[16:18].tolist() == [1, 1] and set(axis[64:]) == {-1}
+    axis, _ = rows["ERNIE-4.5-VL text"]
+    assert axis[:6].tolist() == [1, 1, 2, 2, 1, 1] and set(axis[88:]) == {0}
+    axis, _ = rows["SAM 2 / SAM 3 ViT"]
+    assert axis[:2].tolist() == [1, 1] and axis[32:34].tolist() == [0, 0]
 
 
 # -- benchmark harness ------------------------------------------------------------------------------
