@@ -200,7 +200,13 @@ def _canonical_factor_only(rope_type):
         if rope_type == "dynamic" and max_position_embeddings is None:
             raise ValueError("max_position_embeddings is required for rope_type 'dynamic' (the length L in "
                              "base * (factor*n/L - (factor-1))**(d/(d-2)))")
-        return {"factor": _real(params, "factor", rope_type, minimum=1.0)}
+        if rope_type != "linear":
+            return {"factor": _real(params, "factor", rope_type, minimum=1.0)}
+        factor = _real(params, "factor", rope_type, minimum=0.0, strict=True)
+        if factor < 1.0:   # MLX's scale = 1/factor and ggml's freq_scale > 1 (as HF: warn, accept)
+            warnings.warn(f"scaling['factor'] = {factor!r} < 1 for rope_type 'linear' speeds the rotation up "
+                          "(positions * 1/factor) instead of stretching the context", stacklevel=4)
+        return {"factor": factor}
     return canonical
 
 

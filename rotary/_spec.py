@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _scaling
+from . import _angles, _scaling
 
 LAYOUTS = ("half", "interleaved")
 TWO_PI = 2.0 * math.pi
@@ -339,13 +339,13 @@ class RopeSpec:
 
     # -- angles and cos/sin ----------------------------------------------------------------
     def angles(self, positions, seq_len: int | None = None) -> np.ndarray:
-        """float64 angles ``position * inv_freq`` reduced to [-pi, pi), shape positions.shape[:-1] + (d/2,)
+        """float64 angles ``position * inv_freq`` reduced to [-pi, pi], shape positions.shape[:-1] + (d/2,)
         for a multi-axis spec (positions (..., n_axes); pair i reads coordinate ``pair_axes[i]``) and
         positions.shape + (d/2,) otherwise.
 
-        The product is formed in float64 (relative error 2**-53, i.e. < 3e-7 rad at position
-        2**31) and reduced mod 2*pi before any cos/sin, so cos/sin stay exact to float32 at
-        any position below 2**31.
+        The product is formed exactly and reduced mod 2*pi in double-double (``rotary._angles``):
+        the angle is within about one ulp of pi of the exact ``p * w mod 2 pi`` (w the float64
+        inv_freq) at every position below 2**53, so float64 data gets an exact rotation.
         """
         positions = self.check_positions(positions)
         if self._pair_axes is None:
@@ -353,11 +353,9 @@ class RopeSpec:
         return self.pair_angles(positions[..., self.pair_axes()], seq_len)
 
     def pair_angles(self, coordinates, seq_len: int | None = None) -> np.ndarray:
-        """float64 angles ``coordinates[..., i] * inv_freq[i]`` reduced to [-pi, pi): the angle of pair i
+        """float64 angles ``coordinates[..., i] * inv_freq[i]`` reduced to [-pi, pi] exactly: the angle of pair i
         at the coordinate it reads (``coordinates`` broadcasts against (d/2,))."""
-        inv_freq = _inv_freq_and_scaling(self, seq_len if self.depends_on_seq_len else None)[0]
-        theta = np.asarray(coordinates).astype(np.float64) * inv_freq
-        return np.remainder(theta + math.pi, TWO_PI) - math.pi
+        return _angles.reduced_angles(coordinates, _freq_turns(self, seq_len if self.depends_on_seq_len else None))
 
     def check_positions(self, positions, name: str = "positions") -> np.ndarray:
         """``positions`` as a NumPy array checked against the spec: integers (reals for a
@@ -377,16 +375,15 @@ class RopeSpec:
     def cos_sin(self, positions, seq_len: int | None = None, dtype=np.float32):
         """(cos, sin) of the angles, times ``attention_scaling``, cast to ``dtype`` at the end; shape
         positions.shape + (d/2,), or positions.shape[:-1] + (d/2,) for a multi-axis spec."""
-        return self._cos_sin_of(self.angles(positions, seq_len), seq_len, dtype)
+        positions = self.check_positions(positions)
+        coords = positions[..., None] if self._pair_axes is None else positions[..., self.pair_axes()]
+        return self.pair_cos_sin(coords, seq_len, dtype)
 
     def pair_cos_sin(self, coordinates, seq_len: int | None = None, dtype=np.float32):
         """(cos, sin) of :meth:`pair_angles` (times ``attention_scaling``): ``coordinates[..., None]``
         gives every pair's value at one coordinate (the rows of a per-position table)."""
-        return self._cos_sin_of(self.pair_angles(coordinates, seq_len), seq_len, dtype)
-
-    def _cos_sin_of(self, theta, seq_len, dtype):
-        scale = self.attention_scaling_at(seq_len)
-        return (np.cos(theta) * scale).astype(dtype), (np.sin(theta) * scale).astype(dtype)
+        seq_len = seq_len if self.depends_on_seq_len else None
+        return _angles.cos_sin(coordinates, _freq_turns(self, seq_len), self.attention_scaling_at(seq_len), dtype)
 
     # -- layout helpers --------------------------------------------------------------------
     def pair_indices(self) -> tuple[np.ndarray, np.ndarray]:
@@ -478,3 +475,9 @@ def _inv_freq_and_scaling(spec: RopeSpec, seq_len):
     inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
     inv_freq.setflags(write=False)
     return inv_freq, float(attention)
+
+
+@lru_cache(maxsize=512)
+def _freq_turns(spec: RopeSpec, seq_len):
+    """The per-frequency constants of :func:`rotary._angles.reduced_angles` (inv_freq / 2 pi, split)."""
+    return _angles.turns(_inv_freq_and_scaling(spec, seq_len)[0])

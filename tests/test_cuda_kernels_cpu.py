@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import rotary
 from rotary import RopeSpec, _conformance as conformance
 from rotary import backends as registry
 from rotary.backends import cupy as cb
@@ -705,3 +706,14 @@ def test_plan_cache_substitutes_the_new_arrays(kernels, rng):
                 np.testing.assert_allclose(k, _oracle(k0, np.arange(6), spec), rtol=2e-6, atol=2e-6)
     for _, template, _ in cb._plan_cache.values():
         assert not any(isinstance(a, np.ndarray) for a in template)
+
+
+# -- exact float64 angles (issue 14): the kernels read the host tables --------------------------------
+def test_float64_rotation_exact_through_kernels(use_backend, rng):
+    from .test_exact_angles import SPECS, _assert_exact, _positions
+
+    name = use_backend(threads=32, max_tokens_per_block=3)
+    for spec in (SPECS["llama"], SPECS["interleaved-partial"]):
+        pos = _positions(rng, 4)
+        x = rng.standard_normal((1, len(pos), 2, spec.head_dim))
+        _assert_exact(rotary.apply(x, pos[None], spec=spec, seq_axis=1, backend=name), x, pos, spec)

@@ -268,7 +268,8 @@ BAD = [
     ({"factor": 2.0}, {}, "rope_type", []),
     ({"rope_type": 3}, {}, "rope_type", []),
     ({"rope_type": "linear"}, {}, "factor", ["required"]),
-    ({"rope_type": "linear", "factor": 0.5}, {}, "factor", [">= 1"]),
+    ({"rope_type": "linear", "factor": 0.0}, {}, "factor", ["> 0"]),
+    ({"rope_type": "ntk", "factor": 0.5}, {}, "factor", [">= 1"]),
     ({"rope_type": "linear", "factor": "2"}, {}, "factor", []),
     ({"rope_type": "linear", "factor": True}, {}, "factor", []),
     ({"rope_type": "ntk", "factor": float("nan")}, {}, "factor", []),
@@ -324,6 +325,17 @@ def test_invalid_scaling_raises_value_error_naming_the_parameter(scaling, kwargs
     assert name in message, message
     for word in words:
         assert word in message, message
+
+
+def test_linear_factor_below_one_is_mlx_scale():
+    """MLX's ``scale`` (and ggml's ``freq_scale``) > 1 is a linear factor 1/scale in (0, 1): accepted with
+    a warning, and the rotation at p equals the plain one at p * scale."""
+    with pytest.warns(UserWarning, match="< 1 for rope_type 'linear'"):
+        spec = RopeSpec(16, scaling={"rope_type": "linear", "factor": 0.5})
+    np.testing.assert_array_equal(spec.inv_freq(), RopeSpec(16).inv_freq() * 2.0)
+    x = np.random.default_rng(0).standard_normal((6, 16))
+    np.testing.assert_allclose(rotary.apply(x, spec=spec), rotary.apply(x, np.arange(6) * 2, spec=RopeSpec(16)),
+                               rtol=0, atol=1e-15)
 
 
 def test_scaling_not_a_dict_is_type_error():
