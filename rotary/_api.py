@@ -51,7 +51,10 @@ def _namespace(arrays, names):
 
 
 def _check_float(x, name, xp):
-    if type(x) is np.ndarray and x.dtype.kind == "f":   # NumPy float16/32/64/longdouble
+    if type(x) is np.ndarray and x.dtype.kind == "f":   # NumPy float16/32/64
+        if x.dtype.itemsize > 8:
+            raise TypeError(f"{name} has dtype {x.dtype} (np.longdouble), which rotary does not compute in: "
+                            f"cast to float64 ({name}.astype(np.float64)) for a float64 rotation")
         return
     ok = False
     try:
@@ -88,8 +91,8 @@ def normalize_seq_axis(seq_axis, ndim: int, name: str = "x") -> int:
     if ndim < 2:
         raise ValueError(f"{name} must have at least 2 dimensions (..., seq, dim), got shape with ndim={ndim}")
     if not -ndim <= seq_axis < ndim or seq_axis % ndim == ndim - 1:
-        raise ValueError(f"seq_axis must name an axis of {name} other than the last (head_dim) axis: "
-                         f"between {-ndim} and {ndim - 2} (or -2 ... {-ndim}), got {seq_axis}")
+        raise ValueError(f"seq_axis must name an axis of {name} (ndim={ndim}) other than the last (head_dim) axis: "
+                         f"one of {list(range(ndim - 1))} or {list(range(-ndim, -1))}, got {seq_axis}")
     return seq_axis % ndim
 
 
@@ -132,7 +135,7 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     if isinstance(positions, bool) or (isinstance(positions, np.ndarray) and positions.dtype == bool):
         raise TypeError(f"{name} must be None, an integer offset or an integer array, got a bool")
     if isinstance(positions, (int, np.integer)):
-        return _spread((np.arange(seq_len, dtype=np.int64) + np.int64(positions))[None, :], n_axes)
+        return _spread(offset_positions(positions, seq_len, name)[None, :], n_axes)
     if isinstance(positions, float):
         raise TypeError(f"{name} must be None, an integer offset or an integer array, got float {positions!r}")
     p = to_numpy(positions, name)
@@ -164,7 +167,7 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     if len(core) == 0:
         if n_axes:
             raise ValueError(f"{name} of shape {p.shape} needs a sequence axis: ({seq_len}, {n_axes})")
-        return (np.arange(seq_len, dtype=np.int64) + p)[None, :]
+        return offset_positions(p[()], seq_len, name)[None, :]
     tail = (n_axes,) if n_axes else ()
     if len(core) == 1:
         if core[0] != seq_len:
@@ -179,12 +182,25 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
         if core != (lead_shape[0], seq_len):
             raise ValueError(f"{name} of shape {p.shape} must be {(seq_len, *tail)} or (batch, seq{', n_axes' if n_axes else ''}) "
                              f"= {(lead_shape[0], seq_len, *tail)}; positions are never broadcast onto other axes")
-        rep = (canonical_batch or lead_shape[0]) // lead_shape[0]
+        rep = (canonical_batch or lead_shape[0]) // lead_shape[0] if lead_shape[0] else 1
         if rep > 1:
             p = np.repeat(p, rep, axis=0)
         return np.ascontiguousarray(p)
     raise ValueError(f"{name} must be None, an integer, or an array of shape {(seq_len, *tail)} or "
                      f"(batch, {seq_len}{', ' + str(n_axes) if n_axes else ''}); got shape {p.shape}")
+
+
+_INT64 = np.iinfo(np.int64)
+
+
+def offset_positions(offset, seq_len: int, name: str = "positions") -> np.ndarray:
+    """int64 ``offset + 0..seq_len-1``; ValueError when a position falls outside int64 (never wraps)."""
+    offset = int(offset)
+    last = offset + max(seq_len - 1, 0)
+    if offset < _INT64.min or last > _INT64.max:
+        raise ValueError(f"{name}: offset {offset} with {seq_len} tokens gives positions {offset}..{last}, outside "
+                         f"int64 [{_INT64.min}, {_INT64.max}] (angles are exact below 2**53)")
+    return np.arange(seq_len, dtype=np.int64) + np.int64(offset)
 
 
 def _spread(p: np.ndarray, n_axes: int) -> np.ndarray:
@@ -446,9 +462,10 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
                               spec=spec)
     module = _backends.pick(xs, backend)
 
-    work = np.float64 if all(x.dtype == xp.float64 for x in xs) else np.float32
+    works = [np.float64 if x.dtype == xp.float64 else np.float32 for x in xs]   # each operand its own precision
     device_key, convert = _table_converter(module, x0, xp)
-    cos, sin, rows = (tables or _tables.lookup)(spec, pos, dtype=work, device_key=device_key, convert=convert)
+    lookup = tables or _tables.lookup
+    by_work = {w: lookup(spec, pos, dtype=w, device_key=device_key, convert=convert) for w in set(works)}
 
     strided = type(x0) is np.ndarray or is_numpy_array(x0) or is_cupy_array(x0)
     items, written = [], []
@@ -465,8 +482,11 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
         else:
             items.append((to_canonical(x, ax, xp), None))
             written.append(False)
-    results = module.rotate(items, cos, sin, rows, rotary_dim=spec.rotary_dim, layout=spec.layout,
-                            inverse=bool(inverse))
+    geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=bool(inverse))
+    if len(by_work) == 1:
+        results = module.rotate(items, *by_work[works[0]], **geometry)
+    else:   # mixed float64 / narrower operands (apply_qk): one call each, in its own precision
+        results = [module.rotate([item], *by_work[w], **geometry)[0] for item, w in zip(items, works)]
     outputs = []
     for x, res, out, done in zip(xs, results, outs, written):
         if done:

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"backend(s) to test, from {', '.join(names())} (repeatable); default: every available one")
     parser.add_argument("--quick", action="store_true", help="a representative subset of cases (about a second)")
     parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
+    parser.add_argument("--errors", action="store_true",
+                        help="run the bad-input catalogue instead (each case's exception and message, or exact value)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -51,6 +53,8 @@ def format_table(results, failures_only: bool = False) -> str:
 def run_cli(args: argparse.Namespace, stdout=None) -> int:
     """Run the suite for parsed ``args``; print the table and summary; return the exit status."""
     stdout = stdout or sys.stdout
+    if getattr(args, "errors", False):
+        return run_errors(args, stdout)
     avail = available_backends()
     if args.backends:
         requested = list(dict.fromkeys(args.backends))
@@ -72,6 +76,22 @@ def run_cli(args: argparse.Namespace, stdout=None) -> int:
     verdict = "OK" if not failed else f"{len(failed)} FAILED"
     print(f"conformance ({'quick' if args.quick else 'full'}): {verdict}; cases passed per backend: {per_backend}",
           file=stdout)
+    return 1 if failed else 0
+
+
+def run_errors(args: argparse.Namespace, stdout) -> int:
+    """``--errors``: one row per bad-input case of ``rotary._error_cases``; exit 1 if any fails."""
+    from . import _error_cases
+
+    results = _error_cases.run()
+    width = max(len(r.case) for r in results)
+    for r in results:
+        if args.failures_only and r.passed:
+            continue
+        print(f"{r.case.ljust(width)}  {'pass' if r.passed else 'FAIL'}  {r.detail[:160]}", file=stdout)
+    failed = sum(not r.passed for r in results)
+    print(f"errors catalogue: {'OK' if not failed else f'{failed} FAILED'}; {len(results) - failed}/{len(results)} "
+          "cases as required", file=stdout)
     return 1 if failed else 0
 
 

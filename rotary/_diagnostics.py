@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._spec import LAYOUTS, _as_int
@@ -19,9 +21,11 @@ def decay_curve(head_dim, max_distance, *, base=10000.0) -> np.ndarray:
     n = _as_int(max_distance, "max_distance")
     if n < 0:
         raise ValueError(f"max_distance must be >= 0, got {n}")
+    if isinstance(base, (bool, np.bool_)) or not isinstance(base, (int, float, np.integer, np.floating)):
+        raise TypeError(f"base must be a real number, got {type(base).__name__} {base!r}")
     base = float(base)
-    if not base > 0 or base == 1.0:
-        raise ValueError(f"base must be > 0 and != 1, got {base}")
+    if not (math.isfinite(base) and base > 0) or base == 1.0:
+        raise ValueError(f"base must be a finite number > 0 other than 1, got {base}")
     theta = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
     out = np.empty(n + 1, dtype=np.float64)
     step = max(1, 2**20 // (d // 2))
@@ -59,6 +63,8 @@ def convert_layout(x, *, to: str, rotary_dim=None):
     from array_api_compat import array_namespace
 
     xp = array_namespace(x)
+    if x.ndim < 1:
+        raise ValueError(f"x must have at least 1 dimension (..., head_dim), got a 0-d array of shape {tuple(x.shape)}")
     d = x.shape[-1]
     r = d - d % 2 if rotary_dim is None else _as_int(rotary_dim, "rotary_dim")
     if r > d:

@@ -67,6 +67,12 @@ class LinearAttentionState:
             raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, numbers.Integral) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1 (q heads per k/v head), got {groups!r}")
+        _check_feature_map(feature_map)
+        for name, value in (("S", S), ("z", z)):
+            if value is not None and (isinstance(value, (list, tuple)) or not hasattr(value, "shape")
+                                      or getattr(value.dtype, "kind", "f") not in "f"):
+                raise TypeError(f"state {name} must be a real floating array (NumPy, CuPy, torch, ...), got "
+                                f"{type(value).__name__}{' of dtype ' + str(value.dtype) if hasattr(value, 'dtype') else ''}")
         if len(S.shape) < 2:
             raise ValueError(f"state S must be (..., m, dv), got S {tuple(S.shape)}")
         if z is None:
@@ -247,6 +253,9 @@ def _next_position(pos, lead_shape, seq_len, positions, state):
         # real-valued coordinates: one past the largest coordinate seen
         last = np.floor(pos.reshape(pos.shape[0], -1).max(axis=1)).astype(np.int64) + 1
     else:
+        if int(pos[:, -1].max()) == np.iinfo(np.int64).max:
+            raise ValueError("the last position is the largest int64: the next position (for a state) would "
+                             "overflow int64")
         last = pos[:, -1] + 1
     if pos.shape[0] == 1:
         return int(last[0])
@@ -366,6 +375,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     if callable(feature_map):
         a, b = feature_map(xp.astype(q, work)), feature_map(xp.astype(k, work))
         for x, src, name in ((a, q, "feature_map(q)"), (b, k, "feature_map(k)")):
+            if type(x) is not type(src) or not xp.isdtype(x.dtype, "real floating"):
+                raise TypeError(f"{name} must return a real floating array of q's type ({type(src).__name__}), got "
+                                f"{type(x).__name__}{' of dtype ' + str(x.dtype) if hasattr(x, 'dtype') else ''}")
             if tuple(x.shape[:-1]) != tuple(src.shape[:-1]) or x.ndim != src.ndim:
                 raise ValueError(f"{name} must have shape {tuple(src.shape[:-1])} + (m,), got {tuple(x.shape)}")
         if b.shape[-1] != a.shape[-1]:

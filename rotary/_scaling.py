@@ -162,7 +162,10 @@ def canonical_scaling(scaling, *, rotary_dim: int, head_dim: int, base: float, m
     """
     if scaling is None:
         return None
-    if isinstance(scaling, tuple):
+    if isinstance(scaling, tuple):   # a spec's own canonical form: ((key, value), ...)
+        if not all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in scaling):
+            raise TypeError(f"scaling must be a dict like {{'rope_type': 'linear', 'factor': 2.0}} or None, got the "
+                            f"tuple {scaling!r}")
         scaling = dict(scaling)
     if not isinstance(scaling, Mapping):
         raise TypeError("scaling must be a dict like {'rope_type': 'linear', 'factor': 2.0} or None, "
@@ -231,7 +234,7 @@ def _canonical_yarn(params, *, rotary_dim, head_dim, max_position_embeddings):
         out["attention_factor"] = _real(params, "attention_factor", "yarn", minimum=0.0, strict=True)
     for key in ("mscale", "mscale_all_dim"):
         if params.get(key) is not None:
-            out[key] = _real(params, key, "yarn")
+            out[key] = _real(params, key, "yarn", minimum=0.0)   # 0.1 * mscale * ln(s) + 1 must stay > 0
     return out
 
 
@@ -259,6 +262,9 @@ def _canonical_longrope(params, *, rotary_dim, head_dim, max_position_embeddings
         out["factor"] = _implicit_factor(params, "longrope", original, max_position_embeddings)
     if params.get("attention_factor") is not None:
         out["attention_factor"] = _real(params, "attention_factor", "longrope", minimum=0.0, strict=True)
+    elif out["factor"] > 1.0 and original < 2:
+        raise ValueError(f"scaling['original_max_position_embeddings'] must be >= 2 for rope_type 'longrope' (its "
+                         f"attention factor is sqrt(1 + ln(factor) / ln(original))); got {original}")
     return out
 
 

@@ -117,6 +117,8 @@ class RopeSpec:
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
         if rotary_dim is None:
+            if head_dim < 2:
+                raise ValueError(f"head_dim must be >= 2 (at least one rotated pair), got {head_dim}")
             rotary_dim = head_dim - (head_dim % 2)
         rotary_dim = _as_int(rotary_dim, "rotary_dim")
         if rotary_dim % 2 or rotary_dim < 2:
@@ -151,6 +153,8 @@ class RopeSpec:
         for name in self._FIELDS:
             object.__setattr__(self, name, values[name])
         object.__setattr__(self, "_hash", hash(self._key()))
+        if scaling is not None:
+            _check_evaluates(self)
 
     # -- value semantics -------------------------------------------------------------------
     def __setattr__(self, name, value):
@@ -319,13 +323,16 @@ class RopeSpec:
         ``seq_len`` (max position + 1) matters only for rules that depend on it ("dynamic",
         "longrope"); None means the model's original context.
         """
-        if seq_len is not None:
-            seq_len = _as_int(seq_len, "seq_len")
-            if seq_len < 1:
-                raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-            if not self.depends_on_seq_len:
-                seq_len = None
-        return _inv_freq_and_scaling(self, seq_len)[0].copy()
+        return _inv_freq_and_scaling(self, self._seq_len(seq_len))[0].copy()
+
+    def _seq_len(self, seq_len):
+        """``seq_len`` checked (None or an integer >= 1), and None for rules that do not depend on it."""
+        if seq_len is None:
+            return None
+        seq_len = _as_int(seq_len, "seq_len")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be an integer >= 1 (max position + 1) or None, got {seq_len}")
+        return seq_len if self.depends_on_seq_len else None
 
     @property
     def attention_scaling(self) -> float:
@@ -333,9 +340,8 @@ class RopeSpec:
         return _inv_freq_and_scaling(self, None)[1]
 
     def attention_scaling_at(self, seq_len: int | None) -> float:
-        if seq_len is not None and not self.depends_on_seq_len:
-            seq_len = None
-        return _inv_freq_and_scaling(self, seq_len)[1]
+        """:attr:`attention_scaling` for a sequence of ``seq_len`` (max position + 1) tokens."""
+        return _inv_freq_and_scaling(self, self._seq_len(seq_len))[1]
 
     # -- angles and cos/sin ----------------------------------------------------------------
     def angles(self, positions, seq_len: int | None = None) -> np.ndarray:
@@ -355,7 +361,7 @@ class RopeSpec:
     def pair_angles(self, coordinates, seq_len: int | None = None) -> np.ndarray:
         """float64 angles ``coordinates[..., i] * inv_freq[i]`` reduced to [-pi, pi] exactly: the angle of pair i
         at the coordinate it reads (``coordinates`` broadcasts against (d/2,))."""
-        return _angles.reduced_angles(coordinates, _freq_turns(self, seq_len if self.depends_on_seq_len else None))
+        return _angles.reduced_angles(coordinates, _freq_turns(self, self._seq_len(seq_len)))
 
     def check_positions(self, positions, name: str = "positions") -> np.ndarray:
         """``positions`` as a NumPy array checked against the spec: integers (reals for a
@@ -382,8 +388,15 @@ class RopeSpec:
     def pair_cos_sin(self, coordinates, seq_len: int | None = None, dtype=np.float32):
         """(cos, sin) of :meth:`pair_angles` (times ``attention_scaling``): ``coordinates[..., None]``
         gives every pair's value at one coordinate (the rows of a per-position table)."""
-        seq_len = seq_len if self.depends_on_seq_len else None
-        return _angles.cos_sin(coordinates, _freq_turns(self, seq_len), self.attention_scaling_at(seq_len), dtype)
+        seq_len = self._seq_len(seq_len)
+        try:
+            table_dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be a floating dtype (float16/float32/float64), got {dtype!r}") from None
+        if table_dtype.kind != "f" or table_dtype.itemsize > 8:
+            raise TypeError(f"dtype must be a floating dtype (float16/float32/float64), got {table_dtype}")
+        return _angles.cos_sin(coordinates, _freq_turns(self, seq_len), _inv_freq_and_scaling(self, seq_len)[1],
+                               table_dtype)
 
     # -- layout helpers --------------------------------------------------------------------
     def pair_indices(self) -> tuple[np.ndarray, np.ndarray]:
@@ -462,6 +475,26 @@ def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes,
     if n_axes <= max(pair_axes):
         raise ValueError(f"pair_axes reads coordinate {max(pair_axes)} but n_axes is {n_axes}")
     return pair_axes, n_axes, None, None
+
+
+def _check_evaluates(spec: RopeSpec) -> None:
+    """A spec that constructs must also evaluate: finite frequencies >= 0 and a finite attention factor
+    > 0 at the original context and, for length-dependent rules, at 4x the model's context."""
+    lengths = [None]
+    if spec.depends_on_seq_len:
+        lengths.append(4 * max(spec.max_position_embeddings or 1, dict(spec.scaling).get("original_max_position_embeddings") or 1))
+    for seq_len in lengths:
+        at = "" if seq_len is None else f" at seq_len={seq_len}"
+        try:
+            with np.errstate(all="ignore"):
+                inv_freq, attention = _inv_freq_and_scaling(spec, seq_len)
+        except ArithmeticError as exc:
+            raise ValueError(f"scaling {spec.scaling_dict} cannot be evaluated{at}: {type(exc).__name__}: {exc}") from None
+        if not (np.all(np.isfinite(inv_freq)) and np.all(inv_freq >= 0)):
+            raise ValueError(f"scaling {spec.scaling_dict} gives non-finite or negative frequencies{at}")
+        if not (math.isfinite(attention) and attention > 0):
+            raise ValueError(f"scaling {spec.scaling_dict} gives attention factor {attention!r}{at}; it must be finite "
+                             "and > 0 (check 'factor', 'mscale', 'mscale_all_dim', 'attention_factor')")
 
 
 @lru_cache(maxsize=512)

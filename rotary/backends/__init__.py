@@ -35,6 +35,8 @@ from __future__ import annotations
 import importlib
 import threading
 
+import numpy as np
+
 _MODULES = {
     "numpy": "rotary.backends.numpy",
     "numba": "rotary.backends.numba",
@@ -117,8 +119,13 @@ def pick(arrays, name: str):
     module = get(name)
     for a in arrays:
         if not module.accepts(a):
-            raise TypeError(f"backend {name!r} does not take arrays of type "
-                            f"{type(a).__module__}.{type(a).__name__}; use backend='auto'")
+            dtype = getattr(a, "dtype", None)
+            what = f"{type(a).__module__}.{type(a).__name__}"
+            if isinstance(dtype, np.dtype):
+                order = {">": ", big-endian", "<": ", little-endian"}.get(dtype.byteorder, "")
+                what += f" of dtype {dtype.str} ({dtype.name}{order})"
+            raise TypeError(f"backend {name!r} does not take {what}; use backend='auto' or convert the array "
+                            "(native byte order float16/float32/float64: x.astype(x.dtype.newbyteorder('='))")
     return module
 
 

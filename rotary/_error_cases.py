@@ -1,0 +1,203 @@
+"""The bad-input catalogue: every input that once gave a silent wrong result, a crash or an error
+naming the wrong thing (issue 14), with the exception (type and message words) or the exact value
+it must give now. ``python -m rotary conformance --errors`` runs it; tests/test_error_catalogue.py
+asserts it. Each case needs only NumPy (Numba cases are skipped without it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ErrorCase:
+    """``run()`` must raise ``raises`` with every word of ``words`` in its message, or (raises=None)
+    return a value for which ``check(value)`` is True. ``needs``: a backend name it requires."""
+    name: str
+    run: Callable
+    raises: type | None = None
+    words: tuple = ()
+    check: Callable | None = None
+    needs: str | None = None
+
+
+@dataclass(frozen=True)
+class ErrorResult:
+    case: str
+    passed: bool
+    detail: str
+
+
+def _x(shape=(4, 8), dtype=np.float32):
+    return np.random.default_rng(0).standard_normal(shape).astype(dtype)
+
+
+def _spec(*args, **kwargs):
+    from . import RopeSpec
+
+    return RopeSpec(*args, **kwargs)
+
+
+def _apply(*args, **kwargs):
+    from . import apply
+
+    return apply(*args, **kwargs)
+
+
+def _yarn(**extra):
+    return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, **extra}
+
+
+def _mixed_precision_ok(result) -> bool:
+    """fp32 q and fp64 k: k is rotated in float64 (as alone), q in float32 (as alone)."""
+    from . import apply
+
+    q, k = _x((6, 8)), _x((6, 8), np.float64)
+    return (np.array_equal(result[1], apply(k, 2**30)) and np.array_equal(result[0], apply(q, 2**30))
+            and result[1].dtype == np.float64)
+
+
+def _linear_state(**kwargs):
+    from . import LinearAttentionState
+
+    defaults = dict(S=np.zeros((8, 4)), z=np.zeros(8), next_position=0, spec=_spec(8))
+    defaults.update(kwargs)
+    S, z, nxt = defaults.pop("S"), defaults.pop("z"), defaults.pop("next_position")
+    return LinearAttentionState(S, z, nxt, **defaults)
+
+
+def _linear(feature_map):
+    from . import linear_attention
+
+    q = _x((1, 5, 2, 8))
+    return linear_attention(q, q, q, seq_axis=1, feature_map=feature_map)
+
+
+def _cases() -> list:
+    from . import apply_qk, convert_layout, decay_curve
+
+    big = 2**63
+    return [
+        # -- silent wrong results ----------------------------------------------------------------
+        ErrorCase("offset wraps past int64", lambda: _apply(_x(), big - 2), ValueError, ("offset", "int64")),
+        ErrorCase("uint64 offset above int64", lambda: _apply(_x(), np.uint64(big + 5)), ValueError, ("int64",)),
+        ErrorCase("offset 2**63 (was a bare OverflowError)", lambda: _apply(_x(), big), ValueError, ("int64",)),
+        ErrorCase("uint64 positions above int64", lambda: _apply(_x(), np.array([big] * 4, np.uint64)), ValueError,
+                  ("int64",)),
+        ErrorCase("mixed fp32 q / fp64 k: each in its own precision", lambda: apply_qk(_x((6, 8)), _x((6, 8), np.float64), 2**30),
+                  check=_mixed_precision_ok),
+        ErrorCase("np.longdouble input", lambda: _apply(_x(dtype=np.longdouble)), TypeError, ("longdouble", "float64")),
+        ErrorCase("yarn mscale < 0 (negative attention factor)", lambda: _spec(64, scaling=_yarn(mscale=-20.0,
+                  mscale_all_dim=1.0)), ValueError, ("mscale", ">= 0")),
+        ErrorCase("yarn mscale_all_dim < 0", lambda: _spec(64, scaling=_yarn(mscale=1.0, mscale_all_dim=-1.0)),
+                  ValueError, ("mscale_all_dim",)),
+        ErrorCase("decay_curve(base=inf)", lambda: decay_curve(8, 3, base=math.inf), ValueError, ("base", "finite")),
+        ErrorCase("feature map returning complex", lambda: _linear(lambda a: a + 0j), TypeError,
+                  ("feature_map(q)", "real floating", "complex")),
+        ErrorCase("LinearAttentionState(feature_map='nope')", lambda: _linear_state(feature_map="nope"), ValueError,
+                  ("feature_map", "'nope'")),
+        ErrorCase("negative seq_len in angles", lambda: _spec(8).angles(np.arange(3), seq_len=-1), ValueError,
+                  ("seq_len", ">= 1")),
+        ErrorCase("negative seq_len in cos_sin", lambda: _spec(8).cos_sin(np.arange(3), seq_len=-4), ValueError,
+                  ("seq_len",)),
+        ErrorCase("negative seq_len in attention_scaling_at", lambda: _spec(8).attention_scaling_at(-1), ValueError,
+                  ("seq_len",)),
+        ErrorCase("string seq_len", lambda: _spec(8).cos_sin(np.arange(3), seq_len="5"), TypeError,
+                  ("seq_len", "integer", "str")),
+        ErrorCase("cos_sin(dtype=np.int32)", lambda: _spec(8).cos_sin(np.arange(3), dtype=np.int32), TypeError,
+                  ("dtype", "floating", "int32")),
+        ErrorCase("next_position past int64", lambda: _linear_state_call(np.array([big - 3, big - 2, big - 1])),
+                  ValueError, ("int64",)),
+        ErrorCase("state resumed past int64", lambda: _linear_state_call(None, start=big - 2), ValueError,
+                  ("int64",)),
+        # -- crashes -----------------------------------------------------------------------------
+        ErrorCase("batch of size 0 with (batch, seq) positions",
+                  lambda: _apply(_x((0, 3, 8)), np.zeros((0, 3), np.int64)), check=lambda y: y.shape == (0, 3, 8)),
+        ErrorCase("longrope original_max_position_embeddings=1", lambda: _spec(8, scaling={
+                  "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
+                  "original_max_position_embeddings": 1}, max_position_embeddings=8), ValueError,
+                  ("original_max_position_embeddings", ">= 2")),
+        ErrorCase("ntk factor 1e300 (overflow at first use)", lambda: _spec(8, scaling={"rope_type": "ntk",
+                  "factor": 1e300}), ValueError, ("cannot be evaluated", "Overflow")),
+        ErrorCase("convert_layout of a 0-d array", lambda: convert_layout(np.ones(()), to="half"), ValueError,
+                  ("at least 1 dimension",)),
+        ErrorCase("feature map returning a list", lambda: _linear(lambda a: a.tolist()), TypeError,
+                  ("feature_map(q)", "list")),
+        ErrorCase("LinearAttentionState(S=list)", lambda: _linear_state(S=[[0.0] * 4] * 8), TypeError,
+                  ("state S", "list")),
+        # -- errors that named the wrong thing ---------------------------------------------------
+        ErrorCase("scaling=('linear', 2.0)", lambda: _spec(8, scaling=("linear", 2.0)), TypeError,
+                  ("scaling must be a dict",)),
+        ErrorCase("big-endian array on Numba", lambda: _apply(_x().astype(">f4"), backend="numba"), TypeError,
+                  ("big-endian", ">f4"), needs="numba"),
+        ErrorCase("longdouble on Numba", lambda: _apply(_x(dtype=np.longdouble), backend="numba"), TypeError,
+                  ("longdouble",)),
+        ErrorCase("head_dim=0", lambda: _spec(0), ValueError, ("head_dim", ">= 1")),
+        ErrorCase("head_dim=1 (was reported as rotary_dim)", lambda: _spec(1), ValueError, ("head_dim", ">= 2")),
+        ErrorCase("seq_axis out of range", lambda: _apply(_x((2, 4, 8)), seq_axis=5), ValueError,
+                  ("seq_axis", "[0, 1]", "[-3, -2]", "got 5")),
+        # -- documented mappings -----------------------------------------------------------------
+        ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
+                  check=lambda ok: ok is True),
+    ]
+
+
+def _linear_state_call(positions, start=None):
+    from . import linear_attention
+
+    q = _x((1, 3, 1, 8))
+    state = None if start is None else _linear_state(S=np.zeros((1, 1, 8, 8), np.float32), z=np.zeros((1, 1, 8), np.float32),
+                                                      next_position=start)
+    return linear_attention(q, q, q, positions, seq_axis=1, causal=True, state=state, return_state=True)
+
+
+def _linear_below_one() -> bool:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = _spec(16, scaling={"rope_type": "linear", "factor": 0.5})
+    x = _x((6, 16), np.float64)
+    return bool(np.allclose(_apply(x, spec=spec), _apply(x, np.arange(6) * 2, spec=_spec(16)), rtol=0, atol=1e-15))
+
+
+def cases() -> list:
+    """Every :class:`ErrorCase`."""
+    return _cases()
+
+
+def run_case(case: ErrorCase) -> ErrorResult:
+    if case.needs is not None:
+        from .backends import available_backends
+
+        ok, reason = available_backends()[case.needs]
+        if not ok:
+            return ErrorResult(case.name, True, f"skipped: {reason}")
+    try:
+        value = case.run()
+    except Exception as exc:  # noqa: BLE001 - the point is to see what it raises
+        message = str(exc)
+        if case.raises is None:
+            return ErrorResult(case.name, False, f"raised {type(exc).__name__}: {message}")
+        if type(exc) is not case.raises:
+            return ErrorResult(case.name, False, f"raised {type(exc).__name__} (want {case.raises.__name__}): {message}")
+        missing = [w for w in case.words if w not in message]
+        if missing:
+            return ErrorResult(case.name, False, f"message lacks {missing}: {message}")
+        return ErrorResult(case.name, True, f"{type(exc).__name__}: {message}")
+    if case.raises is not None:
+        return ErrorResult(case.name, False, f"did not raise {case.raises.__name__}")
+    try:
+        good = bool(case.check(value))
+    except Exception as exc:  # noqa: BLE001
+        return ErrorResult(case.name, False, f"check raised {type(exc).__name__}: {exc}")
+    return ErrorResult(case.name, good, "value as required" if good else f"wrong value: {value!r}"[:200])
+
+
+def run() -> list:
+    """:class:`ErrorResult` of every case."""
+    return [run_case(c) for c in cases()]

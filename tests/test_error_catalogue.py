@@ -1,0 +1,46 @@
+"""The bad-input catalogue (rotary._error_cases, issue 14): each case raises the exact exception type with
+the required words in its message, or returns the exact value required; the CLI reports the same."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from rotary import _cli_conformance, _error_cases
+from rotary.backends import available_backends
+
+CASES = _error_cases.cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_error_case(case):
+    if case.needs and not available_backends()[case.needs][0]:
+        pytest.skip(f"needs {case.needs}")
+    if case.raises is not None:
+        with pytest.raises(Exception) as info:
+            case.run()
+        assert type(info.value) is case.raises, f"{type(info.value).__name__}: {info.value}"
+        for word in case.words:
+            assert word in str(info.value), str(info.value)
+    else:
+        assert case.check(case.run())
+    assert _error_cases.run_case(case).passed
+
+
+def test_catalogue_reports_failures():
+    """The runner is not a rubber stamp: a case whose call does not raise, or raises otherwise, fails."""
+    quiet = _error_cases.ErrorCase("no raise", lambda: 1, ValueError, ("x",))
+    wrong = _error_cases.ErrorCase("wrong type", lambda: int("x"), TypeError, ())
+    words = _error_cases.ErrorCase("wrong words", lambda: int("x"), ValueError, ("nothing like this",))
+    value = _error_cases.ErrorCase("wrong value", lambda: 1, check=lambda v: v == 2)
+    assert not any(_error_cases.run_case(c).passed for c in (quiet, wrong, words, value))
+
+
+def test_cli_errors_flag():
+    out = io.StringIO()
+    status = _cli_conformance.run_cli(argparse.Namespace(errors=True, failures_only=False), stdout=out)
+    text = out.getvalue()
+    assert status == 0, text
+    assert "errors catalogue: OK" in text and "offset wraps past int64" in text
