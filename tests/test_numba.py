@@ -418,6 +418,7 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
     """Whole registers (and a scalar remainder: rotary_dim 72 -> 36 pairs) give the scalar strided loop's
     exact bits, out of place and in place, serial and parallel kernel; and match the float64 oracle."""
     monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
     spec = rotary.RopeSpec(128, rotary_dim=72, layout=layout)
     pos = rng.integers(0, 500, size=(3, 2))
     q = rng.standard_normal((3, 2, 4, 128)).astype(dtype)

@@ -149,7 +149,8 @@ def test_parallel_and_serial_kernels_agree_on_decode(rng, monkeypatch):
     q, k, ax = _decode_inputs(rng, np.float32, B=8, S=1, Hq=8, Hk=2, D=64)
     spec = rotary.RopeSpec(64, base=500000.0)
     positions = rng.integers(0, 8000, size=(8, 1))
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 0)
+    for knob in ("PARALLEL_MIN_ELEMENTS", "DECODE_PARALLEL_MIN_ELEMENTS", "PARALLEL_MIN_TOKENS"):
+        monkeypatch.setattr(nb, knob, 0)
     parallel = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend="numba")
     monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 62)
     serial = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend="numba")

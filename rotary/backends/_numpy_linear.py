@@ -143,7 +143,7 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
         z = xp.zeros((B, H, m), dtype=work, device=dev)
     else:
         S, z = (xp.astype(s, work, copy=False) for s in state)
-    step = max(1, int(chunk))
+    step = max(1, min(int(chunk), q.shape[1]))   # never a chunk x chunk mask past T
     bounds = [(s0, min(T, s0 + step)) for s0 in range(0, T, step)]
     pieces = []
     if not causal:
@@ -318,7 +318,7 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
     bp = rows.shape[0]
     cos_tok = np.take(cos, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
     sin_tok = np.take(sin, flat, axis=0).astype(work, copy=False).reshape(bp, 1, T, -1)
-    step = max(1, int(chunk))
+    step = max(1, min(int(chunk), q.shape[1]))   # never a chunk x chunk mask past T
     G = _group_chunks(bh, step, m, dv, max(1, T // step))
     # The carried (S, z) is float64 between groups; a call with a single group, or one shorter than the
     # state is wide (decode), carries in the work dtype: a couple of roundings at most, and no float64

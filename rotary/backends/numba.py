@@ -8,6 +8,7 @@ never imports it (the registry loads this module on first use).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numba  # ImportError here -> the registry's "pip install" hint
@@ -22,7 +23,27 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
 #: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
 #: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
-PARALLEL_MIN_ELEMENTS = 1 << 13
+#: Raised (issue 14): on a busy machine the thread hand-off of a decode apply_qk (B=32, one token
+#: each) cost 680 us median against 92 us on the calling thread. Now: >= 64k elements and >= 8
+#: tokens, and one-token-per-sequence calls (decode) only from 1M elements on.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+PARALLEL_MIN_TOKENS = 8
+DECODE_PARALLEL_MIN_ELEMENTS = 1 << 20
+
+#: True in a child made by os.fork(): GNU OpenMP (numba's default threading layer) cannot run in a
+#: forked child of a process that used it ("fork() called from a process already using GNU OpenMP"),
+#: so a forked child rotates on its calling thread (serial kernel) and makes its own thread pool.
+_in_forked_child = False
+
+
+def _after_fork_in_child():
+    global _in_forked_child, _pool, _pool_lock
+    _in_forked_child = True
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def availability():
@@ -166,7 +187,9 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
     if len(bufs) == 1:
         bufs.append(bufs[0])
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
-    kernel = kernels.rotate_qk_parallel if elements >= PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+    parallel = (elements >= (PARALLEL_MIN_ELEMENTS if S > 1 else DECODE_PARALLEL_MIN_ELEMENTS)
+                and B * S >= PARALLEL_MIN_TOKENS and not _in_forked_child)
+    kernel = kernels.rotate_qk_parallel if parallel else kernels.rotate_qk_serial
     kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, B * S, S, rotary_dim // 2,
            rotary_dim, D, layout == "interleaved", bool(inverse))
 
