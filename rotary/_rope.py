@@ -231,12 +231,11 @@ class _Plan:
         self.default_rows.flags.writeable = False
 
     def for_numba(self, nb, views, rope):
-        from .backends import _numba_kernels as kernels
 
         group = [(v, v if ip else np.empty(v.shape, v.dtype), None, False) for v, ip in zip(views, self.in_place)]
         self.geo = nb._group_geometry(group)
         elements = sum(v.size for v in views)
-        self.kernel = kernels.rotate_qk_parallel if elements >= nb.PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+        self.kernel, self.nb = nb.rotate_kernel(elements, self.B, self.seq_len), nb
         self.consts = (self.B * self.seq_len, self.seq_len, rope._half, rope._rotary_dim, views[0].shape[3],
                        rope._interleaved, bool(self.inverse))
         self.f16 = rope.dtype == np.float16
@@ -259,7 +258,8 @@ class _Plan:
             bufs += bufs
         if bufs[0].size and self.B * self.seq_len:
             _, cos, sin = rope._table
-            self.kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, cos, sin, rows, *self.consts)
+            kernel = self.kernel if not self.nb._in_forked_child else self.nb.rotate_kernel(0, 0, 0)   # serial
+            kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, cos, sin, rows, *self.consts)
         return results
 
     def for_cupy(self, views, rope, hooks=None):

@@ -187,11 +187,16 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
     if len(bufs) == 1:
         bufs.append(bufs[0])
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
-    parallel = (elements >= (PARALLEL_MIN_ELEMENTS if S > 1 else DECODE_PARALLEL_MIN_ELEMENTS)
-                and B * S >= PARALLEL_MIN_TOKENS and not _in_forked_child)
-    kernel = kernels.rotate_qk_parallel if parallel else kernels.rotate_qk_serial
+    kernel = rotate_kernel(elements, B, S)
     kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, B * S, S, rotary_dim // 2,
            rotary_dim, D, layout == "interleaved", bool(inverse))
+
+
+def rotate_kernel(elements: int, n_batch: int, seq_len: int):
+    """The rotation kernel for a call of this size (see PARALLEL_MIN_ELEMENTS); serial in a forked child."""
+    parallel = (elements >= (PARALLEL_MIN_ELEMENTS if seq_len > 1 else DECODE_PARALLEL_MIN_ELEMENTS)
+                and n_batch * seq_len >= PARALLEL_MIN_TOKENS and not _in_forked_child)
+    return kernels.rotate_qk_parallel if parallel else kernels.rotate_qk_serial
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
