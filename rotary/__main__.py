@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from . import __version__
+
 LLAMA31_8B = {  # the RoPE part of meta-llama/Llama-3.1-8B's config.json
     "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
     "rope_theta": 500000.0,
@@ -151,15 +153,38 @@ def _demo_linear_attention(seq, rng) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rotary", description="Rotary Position Embedding toolkit")
+    parser.add_argument("--version", action="version", version=f"rotary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="version, backends (and why unavailable), CPU/GPU found")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("demo", help="a Llama-3.1-8B RoPE run through every available backend, errors and timings")
-    p.add_argument("--tokens", type=int, default=512, help="sequence length (default 512)")
+    p.add_argument("--tokens", type=_positive_int, default=512, help="sequence length >= 1 (default 512)")
     p.set_defaults(func=cmd_demo)
     _add_optional_commands(sub)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _run(argv=None) -> int:
+    """main(), quiet when stdout is closed early (``python -m rotary info | head -2``)."""
+    try:
+        status = main(argv)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)   # the reader left: drop the rest, exit quietly
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def _add_optional_commands(sub) -> None:
@@ -172,4 +197,4 @@ def _add_optional_commands(sub) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

@@ -231,7 +231,6 @@ class _Plan:
         self.default_rows.flags.writeable = False
 
     def for_numba(self, nb, views, rope):
-
         group = [(v, v if ip else np.empty(v.shape, v.dtype), None, False) for v, ip in zip(views, self.in_place)]
         self.geo = nb._group_geometry(group)
         elements = sum(v.size for v in views)

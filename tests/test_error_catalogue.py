@@ -44,3 +44,23 @@ def test_cli_errors_flag():
     text = out.getvalue()
     assert status == 0, text
     assert "errors catalogue: OK" in text and "offset wraps past int64" in text
+
+
+def test_cli_frictions():
+    """--version; demo --tokens 0 is a usage error (exit 2), not a traceback; info | head -2 exits quietly."""
+    import subprocess
+    import sys
+
+    import rotary
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "rotary", *a], capture_output=True, text=True, timeout=120)
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"rotary {rotary.__version__}"
+    out = run("demo", "--tokens", "0")
+    assert out.returncode == 2 and "--tokens: expected an integer >= 1, got 0" in out.stderr
+    assert "Traceback" not in out.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "rotary", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()     # the reader leaves early, like `head -2`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "BrokenPipeError" not in err, err

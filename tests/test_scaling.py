@@ -501,3 +501,14 @@ def test_from_hf_config_not_mutated():
             warnings.simplefilter("error")
             RopeSpec.from_hf_config(config)
         assert config == before
+
+
+def test_vllm_ntk_recipe_from_porting_doc():
+    """docs/porting.md: vLLM's ntk (base * s, every frequency / s^(2/d)) via frequencies=, exactly; it is not
+    rotary's "ntk" (2.2% apart at s = 4, d = 128)."""
+    d, s, base = 128, 4.0, 10000.0
+    vllm = 1.0 / (base * s) ** (np.arange(0, d, 2, dtype=np.float64) / d) / s ** (2 / d)   # vLLM's _compute_inv_freq
+    recipe = RopeSpec(d, frequencies=RopeSpec(d, base=base).inv_freq() / s ** ((2 * np.arange(d // 2) + 2) / d))
+    np.testing.assert_allclose(recipe.inv_freq(), vllm, rtol=1e-14)
+    ours = RopeSpec(d, base=base, scaling={"rope_type": "ntk", "factor": s}).inv_freq()
+    assert abs(np.max(ours / vllm) - 4 ** (1 / 64)) < 1e-12   # the largest gap, at pair 0: 2.2%
