@@ -67,6 +67,13 @@ def main():
     for name, fn in cands.items():
         print(f"| {name} | {best_us(fn, args.calls, args.rounds):.1f} |")
 
+    # Rope's own Python work per Numba call: the prepared plan with the kernel replaced by a no-op
+    plan = next(iter(rope._plans.values()))
+    kernel_fn, plan.kernel = plan.kernel, (lambda *a: None)
+    t = best_us(lambda: rope(q, k, positions, seq_axis=1), args.calls, args.rounds)
+    print(f"| Rope numba, its own work per call (kernel replaced by a no-op) | {t:.1f} |")
+    plan.kernel = kernel_fn
+
     # the CUDA launch path with a mocked launch: Rope's host work per call
 
     launches = []

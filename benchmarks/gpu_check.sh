@@ -37,6 +37,9 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
   timeout 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cupy.py || status=1
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_conformance.py tests/test_rotation.py \
     tests/test_linear_attention.py tests/test_linear_attention_variants.py tests/test_attention_softmax.py tests/test_multi_axis.py -k cupy || status=1
+  echo "== inference: packed batches, KV-cache attention, rerotate, Rope on CuPy =="
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_packing.py tests/test_attention_inference.py \
+    tests/test_rerotate.py tests/test_rope_object.py -k cupy || status=1
   echo "== interop on the GPU: torch CUDA tensors (DLPack, out=, autograd), Dask CuPy chunks =="
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_torch_adapter.py tests/test_dask_adapter.py \
     tests/test_interop_matrix.py || status=1

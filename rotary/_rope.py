@@ -37,8 +37,10 @@ class Rope:
     max_positions : int, optional
         Build the cos/sin table for positions ``0 .. max_positions-1`` now (else it grows on demand).
 
-    Calls take the keywords of :func:`rotary.apply_qk` (``seq_axis``, ``inverse``, ``out``,
-    ``cu_seqlens``, ``seqlen_offsets``) and give the same results.
+    Notes
+    -----
+    Calls take the keywords of :func:`rotary.apply_qk` (seq_axis, inverse, out, cu_seqlens,
+    seqlen_offsets) and give the same results.
     """
 
     def __init__(self, spec, backend="numba", dtype=np.float32, max_positions=None):

@@ -13,8 +13,6 @@ import pytest
 
 import rotary
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +27,8 @@ def _decoder_module():
 
 
 def _hf_model(kind, sliding_window):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                   attn_implementation="eager", tie_word_embeddings=False)
@@ -48,6 +48,8 @@ def _hf_model(kind, sliding_window):
 
 @pytest.mark.parametrize("kind, window", [("llama", None), ("mistral", 5)])
 def test_numpy_decoder_matches_hf_dynamic_cache(kind, window):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     dec_mod = _decoder_module()
     model, hf_cfg = _hf_model(kind, window)
     spec = rotary.RopeSpec.from_hf_config(hf_cfg.to_dict())

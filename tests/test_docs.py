@@ -20,7 +20,8 @@ from rotary.testing import rope_complex
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 #: pages whose ```python blocks are executed, in order, one namespace per page
-PAGES = ["getting-started.md", "conventions.md", "length-extension.md", "theory.md", "porting.md", "multi-axis.md"]
+PAGES = ["decoding.md", "getting-started.md", "conventions.md", "length-extension.md", "theory.md", "porting.md",
+         "multi-axis.md"]
 
 
 def python_blocks(page: str) -> list[str]:

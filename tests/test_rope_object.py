@@ -92,6 +92,30 @@ def test_rope_cuda_launch_path_through_host_shim(kernels, rng):  # noqa: F811
     np.testing.assert_array_equal(qq, qr)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rope_cupy_device_positions(in_place, rng):
+    """On the GPU: the prepared launch with CuPy arrays and device positions equals apply_qk."""
+    reasons = rotary.available_backends()
+    if not reasons["cupy"][0]:
+        pytest.skip(reasons["cupy"][1])
+    import cupy
+
+    rope = rotary.Rope(SPEC, backend="cupy", dtype=np.float32, max_positions=4096)
+    q, k = (cupy.asarray(a) for a in _qk(rng, np.float32, B=32, S=1, Hq=8, Hk=2))
+    for _ in range(3):
+        pos = cupy.asarray(rng.integers(0, 4096, size=(32, 1)))
+        want = rotary.apply_qk(q, k, pos, spec=SPEC, seq_axis=1, backend="cupy")
+        if in_place:
+            qq, kk = q.copy(), k.copy()
+            got = rope(qq, kk, pos, seq_axis=1, out=(qq, kk))
+        else:
+            got = rope(q, k, pos, seq_axis=1)
+        for g, w in zip(got, want):
+            assert type(g) is cupy.ndarray
+            np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(w))
+    assert rope._plans
+
+
 def test_rope_bad_input(rng):
     with pytest.raises(TypeError, match="spec must be a rotary.RopeSpec"):
         rotary.Rope(32)
