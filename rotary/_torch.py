@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import backends as _backends
 from ._adapters import with_arrays
 
 
@@ -59,6 +60,7 @@ class _Bridge:
         self.cuda = device.type == "cuda"
         self.stream = None
         if self.cuda:
+            _backends.get("cupy")   # BackendUnavailableError saying what to install when CuPy/CUDA is missing
             import cupy
 
             from .backends.cupy import _external_stream

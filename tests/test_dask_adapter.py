@@ -165,3 +165,16 @@ def test_cupy_chunks():
         assert_close(cupy.asnumpy(r.compute()), _oracle_bshd(q, np.broadcast_to(np.arange(96) + 3, (2, 96))))
         o = rotary.linear_attention(dq, dk, dv, causal=True, seq_axis=-3)
         assert_close(cupy.asnumpy(o.compute()), _la_oracle(q, k, v, True), rtol=3e-5, atol=3e-5)
+
+
+def test_packed_and_multi_axis_positions():
+    x = np.random.default_rng(9).standard_normal((40, 4, 16)).astype(np.float32)
+    dx = da.from_array(x, chunks=(8, 4, 16))
+    cu = np.array([0, 10, 40])
+    with dask.config.set(scheduler="threads"):
+        np.testing.assert_array_equal(rotary.apply(dx, seq_axis=-3, cu_seqlens=cu).compute(),
+                                      rotary.apply(x, seq_axis=-3, cu_seqlens=cu))
+        spec = rotary.RopeSpec(16, mrope_section=[2, 3, 3])
+        pos = np.random.default_rng(10).integers(0, 100, (40, 3))
+        np.testing.assert_array_equal(rotary.apply(dx, pos, spec=spec, seq_axis=-3).compute(),
+                                      rotary.apply(x, pos, spec=spec, seq_axis=-3))

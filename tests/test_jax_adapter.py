@@ -96,3 +96,19 @@ def test_linear_attention_jit_grad(causal):
     assert abs(float(g[1, 4, 3]) - num / (2 * eps)) < 1e-3
     with pytest.raises(ValueError, match="concrete positions"):
         jax.jit(lambda a, p: rotary.linear_attention(a, a, a, p))(q, jnp.arange(9))
+
+
+def test_vmap_over_traced_positions_and_state_resume_under_jit():
+    rng = np.random.default_rng(11)
+    xs = _x((3, 8, 16), 12)
+    ps = rng.integers(0, 10**6, (3, 8)).astype(np.int32)
+    y = jax.vmap(lambda a, p: rotary.apply(a, p))(xs, jnp.asarray(ps))
+    for i in range(3):
+        assert_close(y[i], rope_complex(np.asarray(xs[i], np.float64), ps[i], rotary.RopeSpec(16).inv_freq()),
+                     atol=3e-6, rtol=3e-6)
+    q, k, v = _x((30, 2, 16), 13), _x((30, 2, 16), 14), _x((30, 2, 8), 15)
+    o1, st = rotary.linear_attention(q[:20], k[:20], v[:20], causal=True, seq_axis=-3, return_state=True)
+    o2 = jax.jit(lambda a, b, c: rotary.linear_attention(a, b, c, causal=True, seq_axis=-3, state=st))(
+        q[20:], k[20:], v[20:])
+    expect = rotary.linear_attention(*(np.asarray(a) for a in (q, k, v)), causal=True, seq_axis=-3)
+    assert_close(jnp.concatenate([o1, o2]), expect, rtol=1e-5, atol=1e-5)

@@ -187,3 +187,20 @@ def test_cuda_tensors_zero_copy_out_and_autograd():
     assert o.is_cuda and torch.allclose(o.cpu(), on, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="backend='numba' runs on the CPU"):
         rotary.apply(x.detach(), backend="numba")
+
+
+def test_linear_attention_gqa_decay_state_and_multi_axis_positions():
+    rng = np.random.default_rng(8)
+    q, k = rng.standard_normal((1, 40, 4, 16), dtype=np.float32), rng.standard_normal((1, 40, 2, 16), dtype=np.float32)
+    v = rng.standard_normal((1, 40, 2, 8), dtype=np.float32)
+    dec = np.array([0.9, 0.99])
+    t = [torch.from_numpy(a) for a in (q, k, v)]
+    o1, s1 = rotary.linear_attention(*(a[:, :25] for a in t), causal=True, seq_axis=-3, decay=dec, return_state=True)
+    assert isinstance(s1.S, torch.Tensor) and s1.groups == 2 and s1.decay is not None
+    o2 = rotary.linear_attention(*(a[:, 25:] for a in t), causal=True, seq_axis=-3, decay=dec, state=s1)
+    expect = rotary.linear_attention(q, k, v, causal=True, seq_axis=-3, decay=dec)
+    assert_close(torch.cat([o1, o2], 1), expect, rtol=1e-5, atol=1e-5)
+    spec = rotary.RopeSpec(16, mrope_section=[2, 3, 3])
+    pos = rng.integers(0, 100, (40, 3))
+    assert np.array_equal(rotary.apply(t[0], pos, spec=spec, seq_axis=-3).numpy(),
+                          rotary.apply(q, pos, spec=spec, seq_axis=-3))
