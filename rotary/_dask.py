@@ -114,6 +114,8 @@ def rotate(core, xs, outs, names, positions, **kwargs):
     ax = normalize_seq_axis(kwargs.get("seq_axis", -2), x0.ndim, names[0])
     spec = _spec_of(kwargs, x0.shape[-1], names[0])
     block_kwargs = dict(kwargs, spec=spec, spec_kwargs={})
+    if kwargs.get("tables") is not None:   # per-token tables made by the caller (rerotate): rows become positions
+        positions, block_kwargs["tables"] = _fixed_tables(kwargs["tables"], spec, xs, ax)
     results = []
     for x, name in zip(xs, names):
         if x.ndim != x0.ndim or x.shape[ax] != x0.shape[ax] or x.shape[-1] != x0.shape[-1]:
@@ -124,6 +126,30 @@ def rotate(core, xs, outs, names, positions, **kwargs):
         results.append(da.blockwise(_rotate_block, index, x, index, p, p_index, dtype=x.dtype, meta=x._meta,
                                     concatenate=True, kwargs=block_kwargs, label=name))
     return results
+
+
+def _table_rows(cos, sin, _spec, pos, *, dtype, device_key=None, convert=None):
+    convert = convert or (lambda a: a)
+    return convert(cos.astype(dtype, copy=False)), convert(sin.astype(dtype, copy=False)), convert(pos)
+
+
+def _fixed_tables(tables, spec, xs, ax):
+    """(positions, tables) for blocks when the caller made per-token tables for the whole array: the
+    tables are made once on the host, and each block's "positions" are its rows of them."""
+    import functools
+
+    x0 = xs[0]
+    if getattr(spec, "n_axes", 1) > 1 or any(x.dtype != x0.dtype for x in xs):
+        raise ValueError("per-token tables (rerotate) on Dask arrays need a one-axis spec and one dtype")
+    work = np.float64 if x0.dtype == np.float64 else np.float32
+    cos, sin, rows = tables(spec, None, dtype=work, device_key="cpu", convert=None)
+    rows = np.asarray(rows)
+    if rows.shape[0] == 1:
+        rows = rows[0]
+    elif ax == 0 or rows.shape[0] != x0.shape[0]:
+        raise ValueError(f"per-token tables (rerotate) on Dask arrays take per-batch positions only along axis 0 "
+                         f"(batch, seq); got rows of shape {rows.shape} for {tuple(x0.shape)}")
+    return rows, functools.partial(_table_rows, np.asarray(cos), np.asarray(sin))
 
 
 # -- linear attention ------------------------------------------------------------------------------
@@ -195,13 +221,14 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     lead = tuple(q.shape[:ax])
 
     # per-block positions (ints, host slices or Dask blocks) and the next position after the call
-    if positions is None and state is not None:
+    from_state = positions is None and state is not None
+    if from_state:
         positions = state.next_position
     if positions is None or isinstance(positions, (numbers.Integral, np.integer)) and not isinstance(positions, bool):
         start = 0 if positions is None else int(positions)
         blocks_p = [start + int(b) for b in bounds[:-1]]
         next_position = start + seq
-    elif isinstance(positions, np.ndarray) and positions.ndim == 1 and lead and positions.shape == (lead[0],):
+    elif from_state:
         starts = positions.astype(np.int64)                      # a state's per-batch next positions
         blocks_p = [starts[:, None] + np.arange(s0, s1, dtype=np.int64)[None, :] for s0, s1 in zip(bounds[:-1], bounds[1:])]
         next_position = starts + seq

@@ -178,3 +178,18 @@ def test_packed_and_multi_axis_positions():
         pos = np.random.default_rng(10).integers(0, 100, (40, 3))
         np.testing.assert_array_equal(rotary.apply(dx, pos, spec=spec, seq_axis=-3).compute(),
                                       rotary.apply(x, pos, spec=spec, seq_axis=-3))
+
+
+@pytest.mark.interop("Dask (NumPy chunks)", "cpu", "numba, numpy", "rerotate, threaded scheduler")
+def test_rerotate_blockwise():
+    k = np.random.default_rng(12).standard_normal((2, 40, 4, 16)).astype(np.float32)
+    src = np.random.default_rng(13).integers(0, 1000, (2, 40))
+    dk = da.from_array(k, chunks=(1, 16, 4, 16))
+    with dask.config.set(scheduler="threads"):
+        for f in (src, src[0]):
+            r = rotary.rerotate(dk, f, f + 5, seq_axis=-3)
+            assert r.chunks == dk.chunks
+            np.testing.assert_array_equal(r.compute(), rotary.rerotate(k, f, f + 5, seq_axis=-3))
+            # moving keys rotated at f to f + 5 equals rotating the unrotated keys at f + 5
+            unrotated = rotary.apply(k, f, seq_axis=-3, inverse=True)
+            assert_close(r.compute(), rotary.apply(unrotated, f + 5, seq_axis=-3), rtol=1e-5, atol=1e-5)

@@ -204,3 +204,14 @@ def test_linear_attention_gqa_decay_state_and_multi_axis_positions():
     pos = rng.integers(0, 100, (40, 3))
     assert np.array_equal(rotary.apply(t[0], pos, spec=spec, seq_axis=-3).numpy(),
                           rotary.apply(q, pos, spec=spec, seq_axis=-3))
+
+
+@pytest.mark.interop("torch", "cpu", "numba, numpy", "rerotate, autograd")
+def test_rerotate_tensors_and_grad():
+    rng = np.random.default_rng(14)
+    k = rng.standard_normal((2, 12, 2, 16)).astype(np.float32)
+    src = rng.integers(0, 1000, (2, 12))
+    r = rotary.rerotate(torch.from_numpy(k), src, src + 37, seq_axis=-3)
+    assert isinstance(r, torch.Tensor) and np.array_equal(r.numpy(), rotary.rerotate(k, src, src + 37, seq_axis=-3))
+    kg = torch.from_numpy(k[:, :4, :1]).double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a: rotary.rerotate(a, src[:, :4], src[:, :4] + 37, seq_axis=-3), (kg,))
