@@ -1,4 +1,4 @@
-"""Command line: ``python -m rotary info | demo | conformance``."""
+"""Command line: ``python -m rotary info | demo | conformance | inspect``."""
 
 from __future__ import annotations
 
@@ -194,6 +194,9 @@ def _add_optional_commands(sub) -> None:
     except ImportError:
         return
     _cli_conformance.add_parser(sub)
+    from . import _cli_inspect
+
+    _cli_inspect.add_parser(sub)
 
 
 if __name__ == "__main__":

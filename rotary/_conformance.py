@@ -78,8 +78,13 @@ class Case:
     inplace: bool = False
     strided: bool = False
     axes: str | None = None       # a MULTI_AXIS convention: positions (seq, n) / (batch, seq, n)
+    custom: bool = False          # caller-supplied frequencies (some negative) with an attention factor
 
     def spec(self) -> RopeSpec:
+        if self.custom:
+            half = (self.rotary_dim or self.shape[-1] - self.shape[-1] % 2) // 2
+            freqs = [(-1.0) ** i * 0.9 ** (3 * i) for i in range(half)]   # learned-like; odd pairs turn backwards
+            return RopeSpec.from_inv_freq(freqs, head_dim=self.shape[-1], layout=self.layout, attention_scaling=1.3)
         scaling = SCALINGS[self.scaling] if self.scaling else None
         mpe = 64 if self.scaling else None
         if self.axes:
@@ -115,6 +120,9 @@ def cases(quick: bool = False) -> list[Case]:
         out.append(Case(f"scaling-{name}-interleaved-partial", (2, 70, 18), layout="interleaved", rotary_dim=16,
                         scaling=name, positions="offset"))
     out += [
+        Case("custom-freq-scaled", (2, 9, 3, 20), seq_axis=-3, custom=True, rotary_dim=12, positions="batch",
+             k_heads=1),
+        Case("custom-freq-interleaved-huge", (2, 6, 16), layout="interleaved", custom=True, positions="huge"),
         Case("mrope-text", (2, 9, 3, 24), seq_axis=-3, axes="mrope", positions="offset", k_heads=1),
         Case("mrope-batch", (2, 11, 4, 24), seq_axis=-3, axes="mrope", positions="batch", k_heads=2),
         Case("mrope-glm4v-partial", (2, 10, 2, 32), seq_axis=-3, axes="mrope", layout="interleaved",

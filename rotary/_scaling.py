@@ -36,7 +36,6 @@ Public to the package (used by ``_spec.py`` only):
 - ``scaled_inv_freq(base, rotary_dim, scaling, *, seq_len, max_position_embeddings, head_dim)``
   -> (inv_freq float64 array of length d/2, attention_scaling float)
 - ``depends_on_seq_len(scaling)`` -> bool
-- ``spec_kwargs_from_hf_config(config)`` -> dict of RopeSpec keyword arguments
 
 The canonical form holds the *effective* parameters: HF's defaults are filled in (``beta_fast``
 32, ``beta_slow`` 1, ``truncate`` True, a missing ``factor`` = L/L0, a missing
@@ -410,70 +409,3 @@ def scaled_inv_freq(base: float, rotary_dim: int, scaling, *, seq_len, max_posit
     params = dict(scaling)
     return _RULES[params["rope_type"]](inv_freq, params, base=float(base), rotary_dim=rotary_dim, head_dim=head_dim,
                                        seq_len=seq_len, max_position_embeddings=max_position_embeddings)
-
-
-# -- HF config ingestion ---------------------------------------------------------------------------
-def _first(config: Mapping, *keys):
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    return None
-
-
-def spec_kwargs_from_hf_config(config) -> dict:
-    """RopeSpec keyword arguments from an HF config (a ``config.json`` dict or a ``PretrainedConfig``).
-
-    transformers 4.x: ``rope_theta``, ``rope_scaling``, ``partial_rotary_factor`` at the top level
-    (GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct`` and GPT-J's ``rotary_dim`` too); 5.x:
-    ``rope_parameters`` holding ``rope_theta``, ``rope_type``, ``partial_rotary_factor`` and the rule's
-    keys (its values win over top-level ones, as in HF). head_dim = ``head_dim`` or
-    ``hidden_size // num_attention_heads``; rotary_dim = ``int(head_dim * partial_rotary_factor)``.
-    A top-level ``original_max_position_embeddings`` (Phi-3) overrides the one in the scaling dict
-    for llama3 / yarn / longrope, as HF's ``standardize_rope_params`` does.
-    Returns keys head_dim, rotary_dim, base, scaling, max_position_embeddings.
-    """
-    if not isinstance(config, Mapping) and callable(getattr(config, "to_dict", None)):
-        config = config.to_dict()
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config must be a dict (an HF config.json) or a PretrainedConfig, got {type(config).__name__}")
-    rope_parameters = config.get("rope_parameters")
-    if rope_parameters and not isinstance(rope_parameters, Mapping):
-        raise ValueError(f"config['rope_parameters'] must be a dict, got {type(rope_parameters).__name__}")
-    if rope_parameters and all(isinstance(v, Mapping) or v is None for v in rope_parameters.values()):
-        raise ValueError(f"config['rope_parameters'] is per layer type ({', '.join(rope_parameters)}); pass a config "
-                         "whose 'rope_parameters' is the dict of one layer type")
-    scaling = config.get("rope_scaling")
-    if scaling is not None and not isinstance(scaling, Mapping):
-        raise ValueError(f"config['rope_scaling'] must be a dict or null, got {type(scaling).__name__}")
-    params = {**(scaling or {}), **(rope_parameters or {})}
-
-    base = params.pop("rope_theta", None)
-    if base is None:
-        base = _first(config, "rope_theta", "rotary_emb_base")
-    partial = params.pop("partial_rotary_factor", None)
-    if partial is None:
-        partial = _first(config, "partial_rotary_factor", "rotary_pct")
-
-    head_dim = config.get("head_dim")
-    if head_dim is None:
-        hidden, heads = _first(config, "hidden_size", "n_embd", "d_model"), _first(config, "num_attention_heads", "n_head")
-        if hidden is None or heads is None:
-            raise ValueError("config needs 'head_dim' or both 'hidden_size' and 'num_attention_heads'")
-        head_dim = hidden // heads
-
-    rope_type = _rope_type_of(params) if ("rope_type" in params or "type" in params) else None
-    if rope_type == "default" or (rope_type is None and not params):
-        params = None
-    elif rope_type in ("llama3", "yarn", "longrope") and config.get("original_max_position_embeddings") is not None:
-        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-
-    if rope_type == "proportional":
-        rotary_dim = head_dim - head_dim % 2
-        if partial is not None:
-            params["partial_rotary_factor"] = partial
-    elif partial is not None:
-        rotary_dim = int(head_dim * partial)
-    else:
-        rotary_dim = config.get("rotary_dim") or None   # GPT-J / CodeGen; None: the whole head
-    return dict(head_dim=int(head_dim), rotary_dim=rotary_dim, base=float(base if base is not None else 10000.0),
-                scaling=params, max_position_embeddings=_first(config, "max_position_embeddings", "n_positions"))

@@ -44,10 +44,11 @@ def _as_int(value, name: str) -> int:
 MROPE_LAYOUTS = ("chunked", "interleaved", "ernie")
 
 
-def mrope_pair_axes(mrope_section, mrope_layout: str) -> tuple:
-    """The coordinate (0 = t, 1 = h, 2 = w) each pair reads for an M-RoPE section split (see MROPE_LAYOUTS)."""
+def mrope_pair_axes(mrope_section, mrope_layout: str, half: int | None = None) -> tuple:
+    """The coordinate (0 = t, 1 = h, 2 = w) each of ``half`` pairs (default sum(mrope_section)) reads for an
+    M-RoPE section split (see MROPE_LAYOUTS)."""
     s = list(mrope_section)
-    half = sum(s)
+    half = sum(s) if half is None else half
     if mrope_layout == "chunked":
         axes = [a for a, n in enumerate(s) for _ in range(n)]
     elif mrope_layout == "interleaved":
@@ -95,9 +96,16 @@ class RopeSpec:
         (``RopeSpec.axial`` builds it for vision encoders). ``n_axes`` = max + 1 unless given.
     frequencies : sequence of floats, optional
         The rotary_dim/2 angular frequencies, used instead of ``base**(-2i/rotary_dim)`` (no
-        ``scaling`` then).
+        ``scaling`` then). A negative frequency turns its pair the other way (nanochat's convention).
     float_positions : bool
         Positions are real coordinates (e.g. DINOv3's patch centres in [-1, 1]); otherwise integers.
+    attention_factor : float, optional
+        With ``frequencies=``: the factor multiplied into cos and sin (HF's attention scaling), 1.0 if
+        not given.
+    softmax_scale_factor : float
+        Multiplies the attention's softmax scale (``1/sqrt(d)``): DeepSeek-V2/V3-style YaRN models use
+        ``mscale(factor, mscale_all_dim)**2`` with ``mscale(s, m) = 0.1*m*ln(s) + 1``
+        (``from_hf_config`` sets it where HF's attention applies it); 1.0 otherwise.
 
     Notes
     -----
@@ -107,12 +115,14 @@ class RopeSpec:
 
     #: the stored fields, in order; value semantics (equality, hash, pickling, replace, repr) follow them
     _FIELDS = ("head_dim", "rotary_dim", "base", "layout", "scaling", "max_position_embeddings",
-               "frequencies", "_pair_axes", "n_axes", "mrope_section", "mrope_layout", "float_positions")
+               "frequencies", "_pair_axes", "n_axes", "mrope_section", "mrope_layout", "float_positions",
+               "softmax_scale_factor", "attention_factor")
     __slots__ = _FIELDS + ("_hash",)
 
     def __init__(self, head_dim, *, rotary_dim=None, base=10000.0, layout="half", scaling=None,
                  max_position_embeddings=None, mrope_section=None, mrope_interleaved=None, mrope_layout=None,
-                 pair_axes=None, n_axes=None, frequencies=None, float_positions=False):
+                 pair_axes=None, n_axes=None, frequencies=None, float_positions=False, softmax_scale_factor=1.0,
+                 attention_factor=None):
         head_dim = _as_int(head_dim, "head_dim")
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
@@ -146,10 +156,26 @@ class RopeSpec:
             half, mrope_section, mrope_interleaved, mrope_layout, pair_axes, n_axes)
         if not isinstance(float_positions, (bool, np.bool_)):
             raise TypeError(f"float_positions must be a bool, got {type(float_positions).__name__}")
+        if isinstance(softmax_scale_factor, bool) or not isinstance(softmax_scale_factor, (int, float, np.integer,
+                                                                                           np.floating)):
+            raise TypeError(f"softmax_scale_factor must be a real number, got {type(softmax_scale_factor).__name__}")
+        softmax_scale_factor = float(softmax_scale_factor)
+        if not (math.isfinite(softmax_scale_factor) and softmax_scale_factor > 0):
+            raise ValueError(f"softmax_scale_factor must be a finite number > 0, got {softmax_scale_factor}")
+        if attention_factor is not None:
+            if frequencies is None:
+                raise ValueError("attention_factor= goes with frequencies= (a scaling rule sets its own factor)")
+            if isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float, np.integer,
+                                                                                       np.floating)):
+                raise TypeError(f"attention_factor must be a real number, got {type(attention_factor).__name__}")
+            attention_factor = float(attention_factor)
+            if not (math.isfinite(attention_factor) and attention_factor > 0):
+                raise ValueError(f"attention_factor must be a finite number > 0, got {attention_factor}")
         values = dict(head_dim=head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
                       max_position_embeddings=max_position_embeddings, frequencies=frequencies,
                       _pair_axes=pair_axes, n_axes=n_axes, mrope_section=mrope_section, mrope_layout=mrope_layout,
-                      float_positions=bool(float_positions))
+                      float_positions=bool(float_positions), softmax_scale_factor=softmax_scale_factor,
+                      attention_factor=attention_factor)
         for name in self._FIELDS:
             object.__setattr__(self, name, values[name])
         object.__setattr__(self, "_hash", hash(self._key()))
@@ -185,7 +211,8 @@ class RopeSpec:
     def __repr__(self):
         defaults = {"rotary_dim": self.head_dim - self.head_dim % 2, "scaling": None, "max_position_embeddings": None,
                     "frequencies": None, "pair_axes": None, "n_axes": 1, "mrope_section": None,
-                    "mrope_layout": None, "float_positions": False}
+                    "mrope_layout": None, "float_positions": False, "softmax_scale_factor": 1.0,
+                    "attention_factor": None}
         parts = [str(self.head_dim)]
         for name, value in self._init_kwargs().items():
             if name == "head_dim" or (name in defaults and value == defaults[name]):
@@ -296,20 +323,77 @@ class RopeSpec:
                    pair_axes=pair_axes, n_axes=axes, float_positions=float_positions)
 
     @classmethod
-    def from_hf_config(cls, config, *, layout: str = "half") -> "RopeSpec":
-        """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``.
+    def from_inv_freq(cls, inv_freq, *, head_dim=None, layout: str = "half",
+                      attention_scaling: float = 1.0) -> "RopeSpec":
+        """A spec from caller-supplied per-pair frequencies (learned or custom ``inv_freq``, e.g. an HF
+        module's ``inv_freq`` buffer): pair i turns by ``position * inv_freq[i]``, cos and sin are
+        multiplied by ``attention_scaling``. rotary_dim = 2 * len(inv_freq); head_dim defaults to it."""
+        values = np.asarray(inv_freq)
+        if values.ndim != 1 or values.shape[0] < 1:
+            raise ValueError(f"inv_freq must be a 1-D sequence of at least one frequency, got shape {values.shape}")
+        rotary_dim = 2 * values.shape[0]
+        head_dim = rotary_dim if head_dim is None else head_dim
+        return cls(head_dim, rotary_dim=rotary_dim, layout=layout, frequencies=values,
+                   attention_factor=attention_scaling)
 
-        Reads ``rope_theta``, ``rope_scaling`` (transformers 4.x) or ``rope_parameters`` (5.x),
-        ``partial_rotary_factor``, ``head_dim`` (or ``hidden_size // num_attention_heads``),
-        ``max_position_embeddings`` and M-RoPE's ``mrope_section`` / ``mrope_interleaved`` (a
-        multimodal config's ``text_config`` is read when the top level has no rope parameters).
-        HF checkpoints use the "half" layout; pass ``layout="interleaved"`` for Meta / GPT-J style
-        weights (GLM-4V and ERNIE-4.5-VL, whose HF code pairs (2i, 2i+1), get it by default).
+    @classmethod
+    def from_hf_config(cls, config, *, layer_type: str | None = None, layout: str | None = None) -> "RopeSpec":
+        """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``, as the
+        model family's HF code computes it (see ``docs/models.md`` for the families checked).
+
+        Reads ``rope_parameters`` (5.x; flat or per layer type) or ``rope_theta`` + ``rope_scaling``
+        (4.x), ``partial_rotary_factor``, head_dim (``head_dim`` and its aliases, or ``hidden_size //
+        num_attention_heads``), ``max_position_embeddings``, M-RoPE's ``mrope_section`` /
+        ``mrope_interleaved`` (with the family's HF defaults); a multimodal config's ``text_config``
+        when the top level has no RoPE parameters.
+
+        ``layer_type`` picks one entry of a per-layer-type config (``{"full_attention": {...},
+        "sliding_attention": {...}}``, required there). ``layout``: None (default) gives the pairing the
+        family's HF attention uses ("interleaved" for GLM, ERNIE, Cohere, GPT-J, DeepSeek with
+        ``rope_interleave``, ...; "half" otherwise); a string overrides it, e.g. for a checkpoint whose
+        q/k weights were permuted to the other layout.
         """
-        kwargs = _scaling.spec_kwargs_from_hf_config(config)
+        from . import _hf_config
+
+        kwargs = _hf_config.spec_kwargs(config, layer_type)
+        return cls._from_hf_kwargs(kwargs, layout)
+
+    @classmethod
+    def per_layer_from_hf_config(cls, config, *, layout: str | None = None) -> dict:
+        """{layer type: spec} of a config: one entry per RoPE layer type of a per-layer-type config,
+        one per ``layer_types`` entry of a flat config (all equal), ``{"default": spec}`` otherwise."""
+        from . import _hf_config
+
+        return {lt: cls._from_hf_kwargs(kw, layout) for lt, kw in _hf_config.per_layer_kwargs(config).items()}
+
+    @classmethod
+    def layers_from_hf_config(cls, config, *, layout: str | None = None) -> list:
+        """The spec of each layer index (``config.layer_types``, per-layer overrides such as Gemma 4's
+        global head dim applied), None for a layer whose type has no RoPE."""
+        from . import _hf_config
+
+        cache = {}
+        out = []
+        for kw in _hf_config.layer_kwargs(config):
+            if kw is None:
+                out.append(None)
+                continue
+            key = repr(sorted(kw.items()))
+            if key not in cache:
+                cache[key] = cls._from_hf_kwargs(kw, layout)
+            out.append(cache[key])
+        return out
+
+    @classmethod
+    def _from_hf_kwargs(cls, kwargs: dict, layout) -> "RopeSpec":
+        kwargs = dict(kwargs)
         head_dim = kwargs.pop("head_dim")
-        layout = kwargs.pop("layout", None) or layout
-        return cls(head_dim, layout=layout, **kwargs)
+        config_layout = kwargs.pop("layout", "half")
+        where = kwargs.pop("where", "config")
+        try:
+            return cls(head_dim, layout=config_layout if layout is None else layout, **kwargs)
+        except (ValueError, TypeError) as exc:   # name the config entry the bad value came from
+            raise type(exc)(f"{where}: {exc}") from None
 
     # -- frequencies -----------------------------------------------------------------------
     @property
@@ -430,8 +514,8 @@ def _check_frequencies(frequencies, half: int, scaling):
         raise ValueError(f"frequencies must be a 1-D sequence of rotary_dim/2 = {half} real numbers, got "
                          f"{values.dtype} of shape {values.shape}")
     values = values.astype(np.float64)
-    if not np.all(np.isfinite(values)) or np.any(values < 0):
-        raise ValueError("frequencies must be finite and >= 0")
+    if not np.all(np.isfinite(values)):
+        raise ValueError("frequencies must be finite")
     return tuple(values.tolist())
 
 
@@ -449,7 +533,8 @@ def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes,
         if len(mrope_section) != 3 or min(mrope_section) < 0:
             raise ValueError(f"mrope_section must be 3 non-negative integers (pairs per t, h, w axis), "
                              f"got {mrope_section}")
-        if sum(mrope_section) != half:
+        if sum(mrope_section) != half and mrope_layout != "interleaved" and not (
+                mrope_layout is None and mrope_interleaved):
             raise ValueError(f"mrope_section {mrope_section} must sum to rotary_dim/2 = {half}, "
                              f"got {sum(mrope_section)}")
         if mrope_layout is None:
@@ -460,7 +545,7 @@ def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes,
             raise ValueError(f"mrope_interleaved={mrope_interleaved} disagrees with mrope_layout={mrope_layout!r}")
         if n_axes is not None and _as_int(n_axes, "n_axes") != 3:
             raise ValueError(f"an M-RoPE spec has n_axes = 3, got {n_axes}")
-        pair_axes, n_axes = mrope_pair_axes(mrope_section, mrope_layout), 3
+        pair_axes, n_axes = mrope_pair_axes(mrope_section, mrope_layout, half), 3
         return pair_axes, n_axes, mrope_section, mrope_layout
     if pair_axes is None:
         if n_axes is not None and _as_int(n_axes, "n_axes") != 1:
@@ -500,7 +585,8 @@ def _check_evaluates(spec: RopeSpec) -> None:
 @lru_cache(maxsize=512)
 def _inv_freq_and_scaling(spec: RopeSpec, seq_len):
     if spec.frequencies is not None:
-        inv_freq, attention = np.array(spec.frequencies, dtype=np.float64), 1.0
+        inv_freq = np.array(spec.frequencies, dtype=np.float64)
+        attention = 1.0 if spec.attention_factor is None else spec.attention_factor
     else:
         inv_freq, attention = _scaling.scaled_inv_freq(spec.base, spec.rotary_dim, spec.scaling, seq_len=seq_len,
                                                        max_position_embeddings=spec.max_position_embeddings,

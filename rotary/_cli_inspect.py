@@ -1,0 +1,95 @@
+"""``python -m rotary inspect config.json [--layer-type T]``: how rotary reads an HF config.
+
+Prints, for each RoPE layer type of the config (or the one named), the spec ``RopeSpec.from_hf_config``
+builds: rope type and its parameters, base, head / rotary dims, layout, multi-axis assignment, the
+attention factor (multiplied into cos/sin) and the softmax scale factor, then the map from layer
+index to layer type. Exit status 0, or 2 with the error when the config cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "print the RoPE spec(s) rotary reads from an HF config.json"
+
+
+def describe(spec) -> list[str]:
+    """Lines describing one spec (what a user checks against the model card)."""
+    lines = [f"rope type          {spec.rope_type}"]
+    if spec.scaling is not None:
+        params = {k: v for k, v in spec.scaling_dict.items() if k != "rope_type"}
+        lines.append("scaling            " + ", ".join(f"{k}={_short(v)}" for k, v in sorted(params.items())))
+    lines.append(f"base (rope_theta)  {spec.base:g}")
+    lines.append(f"head / rotary dims {spec.head_dim} / {spec.rotary_dim} ({spec.rotary_dim // 2} pairs)")
+    lines.append(f"layout             {spec.layout}")
+    if spec.frequencies is not None:
+        f = spec.inv_freq()
+        lines.append(f"frequencies        custom: {_short(f.tolist())}")
+    if spec.mrope_section is not None:
+        lines.append(f"M-RoPE             sections (t, h, w) {list(spec.mrope_section)}, assignment {spec.mrope_layout}")
+    elif spec.multi_axis:
+        lines.append(f"axes               {spec.n_axes}, pair i reads {_short(spec.pair_axes().tolist())}")
+    if spec.max_position_embeddings is not None:
+        lines.append(f"max positions      {spec.max_position_embeddings}")
+    lines.append(f"attention factor   {spec.attention_scaling:.9g} (multiplies cos and sin)")
+    lines.append(f"softmax factor     {spec.softmax_scale_factor:.9g} (multiplies the softmax scale)")
+    return lines
+
+
+def _short(value) -> str:
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        return "[" + ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in value[:3]) + \
+            f", ... {len(value)} values]"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _runs(types) -> str:
+    """'0-4 sliding_attention, 5 full_attention, ...' (consecutive layers grouped)."""
+    out, start = [], 0
+    for i in range(1, len(types) + 1):
+        if i == len(types) or types[i] != types[start]:
+            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            out.append(f"{span} {types[start]}")
+            start = i
+    return ", ".join(out)
+
+
+def inspect_config(config, layer_type=None) -> str:
+    """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig)."""
+    from . import _hf_config
+    from ._spec import RopeSpec
+
+    if layer_type is not None:
+        specs = {layer_type: RopeSpec.from_hf_config(config, layer_type=layer_type)}
+    else:
+        specs = RopeSpec.per_layer_from_hf_config(config)
+    out = []
+    for name, spec in specs.items():
+        out.append(f"[{name}]" if len(specs) > 1 or layer_type is not None or name != "default" else "[all layers]")
+        out += ["  " + line for line in describe(spec)]
+    reader = _hf_config.text_reader(config)
+    types = reader.get("layer_types")
+    if types and layer_type is None:
+        out.append(f"layers             {_runs(list(types))}")
+    return "\n".join(out)
+
+
+def run_cli(args) -> int:
+    try:
+        with open(args.config, encoding="utf-8") as fh:
+            config = json.load(fh)
+        print(inspect_config(config, args.layer_type))
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"rotary inspect: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
+    parser.add_argument("config", help="path to an HF config.json")
+    parser.add_argument("--layer-type", default=None, help="only this layer type (e.g. full_attention)")
+    parser.set_defaults(func=run_cli)
+    return parser

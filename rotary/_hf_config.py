@@ -1,0 +1,485 @@
+"""HF transformers configs -> RopeSpec keyword arguments (what each model family's HF code computes).
+
+A ``PretrainedConfig`` is read through its attributes (so ``attribute_map`` aliases such as JetMoE's
+``head_dim -> kv_channels`` apply), a ``config.json`` dict through its keys plus the aliases HF's
+model families use (:data:`ALIASES`, :data:`MODEL_ALIASES`). A multimodal config's text model
+(``text_config``, ...) is read when the top level has no RoPE parameters.
+
+What is read, in HF's order of precedence:
+
+- RoPE parameters: ``rope_parameters`` (transformers 5; flat, or one dict per layer type, e.g.
+  ``{"full_attention": {...}, "sliding_attention": {...}}``), else ``rope_scaling`` + top-level
+  ``rope_theta`` / ``partial_rotary_factor`` (4.x; GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct``).
+- head_dim: the layer type's override (Gemma 4's ``per_layer_config``: the global head dim of
+  full-attention layers), else ``head_dim`` (or its alias), else ``hidden_size // num_attention_heads``.
+- rotary dims: ``int(head_dim * partial_rotary_factor)`` (rounded up to even: HF's
+  ``arange(0, d, 2)`` gives ceil(d/2) pairs at ``base**(-2i/d)``, e.g. GLM-4.5's d = 21 -> 11 pairs
+  rotating 22 coordinates), else GPT-J/CodeGen's ``rotary_dim``, else the whole head.
+- MLA (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...; ``qk_rope_head_dim`` + ``qk_nope_head_dim``): the
+  head is ``[nope | rope]`` of qk_nope_head_dim + qk_rope_head_dim coordinates; the rope part
+  rotates (``rotary_offset`` = qk_nope_head_dim).
+- M-RoPE: ``mrope_section`` / ``mrope_interleaved`` from the rope dict, else the family's HF default
+  (:data:`MROPE_DEFAULTS`), with the family's assignment of sections to pairs.
+- layout: the pairing the family's HF attention uses (:data:`INTERLEAVED_FAMILIES`; DeepSeek-style
+  ``rope_interleave``), unless the caller passes ``layout=``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Mapping
+
+from . import _scaling
+
+#: config.json aliases (first present wins), from HF's ``attribute_map`` s
+ALIASES = {
+    "head_dim": ("head_dim", "attention_head_dim", "kv_channels", "d_kv"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "embed_dim", "emb_dim"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_num_attention_heads",
+                            "attention_heads"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len", "model_max_length",
+                                "context_length"),
+    "rope_theta": ("rope_theta", "rotary_emb_base"),
+    "partial_rotary_factor": ("partial_rotary_factor", "rotary_pct"),
+}
+
+#: per model_type aliases that differ from the generic ones (HF's attribute_map of that family)
+MODEL_ALIASES = {
+    "glm4_moe_lite": {"head_dim": ("qk_rope_head_dim",)},
+    "zamba2": {"head_dim": ("attention_head_dim",)},
+    "zamba": {"head_dim": ("attention_head_dim",)},
+}
+
+#: model families whose HF attention pairs coordinates (2i, 2i+1) (rotate_every_two, complex
+#: multiplication, repeat_interleave'd cos/sin, or an unconditional ``apply_rotary_pos_emb_interleave``)
+INTERLEAVED_FAMILIES = frozenset({
+    "axk2", "bailing_hybrid", "blt", "codegen", "cohere", "cohere2", "deepseek_v2", "deepseek_v32",
+    "deepseek_v4", "dots3_note", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "glm", "glm4", "glm4v", "glm_moe_dsa",
+    "glm_ocr", "gptj", "helium", "llama4", "llama4_text", "longcat_flash",
+    "mistral_large4", "moonshine", "moonshine_streaming", "cohere2_moe", "hy_v4_vl", "openai_privacy_filter",
+    "pe_audio", "pe_audio_video", "pe_video",
+})
+
+#: M-RoPE families: (default mrope_section, mrope layout), as each HF text rotary module defaults them
+MROPE_DEFAULTS = {
+    "qwen2_vl": ((16, 24, 24), "chunked"), "qwen2_5_vl": ((16, 24, 24), "chunked"),
+    "qwen2_5_omni": ((16, 24, 24), "chunked"), "paddleocr_vl": ((16, 24, 24), "chunked"),
+    "qwen3_vl": ((24, 20, 20), "interleaved"), "qwen3_vl_moe": ((24, 20, 20), "interleaved"),
+    "qwen3_omni_moe": ((24, 20, 20), "interleaved"), "cosmos3_edge": ((24, 20, 20), "interleaved"),
+    "hy_v4_vl": ((24, 20, 20), "interleaved"), "cohere_compass": ((24, 20, 20), "interleaved"),
+    "qwen3_5": ((11, 11, 10), "interleaved"), "qwen3_5_moe": ((11, 11, 10), "interleaved"),
+    "qwen4_exp": ((11, 11, 10), "interleaved"),
+    "glm4v": ((8, 12, 12), "chunked"), "glm4v_moe": ((8, 12, 12), "chunked"), "glm_ocr": ((8, 12, 12), "chunked"),
+    "glm_image": ((8, 12, 12), "chunked"),
+    "ernie4_5_vl_moe": ((22, 22, 20), "ernie"),
+}
+
+#: two-axis (row, col) text RoPE: pair i reads coordinate i % 2 (NeoMME)
+TWO_AXIS_FAMILIES = frozenset({"neomme"})
+
+#: families whose HF attention multiplies the softmax scale by mscale(factor, mscale_all_dim)**2 for
+#: any rope_type other than "default" (DeepSeek-V2/V3's ``yarn_apply_mscale``)
+SOFTMAX_MSCALE_FAMILIES = frozenset({
+    "axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+    "hy_v4", "hy_v4_vl", "longcat_flash", "minicpm3", "mistral4", "mistral_large4", "youtu",
+})
+
+#: families whose HF ``rotate_half`` returns (x2, -x1): every pair turns by -theta (nanochat); the spec
+#: then carries the negated frequencies
+BACKWARDS_FAMILIES = frozenset({"nanochat"})
+
+#: the model families the tables above speak of (everything else follows HF's generic Llama rules)
+KNOWN_FAMILIES = (INTERLEAVED_FAMILIES | set(MROPE_DEFAULTS) | TWO_AXIS_FAMILIES | SOFTMAX_MSCALE_FAMILIES
+                  | BACKWARDS_FAMILIES | set(MODEL_ALIASES))
+
+#: containers of a multimodal model's text config, tried in order when the top level has no RoPE
+TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config", "thinker_config", "decoder")
+
+
+class ConfigError(ValueError):
+    """A config value rotary cannot read (names the config key)."""
+
+
+class _Reader:
+    """Read access to one config level: attributes of a PretrainedConfig, keys (+ aliases) of a dict."""
+
+    def __init__(self, config, where: str = "config", model_type=None):
+        if isinstance(config, Mapping):
+            self.is_dict = True
+        elif callable(getattr(config, "to_dict", None)):
+            self.is_dict = False
+        else:
+            raise TypeError(f"{where} must be a dict (an HF config.json) or a PretrainedConfig, "
+                            f"got {type(config).__name__}")
+        self.config, self.where = config, where
+        self.model_type = self.raw("model_type") or model_type
+
+    def raw(self, key):
+        if self.is_dict:
+            return self.config.get(key)
+        try:
+            return getattr(self.config, key, None)
+        except Exception:  # noqa: BLE001 - HF raises for per-layer attributes read globally
+            return None
+
+    def get(self, key):
+        """The value under ``key`` or, in a dict, its first present alias."""
+        if not self.is_dict:
+            return self.raw(key)
+        for name in MODEL_ALIASES.get(self.model_type, {}).get(key, ()) + ALIASES.get(key, (key,)):
+            if self.config.get(name) is not None:
+                return self.config[name]
+        return None
+
+    def name(self, key) -> str:
+        """Where ``key`` was read, for messages: config['kv_channels'] for an alias."""
+        if self.is_dict:
+            for name in MODEL_ALIASES.get(self.model_type, {}).get(key, ()) + ALIASES.get(key, (key,)):
+                if self.config.get(name) is not None:
+                    return f"{self.where}[{name!r}]"
+        return f"{self.where}.{key}" if not self.is_dict else f"{self.where}[{key!r}]"
+
+    def sub(self, key):
+        value = self.raw(key)
+        if value is None or not (isinstance(value, Mapping) or callable(getattr(value, "to_dict", None))):
+            return None
+        where = f"{self.where}[{key!r}]" if self.is_dict else f"{self.where}.{key}"
+        return _Reader(value, where, None)
+
+
+# -- checked reads ---------------------------------------------------------------------------------
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise ConfigError(f"{where} must be a finite number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _integer(value, where: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be an integer, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
+
+
+def _has_rope(reader: _Reader) -> bool:
+    return any(reader.get(k) is not None for k in ("rope_parameters", "rope_scaling", "rope_theta"))
+
+
+def text_reader(config) -> _Reader:
+    """The reader of the config level that holds the RoPE parameters (a multimodal config's text model)."""
+    reader = _Reader(config)
+    if _has_rope(reader):
+        return reader
+    for key in TEXT_CONFIG_KEYS:
+        sub = reader.sub(key)
+        if sub is not None:
+            sub.model_type = sub.model_type or reader.model_type
+            if _has_rope(sub):
+                return sub
+            for key2 in TEXT_CONFIG_KEYS:   # e.g. Qwen2.5-Omni: thinker_config.text_config
+                sub2 = sub.sub(key2)
+                if sub2 is not None and _has_rope(sub2):
+                    sub2.model_type = sub2.model_type or sub.model_type
+                    return sub2
+    return reader
+
+
+#: model_type suffixes of a family's sub-models that share its RoPE code (stripped to find the family)
+SUB_MODEL_SUFFIXES = ("_text", "_thinker", "_talker", "_patcher", "_local_encoder", "_local_decoder", "_encoder",
+                      "_global_transformer")
+
+
+def _family(reader: _Reader) -> str | None:
+    """The model family whose HF code the tables describe: ``model_type`` with sub-model suffixes
+    stripped ("qwen2_5_vl_text" -> "qwen2_5_vl", "blt_patcher" -> "blt")."""
+    mt = reader.model_type
+    if not isinstance(mt, str):
+        return None
+    stripped = True
+    while stripped and mt not in KNOWN_FAMILIES:
+        stripped = False
+        for suffix in SUB_MODEL_SUFFIXES:
+            if mt.endswith(suffix):
+                mt, stripped = mt[: -len(suffix)], True
+    return mt
+
+
+def _rope_labels(reader: _Reader) -> tuple:
+    labels = reader.raw("_rope_type_labels") or reader.get("layer_types") or ()
+    return tuple(labels)
+
+
+def rope_dicts(reader: _Reader) -> tuple[dict | None, dict | None]:
+    """(flat rope parameters, per-layer-type dicts) of a config; exactly one is not None (or both None)."""
+    params = reader.get("rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"{reader.name('rope_parameters')} must be a dict, got {type(params).__name__}")
+    if params:
+        labels = _rope_labels(reader)
+        nested = [k for k in params if k in labels] if labels else []
+        dicts = [k for k, v in params.items() if isinstance(v, Mapping)]
+        if dicts and all(isinstance(v, Mapping) or v is None for v in params.values()):
+            nested = list(params)   # every value a dict: per layer type (HF also keeps unused types)
+        elif dicts:
+            nested = list(dict.fromkeys(nested + dicts))
+        if nested:
+            extra = [k for k in params if k not in nested]
+            if extra:
+                raise ConfigError(f"{reader.name('rope_parameters')} mixes per-layer-type dicts ({', '.join(nested)}) "
+                                  f"with flat keys {extra}")
+            for k in nested:
+                if params[k] is not None and not isinstance(params[k], Mapping):
+                    raise ConfigError(f"{reader.name('rope_parameters')}[{k!r}] must be a dict or null, "
+                                      f"got {type(params[k]).__name__}")
+            return None, {k: (None if params[k] is None else dict(params[k])) for k in nested}
+    scaling = reader.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ConfigError(f"{reader.name('rope_scaling')} must be a dict or null, got {type(scaling).__name__}")
+    return {**(scaling or {}), **(params or {})}, None
+
+
+def layer_types(config) -> list[str]:
+    """The RoPE layer types a config defines (the keys of a per-layer-type ``rope_parameters``), or []."""
+    _, nested = rope_dicts(text_reader(config))
+    return [] if nested is None else [k for k, v in nested.items() if v is not None]
+
+
+def _layer_overrides(reader: _Reader, layer_type):
+    """A reader of the per-layer config of ``layer_type`` (Gemma 4's global head dim), or ``reader``."""
+    if layer_type is None:
+        return reader
+    if not reader.is_dict:
+        per_layer = reader.raw("per_layer_config")
+        if per_layer is not None:
+            try:
+                layer = per_layer[layer_type]
+            except (KeyError, IndexError, TypeError, ValueError):
+                return reader
+            sub = _Reader(layer, f"{reader.where}.per_layer_config[{layer_type!r}]", reader.model_type)
+            return sub
+        return reader
+    per_layer = reader.raw("per_layer_config")
+    types = reader.get("layer_types")
+    if not per_layer or not types:
+        return reader
+    if not isinstance(per_layer, Mapping):
+        raise ConfigError(f"{reader.name('per_layer_config')} must be a dict of layer index -> overrides")
+    chosen, first = None, None
+    for index, lt in enumerate(types):
+        if lt != layer_type:
+            continue
+        override = per_layer.get(str(index), per_layer.get(f"{index:02d}", per_layer.get(index))) or {}
+        head = override.get("head_dim")
+        if first is None:
+            first, chosen = index, head
+        elif head != chosen:
+            raise ConfigError(f"{reader.name('per_layer_config')} gives layers {first} and {index} of type "
+                              f"{layer_type!r} different head_dim ({chosen} and {head}); read them per layer with "
+                              "RopeSpec.layers_from_hf_config")
+    if chosen is None:
+        return reader
+    return _Reader({**reader.config, "head_dim": chosen}, reader.where, reader.model_type)
+
+
+def _layer_reader(reader: _Reader, index: int):
+    per_layer = reader.raw("per_layer_config")
+    if reader.is_dict and isinstance(per_layer, Mapping):
+        override = per_layer.get(str(index), per_layer.get(f"{index:02d}", per_layer.get(index)))
+        if override:
+            return _Reader({**reader.config, **override}, reader.where, reader.model_type)
+    elif per_layer is not None and not reader.is_dict:
+        try:
+            return _Reader(per_layer[index], f"{reader.where}.per_layer_config[{index}]", reader.model_type)
+        except (KeyError, IndexError, TypeError, ValueError):
+            pass
+    return reader
+
+
+# -- the spec --------------------------------------------------------------------------------------
+def spec_kwargs(config, layer_type=None, *, _reader=None) -> dict:
+    """RopeSpec keyword arguments (with "head_dim" and "layout") for one layer type of an HF config."""
+    reader = _reader or text_reader(config)
+    flat, nested = rope_dicts(reader)
+    if nested is not None:
+        usable = [k for k, v in nested.items() if v is not None]
+        if layer_type is None:
+            raise ValueError(f"{reader.name('rope_parameters')} is per layer type ({', '.join(usable)}); pass "
+                             "layer_type= one of them, or use RopeSpec.per_layer_from_hf_config")
+        if layer_type not in nested:
+            raise ValueError(f"layer_type must be one of {usable}, got {layer_type!r}")
+        if nested[layer_type] is None:
+            raise ValueError(f"layer type {layer_type!r} has no RoPE (its rope_parameters entry is null)")
+        params = dict(nested[layer_type])
+        where = f"{reader.name('rope_parameters')}[{layer_type!r}]"
+    else:
+        if layer_type is not None:
+            types = list(dict.fromkeys(reader.get("layer_types") or []))
+            if layer_type not in types:
+                raise ValueError(f"layer_type must be one of the config's layer types {types}, got {layer_type!r}"
+                                 if types else f"layer_type={layer_type!r} given, but this config has no layer types")
+        params = dict(flat)
+        where = reader.name("rope_parameters") if reader.get("rope_parameters") else reader.name("rope_scaling")
+    layer = _layer_overrides(reader, layer_type)
+    return _kwargs_from(layer, params, where)
+
+
+def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
+    family = _family(reader)
+    base = params.pop("rope_theta", None)
+    base_where = f"{where}['rope_theta']"
+    if base is None:
+        base, base_where = reader.get("rope_theta"), reader.name("rope_theta")
+        if base is None:
+            attn = reader.sub("attn_config")   # DBRX
+            if attn is not None and attn.get("rope_theta") is not None:
+                base, base_where = attn.get("rope_theta"), attn.name("rope_theta")
+    base = 10000.0 if base is None else _number(base, base_where)
+    partial = params.pop("partial_rotary_factor", None)
+    partial_where = f"{where}['partial_rotary_factor']"
+    if partial is None:
+        partial, partial_where = reader.get("partial_rotary_factor"), reader.name("partial_rotary_factor")
+    if partial is not None:
+        partial = _number(partial, partial_where)
+        if not 0.0 < partial <= 1.0:
+            raise ConfigError(f"{partial_where} must be in (0, 1], got {partial!r}")
+
+    mrope_section = params.pop("mrope_section", None)
+    mrope_interleaved = params.pop("mrope_interleaved", None)
+    for key in ("mrope", "rope_deltas"):
+        params.pop(key, None)
+
+    if reader.get("head_dim") is not None:
+        head_dim = _integer(reader.get("head_dim"), reader.name("head_dim"))
+    else:
+        hidden, heads = reader.get("hidden_size"), reader.get("num_attention_heads")
+        if hidden is None or heads is None:
+            raise ConfigError(f"{reader.where} needs 'head_dim' or both 'hidden_size' and 'num_attention_heads'")
+        hidden = _integer(hidden, reader.name("hidden_size"))
+        heads = _integer(heads, reader.name("num_attention_heads"))
+        if heads < 1:
+            raise ConfigError(f"{reader.name('num_attention_heads')} must be >= 1, got {heads}")
+        head_dim = hidden // heads
+    if head_dim < 1:
+        raise ConfigError(f"{reader.name('head_dim')} must be >= 1, got {head_dim}")
+    out = {}
+
+    rope_type = None
+    if "rope_type" in params or "type" in params:
+        rope_type = params.get("rope_type", params.get("type"))
+        rope_type = _scaling.ROPE_TYPE_ALIASES.get(rope_type, rope_type) if isinstance(rope_type, str) else rope_type
+    if rope_type in ("default", None) and not (set(params) - {"rope_type", "type"}):
+        scaling = None
+    elif rope_type == "default":
+        scaling = None
+        params = {}
+    else:
+        scaling = params
+        if rope_type in ("llama3", "yarn", "longrope") and reader.get("original_max_position_embeddings") is not None:
+            scaling["original_max_position_embeddings"] = reader.get("original_max_position_embeddings")
+
+    frequency_dim = None
+    if rope_type == "proportional":
+        rotary_dim = head_dim - head_dim % 2
+        if partial is not None:
+            scaling["partial_rotary_factor"] = partial
+    elif partial is not None:
+        frequency_dim = int(head_dim * partial)
+        if frequency_dim < 1:
+            raise ConfigError(f"{partial_where} = {partial!r} leaves no rotary dims of head_dim {head_dim}")
+        rotary_dim = frequency_dim + frequency_dim % 2
+    elif reader.get("rotary_dim") is not None and family in ("gptj", "codegen", "gpt_neox", None):
+        rotary_dim = _integer(reader.get("rotary_dim"), reader.name("rotary_dim"))
+    else:
+        rotary_dim = head_dim - head_dim % 2   # HF rotates the whole head (minimax_m3_vl's rotary_dim unused)
+    if frequency_dim is not None and frequency_dim == rotary_dim:
+        frequency_dim = None
+    if frequency_dim is not None:
+        if rotary_dim > head_dim:
+            raise ConfigError(f"{partial_where} = {partial!r} gives an odd rotary dim {frequency_dim} that HF "
+                              f"rounds up to {rotary_dim} > head_dim {head_dim}")
+        if scaling is not None:
+            raise ConfigError(f"{partial_where} = {partial!r} gives an odd rotary dim {frequency_dim}; rotary "
+                              f"reproduces it only without scaling (got rope_type {rope_type!r})")
+        out["frequencies"] = tuple(base ** (-i / frequency_dim) for i in range(0, frequency_dim, 2))
+
+    if family in BACKWARDS_FAMILIES:
+        if scaling is not None:
+            raise ConfigError(f"{family} turns pairs by -theta; rotary reproduces it only without scaling "
+                              f"(got rope_type {rope_type!r})")
+        d = frequency_dim or rotary_dim
+        out["frequencies"] = tuple(-(base ** (-i / d)) for i in range(0, d, 2))
+
+    max_pos = reader.get("max_position_embeddings")
+    if max_pos is not None:
+        max_pos = _integer(max_pos, reader.name("max_position_embeddings"))
+
+    if mrope_section is not None or family in MROPE_DEFAULTS:
+        default_section, mrope_layout = MROPE_DEFAULTS.get(family, (None, "chunked"))
+        if mrope_section is None:
+            mrope_section = default_section
+        if mrope_interleaved is not None:
+            if not isinstance(mrope_interleaved, bool):
+                raise ConfigError(f"{where}['mrope_interleaved'] must be true or false, got {mrope_interleaved!r}")
+            if mrope_interleaved:
+                mrope_layout = "interleaved"
+        if mrope_section is not None:
+            out["mrope_section"] = tuple(_integer(v, f"{where}['mrope_section'][{i}]")
+                                         for i, v in enumerate(mrope_section))
+            out["mrope_layout"] = mrope_layout
+    elif family in TWO_AXIS_FAMILIES:
+        out["pair_axes"] = tuple(i % 2 for i in range(rotary_dim // 2))
+        out["n_axes"] = 2
+    if family in SOFTMAX_MSCALE_FAMILIES and scaling is not None and scaling.get("mscale_all_dim"):
+        factor = _number(scaling.get("factor"), f"{where}['factor']")
+        m = _number(scaling["mscale_all_dim"], f"{where}['mscale_all_dim']")
+        out["softmax_scale_factor"] = (0.1 * m * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
+    interleave = reader.get("rope_interleave")
+    if interleave is not None:
+        layout = "interleaved" if interleave else "half"
+    else:
+        layout = "interleaved" if family in INTERLEAVED_FAMILIES else "half"
+    out.update(head_dim=head_dim, rotary_dim=rotary_dim, base=base, scaling=scaling, max_position_embeddings=max_pos,
+               layout=layout, where=where)
+    return out
+
+
+def per_layer_kwargs(config) -> dict:
+    """{layer type: spec kwargs} for every layer type with RoPE (``{"default": ...}`` for a flat config
+    without layer types; every layer type of ``layer_types`` for a flat config with them)."""
+    reader = text_reader(config)
+    flat, nested = rope_dicts(reader)
+    if nested is not None:
+        return {lt: spec_kwargs(config, lt, _reader=reader) for lt, v in nested.items() if v is not None}
+    types = list(dict.fromkeys(reader.get("layer_types") or []))
+    if not types:
+        return {"default": spec_kwargs(config, None, _reader=reader)}
+    return {lt: spec_kwargs(config, lt, _reader=reader) for lt in types}
+
+
+def layer_kwargs(config) -> list:
+    """Spec kwargs of each layer index (``config.layer_types``), None for a layer type without RoPE."""
+    reader = text_reader(config)
+    _, nested = rope_dicts(reader)
+    types = reader.get("layer_types")
+    if not types:
+        n = reader.get("num_hidden_layers")
+        if n is None:
+            raise ConfigError(f"{reader.where} has neither 'layer_types' nor 'num_hidden_layers'")
+        return [spec_kwargs(config, None, _reader=reader)] * _integer(n, reader.name("num_hidden_layers"))
+    out = []
+    for index, lt in enumerate(types):
+        if nested is not None and nested.get(lt) is None:
+            out.append(None)
+            continue
+        flat, _ = rope_dicts(reader)
+        params = dict(nested[lt]) if nested is not None else dict(flat)
+        where = reader.name("rope_parameters") + (f"[{lt!r}]" if nested is not None else "")
+        out.append(_kwargs_from(_layer_reader(reader, index), params, where))
+    return out

@@ -1,0 +1,231 @@
+"""RopeSpec.from_hf_config on config.json dicts (no transformers needed): per-layer-type parameters,
+aliases, multimodal text configs, M-RoPE defaults, odd rotary dims, MLA softmax factor, bad input.
+The zoo test (tests/test_hf_zoo.py) checks the same reader against every HF text rotary class."""
+
+import math
+
+import numpy as np
+import pytest
+
+from rotary import RopeSpec
+
+GEMMA3 = {"model_type": "gemma3_text", "head_dim": 256, "hidden_size": 2560, "num_attention_heads": 8,
+          "max_position_embeddings": 131072, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+
+GEMMA4 = {"model_type": "gemma4_text", "head_dim": 256, "hidden_size": 2560, "num_attention_heads": 8,
+          "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+          "per_layer_config": {"05": {"head_dim": 512}},
+          "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1e6}}}
+
+
+def test_per_layer_type():
+    with pytest.raises(ValueError, match=r"per layer type \(full_attention, sliding_attention\).*layer_type"):
+        RopeSpec.from_hf_config(GEMMA3)
+    full = RopeSpec.from_hf_config(GEMMA3, layer_type="full_attention")
+    sliding = RopeSpec.from_hf_config(GEMMA3, layer_type="sliding_attention")
+    assert full == RopeSpec(256, base=1e6, scaling={"rope_type": "linear", "factor": 8.0},
+                            max_position_embeddings=131072)
+    assert sliding == RopeSpec(256, base=10000.0, max_position_embeddings=131072)
+    with pytest.raises(ValueError, match=r"layer_type must be one of \['full_attention', 'sliding_attention'\]"):
+        RopeSpec.from_hf_config(GEMMA3, layer_type="global")
+    specs = RopeSpec.per_layer_from_hf_config(GEMMA3)
+    assert specs == {"full_attention": full, "sliding_attention": sliding}
+    layers = RopeSpec.layers_from_hf_config(GEMMA3)
+    assert layers == [sliding] * 5 + [full]
+
+
+def test_gemma4_global_head_dim_per_layer():
+    full = RopeSpec.from_hf_config(GEMMA4, layer_type="full_attention")
+    assert (full.head_dim, full.rotary_dim, full.rope_type) == (512, 512, "proportional")
+    # proportional: the first int(0.25 * 512 // 2) = 64 pairs rotate, at base**(-2i/512)
+    freqs = full.inv_freq()
+    np.testing.assert_allclose(freqs[:64], 1e6 ** (-np.arange(0, 128, 2) / 512), rtol=1e-15)
+    assert np.all(freqs[64:] == 0)
+    layers = RopeSpec.layers_from_hf_config(GEMMA4)
+    assert [s.head_dim for s in layers] == [256] * 5 + [512]
+    bad = {**GEMMA4, "layer_types": GEMMA4["layer_types"] + ["full_attention"],
+           "per_layer_config": {"05": {"head_dim": 512}, "06": {"head_dim": 384}}}
+    with pytest.raises(ValueError, match="layers 5 and 6 of type 'full_attention' different head_dim"):
+        RopeSpec.from_hf_config(bad, layer_type="full_attention")
+    assert [s.head_dim for s in RopeSpec.layers_from_hf_config(bad)][-2:] == [512, 384]
+
+
+def test_flat_config_with_layer_types():
+    config = {"head_dim": 64, "rope_theta": 5e5, "layer_types": ["linear_attention", "full_attention"]}
+    spec = RopeSpec(64, base=5e5)
+    assert RopeSpec.from_hf_config(config, layer_type="full_attention") == spec
+    assert RopeSpec.per_layer_from_hf_config(config) == {"linear_attention": spec, "full_attention": spec}
+    assert RopeSpec.per_layer_from_hf_config({"head_dim": 64}) == {"default": RopeSpec(64)}
+    with pytest.raises(ValueError, match="layer_type"):
+        RopeSpec.from_hf_config({"head_dim": 64}, layer_type="full_attention")
+
+
+def test_null_layer_type_has_no_rope():
+    config = {"head_dim": 64, "layer_types": ["conv", "full_attention"],
+              "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "conv": None}}
+    assert RopeSpec.layers_from_hf_config(config) == [None, RopeSpec(64, base=1e6)]
+    with pytest.raises(ValueError, match="'conv' has no RoPE"):
+        RopeSpec.from_hf_config(config, layer_type="conv")
+
+
+@pytest.mark.parametrize("config, head_dim, rotary_dim", [
+    ({"model_type": "jetmoe", "hidden_size": 2048, "num_attention_heads": 32, "kv_channels": 128}, 128, 128),
+    ({"model_type": "zamba2", "hidden_size": 2560, "num_attention_heads": 32, "kv_channels": 80,
+      "attention_head_dim": 160}, 160, 160),
+    ({"model_type": "glm4_moe_lite", "hidden_size": 2048, "num_attention_heads": 20, "qk_rope_head_dim": 64,
+      "qk_nope_head_dim": 192}, 64, 64),
+    ({"model_type": "dbrx", "d_model": 6144, "n_heads": 48, "max_seq_len": 32768,
+      "attn_config": {"rope_theta": 500000}}, 128, 128),
+    ({"model_type": "gpt_neox", "hidden_size": 512, "num_attention_heads": 4, "rotary_pct": 0.25,
+      "rotary_emb_base": 10000}, 128, 32),
+    ({"model_type": "minimax_m3_vl_text", "head_dim": 128, "rotary_dim": 64, "hidden_size": 6144,
+      "num_attention_heads": 64}, 128, 128),    # HF rotates the whole head: rotary_dim is unused there
+])
+def test_aliases(config, head_dim, rotary_dim):
+    spec = RopeSpec.from_hf_config(config)
+    assert (spec.head_dim, spec.rotary_dim) == (head_dim, rotary_dim)
+    if "attn_config" in config:
+        assert spec.base == 500000.0 and spec.max_position_embeddings == 32768
+
+
+def test_multimodal_text_config_and_mrope():
+    qwen2vl = {"model_type": "qwen2_vl", "vision_config": {"depth": 32},
+               "text_config": {"model_type": "qwen2_vl_text", "hidden_size": 3584, "num_attention_heads": 28,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                   "mrope_section": [16, 24, 24]}}}
+    spec = RopeSpec.from_hf_config(qwen2vl)
+    assert (spec.head_dim, spec.mrope_section, spec.mrope_interleaved, spec.layout) == (128, (16, 24, 24), False,
+                                                                                        "half")
+    # the family's HF default applies when the config has no mrope_section
+    qwen3vl = {"model_type": "qwen3_vl", "text_config": {"head_dim": 128, "rope_theta": 5e6,
+                                                         "rope_scaling": {"rope_type": "default"}}}
+    spec = RopeSpec.from_hf_config(qwen3vl)
+    assert (spec.mrope_section, spec.mrope_interleaved, spec.mrope_layout) == ((24, 20, 20), True, "interleaved")
+    glm4v = {"model_type": "glm4v", "text_config": {"model_type": "glm4v_text", "hidden_size": 4096,
+                                                    "num_attention_heads": 32,
+                                                    "rope_parameters": {"rope_theta": 10000.0,
+                                                                        "partial_rotary_factor": 0.5,
+                                                                        "mrope_section": [8, 12, 12]}}}
+    spec = RopeSpec.from_hf_config(glm4v)
+    assert (spec.rotary_dim, spec.mrope_layout, spec.layout) == (64, "chunked", "interleaved")
+    ernie = {"model_type": "ernie4_5_vl_moe", "text_config": {"hidden_size": 2560, "num_attention_heads": 20,
+                                                             "rope_theta": 5e5}}
+    spec = RopeSpec.from_hf_config(ernie)
+    assert (spec.mrope_section, spec.mrope_layout, spec.layout) == ((22, 22, 20), "ernie", "interleaved")
+    # an explicit layout overrides the family's
+    assert RopeSpec.from_hf_config(ernie, layout="half").layout == "half"
+
+
+def test_odd_rotary_dim_as_hf():
+    # GLM-4.5 default: head 4096 // 96 = 42, partial 0.5 -> d = 21: inv_freq = base**(-arange(0, 21, 2)/21)
+    spec = RopeSpec.from_hf_config({"model_type": "glm4_moe", "hidden_size": 4096, "num_attention_heads": 96,
+                                    "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}})
+    assert (spec.head_dim, spec.rotary_dim) == (42, 22)
+    np.testing.assert_allclose(spec.inv_freq(), 10000.0 ** (-np.arange(0, 21, 2) / 21), rtol=1e-15)
+    with pytest.raises(ValueError, match="odd rotary dim 21"):
+        RopeSpec.from_hf_config({"hidden_size": 4096, "num_attention_heads": 96, "partial_rotary_factor": 0.5,
+                                 "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+def test_deepseek_softmax_scale_factor():
+    config = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "head_dim": 64,
+              "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "rope_interleave": True,
+              "max_position_embeddings": 163840,
+              "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+              "rope_theta": 10000}
+    spec = RopeSpec.from_hf_config(config)
+    assert spec.layout == "interleaved" and spec.rotary_dim == 64
+    assert spec.attention_scaling == 1.0      # mscale / mscale_all_dim
+    assert spec.softmax_scale_factor == pytest.approx((0.1 * math.log(40) + 1) ** 2, rel=1e-15)
+    # a Llama-family yarn config: HF's attention does not rescale the softmax
+    plain = RopeSpec.from_hf_config({**config, "model_type": "llama", "rope_interleave": None})
+    assert plain.softmax_scale_factor == 1.0 and plain.layout == "half"
+
+
+def test_nanochat_turns_pairs_backwards():
+    spec = RopeSpec.from_hf_config({"model_type": "nanochat", "hidden_size": 768, "num_attention_heads": 6})
+    np.testing.assert_allclose(spec.inv_freq(), -(10000.0 ** (-np.arange(0, 128, 2) / 128)), rtol=1e-15)
+
+
+@pytest.mark.parametrize("config, key", [
+    ({"head_dim": 64, "rope_theta": "abc"}, r"config\['rope_theta'\]"),
+    ({"head_dim": 64, "rope_parameters": {"rope_theta": "abc"}}, r"config\['rope_parameters'\]\['rope_theta'\]"),
+    ({"head_dim": 64, "partial_rotary_factor": "0.5"}, r"config\['partial_rotary_factor'\]"),
+    ({"head_dim": 64.7}, r"config\['head_dim'\]"),
+    ({"hidden_size": "4096", "num_attention_heads": 32}, r"config\['hidden_size'\]"),
+    ({"head_dim": 64, "max_position_embeddings": 1.5}, r"config\['max_position_embeddings'\]"),
+    ({"head_dim": 64, "partial_rotary_factor": 1.5}, r"config\['partial_rotary_factor'\]"),
+    ({"head_dim": 64, "rope_scaling": {"type": "linear", "factor": "2"}}, r"config\['rope_scaling'\].*factor"),
+    ({"head_dim": 64, "rope_parameters": {"full_attention": {"rope_theta": 1e4}, "rope_type": "default"}},
+     "mixes per-layer-type dicts"),
+    ({"model_type": "qwen2_vl", "head_dim": 128, "rope_parameters": {"mrope_section": [16, 24, "x"]}},
+     r"mrope_section'\]\[2\]"),
+])
+def test_bad_values_name_the_config_key(config, key):
+    with pytest.raises((ValueError, TypeError), match=key):
+        RopeSpec.from_hf_config(config)
+
+
+def test_pretrained_like_object_read_through_attributes():
+    class Config:   # attribute access only, like a PretrainedConfig with attribute_map aliases resolved
+        model_type = "jetmoe"
+        head_dim = 128          # what attribute_map head_dim -> kv_channels gives
+        hidden_size = 2048
+        num_attention_heads = 32
+        rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        max_position_embeddings = 4096
+
+        def to_dict(self):      # loses the alias: kv_channels only
+            return {"kv_channels": 128, "hidden_size": 2048, "num_attention_heads": 32}
+
+    assert RopeSpec.from_hf_config(Config()) == RopeSpec(128, max_position_embeddings=4096)
+
+
+def test_inspect_cli(tmp_path, capsys):
+    import json
+
+    from rotary.__main__ import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GEMMA3, "layer_types": GEMMA3["layer_types"] * 2}))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "[full_attention]" in out and "[sliding_attention]" in out and "scaling            factor=8" in out
+    assert "layers             0-4 sliding_attention, 5 full_attention, 6-10 sliding_attention, 11 full_attention" in out
+    assert main(["inspect", str(path), "--layer-type", "sliding_attention"]) == 0
+    out = capsys.readouterr().out
+    assert "[sliding_attention]" in out and "full_attention" not in out
+    assert main(["inspect", str(path), "--layer-type", "global"]) == 2
+    assert "layer_type must be one of" in capsys.readouterr().err
+    path.write_text(json.dumps({"model_type": "deepseek_v3", "head_dim": 64, "hidden_size": 7168,
+                                "num_attention_heads": 128, "rope_theta": 10000, "rope_interleave": True,
+                                "max_position_embeddings": 163840,
+                                "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                 "original_max_position_embeddings": 4096}}))
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "[all layers]" in out and "layout             interleaved" in out
+    assert f"softmax factor     {(0.1 * math.log(40) + 1) ** 2:.9g}" in out
+    path.write_text("{not json")
+    assert main(["inspect", str(path)]) == 2
+
+
+def test_from_inv_freq_with_attention_scaling():
+    freqs = [0.5, -0.25, 1e-3]
+    spec = RopeSpec.from_inv_freq(freqs, head_dim=8, layout="interleaved", attention_scaling=1.25)
+    assert (spec.head_dim, spec.rotary_dim, spec.layout, spec.attention_scaling) == (8, 6, "interleaved", 1.25)
+    np.testing.assert_array_equal(spec.inv_freq(), freqs)
+    cos, sin = spec.cos_sin(np.array([0, 3]), dtype=np.float64)
+    np.testing.assert_allclose(cos[1], 1.25 * np.cos(3 * np.array(freqs)), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(sin[1], 1.25 * np.sin(3 * np.array(freqs)), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="attention_factor must be a finite number > 0"):
+        RopeSpec.from_inv_freq(freqs, attention_scaling=0.0)
+    with pytest.raises(ValueError, match="attention_factor= goes with frequencies="):
+        RopeSpec(8, attention_factor=2.0)
+    with pytest.raises(ValueError, match="inv_freq must be a 1-D"):
+        RopeSpec.from_inv_freq([[1.0]])
