@@ -1,0 +1,294 @@
+"""SIMD building blocks of the Numba kernels (imported by ``_numba_kernels`` only).
+
+:class:`Vec` is an LLVM vector of one register (``VECTOR_BYTES``: 64 with AVX-512, 32 with AVX,
+else 16) of float32 or float64, with loads/stores from contiguous rows (:func:`vload`,
+:func:`vstore`), :func:`vzeros`, :func:`vsplat`, :func:`vmadd` (``acc + x * y``, one multiply and
+one add: no fused multiply-add, fastmath off) and :func:`vsum`; plus the flat-buffer loads/stores,
+negation and (de)interleaving shuffles the rotation kernel's ``rotate_pairs_simd`` uses.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as ll
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import config, errors
+from numba.extending import intrinsic, models, overload, register_model
+from numba.np.numpy_support import as_dtype
+
+
+# -- SIMD vectors for the chunk products -----------------------------------------------------------
+def _vector_bytes():
+    """Bytes of the widest vector register of the compile target: 64 with AVX-512, 32 with AVX, else 16."""
+    features = config.CPU_FEATURES
+    if features is None:
+        features = "" if config.CPU_NAME not in (None, "host") else ll.get_host_cpu_features().flatten()
+    for flag, size in (("+avx512f", 64), ("+avx", 32)):
+        if flag in features.split(","):
+            return size
+    return 16
+
+
+#: size of one :class:`Vec` in bytes (one register; 16 float32 or 8 float64 lanes with AVX-512)
+VECTOR_BYTES = _vector_bytes()
+
+
+class Vec(types.Type):
+    """An LLVM vector of ``VECTOR_BYTES`` bytes of float32 or float64: a value kept in one register.
+
+    Only :func:`vload`, :func:`vstore`, :func:`vsplat`, :func:`vmadd` and :func:`vsum` use it, so
+    LLVM sees the register tiles of :func:`madd_tile` as vector values instead of scalars it would
+    have to re-vectorise. In pure Python (``py_func``) the same functions work on NumPy arrays.
+    """
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.lanes = VECTOR_BYTES // (dtype.bitwidth // 8)
+        super().__init__(name=f"Vec({dtype} x {self.lanes})")
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(dmm.lookup(fe_type.dtype).get_value_type(), fe_type.lanes))
+
+
+def _element_pointer(context, builder, row_type, row, index_type, index):
+    ary = context.make_array(row_type)(context, builder, row)
+    return builder.gep(ary.data, [context.cast(builder, index, index_type, types.intp)], inbounds=True)
+
+
+def _check_row(row):
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+            and row.dtype in (types.float32, types.float64)):
+        raise errors.TypingError(f"a contiguous 1-D float32/float64 array is required, got {row}")
+
+
+@intrinsic
+def _vload(typingctx, row, j):
+    _check_row(row)
+    vec = Vec(row.dtype)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        vec_ptr = builder.bitcast(ptr, context.get_value_type(vec).as_pointer())
+        return builder.load(vec_ptr, align=row.dtype.bitwidth // 8)
+
+    return vec(row, j), codegen
+
+
+@intrinsic
+def _vstore(typingctx, row, j, value):
+    _check_row(row)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=row.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(row, j, value), codegen
+
+
+@intrinsic
+def _vsplat(typingctx, x):
+    vec = Vec(x)
+
+    def codegen(context, builder, signature, args):
+        vec_type = context.get_value_type(vec)
+        first = builder.insert_element(ir.Constant(vec_type, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        lanes0 = ir.Constant(ir.VectorType(ir.IntType(32), vec.lanes), [0] * vec.lanes)
+        return builder.shuffle_vector(first, ir.Constant(vec_type, ir.Undefined), lanes0)
+
+    return vec(x), codegen
+
+
+@intrinsic
+def _vmadd(typingctx, acc, x, y):
+    def codegen(context, builder, signature, args):
+        return builder.fadd(args[0], builder.fmul(args[1], args[2]))   # no contract flag: no FMA
+
+    return acc(acc, x, y), codegen
+
+
+@intrinsic
+def _vsum(typingctx, value):
+    def codegen(context, builder, signature, args):
+        total = builder.extract_element(args[0], ir.Constant(ir.IntType(32), 0))
+        for lane in range(1, value.lanes):
+            total = builder.fadd(total, builder.extract_element(args[0], ir.Constant(ir.IntType(32), lane)))
+        return total
+
+    return value.dtype(value), codegen
+
+
+def lanes(row):
+    """Lanes of one vector of row's dtype (16 float32 or 8 float64 with AVX-512)."""
+    return VECTOR_BYTES // row.itemsize
+
+
+def vload(row, j):
+    """The vector row[j : j + lanes] (row: contiguous 1-D float32/float64)."""
+    return row[j:j + lanes(row)].copy()
+
+
+def vstore(row, j, value):
+    """row[j : j + lanes] = value."""
+    row[j:j + value.shape[0]] = value
+
+
+def vzeros(row):
+    """A vector of zeros of row's dtype."""
+    return np.zeros(lanes(row), row.dtype)
+
+
+def vsplat(x):
+    """The vector (x, x, ..., x)."""
+    return np.full(VECTOR_BYTES // np.asarray(x).itemsize, x)
+
+
+def vmadd(acc, x, y):
+    """acc + x * y lane by lane, one multiply then one add (rounded twice: no fused multiply-add)."""
+    return acc + x * y
+
+
+def vsum(value):
+    """value[0] + value[1] + ... + value[lanes - 1], left to right."""
+    total = value[0]
+    for lane in range(1, value.shape[0]):
+        total += value[lane]
+    return total
+
+
+@overload(lanes)
+def _lanes_impl(row):
+    count = VECTOR_BYTES // (row.dtype.bitwidth // 8)
+    return lambda row: count
+
+
+@overload(vload)
+def _vload_impl(row, j):
+    return lambda row, j: _vload(row, j)
+
+
+@overload(vstore)
+def _vstore_impl(row, j, value):
+    return lambda row, j, value: _vstore(row, j, value)
+
+
+@overload(vzeros)
+def _vzeros_impl(row):
+    zero = as_dtype(row.dtype).type(0)
+    return lambda row: _vsplat(zero)
+
+
+@overload(vsplat)
+def _vsplat_impl(x):
+    return lambda x: _vsplat(x)
+
+
+@overload(vmadd)
+def _vmadd_impl(acc, x, y):
+    return lambda acc, x, y: _vmadd(acc, x, y)
+
+
+@overload(vsum)
+def _vsum_impl(value):
+    return lambda value: _vsum(value)
+
+
+# -- SIMD rotation of unit-stride head vectors ------------------------------------------------------
+def _work_dtype(buf_dtype):
+    """The dtype a buffer is computed in: float32 for float16 bits (uint16), else its own."""
+    return types.float32 if buf_dtype == types.uint16 else buf_dtype
+
+
+def _flat_pointer(context, builder, array_type, array, index_type, index):
+    """Pointer to element ``index`` of a C-contiguous array counted in its flat (row-major) order."""
+    ary = context.make_array(array_type)(context, builder, array)
+    return builder.gep(ary.data, [context.cast(builder, index, index_type, types.intp)], inbounds=True)
+
+
+@intrinsic
+def _vload_flat(typingctx, buf, i):
+    """The vector buf.flat[i : i + lanes] in the work dtype (float16 bits converted exactly by fpext)."""
+    vec = Vec(_work_dtype(buf.dtype))
+
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        vec_type = context.get_value_type(vec)
+        if buf.dtype == types.uint16:
+            bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), vec.lanes).as_pointer()), align=2)
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), vec.lanes)), vec_type)
+        return builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=buf.dtype.bitwidth // 8)
+
+    return vec(buf, i), codegen
+
+
+@intrinsic
+def _vstore_flat(typingctx, buf, i, value):
+    """buf.flat[i : i + lanes] = value rounded to buf's dtype (float16 bits: fptrunc, to nearest even)."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        data = args[2]
+        if buf.dtype == types.uint16:
+            halves = builder.fptrunc(data, ir.VectorType(ir.HalfType(), value.lanes))
+            data = builder.bitcast(halves, ir.VectorType(ir.IntType(16), value.lanes))
+            builder.store(data, builder.bitcast(ptr, data.type.as_pointer()), align=2)
+        else:
+            builder.store(data, builder.bitcast(ptr, data.type.as_pointer()), align=buf.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(buf, i, value), codegen
+
+
+def _lane_indices(indices):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), list(indices))
+
+
+def _vector_binary(op):
+    @intrinsic
+    def _binary(typingctx, x, y):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, op)(args[0], args[1])
+        return x(x, y), codegen
+    return _binary
+
+
+_vmul, _vadd, _vsub = _vector_binary("fmul"), _vector_binary("fadd"), _vector_binary("fsub")
+
+
+@intrinsic
+def _vneg(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.fneg(args[0])
+    return x(x), codegen
+
+
+@intrinsic
+def _vdeinterleave(typingctx, lo, hi):
+    """(even lanes, odd lanes) of the 2 * lanes values lo ++ hi."""
+    pair = types.UniTuple(lo, 2)
+
+    def codegen(context, builder, signature, args):
+        n = lo.lanes
+        even = builder.shuffle_vector(args[0], args[1], _lane_indices([2 * j for j in range(n)]))
+        odd = builder.shuffle_vector(args[0], args[1], _lane_indices([2 * j + 1 for j in range(n)]))
+        return context.make_tuple(builder, pair, [even, odd])
+
+    return pair(lo, hi), codegen
+
+
+@intrinsic
+def _vinterleave(typingctx, even, odd):
+    """(first lanes, last lanes) of even[0], odd[0], even[1], odd[1], ..."""
+    pair = types.UniTuple(even, 2)
+
+    def codegen(context, builder, signature, args):
+        n = even.lanes
+        order = [j // 2 + (n if j % 2 else 0) for j in range(2 * n)]
+        lo = builder.shuffle_vector(args[0], args[1], _lane_indices(order[:n]))
+        hi = builder.shuffle_vector(args[0], args[1], _lane_indices(order[n:]))
+        return context.make_tuple(builder, pair, [lo, hi])
+
+    return pair(even, odd), codegen
