@@ -58,6 +58,8 @@ def _check_number(value, name, *, positive=True, integer=False):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {'an integer' if integer else 'a real number'} or None, "
                         f"got {type(value).__name__}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be finite, got {value}")
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     return int(value) if integer else float(value)
@@ -134,7 +136,7 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     if scale is None:
         scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(d)
     else:
-        scale = _check_number(scale, "scale", positive=False)
+        scale = _check_number(scale, "scale")
     q_len, k_len = int(q.shape[ax]), int(k.shape[ax])
 
     # positions of q and k tokens (host int64, (Bp, S[, n_axes])), per sequence for packed input

@@ -48,6 +48,25 @@ def _apply(*args, **kwargs):
     return apply(*args, **kwargs)
 
 
+def _from_config(**values):
+    from . import RopeSpec
+
+    return RopeSpec.from_hf_config({"hidden_size": 256, "num_attention_heads": 4, "rope_theta": 1e4, **values})
+
+
+def _config_error():
+    from ._hf_config import ConfigError
+
+    return ConfigError
+
+
+def _attention(seq=4, **kwargs):
+    from . import attention
+
+    x = _x((seq, 8), np.float64)
+    return attention(x, x, x, **kwargs)
+
+
 def _yarn(**extra):
     return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, **extra}
 
@@ -140,6 +159,20 @@ def _cases() -> list:
         ErrorCase("head_dim=1 (was reported as rotary_dim)", lambda: _spec(1), ValueError, ("head_dim", ">= 2")),
         ErrorCase("seq_axis out of range", lambda: _apply(_x((2, 4, 8)), seq_axis=5), ValueError,
                   ("seq_axis", "[0, 1]", "[-3, -2]", "got 5")),
+        # -- HF config values (named by their config key, never truncated) -------------------------
+        *[ErrorCase(f"from_hf_config {key}={value!r}", (lambda k=key, v=value: _from_config(**{k: v})), _config_error(),
+                    (f"config['{key}']", want))
+          for key, value, want in (("head_dim", 64.7, "integer"), ("head_dim", "64", "integer"),
+                                   ("rope_theta", "abc", "finite number"),
+                                   ("partial_rotary_factor", "0.5", "finite number"),
+                                   ("hidden_size", "256", "integer"), ("num_attention_heads", 0, ">= 1"))],
+        # -- softmax attention scalars ------------------------------------------------------------
+        ErrorCase("attention scale=nan", lambda: _attention(scale=float("nan")), ValueError, ("scale", "finite")),
+        ErrorCase("attention scale=inf", lambda: _attention(scale=math.inf), ValueError, ("scale", "finite")),
+        ErrorCase("attention scale=-0.5", lambda: _attention(scale=-0.5), ValueError, ("scale", "> 0")),
+        ErrorCase("attention scale=np.float32(0.25), causal=np.bool_(True)",
+                  lambda: _attention(scale=np.float32(0.25), causal=np.bool_(True)), check=lambda o: o.shape == (4, 8)),
+        ErrorCase("attention with sequence length 0", lambda: _attention(seq=0), check=lambda o: o.shape == (0, 8)),
         # -- documented mappings -----------------------------------------------------------------
         ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
                   check=lambda ok: ok is True),
