@@ -36,6 +36,16 @@ def _as_int(value, name: str) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
+def _positive_real(value, name: str) -> float:
+    """``value`` as a finite float > 0 (TypeError for non-numbers and bools, ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
 #: How an M-RoPE spec assigns its ``mrope_section`` sizes (pairs per t/h/w axis) to pairs, as in HF:
 #: "chunked" (Qwen2-VL, Qwen2.5-VL, GLM-4V): sections in order, pairs [0, s0) read t, then h, then w;
 #: "interleaved" (Qwen3-VL, Qwen3.5; HF ``mrope_interleaved=True``): pair i reads h when i % 3 == 1 and
@@ -156,21 +166,11 @@ class RopeSpec:
             half, mrope_section, mrope_interleaved, mrope_layout, pair_axes, n_axes)
         if not isinstance(float_positions, (bool, np.bool_)):
             raise TypeError(f"float_positions must be a bool, got {type(float_positions).__name__}")
-        if isinstance(softmax_scale_factor, bool) or not isinstance(softmax_scale_factor, (int, float, np.integer,
-                                                                                           np.floating)):
-            raise TypeError(f"softmax_scale_factor must be a real number, got {type(softmax_scale_factor).__name__}")
-        softmax_scale_factor = float(softmax_scale_factor)
-        if not (math.isfinite(softmax_scale_factor) and softmax_scale_factor > 0):
-            raise ValueError(f"softmax_scale_factor must be a finite number > 0, got {softmax_scale_factor}")
+        softmax_scale_factor = _positive_real(softmax_scale_factor, "softmax_scale_factor")
         if attention_factor is not None:
             if frequencies is None:
                 raise ValueError("attention_factor= goes with frequencies= (a scaling rule sets its own factor)")
-            if isinstance(attention_factor, bool) or not isinstance(attention_factor, (int, float, np.integer,
-                                                                                       np.floating)):
-                raise TypeError(f"attention_factor must be a real number, got {type(attention_factor).__name__}")
-            attention_factor = float(attention_factor)
-            if not (math.isfinite(attention_factor) and attention_factor > 0):
-                raise ValueError(f"attention_factor must be a finite number > 0, got {attention_factor}")
+            attention_factor = _positive_real(attention_factor, "attention_factor")
         values = dict(head_dim=head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
                       max_position_embeddings=max_position_embeddings, frequencies=frequencies,
                       _pair_axes=pair_axes, n_axes=n_axes, mrope_section=mrope_section, mrope_layout=mrope_layout,
