@@ -15,7 +15,7 @@ from ._positions import grid_positions, mrope_next_positions, mrope_positions
 from ._rerotate import rerotate
 from ._rope import Rope
 from ._spec import LAYOUTS, RopeSpec
-from ._tables import clear_cache
+from ._tables import clear_cache, set_table_cache_limit, table_cache_info
 from .backends import BackendUnavailableError, available_backends
 
 __all__ = [
@@ -38,4 +38,6 @@ __all__ = [
     "available_backends",
     "BackendUnavailableError",
     "clear_cache",
+    "set_table_cache_limit",
+    "table_cache_info",
 ]

@@ -173,6 +173,10 @@ def _cases() -> list:
         ErrorCase("attention scale=np.float32(0.25), causal=np.bool_(True)",
                   lambda: _attention(scale=np.float32(0.25), causal=np.bool_(True)), check=lambda o: o.shape == (4, 8)),
         ErrorCase("attention with sequence length 0", lambda: _attention(seq=0), check=lambda o: o.shape == (0, 8)),
+        # -- the cos/sin table cache ---------------------------------------------------------------
+        ErrorCase("set_table_cache_limit(-1)", lambda: _cache_limit(-1), ValueError, ("nbytes", ">= 0")),
+        ErrorCase("set_table_cache_limit('1MB')", lambda: _cache_limit("1MB"), TypeError, ("nbytes", "int")),
+        ErrorCase("set_table_cache_limit(True)", lambda: _cache_limit(True), TypeError, ("nbytes", "int")),
         # -- documented mappings -----------------------------------------------------------------
         ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
                   check=lambda ok: ok is True),
@@ -186,6 +190,12 @@ def _linear_state_call(positions, start=None):
     state = None if start is None else _linear_state(S=np.zeros((1, 1, 8, 8), np.float32), z=np.zeros((1, 1, 8), np.float32),
                                                       next_position=start)
     return linear_attention(q, q, q, positions, seq_axis=1, causal=True, state=state, return_state=True)
+
+
+def _cache_limit(nbytes):
+    from . import set_table_cache_limit
+
+    set_table_cache_limit(set_table_cache_limit(nbytes))   # restores the previous limit when accepted
 
 
 def _linear_below_one() -> bool:

@@ -2,23 +2,33 @@
 
 The frontend asks ``lookup(spec, positions, dtype=..., device_key=..., convert=...)`` and gets
 ``(cos, sin, rows)``: tables of shape (R, rotary_dim//2) in the backend's array type and the row of
-each token, shape positions.shape, int64. Two kinds of table:
+each token, shape positions.shape, int64. Kinds of table:
 
 - dense: rows 0..R-1 hold positions 0..R-1. Grown (doubled) as larger positions arrive and
-  shared by every call with the same key. Used when 0 <= positions < a size cap.
-- compact: one row per distinct position of this call (negative, huge or sparse positions, and
-  dynamic-NTK lengths past the model's context, whose frequencies change with the length).
+  shared by every call with the same key. Used for positions near 0 (a call whose positions start
+  within a few spans of 0, or that the dense table already covers).
+- window: rows 0..2W-1 hold positions base..base+2W-1, with W the call's span rounded up to a power
+  of two (>= 256) and base a multiple of W, so any span of W positions fits one window. Used for
+  positions far from 0 (long-context prefill at an offset, decoding past the dense table): cached
+  like the dense table, so repeated calls there cost what calls near 0 cost; rows = positions - base.
+- compact: one row per distinct position of this call (negative positions, spans too wide for a
+  window, and dynamic-NTK lengths past the model's context, whose frequencies change with the length).
 - per-token (multi-axis specs, positions ``(..., n_axes)``): one row per token, pair i taken from
   the row of the coordinate it reads, ``cos[t, i] = dense[pos[t, pair_axes[i]], i]`` (gathered from
   the dense table when every coordinate fits it, else computed directly; always directly for
   real-valued coordinates). Backends see the same (table, rows) contract.
 
 Cache keys hold the spec itself and the exact frequencies used, so two specs never share an
-entry. The cache is guarded by a lock (safe from several threads); tables are read-only.
+entry. The cache is bounded by bytes (least recently used first out): 256 MiB unless the
+environment variable ``ROTARY_TABLE_CACHE_BYTES`` or ``rotary.set_table_cache_limit(nbytes)`` says
+otherwise; ``rotary.table_cache_info()`` reports it. A table larger than the whole limit is still made
+for its call, just not kept. The cache is guarded by a lock (safe from several threads); tables are
+read-only.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from functools import lru_cache
@@ -27,13 +37,97 @@ import numpy as np
 
 from ._spec import RopeSpec, _inv_freq_and_scaling
 
-#: Largest dense table, in bytes (cos + sin); past it a compact table is made per call.
+#: Largest dense or window table, in bytes (cos + sin); past it a compact table is made per call.
 DENSE_TABLE_MAX_BYTES = 64 * 2**20
 _MIN_ROWS = 256
-_MAX_ENTRIES = 32
+#: Positions below this always use the dense table (grown as needed): the common case stays one table.
+_DENSE_ALWAYS_BELOW = 4096
+_DEFAULT_LIMIT = 256 * 2**20
+_ENV_LIMIT = "ROTARY_TABLE_CACHE_BYTES"
 
-_lock = threading.Lock()
+
+def _check_limit(nbytes, name):
+    if isinstance(nbytes, (bool, np.bool_)) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{name} must be an int number of bytes >= 0, got {nbytes!r}")
+    if nbytes < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {nbytes}")
+    return int(nbytes)
+
+
+def _limit_from_environment() -> int:
+    raw = os.environ.get(_ENV_LIMIT)
+    if raw is None or not raw.strip():
+        return _DEFAULT_LIMIT
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {_ENV_LIMIT} must be an int number of bytes >= 0, "
+                         f"got {raw!r}") from None
+    return _check_limit(value, _ENV_LIMIT)
+
+
+_lock = threading.RLock()
+#: key -> (value, nbytes), least recently used first
 _cache: OrderedDict = OrderedDict()
+_state = {"bytes": 0, "limit": None, "hits": 0, "misses": 0}
+
+
+def _limit() -> int:
+    if _state["limit"] is None:
+        _state["limit"] = _limit_from_environment()
+    return _state["limit"]
+
+
+def _cache_get(key):
+    """The cached value of ``key`` (marked recently used), or None. Call with _lock held."""
+    item = _cache.get(key)
+    if item is None:
+        return None
+    _cache.move_to_end(key)
+    return item[0]
+
+
+def _cache_put(key, value, nbytes: int) -> None:
+    """Keep ``value`` under ``key`` and evict least recently used entries past the byte limit. Call
+    with _lock held."""
+    old = _cache.pop(key, None)
+    if old is not None:
+        _state["bytes"] -= old[1]
+    _cache[key] = (value, nbytes)
+    _state["bytes"] += nbytes
+    _evict(_limit())
+
+
+def _evict(limit: int) -> None:
+    while _cache and _state["bytes"] > limit:
+        _, (_, nbytes) = _cache.popitem(last=False)
+        _state["bytes"] -= nbytes
+
+
+def _nbytes(*arrays) -> int:
+    return int(sum(int(getattr(a, "nbytes", 0)) for a in arrays))
+
+
+def set_table_cache_limit(nbytes: int) -> int:
+    """Bound the cos/sin table cache to ``nbytes`` bytes (0 keeps nothing); returns the previous limit.
+
+    Least recently used tables are dropped first. The default is 256 MiB, or the environment
+    variable ``ROTARY_TABLE_CACHE_BYTES`` when set.
+    """
+    nbytes = _check_limit(nbytes, "nbytes")
+    with _lock:
+        previous = _limit()
+        _state["limit"] = nbytes
+        _evict(nbytes)
+    return previous
+
+
+def table_cache_info() -> dict:
+    """``{"entries", "bytes", "limit", "hits", "misses"}`` of the cos/sin table cache (misses: tables
+    made because no cached one covered a call's positions)."""
+    with _lock:
+        return {"entries": len(_cache), "bytes": _state["bytes"], "limit": _limit(),
+                "hits": _state["hits"], "misses": _state["misses"]}
 
 
 def _make(spec: RopeSpec, positions: np.ndarray, seq_len, dtype):
@@ -52,25 +146,18 @@ def _axis_columns(pair_axes: tuple):
     return groups, (None if np.array_equal(order, np.arange(len(pair_axes))) else np.argsort(order))
 
 
-_sub_lock = threading.Lock()
-_sub_tables: OrderedDict = OrderedDict()
-
-
 def _axis_sub_tables(dense, pair_axes: tuple):
     """For each axis, the columns of a dense table that read it, as one contiguous table (cached with
     the dense table), so a token's row is gathered with one contiguous read per axis."""
-    key = (id(dense), dense.shape[0], pair_axes)
-    with _sub_lock:
-        entry = _sub_tables.get(key)
+    key = ("axis columns", id(dense), dense.shape[0], pair_axes)
+    with _lock:
+        entry = _cache_get(key)
         if entry is not None and entry[0] is dense:
-            _sub_tables.move_to_end(key)
             return entry[1]
     groups, _ = _axis_columns(pair_axes)
     subs = tuple(np.ascontiguousarray(dense[:, cols]) for _, cols in groups)
-    with _sub_lock:
-        _sub_tables[key] = (dense, subs)
-        while len(_sub_tables) > 2 * _MAX_ENTRIES:
-            _sub_tables.popitem(last=False)
+    with _lock:
+        _cache_put(key, (dense, subs), _nbytes(*subs))
     return subs
 
 
@@ -114,24 +201,57 @@ def _varying(spec: RopeSpec, seq_len) -> bool:
 def _dense_entry(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key, convert):
     """The cached dense entry (n_rows, cos, sin) covering rows 0..hi, grown (doubled) when needed."""
     key = (_frequency_key(spec, seq_len), dtype.str, device_key)
-    convert = convert or (lambda a: a)
     with _lock:
-        entry = _cache.get(key)
-        if entry is None or entry[0] <= hi:
-            n = _MIN_ROWS if entry is None else entry[0]
-            while n <= hi:
-                n *= 2
-            n = min(n, _max_rows(spec, dtype))
-            cos, sin = _make(spec, np.arange(n, dtype=np.int64), seq_len, dtype)
-            cos.setflags(write=False)
-            sin.setflags(write=False)
-            entry = (n, convert(cos), convert(sin))
-            _cache[key] = entry
-            while len(_cache) > _MAX_ENTRIES:
-                _cache.popitem(last=False)
-        else:
-            _cache.move_to_end(key)
+        entry = _cache_get(key)
+        if entry is not None and entry[0] > hi:
+            _state["hits"] += 1
+            return entry
+        n = _MIN_ROWS if entry is None else entry[0]
+        while n <= hi:
+            n *= 2
+        n = min(n, _max_rows(spec, dtype))
+        entry = _build(spec, 0, n, seq_len, dtype, convert)
+        _cache_put(key, entry, _nbytes(entry[1], entry[2]))
     return entry
+
+
+def _build(spec: RopeSpec, base: int, n: int, seq_len, dtype: np.dtype, convert):
+    """(n, cos, sin) of positions base..base+n-1, read-only, converted to the backend's arrays."""
+    cos, sin = _make(spec, np.arange(base, base + n, dtype=np.int64), seq_len, dtype)
+    cos.setflags(write=False)
+    sin.setflags(write=False)
+    _state["misses"] += 1
+    return (n, cos, sin) if convert is None else (n, convert(cos), convert(sin))
+
+
+def _window_entry(spec: RopeSpec, lo: int, hi: int, seq_len, dtype: np.dtype, device_key, convert):
+    """(base, cos, sin) of a cached window holding positions lo..hi at rows position - base, or None
+    when the span is too wide for one (then the caller makes a compact table).
+
+    Windows have 2W rows at a base that is a multiple of W (W: a power of two >= 256), so a span of
+    up to W positions always fits the window of size W that starts at or below it; a larger cached
+    window covering lo..hi is used first."""
+    cap = _max_rows(spec, dtype)
+    W = _MIN_ROWS
+    while W < hi - lo + 1:
+        W *= 2
+    if 2 * W > cap:
+        return None
+    frequencies = _frequency_key(spec, seq_len)
+    with _lock:
+        size = W
+        while 2 * size <= cap:   # the smallest cached window that covers lo..hi (windows overlap by half)
+            aligned = lo // size * size
+            for base in (aligned, aligned - size):
+                entry = _cache_get((frequencies, dtype.str, device_key, base, 2 * size))
+                if entry is not None and hi < base + 2 * size:
+                    _state["hits"] += 1
+                    return base, entry[1], entry[2]
+            size *= 2
+        base = lo // W * W
+        entry = _build(spec, base, 2 * W, seq_len, dtype, convert)
+        _cache_put((frequencies, dtype.str, device_key, base, 2 * W), entry, _nbytes(entry[1], entry[2]))
+    return base, entry[1], entry[2]
 
 
 @lru_cache(maxsize=512)
@@ -171,18 +291,31 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     else:
         lo, hi = int(positions.min()), int(positions.max())
     seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
-    if lo < 0 or hi >= _max_rows(spec, dtype) or _varying(spec, seq_len):
-        unique, rows = np.unique(positions, return_inverse=True)
-        cos, sin = _make(spec, unique, seq_len, dtype)
-        return convert(cos), convert(sin), convert(rows.reshape(positions.shape).astype(np.int64))
-    entry = _dense_entry(spec, hi, seq_len, dtype, device_key, convert)
     rows = positions if positions.dtype == np.int64 else positions.astype(np.int64)
-    return entry[1], entry[2], convert(np.ascontiguousarray(rows))
+    if lo >= 0 and not _varying(spec, seq_len):
+        cap = _max_rows(spec, dtype)
+        if hi < cap and (hi < _DENSE_ALWAYS_BELOW or hi < 4 * (hi - lo + 1) or _dense_covers(spec, hi, seq_len,
+                                                                                             dtype, device_key)):
+            entry = _dense_entry(spec, hi, seq_len, dtype, device_key, convert)
+            return entry[1], entry[2], convert(np.ascontiguousarray(rows))
+        window = _window_entry(spec, lo, hi, seq_len, dtype, device_key, convert)
+        if window is not None:
+            base, cos, sin = window
+            return cos, sin, convert(rows - base)
+    unique, inverse = np.unique(positions, return_inverse=True)
+    cos, sin = _make(spec, unique, seq_len, dtype)
+    return convert(cos), convert(sin), convert(inverse.reshape(positions.shape).astype(np.int64))
+
+
+def _dense_covers(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key) -> bool:
+    """True when the cached dense table already holds row ``hi``."""
+    with _lock:
+        item = _cache.get((_frequency_key(spec, seq_len), dtype.str, device_key))
+    return item is not None and item[0][0] > hi
 
 
 def clear_cache() -> None:
-    """Drop every cached table."""
+    """Drop every cached cos/sin table (and zero the hit and miss counts of ``table_cache_info``)."""
     with _lock:
         _cache.clear()
-    with _sub_lock:
-        _sub_tables.clear()
+        _state.update(bytes=0, hits=0, misses=0)

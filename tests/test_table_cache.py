@@ -1,0 +1,126 @@
+"""The cos/sin table cache: bounded by bytes, windows for positions far from 0, exact everywhere."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary import _tables
+from rotary import testing as T
+
+from .conftest import backend_params
+
+
+@pytest.fixture
+def fresh_cache():
+    rotary.clear_cache()
+    previous = rotary.set_table_cache_limit(256 * 2**20)
+    yield
+    rotary.set_table_cache_limit(previous)
+    rotary.clear_cache()
+
+
+def _oracle(x, positions, spec):
+    return T.rope_complex(x, np.asarray(positions), spec.inv_freq(), layout=spec.layout)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("offset", [131_072, 200_003, 2**40 + 17])
+def test_far_positions_are_exact_and_cached(fresh_cache, backend, offset, rng):
+    """A prefill chunk at a large offset: the first call builds a window, the next ones reuse it."""
+    spec = rotary.RopeSpec(64, base=5e5)
+    x = rng.standard_normal((2, 300, 4, 64))
+    positions = offset + np.arange(300)
+    y = rotary.apply(x, positions, spec=spec, seq_axis=1, backend=backend)
+    T.assert_close(y, _oracle(np.moveaxis(x, 1, -2), positions, spec).swapaxes(1, 2), like=x)
+    made = rotary.table_cache_info()["misses"]
+    for _ in range(3):
+        np.testing.assert_array_equal(rotary.apply(x, positions, spec=spec, seq_axis=1, backend=backend), y)
+    assert rotary.table_cache_info()["misses"] == made
+
+
+def test_lone_far_call_builds_a_small_table(fresh_cache, rng):
+    """One token at 131071 builds a window of 512 rows, not a dense table of 131072 rows (64 MiB)."""
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    y = rotary.apply(x, 131_071)
+    T.assert_close(y, _oracle(x, [131_071], rotary.RopeSpec(128)), like=x)
+    info = rotary.table_cache_info()
+    assert info["entries"] == 1 and info["bytes"] == 2 * 512 * 64 * 4, info
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_decoding_past_the_dense_table(fresh_cache, backend, rng):
+    """A decode loop crossing window boundaries stays exact and makes a table per 256 steps, not per step."""
+    spec = rotary.RopeSpec(32)
+    x = rng.standard_normal((1, 1, 32))
+    start = 300_000 - 5
+    for step in range(600):
+        p = start + step
+        T.assert_close(rotary.apply(x, p, spec=spec, backend=backend), _oracle(x, [p], spec), like=x)
+    assert rotary.table_cache_info()["misses"] <= 4
+
+
+def test_batch_decode_mixed_positions_share_a_window(fresh_cache, rng):
+    """32 sequences decoding at positions spread over 5000 near 200 000: one window for all of them."""
+    spec = rotary.RopeSpec(64)
+    x = rng.standard_normal((32, 1, 64))
+    for step in range(3):
+        positions = (200_000 + np.arange(32) * 150 + step)[:, None]
+        y = rotary.apply(x, positions, spec=spec)
+        T.assert_close(y, np.stack([_oracle(x[b], positions[b], spec) for b in range(32)]), like=x)
+    assert rotary.table_cache_info()["misses"] == 1
+
+
+def test_cache_is_bounded_by_bytes(fresh_cache, rng):
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    rotary.set_table_cache_limit(2**20)
+    for i in range(40):
+        spec = rotary.RopeSpec(64, base=1e4 + i)
+        T.assert_close(rotary.apply(x, 1000, spec=spec), _oracle(x, 1000 + np.arange(64), spec), like=x)
+        assert rotary.table_cache_info()["bytes"] <= 2**20
+    # the least recently used went first: the last spec's table is still there
+    info = rotary.table_cache_info()
+    rotary.apply(x, 1000, spec=rotary.RopeSpec(64, base=1e4 + 39))
+    assert rotary.table_cache_info()["misses"] == info["misses"]
+
+
+def test_limit_zero_keeps_nothing_and_stays_exact(fresh_cache, rng):
+    rotary.set_table_cache_limit(0)
+    x = rng.standard_normal((5, 16))
+    for p in (0, 7, 100_000):
+        T.assert_close(rotary.apply(x, p), _oracle(x, p + np.arange(5), rotary.RopeSpec(16)), like=x)
+    assert rotary.table_cache_info()["entries"] == 0 and rotary.table_cache_info()["bytes"] == 0
+
+
+def test_lowering_the_limit_evicts_now(fresh_cache, rng):
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    for i in range(4):
+        rotary.apply(x, 5000 * i, spec=rotary.RopeSpec(64, base=100.0 + i))
+    assert rotary.table_cache_info()["entries"] >= 4
+    previous = rotary.set_table_cache_limit(0)
+    assert previous == 256 * 2**20 and rotary.table_cache_info()["bytes"] == 0
+
+
+def test_multi_axis_sub_tables_count_in_the_budget(fresh_cache, rng):
+    spec = rotary.RopeSpec(64, mrope_section=(8, 12, 12))
+    x = rng.standard_normal((1, 10, 64))
+    pos = np.stack([np.arange(10), np.arange(10) % 3, np.arange(10) // 3], axis=-1)[None]
+    rotary.apply(x, pos, spec=spec)
+    info = rotary.table_cache_info()
+    assert info["bytes"] == sum(nbytes for _, nbytes in _tables._cache.values()) and info["entries"] >= 2
+
+
+@pytest.mark.parametrize("value, message", [("12345", None), ("-1", "ROTARY_TABLE_CACHE_BYTES"),
+                                            ("lots", "ROTARY_TABLE_CACHE_BYTES")])
+def test_limit_from_the_environment(value, message):
+    code = "import rotary, numpy as np; rotary.apply(np.ones((2, 8)), 3); print(rotary.table_cache_info()['limit'])"
+    env = {**os.environ, "ROTARY_TABLE_CACHE_BYTES": value}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if message is None:
+        assert run.returncode == 0 and run.stdout.strip() == value, run.stderr
+    else:
+        assert run.returncode != 0 and message in run.stderr and value in run.stderr
