@@ -20,7 +20,7 @@ from . import _adapters, _packing, _tables
 from . import backends as _backends
 from ._spec import RopeSpec
 
-_SPEC_KEYWORDS = ("base", "layout", "rotary_dim", "scaling", "max_position_embeddings")
+_SPEC_KEYWORDS = ("base", "layout", "rotary_dim", "scaling", "max_position_embeddings", "rotary_offset")
 
 
 # -- small validators ----------------------------------------------------------------------------
@@ -77,7 +77,9 @@ def resolve_spec(spec, spec_kwargs: dict, head_dim: int, name: str = "x") -> Rop
     if not isinstance(spec, RopeSpec):
         raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
     if spec.head_dim != head_dim:
-        raise ValueError(f"spec.head_dim ({spec.head_dim}) does not match {name}.shape[-1] ({head_dim})")
+        where = (f" (the spec rotates coordinates [{spec.rotary_offset}, {spec.rotary_offset + spec.rotary_dim}) of "
+                 f"its head: rotary_offset={spec.rotary_offset})" if spec.rotary_offset else "")
+        raise ValueError(f"spec.head_dim ({spec.head_dim}) does not match {name}.shape[-1] ({head_dim}){where}")
     return spec
 
 
@@ -468,7 +470,8 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     by_work = {w: lookup(spec, pos, dtype=w, device_key=device_key, convert=convert) for w in set(works)}
 
     strided = type(x0) is np.ndarray or is_numpy_array(x0) or is_cupy_array(x0)
-    items, written = [], []
+    offset = spec.rotary_offset
+    items, written, heads = [], [], []
     for x, out in zip(xs, outs):
         if strided:
             xv = canonical_view(x, ax)
@@ -477,16 +480,26 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
             ov = None if out is None else canonical_view(out, ax)
             if out is not None and ov is not None and _same_view(out, x):
                 ov = xv  # in place: the backend sees out is x
+            done = ov is not None
+            if offset:   # the backend rotates the view from the offset on; the coordinates before it are copied
+                xv, ov, full = _offset_views(xv, ov, offset, xp)
+                heads.append(full)
+                done = full is None
             items.append((xv, ov))
-            written.append(ov is not None)
+            written.append(done)
         else:
-            items.append((to_canonical(x, ax, xp), None))
+            xc = to_canonical(x, ax, xp)
+            heads.append(xc[..., :offset] if offset else None)
+            items.append((xc[..., offset:] if offset else xc, None))
             written.append(False)
     geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=bool(inverse))
     if len(by_work) == 1:
         results = module.rotate(items, *by_work[works[0]], **geometry)
     else:   # mixed float64 / narrower operands (apply_qk): one call each, in its own precision
         results = [module.rotate([item], *by_work[w], **geometry)[0] for item, w in zip(items, works)]
+    if offset:   # back to whole heads: the fresh output buffers, or the untouched coordinates joined on
+        results = [full if strided else xp.concat([full, xp.astype(res, full.dtype, copy=False)], axis=-1)
+                   for full, res in zip(heads, results)]
     outputs = []
     for x, res, out, done in zip(xs, results, outs, written):
         if done:
@@ -500,13 +513,28 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     return outputs
 
 
+def _offset_views(xv, ov, offset, xp):
+    """(x view, out view, whole-head buffer) for a spec with ``rotary_offset``: the backend rotates the
+    canonical views from coordinate ``offset`` on (its usual contract: [0, rotary_dim) rotate, the rest
+    passes through); coordinates [0, offset) are copied into a separate out (never touched in place).
+    Without a usable out view, a fresh canonical buffer is the output (returned as the third value)."""
+    full = None
+    if ov is None:
+        ov = full = xp.empty(tuple(xv.shape), dtype=xv.dtype, device=xp_device(xv))
+    if ov is xv:
+        part = xv[..., offset:]
+        return part, part, full
+    ov[..., :offset] = xv[..., :offset]
+    return xv[..., offset:], ov[..., offset:], full
+
+
 def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", cu_seqlens=None,
           seqlen_offsets=None, **spec_kwargs):
     """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
 
     ``y_a = x_a cos(p w_i) - x_b sin(p w_i)``, ``y_b = x_b cos(p w_i) + x_a sin(p w_i)`` for each pair
-    (a, b) of the spec's layout, ``w_i`` from ``spec.inv_freq()``; coordinates past rotary_dim pass
-    through.
+    (a, b) of the spec's layout, ``w_i`` from ``spec.inv_freq()``; the pairs lie in coordinates
+    ``[rotary_offset, rotary_offset + rotary_dim)`` and every other coordinate passes through.
 
     Parameters
     ----------
@@ -515,7 +543,8 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
     positions : None, int or integer array
         None -> 0..seq-1; int -> offset + 0..seq-1; shape (seq,) or (batch, seq), batch = x.shape[0].
     spec : RopeSpec, optional
-        Or give ``base=``, ``layout=``, ``rotary_dim=``, ``scaling=``, ``max_position_embeddings=``.
+        Or give ``base=``, ``layout=``, ``rotary_dim=``, ``scaling=``, ``max_position_embeddings=``,
+        ``rotary_offset=``.
     inverse : bool
         Rotate by -angle (undo a rotation; the backward of RoPE).
     out : array, optional

@@ -22,7 +22,8 @@ def describe(spec) -> list[str]:
         params = {k: v for k, v in spec.scaling_dict.items() if k != "rope_type"}
         lines.append("scaling            " + ", ".join(f"{k}={_short(v)}" for k, v in sorted(params.items())))
     lines.append(f"base (rope_theta)  {spec.base:g}")
-    lines.append(f"head / rotary dims {spec.head_dim} / {spec.rotary_dim} ({spec.rotary_dim // 2} pairs)")
+    lines.append(f"head / rotary dims {spec.head_dim} / {spec.rotary_dim} ({spec.rotary_dim // 2} pairs)"
+                 + (f", rotated from coordinate {spec.rotary_offset}" if spec.rotary_offset else ""))
     lines.append(f"layout             {spec.layout}")
     if spec.frequencies is not None:
         f = spec.inv_freq()

@@ -79,8 +79,13 @@ class Case:
     strided: bool = False
     axes: str | None = None       # a MULTI_AXIS convention: positions (seq, n) / (batch, seq, n)
     custom: bool = False          # caller-supplied frequencies (some negative) with an attention factor
+    rotary_offset: int = 0        # the spec rotates coordinates from this one on ([nope | rope | rest] heads)
 
     def spec(self) -> RopeSpec:
+        if self.rotary_offset:   # the spec of the head from the offset on, moved behind rotary_offset coordinates
+            inner = dataclasses.replace(self, shape=self.shape[:-1] + (self.shape[-1] - self.rotary_offset,),
+                                        rotary_offset=0).spec()
+            return inner.replace(head_dim=self.shape[-1], rotary_offset=self.rotary_offset)
         if self.custom:
             half = (self.rotary_dim or self.shape[-1] - self.shape[-1] % 2) // 2
             freqs = [(-1.0) ** i * 0.9 ** (3 * i) for i in range(half)]   # learned-like; odd pairs turn backwards
@@ -146,11 +151,33 @@ def cases(quick: bool = False) -> list[Case]:
              dtype="float64", k_heads=3),
         Case("axial2-partial-odd", (2, 12, 21), axes="axial2", rotary_dim=12, positions="batch"),
     ]
+    for layout in ("half", "interleaved"):   # rotary_offset: [nope | rope] (MLA) and [nope | rope | rest] heads
+        L = layout[:4]
+        out += [
+            Case(f"offset-{L}-mla", (2, 7, 3, 24), seq_axis=-3, layout=layout, rotary_offset=16, k_heads=1,
+                 positions="batch"),
+            Case(f"offset-{L}-middle", (2, 9, 22), layout=layout, rotary_offset=5, rotary_dim=12, positions="offset"),
+            Case(f"offset-{L}-inplace", (2, 6, 4, 20), seq_axis=-3, layout=layout, rotary_offset=4, rotary_dim=8,
+                 inplace=True, k_heads=2),
+            Case(f"offset-{L}-fp16-strided", (2, 6, 3, 20), seq_axis=-3, layout=layout, rotary_offset=6,
+                 dtype="float16", strided=True, k_heads=3),
+        ]
+    out += [
+        Case("offset-fp64-inverse-huge", (2, 5, 2, 26), seq_axis=-3, rotary_offset=10, dtype="float64", inverse=True,
+             positions="huge", k_heads=1),
+        Case("offset-yarn", (2, 40, 2, 24), seq_axis=-3, scaling="yarn", rotary_offset=8, positions="batch", k_heads=1),
+        Case("offset-custom-freq", (2, 9, 3, 22), seq_axis=-3, custom=True, rotary_offset=6, rotary_dim=12,
+             positions="batch", k_heads=1),
+        Case("offset-mrope", (2, 9, 3, 32), seq_axis=-3, axes="mrope", rotary_offset=8, positions="batch", k_heads=1),
+        Case("offset-axial2-inplace", (2, 12, 2, 20), seq_axis=-3, axes="axial2", rotary_offset=4, positions="tokens",
+             inplace=True, k_heads=1),
+    ]
     known = set(_scaling.ROPE_TYPES)
     out = [c for c in out if c.scaling is None or SCALINGS[c.scaling]["rope_type"] in known]
     if quick:
         keep = ("basic", "bshd-gqa", "partial", "odd-dim", "inplace", "fp16", "huge-pos", "strided")
-        extra = ("scaling-yarn", "mrope-batch", "mrope-il-batch", "axial2-sam", "axial2-dinov3-float")
+        extra = ("scaling-yarn", "mrope-batch", "mrope-il-batch", "axial2-sam", "axial2-dinov3-float",
+                 "offset-half-mla", "offset-inte-inplace")
         out = [c for c in out if c.name.split("-", 1)[1] in keep and not c.axes] + [c for c in out if c.name in extra]
     return out
 
@@ -241,8 +268,10 @@ def expected(case: Case, x, pos):
     xs = np.moveaxis(np.asarray(x, dtype=np.float64), ax, -2)      # (..., seq, d)
     if p.ndim == (3 if spec.multi_axis else 2):   # (batch, seq[, n]): batch is axis 0, broadcast over the middle axes
         p = p.reshape((p.shape[0],) + (1,) * (xs.ndim - 3) + p.shape[1:])
-    y = rope_complex(xs, p, -inv_freq if case.inverse else inv_freq, layout=spec.layout, scale=scale,
-                     pair_axes=pair_axes)
+    off = spec.rotary_offset   # coordinates before it pass through: the oracle rotates the rest
+    y = xs.copy()
+    y[..., off:] = rope_complex(xs[..., off:], p, -inv_freq if case.inverse else inv_freq, layout=spec.layout,
+                                scale=scale, pair_axes=pair_axes)
     return np.moveaxis(y, -2, ax)
 
 
@@ -323,11 +352,13 @@ class LinearCase:
     decay: float | tuple | None = None   # gamma: a scalar or one per k/v head
     normalize: bool = True
     axes: str | None = None      # a MULTI_AXIS convention; positions "batch" are then (B, T, n)
+    rotary_offset: int = 0       # the features rotate from this one on
 
     def spec(self) -> RopeSpec:
         if self.axes:
             return multi_axis_spec(self.axes, self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
-        return RopeSpec(self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout)
+        return RopeSpec(self.d, rotary_dim=self.rotary_dim, base=100.0, layout=self.layout,
+                        rotary_offset=self.rotary_offset)
 
     def groups(self) -> int:
         return self.H // (self.kv_heads or self.H)
@@ -369,6 +400,9 @@ def linear_cases(quick: bool = False) -> list[LinearCase]:
         LinearCase("la-causal-axial2", d=16, axes="axial2", positions="batch", layout="interleaved"),
         LinearCase("la-noncausal-axial2-float", d=16, axes="axial2-float", positions="batch", causal=False,
                    dtype="float64"),
+        LinearCase("la-causal-offset-resume", d=14, rotary_dim=6, rotary_offset=5, layout="interleaved", T=21,
+                   split=13, chunk=4, kv_heads=1),
+        LinearCase("la-noncausal-offset", d=12, rotary_offset=4, positions="batch", causal=False, bshd=True),
     ]
     if quick:
         keep = {"la-causal-basic", "la-noncausal-interleaved", "la-causal-resume", "la-causal-fp16"}
@@ -419,7 +453,7 @@ def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=
         gamma = np.repeat(np.broadcast_to(np.asarray(case.decay, np.float64), (case.kv_heads or case.H,)), G)
     oracle_kw = dict(layout=spec.layout, scale=spec.attention_scaling, causal=case.causal,
                      feature_map=case.feature_map, decay=gamma, normalize=case.normalize,
-                     pair_axes=spec.pair_axes() if spec.multi_axis else None)
+                     pair_axes=spec.pair_axes() if spec.multi_axis else None, rotary_offset=spec.rotary_offset)
     k_rep, v_rep = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     ref = linear_attention_quadratic(q, k_rep, v_rep, p, spec.inv_freq(), **oracle_kw)
     if case.split and not case.causal:   # non-causal calls chained by a state are block-causal

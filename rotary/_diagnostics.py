@@ -55,9 +55,26 @@ def layout_permutation(rotary_dim: int, *, to: str = "half") -> np.ndarray:
     return np.argsort(to_half)
 
 
-def convert_layout(x, *, to: str, rotary_dim=None):
+def _head_permutation(head_dim: int, rotary_dim, rotary_offset, to: str, what: str) -> np.ndarray:
+    """The permutation of one head's coordinates: identity outside [rotary_offset, rotary_offset +
+    rotary_dim), :func:`layout_permutation` inside (rotary_dim defaults to the rest of the head, even)."""
+    off = _as_int(rotary_offset, "rotary_offset")
+    if off < 0:
+        raise ValueError(f"rotary_offset must be >= 0, got {off}")
+    rest = head_dim - off
+    r = rest - rest % 2 if rotary_dim is None else _as_int(rotary_dim, "rotary_dim")
+    if r > rest:
+        if off:
+            raise ValueError(f"rotary_offset + rotary_dim ({off} + {r}) must be <= {what} ({head_dim})")
+        raise ValueError(f"rotary_dim must be <= {what} ({head_dim}), got {r}")
+    return np.concatenate([np.arange(off), off + layout_permutation(r, to=to), np.arange(off + r, head_dim)])
+
+
+def convert_layout(x, *, to: str, rotary_dim=None, rotary_offset=0):
     """Permute the last axis of q/k activations between layouts (pass-through dims untouched).
 
+    Coordinates ``[rotary_offset, rotary_offset + rotary_dim)`` are permuted (a spec's
+    ``rotary_offset`` / ``rotary_dim``; rotary_dim defaults to the rest of the head, even).
     ``apply(convert_layout(x, to="half"), layout="half") == convert_layout(apply(x, layout="interleaved"), to="half")``.
     """
     from array_api_compat import array_namespace
@@ -65,34 +82,27 @@ def convert_layout(x, *, to: str, rotary_dim=None):
     xp = array_namespace(x)
     if x.ndim < 1:
         raise ValueError(f"x must have at least 1 dimension (..., head_dim), got a 0-d array of shape {tuple(x.shape)}")
-    d = x.shape[-1]
-    r = d - d % 2 if rotary_dim is None else _as_int(rotary_dim, "rotary_dim")
-    if r > d:
-        raise ValueError(f"rotary_dim must be <= x.shape[-1] ({d}), got {r}")
-    perm = np.concatenate([layout_permutation(r, to=to), np.arange(r, d)])
+    perm = _head_permutation(x.shape[-1], rotary_dim, rotary_offset, to, "x.shape[-1]")
     return xp.take(x, xp.asarray(perm), axis=x.ndim - 1)
 
 
-def permute_weights(w, num_heads, *, head_dim, rotary_dim=None, to: str = "half"):
+def permute_weights(w, num_heads, *, head_dim, rotary_dim=None, to: str = "half", rotary_offset=0):
     """Convert q/k projection weights (or biases) between layouts, per head, rotary span only.
 
     ``w`` has shape (num_heads * head_dim, in_features) (a torch/HF Linear weight, out x in) or
     (num_heads * head_dim,) for a bias. Row ``h*head_dim + j`` of the result is row
-    ``h*head_dim + perm[j]`` of ``w``, with ``perm`` from :func:`layout_permutation` over the first
-    ``rotary_dim`` rows of each head. Meta -> HF is ``to="half"`` (HF's ``permute``); llama.cpp's
-    converter is ``to="interleaved"``.
+    ``h*head_dim + perm[j]`` of ``w``, with ``perm`` from :func:`layout_permutation` over rows
+    ``[rotary_offset, rotary_offset + rotary_dim)`` of each head. Meta -> HF is ``to="half"`` (HF's
+    ``permute``); llama.cpp's converter is ``to="interleaved"``.
     """
     from array_api_compat import array_namespace
 
     xp = array_namespace(w)
     h = _as_int(num_heads, "num_heads")
     hd = _as_int(head_dim, "head_dim")
-    r = hd - hd % 2 if rotary_dim is None else _as_int(rotary_dim, "rotary_dim")
-    if r > hd:
-        raise ValueError(f"rotary_dim must be <= head_dim ({hd}), got {r}")
+    per_head = _head_permutation(hd, rotary_dim, rotary_offset, to, "head_dim")
     if w.ndim not in (1, 2) or w.shape[0] != h * hd:
         raise ValueError(f"w must have shape (num_heads*head_dim, in) or (num_heads*head_dim,) = "
                          f"({h * hd}, ...), got {tuple(w.shape)}")
-    per_head = np.concatenate([layout_permutation(r, to=to), np.arange(r, hd)])
     rows = (np.arange(h)[:, None] * hd + per_head[None, :]).reshape(-1)
     return xp.take(w, xp.asarray(rows), axis=0)

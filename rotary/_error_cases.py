@@ -48,6 +48,12 @@ def _apply(*args, **kwargs):
     return apply(*args, **kwargs)
 
 
+def _convert_layout(**kwargs):
+    from . import convert_layout
+
+    return convert_layout(_x(), to="half", **kwargs)
+
+
 def _from_config(**values):
     from . import RopeSpec
 
@@ -157,6 +163,20 @@ def _cases() -> list:
                   ("longdouble",)),
         ErrorCase("head_dim=0", lambda: _spec(0), ValueError, ("head_dim", ">= 1")),
         ErrorCase("head_dim=1 (was reported as rotary_dim)", lambda: _spec(1), ValueError, ("head_dim", ">= 2")),
+        # -- rotary_offset ([nope | rope] heads) ----------------------------------------------------
+        ErrorCase("rotary_offset=-1", lambda: _spec(24, rotary_offset=-1), ValueError, ("rotary_offset", ">= 0")),
+        ErrorCase("rotary_offset=1.5", lambda: _spec(24, rotary_offset=1.5), TypeError, ("rotary_offset", "integer")),
+        ErrorCase("rotary_offset=True", lambda: _spec(24, rotary_offset=True), TypeError, ("rotary_offset", "bool")),
+        ErrorCase("rotary_offset + rotary_dim > head_dim", lambda: _spec(24, rotary_dim=16, rotary_offset=12),
+                  ValueError, ("rotary_offset", "rotary_dim", "head_dim (24)")),
+        ErrorCase("rotary_offset leaves no pair", lambda: _spec(8, rotary_offset=7), ValueError,
+                  ("head_dim", "rotary_offset", ">= 2")),
+        ErrorCase("rotary_offset spec on a narrower head", lambda: _apply(_x((4, 20)), spec=_spec(24, rotary_offset=8)),
+                  ValueError, ("head_dim (24)", "x.shape[-1] (20)", "rotary_offset=8")),
+        ErrorCase("apply(rotary_offset=-2)", lambda: _apply(_x(), rotary_offset=-2), ValueError,
+                  ("rotary_offset", ">= 0")),
+        ErrorCase("convert_layout rotary_offset + rotary_dim > head", lambda: _convert_layout(rotary_offset=6, rotary_dim=4),
+                  ValueError, ("rotary_offset", "rotary_dim", "x.shape[-1] (8)")),
         ErrorCase("seq_axis out of range", lambda: _apply(_x((2, 4, 8)), seq_axis=5), ValueError,
                   ("seq_axis", "[0, 1]", "[-3, -2]", "got 5")),
         # -- HF config values (named by their config key, never truncated) -------------------------

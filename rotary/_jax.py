@@ -157,7 +157,8 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=-2, inverse=Fals
         if work not in cache:
             c, s = traced_cos_sin(spec, p, work)
             cache[work] = c[:, :, None, :], (-s if inverse else s)[:, :, None, :]
-        y = _rotate_xp(xp, _api.to_canonical(x, ax, xp), *cache[work], spec.rotary_dim, spec.layout)
+        y = _rotate_xp(xp, _api.to_canonical(x, ax, xp), *cache[work], spec.rotary_dim, spec.layout,
+                       spec.rotary_offset)
         results.append(_api.from_canonical(y, tuple(x.shape), ax, xp))
     return results
 

@@ -448,10 +448,15 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     decay_c = None
     if decay is not None:
         decay_c = np.ascontiguousarray(np.transpose(decay, operm)).reshape(B, Hk)
+    a_c, b_c = _canonical(a, wax, xp), _canonical(b, wax, xp)
+    if spec.rotary_offset:
+        a_c, b_c, carried, restore = _rotated_block_first(xp, spec, m, a_c, b_c, carried, q)
     o, (S, z) = module.linear_attention(
-        _canonical(a, wax, xp), _canonical(b, wax, xp), _canonical(v_in, wax, xp), cos, sin, rows,
+        a_c, b_c, _canonical(v_in, wax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize))
+    if spec.rotary_offset:
+        S, z = restore(S), (None if z is None else restore(z))
     o_shape = tuple(a.shape[:-1]) + (dv,)
     o = from_canonical(o, o_shape, wax, xp)
     if perm is not None:
@@ -460,6 +465,22 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     if not return_state:
         return o
     return o, make_state(S, z, _next_position(pos, lead_shape, seq_len, positions, state))
+
+
+def _rotated_block_first(xp, spec, m, a, b, carried, like):
+    """A spec with ``rotary_offset``: the backends rotate features [0, rotary_dim), so the rotated block
+    moves first (``perm`` = [off, off + r), [0, off), [off + r, m)) in the canonical features and the
+    carried state. A permutation of the feature axis applied to both phi(q) and phi(k) changes no dot
+    product ``<R phi(q), R phi(k)>`` and no ``phi(q) . z``; ``restore`` puts the new state's feature
+    axis (axis 2 of (B, Hk, m, dv) and (B, Hk, m)) back in the head's own order."""
+    off, r = spec.rotary_offset, spec.rotary_dim
+    perm = np.concatenate([np.arange(off, off + r), np.arange(off), np.arange(off + r, m)])
+    dev = xp_device(like)
+    fwd, back = xp.asarray(perm, device=dev), xp.asarray(np.argsort(perm), device=dev)
+    a, b = xp.take(a, fwd, axis=3), xp.take(b, fwd, axis=3)
+    if carried is not None:
+        carried = tuple(None if c is None else xp.take(c, fwd, axis=2) for c in carried)
+    return a, b, carried, (lambda x: xp.take(x, back, axis=2))
 
 
 def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state, return_state, backend, chunk,

@@ -34,7 +34,7 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
         The positions k was rotated at and the positions it moves to (an int: offset + 0..seq-1).
     spec : RopeSpec (or the spec keywords of :func:`rotary.apply`)
     to_spec : RopeSpec, optional
-        The spec of the result (default ``spec``); same head_dim, rotary_dim and layout.
+        The spec of the result (default ``spec``); same head_dim, rotary_dim, layout and rotary_offset.
     seq_len, to_seq_len : int, optional
         The sequence length each spec's frequencies were taken at (dynamic / LongRoPE rules).
     out : array, optional
@@ -47,7 +47,7 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
         to_spec = spec
     elif not isinstance(to_spec, RopeSpec):
         raise TypeError(f"to_spec must be a rotary.RopeSpec or None, got {type(to_spec).__name__}")
-    for attr in ("head_dim", "rotary_dim", "layout"):
+    for attr in ("head_dim", "rotary_dim", "layout", "rotary_offset"):
         if getattr(to_spec, attr) != getattr(spec, attr):
             raise ValueError(f"to_spec.{attr} ({getattr(to_spec, attr)!r}) must equal spec.{attr} "
                              f"({getattr(spec, attr)!r}): a re-rotation keeps the pairs")

@@ -6,7 +6,8 @@ made for ``max_positions`` up front); the first call with a new geometry (shapes
 in place or not) is validated by the full frontend, and later calls with the same geometry reuse
 the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
 call only reads positions, allocates outputs and launches. Anything else (array types other than
-NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, positions outside the table)
+NumPy/CuPy, non-contiguous arrays, multi-axis, length-dependent or ``rotary_offset`` specs, positions
+outside the table)
 takes the general path of :func:`rotary.apply_qk`, with the same results.
 
 On CuPy, device (CuPy) int64 positions are used as table rows without a host round trip and are
@@ -62,7 +63,9 @@ class Rope:
         self.spec, self.backend, self.dtype, self.max_positions = spec, backend, dt, max_positions
         self._module = None if backend == "auto" else _backends.get(backend)
         self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
-        self._fast_ok = not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
+        # a spec with rotary_offset takes the general path (it rotates a view from the offset on)
+        self._fast_ok = (not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
+                         and not spec.rotary_offset)
         self._half, self._rotary_dim = spec.rotary_dim // 2, spec.rotary_dim
         self._interleaved = spec.layout == "interleaved"
         self._plans: dict = {}

@@ -86,8 +86,9 @@ class RopeSpec:
     head_dim : int
         Size of the last axis of q/k.
     rotary_dim : int, optional
-        Number of leading coordinates that rotate (even, <= head_dim). Defaults to head_dim,
-        or head_dim - 1 when head_dim is odd (the last coordinate then passes through).
+        Number of coordinates that rotate, from ``rotary_offset`` on (even, <= head_dim - rotary_offset).
+        Defaults to head_dim - rotary_offset, minus 1 when that is odd (the last coordinate then passes
+        through).
     base : float
         ``rope_theta``; ``omega_i = base**(-2i/rotary_dim)``.
     layout : {"half", "interleaved"}
@@ -112,6 +113,12 @@ class RopeSpec:
     attention_factor : float, optional
         With ``frequencies=``: the factor multiplied into cos and sin (HF's attention scaling), 1.0 if
         not given.
+    rotary_offset : int
+        The first rotated coordinate of the last axis (vLLM's ``rope_dim_offset``, ggml's ``n_offs``):
+        coordinates ``[rotary_offset, rotary_offset + rotary_dim)`` rotate with the spec's layout, all
+        others pass through, so a head laid out as ``[nope | rope]`` (MLA) rotates in one call.
+        Default 0; ``rotary_offset + rotary_dim <= head_dim``. Frequencies and scaling rules see the
+        head from ``rotary_offset`` on (``head_dim - rotary_offset`` coordinates).
     softmax_scale_factor : float
         Multiplies the attention's softmax scale (``1/sqrt(d)``): DeepSeek-V2/V3-style YaRN models use
         ``mscale(factor, mscale_all_dim)**2`` with ``mscale(s, m) = 0.1*m*ln(s) + 1``
@@ -126,24 +133,32 @@ class RopeSpec:
     #: the stored fields, in order; value semantics (equality, hash, pickling, replace, repr) follow them
     _FIELDS = ("head_dim", "rotary_dim", "base", "layout", "scaling", "max_position_embeddings",
                "frequencies", "_pair_axes", "n_axes", "mrope_section", "mrope_layout", "float_positions",
-               "softmax_scale_factor", "attention_factor")
+               "softmax_scale_factor", "attention_factor", "rotary_offset")
     __slots__ = _FIELDS + ("_hash",)
 
     def __init__(self, head_dim, *, rotary_dim=None, base=10000.0, layout="half", scaling=None,
                  max_position_embeddings=None, mrope_section=None, mrope_interleaved=None, mrope_layout=None,
                  pair_axes=None, n_axes=None, frequencies=None, float_positions=False, softmax_scale_factor=1.0,
-                 attention_factor=None):
+                 attention_factor=None, rotary_offset=0):
         head_dim = _as_int(head_dim, "head_dim")
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        rotary_offset = _as_int(rotary_offset, "rotary_offset")
+        if rotary_offset < 0:
+            raise ValueError(f"rotary_offset must be >= 0, got {rotary_offset}")
+        rotated_part = head_dim - rotary_offset   # the coordinates from rotary_offset on
         if rotary_dim is None:
-            if head_dim < 2:
-                raise ValueError(f"head_dim must be >= 2 (at least one rotated pair), got {head_dim}")
-            rotary_dim = head_dim - (head_dim % 2)
+            if rotated_part < 2:
+                raise ValueError(f"head_dim - rotary_offset must be >= 2 (at least one rotated pair), got head_dim "
+                                 f"{head_dim} with rotary_offset {rotary_offset}")
+            rotary_dim = rotated_part - (rotated_part % 2)
         rotary_dim = _as_int(rotary_dim, "rotary_dim")
         if rotary_dim % 2 or rotary_dim < 2:
             raise ValueError(f"rotary_dim must be an even integer >= 2, got {rotary_dim}")
-        if rotary_dim > head_dim:
+        if rotary_dim > rotated_part:
+            if rotary_offset:
+                raise ValueError(f"rotary_offset + rotary_dim ({rotary_offset} + {rotary_dim}) must be <= head_dim "
+                                 f"({head_dim})")
             raise ValueError(f"rotary_dim must be <= head_dim ({head_dim}), got {rotary_dim}")
         if isinstance(base, bool) or not isinstance(base, (int, float, np.integer, np.floating)):
             raise TypeError(f"base must be a real number, got {type(base).__name__}")
@@ -158,7 +173,7 @@ class RopeSpec:
             max_position_embeddings = _as_int(max_position_embeddings, "max_position_embeddings")
             if max_position_embeddings < 1:
                 raise ValueError(f"max_position_embeddings must be >= 1, got {max_position_embeddings}")
-        scaling = _scaling.canonical_scaling(scaling, rotary_dim=rotary_dim, head_dim=head_dim, base=base,
+        scaling = _scaling.canonical_scaling(scaling, rotary_dim=rotary_dim, head_dim=rotated_part, base=base,
                                              max_position_embeddings=max_position_embeddings)
         half = rotary_dim // 2
         frequencies = _check_frequencies(frequencies, half, scaling)
@@ -175,7 +190,7 @@ class RopeSpec:
                       max_position_embeddings=max_position_embeddings, frequencies=frequencies,
                       _pair_axes=pair_axes, n_axes=n_axes, mrope_section=mrope_section, mrope_layout=mrope_layout,
                       float_positions=bool(float_positions), softmax_scale_factor=softmax_scale_factor,
-                      attention_factor=attention_factor)
+                      attention_factor=attention_factor, rotary_offset=rotary_offset)
         for name in self._FIELDS:
             object.__setattr__(self, name, values[name])
         object.__setattr__(self, "_hash", hash(self._key()))
@@ -209,7 +224,8 @@ class RopeSpec:
         return kwargs
 
     def __repr__(self):
-        defaults = {"rotary_dim": self.head_dim - self.head_dim % 2, "scaling": None, "max_position_embeddings": None,
+        rest = self.head_dim - self.rotary_offset
+        defaults = {"rotary_dim": rest - rest % 2, "rotary_offset": 0, "scaling": None, "max_position_embeddings": None,
                     "frequencies": None, "pair_axes": None, "n_axes": 1, "mrope_section": None,
                     "mrope_layout": None, "float_positions": False, "softmax_scale_factor": 1.0,
                     "attention_factor": None}
@@ -484,12 +500,13 @@ class RopeSpec:
 
     # -- layout helpers --------------------------------------------------------------------
     def pair_indices(self) -> tuple[np.ndarray, np.ndarray]:
-        """(a, b): coordinate indices of the two members of each rotated pair, each of length d/2."""
+        """(a, b): coordinate indices (in the head, ``rotary_offset`` included) of the two members of each
+        rotated pair, each of length d/2."""
         half = self.rotary_dim // 2
-        i = np.arange(half)
+        i = np.arange(half) + self.rotary_offset
         if self.layout == "half":
             return i, i + half
-        return 2 * i, 2 * i + 1
+        return i + np.arange(half), i + np.arange(half) + 1
 
 
 def _short(value) -> str:
@@ -590,7 +607,7 @@ def _inv_freq_and_scaling(spec: RopeSpec, seq_len):
     else:
         inv_freq, attention = _scaling.scaled_inv_freq(spec.base, spec.rotary_dim, spec.scaling, seq_len=seq_len,
                                                        max_position_embeddings=spec.max_position_embeddings,
-                                                       head_dim=spec.head_dim)
+                                                       head_dim=spec.head_dim - spec.rotary_offset)
     inv_freq = np.ascontiguousarray(inv_freq, dtype=np.float64)
     inv_freq.setflags(write=False)
     return inv_freq, float(attention)

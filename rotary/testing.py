@@ -99,14 +99,15 @@ def rope_matrix(x, positions, inv_freq, *, layout="half", scale=1.0):
     return y
 
 
-def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0, pair_axes=None):
+def rope_complex(x, positions, inv_freq, *, layout="half", scale=1.0, pair_axes=None, rotary_offset=0):
     """Oracle: pairs as complex numbers z = x_a + i x_b, multiplied by scale * exp(i p theta).
 
     ``pair_axes`` (multi-axis specs): positions carry coordinates on a trailing axis and pair i turns
-    by ``positions[..., pair_axes[i]] * inv_freq[i]``."""
+    by ``positions[..., pair_axes[i]] * inv_freq[i]``. ``rotary_offset``: the pairs' coordinates
+    start there (a spec's ``rotary_offset``)."""
     x = np.asarray(x, dtype=np.float64)
     r = 2 * len(inv_freq)
-    a, b = _pairs(r, layout)
+    a, b = (i + rotary_offset for i in _pairs(r, layout))
     z = x[..., a] + 1j * x[..., b]
     z = z * (scale * phase(positions, inv_freq, pair_axes=pair_axes))
     y = x.copy()
@@ -127,7 +128,8 @@ def feature_map64(x, feature_map="elu"):
 
 
 def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", scale=1.0, causal=False,
-                               feature_map="elu", eps=1e-6, decay=None, normalize=True, pair_axes=None):
+                               feature_map="elu", eps=1e-6, decay=None, normalize=True, pair_axes=None,
+                               rotary_offset=0):
     """Oracle: RoFormer eq. 19 written as a T x T matrix, in float64, with optional decay.
 
     ``o_t = sum_s D_ts (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s D_ts a_t^T b_s + eps)`` with a = phi(q),
@@ -135,7 +137,7 @@ def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", s
     an array broadcastable to q.shape[:-2], e.g. one per head), ``D_ts = 1`` for every s otherwise;
     ``normalize=False`` returns the numerator. q, k (..., T, d), v (..., T, dv), positions (T,) or
     broadcastable to (..., T) ((..., T, n_axes) with ``pair_axes``: multi-axis specs); R from
-    :func:`rope_complex` (``scale`` multiplies each rotation).
+    :func:`rope_complex` (``scale`` multiplies each rotation; ``rotary_offset`` as there).
     """
     a, b = feature_map64(q, feature_map), feature_map64(k, feature_map)
     v = np.asarray(v, dtype=np.float64)
@@ -147,8 +149,10 @@ def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", s
         mask = np.where(lag >= 0, np.power(gamma[..., None, None], np.maximum(lag, 0)), 0.0)
     else:
         mask = np.ones((T, T))
-    a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes)
-    b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes)
+    a_hat = rope_complex(a, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes,
+                         rotary_offset=rotary_offset)
+    b_hat = rope_complex(b, positions, inv_freq, layout=layout, scale=scale, pair_axes=pair_axes,
+                         rotary_offset=rotary_offset)
     numerator = ((a_hat @ np.swapaxes(b_hat, -1, -2)) * mask) @ v
     if not normalize:
         return numerator
@@ -157,12 +161,12 @@ def linear_attention_quadratic(q, k, v, positions, inv_freq, *, layout="half", s
 
 
 def attention_quadratic(q, k, v, q_positions, k_positions, inv_freq=None, *, layout="half", rotation_scale=1.0,
-                        scale=None, causal=False, window=None, softcap=None):
+                        scale=None, causal=False, window=None, softcap=None, rotary_offset=0):
     """Oracle: softmax attention in float64 with the whole (Sq, Sk) score matrix.
 
     q (..., Hq, Sq, d), k (..., Hk, Sk, d), v (..., Hk, Sk, dv): q head j uses k/v head j // (Hq/Hk)
     (explicitly repeated). q_positions (Sq,) or (B, Sq) and k_positions likewise (B = axis 0) rotate
-    q and k (:func:`rope_complex`; none when ``inv_freq`` is None) and mask: key s is hidden from
+    q and k (:func:`rope_complex` from ``rotary_offset`` on; none when ``inv_freq`` is None) and mask: key s is hidden from
     query t when ``causal`` and p_s > p_t, or ``window`` and p_t - p_s >= window. Scores
     ``softcap * tanh(scale <q, k> / softcap)`` (scale default d**-0.5); rows seeing no key give 0.
     """
@@ -171,8 +175,8 @@ def attention_quadratic(q, k, v, q_positions, k_positions, inv_freq=None, *, lay
     qpb = qp.reshape(qp.shape[:1] + (1,) * (q.ndim - 3) + qp.shape[1:]) if qp.ndim == 2 else qp
     kpb = kp.reshape(kp.shape[:1] + (1,) * (k.ndim - 3) + kp.shape[1:]) if kp.ndim == 2 else kp
     if inv_freq is not None:
-        q = rope_complex(q, qpb, inv_freq, layout=layout, scale=rotation_scale)
-        k = rope_complex(k, kpb, inv_freq, layout=layout, scale=rotation_scale)
+        q = rope_complex(q, qpb, inv_freq, layout=layout, scale=rotation_scale, rotary_offset=rotary_offset)
+        k = rope_complex(k, kpb, inv_freq, layout=layout, scale=rotation_scale, rotary_offset=rotary_offset)
     g = q.shape[-3] // k.shape[-3]
     k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

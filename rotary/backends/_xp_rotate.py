@@ -10,8 +10,12 @@ def _compute_dtype(dtype, xp):
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
-def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout):
-    """Functional version for any array-API namespace; returns a new array."""
+def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0):
+    """Functional version for any array-API namespace; returns a new array. With ``rotary_offset``
+    the coordinates before it pass through and the rotation starts there."""
+    if rotary_offset:
+        rotated = _rotate_xp(xp, x[..., rotary_offset:], cos_tok, sin_tok, rotary_dim, layout)
+        return xp.concat([x[..., :rotary_offset], rotated], axis=-1)
     dtype = x.dtype
     work = _compute_dtype(dtype, xp)
     xr = xp.astype(x[..., :rotary_dim], work)
