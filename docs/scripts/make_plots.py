@@ -8,7 +8,10 @@ Writes into ``docs/img/``:
 - ``scaling.png``: effective frequency per pair for linear / NTK / YaRN / Llama 3 / LongRoPE
   (from ``RopeSpec.inv_freq``);
 - ``layouts.png``: which coordinates pair up in the "half" and "interleaved" layouts;
-- ``benchmarks.png``: apply_qk throughput per implementation, from ``benchmarks/results/latest.json``.
+- ``benchmarks.png``: apply_qk throughput per implementation, from ``benchmarks/results/latest.json``;
+- ``linear_attention_mass.png``, ``linear_attention_decay.png``, ``multi_axis.png``: made by their own
+  scripts in this folder (``plot_linear_attention.py``, ``plot_linear_attention_decay.py``,
+  ``plot_multi_axis.py``), run from here too.
 
 Each figure can be made alone: ``python docs/scripts/make_plots.py decay precision``.
 """
@@ -226,13 +229,41 @@ def plot_benchmarks(path: Path = RESULTS) -> Path | None:
     ax.set_ylabel("GB/s (q and k read + written)")
     m = data["machine"]
     ax.set_title(f"apply_qk on {m['cpu']} ({m['threads']} threads), {data['date']}", fontsize=10)
-    ax.legend(fontsize=8, ncol=2)
+    # below the axes, so that no bar is hidden behind it
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.grid(alpha=0.3, axis="y", which="both")
     return _save(fig, "benchmarks.png")
 
 
+def _script(name: str):
+    """A plotting script of this folder as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plot_linear_attention_mass() -> Path:
+    module = _script("plot_linear_attention")
+    module.main()
+    return module.OUT
+
+
+def plot_linear_attention_decay() -> Path:
+    module = _script("plot_linear_attention_decay")
+    module.main()
+    return module.OUT
+
+
+def plot_multi_axis() -> Path:
+    return _script("plot_multi_axis").plot()
+
+
 PLOTS = {"decay": plot_decay, "precision": plot_precision, "scaling": plot_scaling, "layouts": plot_layouts,
-         "benchmarks": plot_benchmarks}
+         "benchmarks": plot_benchmarks, "linear_attention_mass": plot_linear_attention_mass,
+         "linear_attention_decay": plot_linear_attention_decay, "multi_axis": plot_multi_axis}
 
 
 def main(argv) -> int:
