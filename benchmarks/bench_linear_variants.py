@@ -63,17 +63,18 @@ def decode(rounds):
     z = rng.random((1, H, d), dtype=np.float32)
     spec = rotary.RopeSpec(d)
     cos, sin, rows = _tables.lookup(spec, np.array([[100]]), dtype=np.float32)
-    out = np.empty_like(S)
+    out, out_z = np.empty_like(S), np.empty_like(z)
     state = rotary.LinearAttentionState(S, z, 100, spec=spec)
+    copy = "read + write the state once (np.copyto of S and z, 2 MB)"
     best = best_times({
-        "read + write the state once (np.copyto, 2 MB)": lambda: np.copyto(out, S),
+        copy: lambda: (np.copyto(out, S), np.copyto(out_z, z)),
         "numba backend primitive (step kernel + glue)": lambda: nb.linear_attention(
             q, k, v, cos, sin, rows, rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6,
             chunk=64, state=(S, z)),
         "rotary.linear_attention(..., state=, return_state=True)": lambda: rotary.linear_attention(
             q, k, v, causal=True, seq_axis=1, state=state, backend="numba", return_state=True),
     }, rounds)
-    copy = best["read + write the state once (np.copyto, 2 MB)"]
+    copy = best[copy]
     return [(name, f"{t * 1e3:.3f}", f"{t / copy:.2f}") for name, t in best.items()]
 
 
@@ -116,7 +117,10 @@ def main(argv=None):
     rows, sgemm = prefill(args.rounds)
     print(f"Causal linear attention, H = 8, T = 8192, d = dv = 64, C = 64, fp32 (sgemm {sgemm:.0f} GFLOP/s):\n")
     print(table(["candidate", "ms", "x sgemm (4 T d (C+d) H)", "x causal elu time"], rows))
-    print("\nDecode step, B = 1, H = 32, d = dv = 128, fp32, state 2 MB:\n")
+    import numba
+
+    print(f"\nDecode step, B = 1, H = 32, d = dv = 128, fp32, state 2 MB (NUMBA_NUM_THREADS = "
+          f"{numba.config.NUMBA_NUM_THREADS}; a one-token call always runs the serial step kernel):\n")
     print(table(["candidate", "ms", "x state read + write"], decode(args.rounds * 4)))
     if not args.no_compile:
         print("\nFirst call, linear attention (T = 4, then one token):\n")

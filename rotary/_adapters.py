@@ -57,8 +57,9 @@ def dispatch(kind: str, n_arrays: int):
         def frontend(*args, **kwargs):
             arrays = args[0] if kind == "rotate" else args[:n_arrays]
             first = arrays[0]
-            if type(first) is np.ndarray and first.dtype.kind == "f" and len(arrays) == 1:   # the common case
-                return core(*args, **kwargs)
+            if type(first) is np.ndarray and first.dtype.kind == "f" and (
+                    len(arrays) == 1 or all(type(a) is np.ndarray and a.dtype.kind == "f" for a in arrays)):
+                return core(*args, **kwargs)   # the common case: plain NumPy floats (no bfloat16 among them)
             adapter = adapter_for(arrays)
             if adapter is None:
                 return core(*args, **kwargs)

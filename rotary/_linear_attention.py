@@ -103,6 +103,17 @@ class LinearAttentionState:
                             ("groups", int(groups))):
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def _trusted(cls, S, z, next_position, spec, feature_map, decay, normalize, groups):
+        """A state from fields the frontend has already checked (decay read-only float64 or None,
+        next_position an int or a read-only int64 array): no validation, for the per-token decode path."""
+        self = object.__new__(cls)
+        for name, value in (("S", S), ("z", z), ("next_position", next_position), ("spec", spec),
+                            ("feature_map", feature_map), ("decay", decay), ("normalize", normalize),
+                            ("groups", groups)):
+            object.__setattr__(self, name, value)
+        return self
+
     def __setattr__(self, name, value):
         raise AttributeError("LinearAttentionState is immutable")
 
@@ -131,6 +142,9 @@ def _check_feature_map(feature_map):
 
 
 def _check_scalars(causal, eps, chunk, return_state, normalize):
+    if (type(causal) is bool and type(return_state) is bool and type(normalize) is bool and type(eps) is float
+            and 0 <= eps < math.inf and type(chunk) is int and chunk >= 1):
+        return   # the common case, in a few type checks (the decode path calls this per token)
     for name, value in (("causal", causal), ("return_state", return_state), ("normalize", normalize)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -201,13 +215,14 @@ def _check_decay(decay, k_heads, causal):
 def _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups):
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
-    _namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
-        state.z is not None)])
+    if not (type(q) is type(state.S) is np.ndarray and (state.z is None or type(state.z) is np.ndarray)):
+        _namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
+            state.z is not None)])
     expected = (*kv_other, m, dv)
     if tuple(state.S.shape) != expected:
         raise ValueError(f"state belongs to inputs with S of shape {tuple(state.S.shape)}; this call needs "
                          f"{expected} (k's axes other than seq and last, then m, dv)")
-    if state.spec != spec:
+    if state.spec is not spec and state.spec != spec:
         raise ValueError(f"state was made with {state.spec!r}, this call uses {spec!r}")
     if state.feature_map is not feature_map and state.feature_map != feature_map:
         raise ValueError(f"state was made with feature_map={state.feature_map!r}, this call uses {feature_map!r}")
@@ -248,6 +263,12 @@ def _next_position(pos, lead_shape, seq_len, positions, state):
         if state is not None:
             return state.next_position
         return int(positions) if isinstance(positions, numbers.Integral) else 0
+    if pos.ndim == 2 and pos.shape[0] == 1 and pos.dtype == np.int64:   # one row of positions (decode: one)
+        last = int(pos[0, -1])
+        if last == np.iinfo(np.int64).max:
+            raise ValueError("the last position is the largest int64: the next position (for a state) would "
+                             "overflow int64")
+        return last + 1
     if pos.ndim == 3 or pos.dtype.kind == "f":
         # multi-axis (M-RoPE's decode rule: every axis continues from the largest coordinate + 1) or
         # real-valued coordinates: one past the largest coordinate seen
@@ -417,9 +438,13 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         return x
 
     def make_state(S, z, next_pos):
-        return LinearAttentionState(to_state_layout(S, (m, dv)), to_state_layout(z, (m,)) if normalize else None,
-                                    next_pos, spec=spec, feature_map=feature_map, decay=decay, normalize=normalize,
-                                    groups=groups)
+        if isinstance(next_pos, np.ndarray):
+            next_pos = np.array(next_pos, dtype=np.int64)
+            next_pos.setflags(write=False)
+        # every field checked above (S, z: the backend's fresh work-dtype arrays of the checked shapes)
+        return LinearAttentionState._trusted(to_state_layout(S, (m, dv)),
+                                             to_state_layout(z, (m,)) if normalize else None, next_pos, spec,
+                                             feature_map, decay, bool(normalize), int(groups))
 
     if seq_len == 0:
         dev = xp_device(q)

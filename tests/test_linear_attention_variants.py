@@ -167,6 +167,28 @@ def test_decay_gqa_split_resume_and_decode(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("H,Hk", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("decay", [None, 0.9])
+def test_decode_steps_on_wide_heads(backend, dtype, H, Hk, decay):
+    """One-token steps on heads wider than a SIMD vector (d = 24, dv = 20: whole vectors plus a tail) after a
+    prefill, with and without GQA and decay, against the float64 oracle."""
+    rng = np.random.default_rng(11)
+    spec = rotary.RopeSpec(24, base=50.0)
+    q, k, v = _data(rng, 1, H, Hk, 12, 24, 20, np.dtype(dtype))
+    ref = _reference(*(a.astype(np.float64) for a in (q, k, v)), spec, decay=decay)
+    o, st = _run(backend, q[:, :, :5], k[:, :, :5], v[:, :, :5], causal=True, decay=decay, spec=spec,
+                 return_state=True)
+    pieces = [o]
+    for t in range(5, 12):
+        o, st = _run(backend, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True, decay=decay,
+                     state=st, return_state=True)
+        pieces.append(o)
+    assert rel_rms(np.concatenate(pieces, axis=2), ref) <= TOL[dtype]
+    assert st.next_position == 12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decayed_state_is_the_decayed_sum(backend):
     rng = np.random.default_rng(4)
     spec = rotary.RopeSpec(4, base=10.0)

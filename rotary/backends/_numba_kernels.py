@@ -636,6 +636,61 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
 
 
 @njit(cache=True)
+def step_state_update(old, new, b_hat, v_row, a_hat, acc, gamma, decayed):
+    """new = gamma old + b_hat v^T (gamma not applied without decay) and acc[g] += sum_j a_hat[g, j] new[j]
+    for an (m, dv) state, one pass over it.
+
+    Row by row, a vector of columns at a time: each row of S is read once, its update written to S' and
+    added into the (L1-resident) accumulators while in registers. Per element the scalar form's operations
+    in its order: ``new[j, c] = old[j, c] * gamma + b_j v_c`` (as ``b_j v_c + old gamma``: the same two
+    products, one add), ``acc[g, c] += a[g, j] new[j, c]`` for j ascending; the columns past the last whole
+    vector run that scalar form.
+    """
+    m, dv = old.shape
+    groups = a_hat.shape[0]
+    # meminfo-less views (the caller holds the arrays): the per-row views below cost no atomic refcounts
+    old, new, b_hat, v_row, a_hat, acc = (borrowed(old), borrowed(new), borrowed(b_hat), borrowed(v_row),
+                                          borrowed(a_hat), borrowed(acc))
+    width = lanes(v_row)
+    full = dv - dv % width
+    gv = vsplat(gamma)
+    zero = vzeros(v_row)
+    for j in range(m):
+        old_row, new_row = old[j], new[j]
+        bj = vsplat(b_hat[j])
+        if groups == 1:   # the common case as its own loop: LLVM keeps everything but the vectors out of it
+            acc_g, aj = acc[0], vsplat(a_hat[0, j])
+            if decayed:
+                for c in range(0, full, width):
+                    x = vmadd(vmadd(zero, bj, vload(v_row, c)), vload(old_row, c), gv)
+                    vstore(new_row, c, x)
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, x))
+            else:
+                for c in range(0, full, width):
+                    x = vmadd(vload(old_row, c), bj, vload(v_row, c))
+                    vstore(new_row, c, x)
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, x))
+        else:
+            for c in range(0, full, width):
+                if decayed:
+                    x = vmadd(vmadd(zero, bj, vload(v_row, c)), vload(old_row, c), gv)
+                else:
+                    x = vmadd(vload(old_row, c), bj, vload(v_row, c))
+                vstore(new_row, c, x)
+            for g in range(groups):
+                acc_g, aj = acc[g], vsplat(a_hat[g, j])
+                for c in range(0, full, width):
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, vload(new_row, c)))
+        bs = b_hat[j]
+        for c in range(full, dv):
+            new_row[c] = old_row[c] * gamma + bs * v_row[c] if decayed else old_row[c] + bs * v_row[c]
+        for g in range(groups):
+            aj, acc_g = a_hat[g, j], acc[g]
+            for c in range(full, dv):
+                acc_g[c] += aj * new_row[c]
+
+
+@njit(cache=True)
 def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, half, rotary_dim,
                           interleaved, feature_map, eps, groups, powers, decayed, normalize):
     """One token per sequence (decode), on the calling thread: per (batch, k/v head), one pass over S::
@@ -647,6 +702,12 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     """
     n_batch, n_kv, m, dv = state_s.shape
     work = cos.dtype
+    keep = (q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, powers)
+    # borrowed (meminfo-less) arguments: the per-head views and helper calls cost no atomic refcounts
+    q, k, v, o, geo, cos, sin, rows = (borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo),
+                                       borrowed(cos), borrowed(sin), borrowed(rows))
+    state_s, state_z, new_s, new_z, powers = (borrowed(state_s), borrowed(state_z), borrowed(new_s),
+                                              borrowed(new_z), borrowed(powers))
     b_plain_own = np.zeros((1, m))
     b_plain = borrowed(b_plain_own)
     b_hat_own = np.zeros((1, m), work)
@@ -675,22 +736,7 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                 acc_row = acc[g]
                 for c in range(dv):
                     acc_row[c] = 0
-            v_row = vals[0]
-            old, new = state_s[b, hk], new_s[b, hk]
-            for j in range(m):
-                bj = b_hat[0, j]
-                old_row, new_row = old[j], new[j]
-                if decayed:
-                    for c in range(dv):
-                        new_row[c] = old_row[c] * gw + bj * v_row[c]
-                else:
-                    for c in range(dv):
-                        new_row[c] = old_row[c] + bj * v_row[c]
-                for g in range(groups):
-                    aj = a_hat[g, j]
-                    acc_row = acc[g]
-                    for c in range(dv):
-                        acc_row[c] += aj * new_row[c]
+            step_state_update(state_s[b, hk], new_s[b, hk], b_hat[0], vals[0], a_hat, acc, gw, decayed)
             for j in range(m):
                 new_z[b, hk, j] = state_z[b, hk, j] * gamma + b_plain[0, j] if decayed else \
                     state_z[b, hk, j] + b_plain[0, j]
@@ -709,3 +755,7 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     keep_alive(vals_own)
     keep_alive(acc_own)
     keep_alive(phi_own)
+    keep_alive(keep[0])
+    keep_alive(keep[3])
+    keep_alive(keep[8])
+    keep_alive(keep[10])

@@ -213,8 +213,9 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     Hk, dv = k.shape[2], v.shape[3]
     groups = H // Hk if Hk else 1
     work = np.float64 if q.dtype == np.float64 else np.float32
-    cos, sin = (_readonly(np.ascontiguousarray(a, dtype=work)) for a in (cos, sin))
-    rows = _readonly(np.ascontiguousarray(rows, dtype=np.int64))
+    cos = _readonly_c(cos if cos.dtype == work else cos.astype(work))
+    sin = _readonly_c(sin if sin.dtype == work else sin.astype(work))
+    rows = _readonly_c(rows if rows.dtype == np.int64 else rows.astype(np.int64))
     if feature_map not in kernels.FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {tuple(kernels.FEATURE_MAPS)}, got {feature_map!r}")
     if state is None:
@@ -228,7 +229,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         return o, (new_s, new_z)
     chunk = max(1, min(int(chunk), S))
     decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
-    powers = _readonly(decay_powers(decay, chunk) if decayed else np.ones((1, 1, 1)))
+    powers = _readonly(decay_powers(decay, chunk)) if decayed else _NO_POWERS
     bufs, geo = [], np.zeros((4, 5), dtype=np.int64)
     for i, a in enumerate((q, k, v, o)):
         view = flat_view(a)
@@ -249,6 +250,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     return o, (new_s, new_z)
 
 
+_NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)
 _pool = None
 _pool_lock = threading.Lock()
 
