@@ -57,15 +57,16 @@ def _runs(types) -> str:
     return ", ".join(out)
 
 
-def inspect_config(config, layer_type=None) -> str:
-    """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig)."""
+def inspect_config(config, layer_type=None, head="rope") -> str:
+    """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig); ``head`` as in
+    ``RopeSpec.from_hf_config`` (MLA: "qk" for the whole [nope | rope] head, "indexer" for DSA's indexer)."""
     from . import _hf_config
     from ._spec import RopeSpec
 
     if layer_type is not None:
-        specs = {layer_type: RopeSpec.from_hf_config(config, layer_type=layer_type)}
+        specs = {layer_type: RopeSpec.from_hf_config(config, layer_type=layer_type, head=head)}
     else:
-        specs = RopeSpec.per_layer_from_hf_config(config)
+        specs = RopeSpec.per_layer_from_hf_config(config, head=head)
     out = []
     for name, spec in specs.items():
         out.append(f"[{name}]" if len(specs) > 1 or layer_type is not None or name != "default" else "[all layers]")
@@ -81,7 +82,7 @@ def run_cli(args) -> int:
     try:
         with open(args.config, encoding="utf-8") as fh:
             config = json.load(fh)
-        print(inspect_config(config, args.layer_type))
+        print(inspect_config(config, args.layer_type, args.head))
     except (OSError, ValueError, TypeError) as exc:
         print(f"rotary inspect: {exc}", file=sys.stderr)
         return 2
@@ -92,5 +93,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
     parser.add_argument("config", help="path to an HF config.json")
     parser.add_argument("--layer-type", default=None, help="only this layer type (e.g. full_attention)")
+    parser.add_argument("--head", default="rope", choices=("rope", "qk", "indexer"),
+                        help="MLA models: the rope part (default), the whole [nope | rope] q/k head, or "
+                             "DeepSeek-V3.2's DSA indexer head")
     parser.set_defaults(func=run_cli)
     return parser

@@ -60,6 +60,13 @@ def _from_config(**values):
     return RopeSpec.from_hf_config({"hidden_size": 256, "num_attention_heads": 4, "rope_theta": 1e4, **values})
 
 
+def _head_spec(head):
+    from . import RopeSpec
+
+    return RopeSpec.from_hf_config({"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 4,
+                                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16}, head=head)
+
+
 def _config_error():
     from ._hf_config import ConfigError
 
@@ -186,6 +193,9 @@ def _cases() -> list:
                                    ("rope_theta", "abc", "finite number"),
                                    ("partial_rotary_factor", "0.5", "finite number"),
                                    ("hidden_size", "256", "integer"), ("num_attention_heads", 0, ">= 1"))],
+        ErrorCase("from_hf_config head='q'", lambda: _head_spec("q"), ValueError, ("head must be one of", "'q'")),
+        ErrorCase("from_hf_config head='indexer' without a DSA config", lambda: _head_spec("indexer"),
+                  _config_error(), ("head='indexer'", "index_head_dim")),
         # -- softmax attention scalars ------------------------------------------------------------
         ErrorCase("attention scale=nan", lambda: _attention(scale=float("nan")), ValueError, ("scale", "finite")),
         ErrorCase("attention scale=inf", lambda: _attention(scale=math.inf), ValueError, ("scale", "finite")),

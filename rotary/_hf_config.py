@@ -16,8 +16,13 @@ What is read, in HF's order of precedence:
   ``arange(0, d, 2)`` gives ceil(d/2) pairs at ``base**(-2i/d)``, e.g. GLM-4.5's d = 21 -> 11 pairs
   rotating 22 coordinates), else GPT-J/CodeGen's ``rotary_dim``, else the whole head.
 - MLA (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash, ...; ``qk_rope_head_dim`` + ``qk_nope_head_dim``): the
-  head is ``[nope | rope]`` of qk_nope_head_dim + qk_rope_head_dim coordinates; the rope part
-  rotates (``rotary_offset`` = qk_nope_head_dim).
+  q/k head is ``[nope | rope]`` of qk_nope_head_dim + qk_rope_head_dim coordinates and the rope part
+  rotates. ``head="rope"`` (default) gives the spec of the rope part (head_dim = qk_rope_head_dim,
+  what HF's rotary module builds; MLA families' config.json read as HF's config class does);
+  ``head="qk"`` the whole head (``rotary_offset`` = qk_nope_head_dim); ``head="indexer"`` DeepSeek
+  V3.2's DSA lightning indexer: heads of ``index_head_dim`` laid out ``[rope | rest]``, the same
+  frequencies, half-split pairs (interleaved for GLM-MoE-DSA) while the main MLA attention is
+  interleaved.
 - M-RoPE: ``mrope_section`` / ``mrope_interleaved`` from the rope dict, else the family's HF default
   (:data:`MROPE_DEFAULTS`), with the family's assignment of sections to pairs.
 - layout: the pairing the family's HF attention uses (:data:`INTERLEAVED_FAMILIES`; DeepSeek-style
@@ -33,6 +38,11 @@ from collections.abc import Mapping
 
 from . import _scaling
 
+#: MLA families whose HF config sets ``head_dim = qk_rope_head_dim``
+MLA_ROPE_HEAD_FAMILIES = ("axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                          "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "kimi_linear", "minicpm3",
+                          "mistral_large4", "youtu")
+
 #: config.json aliases (first present wins), from HF's ``attribute_map`` s
 ALIASES = {
     "head_dim": ("head_dim", "attention_head_dim", "kv_channels", "d_kv"),
@@ -47,15 +57,19 @@ ALIASES = {
 
 #: per model_type aliases that differ from the generic ones (HF's attribute_map of that family)
 MODEL_ALIASES = {
-    "glm4_moe_lite": {"head_dim": ("qk_rope_head_dim",)},
+    # MLA families: HF's config sets head_dim = qk_rope_head_dim (the part its rotary module builds);
+    # a config.json (DeepSeek-V3's has no head_dim) must not fall back to hidden_size // heads
+    **{family: {"head_dim": ("qk_rope_head_dim",)} for family in MLA_ROPE_HEAD_FAMILIES},
+    "longcat_flash": {"head_dim": ("head_dim", "qk_rope_head_dim")},
     "zamba2": {"head_dim": ("attention_head_dim",)},
     "zamba": {"head_dim": ("attention_head_dim",)},
 }
 
 #: model families whose HF attention pairs coordinates (2i, 2i+1) (rotate_every_two, complex
-#: multiplication, repeat_interleave'd cos/sin, or an unconditional ``apply_rotary_pos_emb_interleave``)
+#: multiplication, repeat_interleave'd cos/sin, an unconditional ``apply_rotary_pos_emb_interleave``, or a
+#: ``rope_interleave`` that defaults to True: axk1, deepseek_v3, glm4_moe_lite, mistral4, youtu)
 INTERLEAVED_FAMILIES = frozenset({
-    "axk2", "bailing_hybrid", "blt", "codegen", "cohere", "cohere2", "deepseek_v2", "deepseek_v32",
+    "axk1", "axk2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "bailing_hybrid", "blt", "codegen", "cohere", "cohere2", "deepseek_v2", "deepseek_v32",
     "deepseek_v4", "dots3_note", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "glm", "glm4", "glm4v", "glm_moe_dsa",
     "glm_ocr", "gptj", "helium", "llama4", "llama4_text", "longcat_flash",
     "mistral_large4", "moonshine", "moonshine_streaming", "cohere2_moe", "hy_v4_vl", "openai_privacy_filter",
@@ -447,6 +461,44 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
         layout = "interleaved" if family in INTERLEAVED_FAMILIES else "half"
     out.update(head_dim=head_dim, rotary_dim=rotary_dim, base=base, scaling=scaling, max_position_embeddings=max_pos,
                layout=layout, where=where)
+    return out
+
+
+HEADS = ("rope", "qk", "indexer")
+
+#: DSA families whose lightning indexer pairs (2i, 2i+1) (HF GLM-MoE-DSA); DeepSeek-V3.2's is half-split
+INDEXER_INTERLEAVED_FAMILIES = frozenset({"glm_moe_dsa"})
+
+
+def head_kwargs(config, kwargs: dict, head: str) -> dict:
+    """Spec kwargs of the rope part (``spec_kwargs``) turned into those of the head ``head`` names (see
+    the module docstring): "rope" as is; "qk" the MLA q/k head [nope | rope] (as is without MLA);
+    "indexer" the DSA indexer's [rope | rest] head of index_head_dim."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+    if head == "rope":
+        return kwargs
+    reader = text_reader(config)
+    rotary_dim = kwargs["rotary_dim"]
+    if head == "qk":
+        if reader.get("qk_nope_head_dim") is None or reader.get("qk_rope_head_dim") is None:
+            return kwargs   # no MLA: the rotary module's head is the q/k head
+        nope = _integer(reader.get("qk_nope_head_dim"), reader.name("qk_nope_head_dim"))
+        rope = _integer(reader.get("qk_rope_head_dim"), reader.name("qk_rope_head_dim"))
+        if nope < 0 or not rotary_dim <= rope:
+            raise ConfigError(f"{reader.name('qk_rope_head_dim')} = {rope} and {reader.name('qk_nope_head_dim')} = "
+                              f"{nope} do not hold the {rotary_dim} rotated coordinates of head='qk'")
+        return dict(kwargs, head_dim=nope + rope, rotary_offset=nope)
+    if reader.get("index_head_dim") is None:
+        raise ConfigError(f"head='indexer' needs a DSA config (DeepSeek-V3.2, GLM-MoE-DSA): {reader.where} has no "
+                          "'index_head_dim'")
+    index_dim = _integer(reader.get("index_head_dim"), reader.name("index_head_dim"))
+    if index_dim < rotary_dim:
+        raise ConfigError(f"{reader.name('index_head_dim')} = {index_dim} is smaller than the {rotary_dim} rotated "
+                          "coordinates")
+    layout = "interleaved" if _family(reader) in INDEXER_INTERLEAVED_FAMILIES else "half"
+    out = dict(kwargs, head_dim=index_dim, layout=layout)
+    out.pop("softmax_scale_factor", None)   # the indexer scores with index_head_dim**-0.5 (no YaRN mscale)
     return out
 
 

@@ -353,7 +353,8 @@ class RopeSpec:
                    attention_factor=attention_scaling)
 
     @classmethod
-    def from_hf_config(cls, config, *, layer_type: str | None = None, layout: str | None = None) -> "RopeSpec":
+    def from_hf_config(cls, config, *, layer_type: str | None = None, layout: str | None = None,
+                       head: str = "rope") -> "RopeSpec":
         """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``, as the
         model family's HF code computes it (see ``docs/models.md`` for the families checked).
 
@@ -368,19 +369,27 @@ class RopeSpec:
         family's HF attention uses ("interleaved" for GLM, ERNIE, Cohere, GPT-J, DeepSeek with
         ``rope_interleave``, ...; "half" otherwise); a string overrides it, e.g. for a checkpoint whose
         q/k weights were permuted to the other layout.
+
+        ``head`` (MLA models, ``qk_nope_head_dim`` + ``qk_rope_head_dim``): "rope" (default) is the rotated
+        part as HF's rotary module builds it (head_dim = qk_rope_head_dim); "qk" the whole q/k head laid
+        out ``[nope | rope]`` (``rotary_offset`` = qk_nope_head_dim; the same as "rope" without MLA);
+        "indexer" DeepSeek-V3.2's DSA lightning indexer: ``index_head_dim`` heads laid out
+        ``[rope | rest]`` with half-split pairs (GLM-MoE-DSA: interleaved), the same frequencies.
         """
         from . import _hf_config
 
-        kwargs = _hf_config.spec_kwargs(config, layer_type)
+        kwargs = _hf_config.head_kwargs(config, _hf_config.spec_kwargs(config, layer_type), head)
         return cls._from_hf_kwargs(kwargs, layout)
 
     @classmethod
-    def per_layer_from_hf_config(cls, config, *, layout: str | None = None) -> dict:
+    def per_layer_from_hf_config(cls, config, *, layout: str | None = None, head: str = "rope") -> dict:
         """{layer type: spec} of a config: one entry per RoPE layer type of a per-layer-type config,
-        one per ``layer_types`` entry of a flat config (all equal), ``{"default": spec}`` otherwise."""
+        one per ``layer_types`` entry of a flat config (all equal), ``{"default": spec}`` otherwise.
+        ``head`` as in :meth:`from_hf_config`."""
         from . import _hf_config
 
-        return {lt: cls._from_hf_kwargs(kw, layout) for lt, kw in _hf_config.per_layer_kwargs(config).items()}
+        return {lt: cls._from_hf_kwargs(_hf_config.head_kwargs(config, kw, head), layout)
+                for lt, kw in _hf_config.per_layer_kwargs(config).items()}
 
     @classmethod
     def layers_from_hf_config(cls, config, *, layout: str | None = None) -> list:

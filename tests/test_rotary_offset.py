@@ -305,3 +305,128 @@ def test_bfloat16_numpy(rng):
     assert y.dtype == x.dtype and np.array_equal(y[..., :12].view(np.uint16), x[..., :12].view(np.uint16))
     np.testing.assert_allclose(y.astype(np.float64), peer_rope(x.astype(np.float64)[:, :, None], np.arange(6), spec)[:, :, 0],
                                rtol=1.6e-2, atol=1.6e-2)
+
+
+# -- HF configs: MLA's whole q/k head and DeepSeek-V3.2's DSA indexer --------------------------------
+def _hf_module(family):
+    transformers = pytest.importorskip("transformers")
+    import importlib
+
+    try:
+        return transformers.AutoConfig.for_model(family), importlib.import_module(
+            f"transformers.models.{family}.modeling_{family}")
+    except (ImportError, ValueError, KeyError):
+        pytest.skip(f"transformers has no {family}")
+
+
+def _hf_cos_sin(module, config, positions, spec):
+    """HF's (cos, sin) in its format (``cat(freqs, freqs)``, times its attention scaling), in float64 from
+    HF's own inv_freq and attention scaling (its module computes them in float32: 1e-4 off at p = 4095);
+    HF's inv_freq agrees with the spec's (the zoo test checks every family's to the last bit)."""
+    torch = pytest.importorskip("torch")
+    rotary_cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    emb = rotary_cls(config=config)
+    inv_freq = emb.inv_freq.double().numpy()
+    np.testing.assert_allclose(inv_freq, spec.inv_freq(), rtol=1e-6)
+    theta = np.asarray(positions, np.float64)[None, :, None] * spec.inv_freq()
+    theta = np.concatenate([theta, theta], axis=-1)
+    scale = float(emb.attention_scaling)
+    return torch.as_tensor(np.cos(theta) * scale), torch.as_tensor(np.sin(theta) * scale)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mistral4"])
+def test_mla_qk_head_matches_hf_attention(family, rng):
+    """head="qk": HF's attention splits q into [q_pass | q_rot] (qk_nope_head_dim + qk_rope_head_dim),
+    rotates q_rot and concatenates; one rotary call on the whole head gives the same."""
+    torch = pytest.importorskip("torch")
+    config, module = _hf_module(family)
+    spec = RopeSpec.from_hf_config(config, head="qk")
+    nope, rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+    assert (spec.head_dim, spec.rotary_offset, spec.rotary_dim) == (nope + rope, nope, rope)
+    positions = np.array([0, 1, 2, 17, 300, 4095])
+    cos, sin = _hf_cos_sin(module, config, positions, spec)
+    q = rng.standard_normal((1, 2, len(positions), nope + rope))     # (B, H, S, D), as HF's attention
+    q_pass, q_rot = torch.split(torch.as_tensor(q), [nope, rope], dim=-1)
+    interleave = getattr(config, "rope_interleave", True) or family in ("deepseek_v32", "glm_moe_dsa")
+    fn = module.apply_rotary_pos_emb_interleave if interleave else module.apply_rotary_pos_emb
+    hf = torch.cat((q_pass, fn(q_rot, q_rot, cos, sin)[0]), dim=-1).numpy()
+    ours = rotary.apply(q, positions, spec=spec)
+    if interleave:   # HF's interleave helper reads pairs (2i, 2i+1) and writes them de-interleaved (same scores)
+        ours = rotary.convert_layout(ours, to="half", rotary_offset=nope)
+    np.testing.assert_allclose(ours, hf, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(ours[..., :nope], q[..., :nope])
+    part = RopeSpec.from_hf_config(config)   # the default: the rotary module's head (Mistral 4's is the whole head)
+    np.testing.assert_array_equal(part.inv_freq(), spec.inv_freq())
+    assert (part.attention_scaling, part.softmax_scale_factor, part.layout) == (
+        spec.attention_scaling, spec.softmax_scale_factor, spec.layout)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indexer_head_matches_hf_indexer(family, rng):
+    """head="indexer": the lightning indexer's heads are [rope | rest] of index_head_dim; DeepSeek-V3.2
+    pairs them half-split (while its MLA attention is interleaved), GLM-MoE-DSA interleaved."""
+    torch = pytest.importorskip("torch")
+    config, module = _hf_module(family)
+    spec = RopeSpec.from_hf_config(config, head="indexer")
+    rope, dim = config.qk_rope_head_dim, config.index_head_dim
+    assert (spec.head_dim, spec.rotary_dim, spec.rotary_offset) == (dim, rope, 0)
+    assert spec.layout == ("half" if family == "deepseek_v32" else "interleaved")
+    assert RopeSpec.from_hf_config(config).layout == "interleaved" and spec.softmax_scale_factor == 1.0
+    positions = np.array([0, 3, 9, 1000])
+    cos, sin = _hf_cos_sin(module, config, positions, spec)
+    q = rng.standard_normal((1, len(positions), 3, dim))              # (B, S, H, D), as HF's indexer
+    q_rot, q_pass = torch.split(torch.as_tensor(q), [rope, dim - rope], dim=-1)
+    fn = module.apply_rotary_pos_emb if family == "deepseek_v32" else module.apply_rotary_pos_emb_interleave
+    hf = torch.cat([fn(q_rot, q_rot, cos, sin, unsqueeze_dim=2)[0], q_pass], dim=-1).numpy()
+    ours = rotary.apply(q, positions, spec=spec, seq_axis=-3)
+    if spec.layout == "interleaved":   # HF's interleave helper writes its pairs de-interleaved (same scores)
+        ours = rotary.convert_layout(ours, to="half", rotary_dim=rope)
+    np.testing.assert_allclose(ours, hf, rtol=1e-12, atol=1e-12)
+
+
+def test_mla_config_json_reads_like_hf():
+    """A DeepSeek-V3 config.json has neither head_dim nor rope_interleave: HF's config class sets head_dim =
+    qk_rope_head_dim and rope_interleave=True; a dict must give the same spec (it gave head_dim 56, "half")."""
+    config = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "qk_nope_head_dim": 128,
+              "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000,
+              "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
+    spec = RopeSpec.from_hf_config(config)
+    assert (spec.head_dim, spec.rotary_dim, spec.layout) == (64, 64, "interleaved")
+    qk = RopeSpec.from_hf_config(config, head="qk")
+    assert (qk.head_dim, qk.rotary_offset, qk.rotary_dim, qk.layout) == (192, 128, 64, "interleaved")
+    np.testing.assert_array_equal(qk.inv_freq(), spec.inv_freq())
+    assert qk.softmax_scale_factor == spec.softmax_scale_factor > 1
+    assert RopeSpec.from_hf_config({**config, "rope_interleave": False}).layout == "half"
+    assert RopeSpec.from_hf_config({"hidden_size": 256, "num_attention_heads": 4}, head="qk").rotary_offset == 0
+    with pytest.raises(ValueError, match="index_head_dim"):
+        RopeSpec.from_hf_config(config, head="indexer")
+    with pytest.raises(ValueError, match="head must be one of"):
+        RopeSpec.from_hf_config(config, head="q")
+
+
+@pytest.mark.parametrize("family", ["axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                                    "glm4_moe_lite", "glm_moe_dsa", "hy_v4", "kimi_linear", "longcat_flash",
+                                    "minicpm3", "mistral4", "mistral_large4", "youtu"])
+def test_mla_dict_without_head_dim_and_rope_interleave_matches_the_config_class(family):
+    config, _ = _hf_module(family)
+    raw = {k: v for k, v in config.to_dict().items() if k not in ("head_dim", "rope_interleave")}
+    for head in ("rope", "qk"):
+        assert RopeSpec.from_hf_config(raw, head=head) == RopeSpec.from_hf_config(config, head=head)
+
+
+def test_inspect_cli_head(tmp_path, capsys):
+    import json
+
+    from rotary.__main__ import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v32", "hidden_size": 7168, "num_attention_heads": 128,
+                                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "index_head_dim": 128,
+                                "rope_theta": 10000}))
+    assert main(["inspect", str(path), "--head", "qk"]) == 0
+    out = capsys.readouterr().out
+    assert "head / rotary dims 192 / 64 (32 pairs), rotated from coordinate 128" in out and "interleaved" in out
+    assert main(["inspect", str(path), "--head", "indexer"]) == 0
+    out = capsys.readouterr().out
+    assert "head / rotary dims 128 / 64 (32 pairs)\n" in out and "layout             half" in out
