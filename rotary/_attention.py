@@ -16,16 +16,21 @@ broadcasting, never by copying k/v. Packed batches: ``cu_seqlens`` (q) and ``cu_
 default cu_seqlens), flash-attn's varlen form: the tokens of each sequence attend only to their own
 sequence's keys, positions restart per sequence (at ``seqlen_offsets``).
 
-The computation is blocked (flash-attention's online softmax): q in blocks of rows, keys in blocks of
-``block_size``, a running max and sum per row, so the scores never take more than about
-``q_block x block_size`` per head (memory O(q_len x block), not O(q_len x k_len)); key blocks the
-mask hides entirely are skipped. Scores and softmax are float32 (float64 for float64 inputs).
+The computation is blocked (flash-attention's online softmax) over a block-sparse schedule of tiles
+(q block x ``block_size`` keys, :func:`_tiles`): tiles the mask hides entirely are skipped, tiles it
+shows entirely run without a mask, and only the rest (the causal diagonal, the window's edge,
+packed sequence boundaries) get a per-token mask; a packed batch is one sweep over all its tokens.
+Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
+one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
+to stay in cache; on CuPy/torch a tile spans every head. Scores and softmax are float32 (float64
+for float64 inputs).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
@@ -34,8 +39,11 @@ from ._api import (_check_float, _namespace, apply, apply_qk, normalize_position
                    packed_positions, resolve_spec, to_numpy)
 from ._packing import pack
 
-#: target size of one block of scores, in elements (all heads of a q block x block_size keys)
-_SCORE_BLOCK_ELEMENTS = 1 << 22
+#: target size of one tile of scores on the NumPy path, in elements ((g x q block) rows x block_size keys):
+#: 512 KiB of float32, so the scores stay in a core's L2 through softmax; 32x that (every head) on devices
+_SCORE_BLOCK_ELEMENTS = 1 << 17
+#: the NumPy tile loop for NumPy inputs (tests set it False to run NumPy through the array-API path)
+_NUMPY_TILES = True
 
 
 def _gqa_axis(q_shape, k_shape, ax):
@@ -146,14 +154,15 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     if explicit and positions is not None:
         raise ValueError("pass positions or q_positions/k_positions, not both")
     use_spec = spec if rope else None
-    packs = None
+    packed = False
     if cu_seqlens is not None or cu_seqlens_k is not None or seqlen_offsets is not None:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens_k and seqlen_offsets need cu_seqlens (the packed q's offsets)")
         if positions is not None:
             raise ValueError("with cu_seqlens pass seqlen_offsets (per-sequence key offsets) or per-token "
                              "q_positions/k_positions, not positions")
-        qpos, kpos, mq, mk, packs = _packed(q, k, ax, seq_axis, cu_seqlens, cu_seqlens_k, seqlen_offsets,
+        packed = True
+        qpos, kpos, mq, mk, q_seq, k_seq = _packed(q, k, ax, seq_axis, cu_seqlens, cu_seqlens_k, seqlen_offsets,
                                             q_positions, k_positions, causal, use_spec)
     elif explicit:
         qpos = normalize_positions(q_positions, tuple(q.shape[:ax]), q_len, "q_positions", spec=use_spec)
@@ -170,54 +179,61 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
             shift = np.arange(k_len - q_len, k_len, dtype=np.int64)
             qpos = base + (shift[None, :] if kpos.ndim == 2 else shift[None, :, None])
 
-    if gaxis == 0 and max(mq.shape[0] if packs else qpos.shape[0], kpos.shape[0]) > 1:
+    if gaxis == 0 and max(mq.shape[0] if packed else qpos.shape[0], kpos.shape[0]) > 1:
         raise ValueError("per-batch positions need a batch axis 0 that q and k share; here q and k differ "
                          "in their head counts on axis 0")
-    if packs is None:
+    if not packed:
         mq, mk = _mask_positions(qpos, q_len, k_len), _mask_positions(kpos, k_len, k_len)
+        q_seq = k_seq = None
     if rope:
         if qpos.shape == kpos.shape and np.array_equal(qpos, kpos):
             q, k = apply_qk(q, k, _positions_arg(qpos), spec=spec, seq_axis=ax, backend=backend)
         else:
             q = apply(q, _positions_arg(qpos), spec=spec, seq_axis=ax, backend=backend)
             k = apply(k, _positions_arg(kpos), spec=spec, seq_axis=ax, backend=backend)
+    mask = _Mask(mq, mk, q_seq, k_seq, causal, window) if causal or packed else None
 
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
-    # (lead..., S, d) views; the GQA axis split into (Hk, g) for q and (Hk, 1) for k/v (broadcast)
-    qf, kf, vf = (xp.moveaxis(a, ax, -2) for a in (q, k, v))
-    gpos = None
-    if gaxis is not None:
-        gpos = gaxis - (1 if gaxis > ax else 0)
-        g = q.shape[gaxis] // k.shape[gaxis]
-        qf = xp.reshape(qf, qf.shape[:gpos] + (k.shape[gaxis], g) + qf.shape[gpos + 1:])
-        kf, vf = (xp.reshape(a, a.shape[:gpos] + (a.shape[gpos], 1) + a.shape[gpos + 1:]) for a in (kf, vf))
     fold = scale / softcap if softcap else scale
+    # (lead..., S, d) views; the GQA axis split into (Hk, g) for q
+    qf, kf, vf = (xp.moveaxis(a, ax, -2) for a in (q, k, v))
+    gpos = gaxis - (1 if gaxis > ax else 0) if gaxis is not None else None
+    g = q.shape[gaxis] // k.shape[gaxis] if gaxis is not None else 1
+    if gaxis is not None:
+        qf = xp.reshape(qf, qf.shape[:gpos] + (k.shape[gaxis], g) + qf.shape[gpos + 1:])
+    if _numpy_path(q, k, v):
+        # (U..., g, S, d): the g q heads of one k/v head next to the sequence axis (views, no copies)
+        qf = np.moveaxis(qf, gpos + 1, -3) if gaxis is not None else qf[..., None, :, :]
+        vf = vf if vf.dtype == work else vf.astype(work)   # (k is copied per head, in the work dtype)
+        out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+        of = np.moveaxis(out, ax, -2)
+        of = (np.moveaxis(np.reshape(of, of.shape[:gpos] + (k.shape[gaxis], g) + of.shape[gpos + 1:]), gpos + 1, -3)
+              if gaxis is not None else of[..., None, :, :])
+        _numpy_attention(qf, kf, vf, of, mask, fold, softcap, block_size, work)
+        return out
+    if gaxis is not None:   # k/v broadcast over the g axis
+        kf, vf = (xp.reshape(a, a.shape[:gpos] + (a.shape[gpos], 1) + a.shape[gpos + 1:]) for a in (kf, vf))
     if rope and qf.dtype == work and (is_numpy_array(qf) or is_cupy_array(qf)):
         qf *= fold   # q is the rotation's fresh output here: scaled in place
     else:
         qf = xp.astype(qf, work) * fold   # a scaled work copy (the caller's q is never modified)
     kf, vf = xp.astype(kf, work, copy=False), xp.astype(vf, work, copy=False)
-
-    mask_needed = causal
-    if packs is None:
-        o = _blocked(xp, qf, kf, vf, mq if mask_needed else None, mk, window, softcap, block_size)
-    else:   # one sequence at a time: (Tq, ...) packed along axis -2 of every view
-        cu_q, cu_k = packs
-        parts = []
-        for n in range(cu_q.shape[0] - 1):
-            a, b, c, e = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
-            parts.append(_blocked(xp, qf[..., a:b, :], kf[..., c:e, :], vf[..., c:e, :],
-                                  mq[:, a:b] if mask_needed else None, mk[:, c:e], window, softcap, block_size))
-        o = xp.concat(parts, axis=-2) if parts else xp.zeros(qf.shape[:-1] + (vf.shape[-1],), dtype=work)
+    o = _array_api_attention(xp, qf, kf, vf, mask, softcap, block_size)
     if gaxis is not None:
         o = xp.reshape(o, o.shape[:gpos] + (q.shape[gaxis],) + o.shape[gpos + 2:])
     o = xp.moveaxis(o, -2, ax)
     return xp.astype(o, q.dtype, copy=False)
 
 
+def _numpy_path(*arrays):
+    """True when the NumPy tile loop runs (NumPy arrays of real float dtypes, unless a test disables it)."""
+    return _NUMPY_TILES and all(is_numpy_array(a) for a in arrays)
+
+
 def _packed(q, k, ax, seq_axis, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_positions, k_positions, causal, spec):
-    """(q positions, k positions, q mask coordinates, k mask coordinates, (cu_q, cu_k)) of a packed call; per sequence keys at offset + 0..Lk-1 and
-    queries at the last Lq of them (or the explicit per-token positions)."""
+    """(q positions, k positions, q mask coordinates, k mask coordinates, q sequence ids, k sequence ids)
+    of a packed call; per sequence keys at offset + 0..Lk-1 and queries at the last Lq of them (or the
+    explicit per-token positions)."""
     if ax != 0:
         raise ValueError(f"cu_seqlens needs packed q, k, v (total_tokens, heads, head_dim) with seq_axis=0, "
                          f"got seq_axis={seq_axis}")
@@ -235,8 +251,8 @@ def _packed(q, k, ax, seq_axis, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_posi
         kpos = normalize_positions(k_positions, (), tk, "k_positions", spec=spec)
         if qpos.ndim == 3:   # multi-axis: the mask by token index, end-aligned per sequence
             mq = (np.arange(tq) + np.repeat(pk.lengths - pq.lengths + pk.starts - pq.starts, pq.lengths))[None]
-            return qpos, kpos, mq, np.arange(tk)[None], (pq.cu_seqlens, pk.cu_seqlens)
-        return qpos, kpos, qpos, kpos, (pq.cu_seqlens, pk.cu_seqlens)
+            return qpos, kpos, mq, np.arange(tk)[None], pq.seq_ids, pk.seq_ids
+        return qpos, kpos, qpos, kpos, pq.seq_ids, pk.seq_ids
     if causal and np.any(pq.lengths > pk.lengths):
         n = int(np.argmax(pq.lengths > pk.lengths))
         raise ValueError(f"sequence {n} has q_len {int(pq.lengths[n])} > k_len {int(pk.lengths[n])} with "
@@ -249,7 +265,146 @@ def _packed(q, k, ax, seq_axis, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_posi
     if spec is not None and spec.multi_axis:   # M-RoPE text positions: the same on every axis
         qpos = normalize_positions(qpos1, (), tq, "q_positions", spec=spec)
         kpos = normalize_positions(kpos1, (), tk, "k_positions", spec=spec)
-    return qpos, kpos, qpos1[None, :], kpos1[None, :], (pq.cu_seqlens, pk.cu_seqlens)
+    return qpos, kpos, qpos1[None, :], kpos1[None, :], pq.seq_ids, pk.seq_ids
+
+
+class _Mask(NamedTuple):
+    """Who sees whom: key s is visible to query t when ``q_seq[t] == k_seq[s]`` (packed input only),
+    and, with ``causal``, ``k_pos[s] <= q_pos[t]`` and ``q_pos[t] - k_pos[s] < window``.
+    q_pos (Bp, Sq) and k_pos (Bp, Sk) are int64 1-D mask coordinates (Bp: 1 or the batch, axis 0);
+    q_seq (Sq,) and k_seq (Sk,) the sequence ids of packed tokens (None otherwise)."""
+
+    q_pos: np.ndarray
+    k_pos: np.ndarray
+    q_seq: np.ndarray | None
+    k_seq: np.ndarray | None
+    causal: bool
+    window: int | None
+
+    def visible(self, q0, q1, k0, k1):
+        """(Bp, q1-q0, k1-k0) bool: which keys of block [k0, k1) each query of [q0, q1) sees."""
+        qp, kp = self.q_pos[:, q0:q1, None], self.k_pos[:, None, k0:k1]
+        vis = np.ones(np.broadcast_shapes(qp.shape, kp.shape), dtype=bool)
+        if self.causal:
+            vis &= kp <= qp
+            if self.window is not None:
+                vis &= (qp - kp) < self.window
+        if self.q_seq is not None:
+            vis &= self.q_seq[None, q0:q1, None] == self.k_seq[None, None, k0:k1]
+        return vis
+
+
+def _block_bounds(a, size):
+    """Per block of ``size`` along the last axis of ``a`` ((Bp, S) or (S,)): (min, max) over the block."""
+    a = a.reshape(-1, a.shape[-1])
+    starts = np.arange(0, a.shape[1], size)
+    if a.shape[1] == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.minimum.reduceat(a.min(axis=0), starts), np.maximum.reduceat(a.max(axis=0), starts)
+
+
+def _tiles(mask, sq, sk, q_block, k_block):
+    """The block-sparse schedule: per block of q_block queries, ``(q0, q1, [(k0, k1, hidden), ...])``
+    with the key blocks that hold a visible key; ``hidden`` (Bp, q1-q0, k1-k0) bool is True where the
+    key is masked, or None for a block the queries see entirely. Generated one q block at a time (so
+    the masks held never exceed one row of tiles). Block bounds decide most tiles; the rest (the
+    diagonal, the window's edge, packed sequence boundaries) get their exact mask."""
+    kstarts = range(0, sk, k_block)
+    if mask is None:
+        every = [(k0, min(sk, k0 + k_block), None) for k0 in kstarts]
+        for q0 in range(0, sq, q_block):
+            yield q0, min(sq, q0 + q_block), every
+        return
+    qlo, qhi = _block_bounds(mask.q_pos, q_block)
+    klo, khi = _block_bounds(mask.k_pos, k_block)
+    packed = mask.q_seq is not None
+    if packed:
+        qslo, qshi = _block_bounds(mask.q_seq, q_block)
+        kslo, kshi = _block_bounds(mask.k_seq, k_block)
+    causal, window = mask.causal, mask.window
+    for qi, q0 in enumerate(range(0, sq, q_block)):
+        q1 = min(sq, q0 + q_block)
+        row = []
+        for ki, k0 in enumerate(kstarts):
+            k1 = min(sk, k0 + k_block)
+            if packed and (kshi[ki] < qslo[qi] or kslo[ki] > qshi[qi]):
+                continue   # no common sequence
+            if causal and (klo[ki] > qhi[qi] or (window is not None and qlo[qi] - khi[ki] >= window)):
+                continue   # every key after every query, or out of every query's window
+            full = not packed or qslo[qi] == qshi[qi] == kslo[ki] == kshi[ki]
+            if causal:
+                full = full and khi[ki] <= qlo[qi] and (window is None or qhi[qi] - klo[ki] < window)
+            if full:
+                row.append((k0, k1, None))
+                continue
+            vis = mask.visible(q0, q1, k0, k1)
+            if vis.all():
+                row.append((k0, k1, None))
+            elif vis.any():
+                row.append((k0, k1, ~vis))
+        yield q0, q1, row
+
+
+def _numpy_attention(qf, kf, vf, out, mask, fold, softcap, block_size, work):
+    """Blocked online softmax on NumPy views: qf (U..., g, Sq, d) unscaled queries (any float dtype,
+    any strides), kf (U..., Sk, d), vf (U..., Sk, dv), written to out (U..., g, Sq, dv). U: the k/v
+    heads (and batch: axis 0 when the mask is per batch), g: the q heads sharing one k/v head (GQA).
+
+    Per tile, the g heads of a k/v head are one (g*Bq, d) @ (d, Bk) matmul; the scores stay in a
+    reused (g*Bq, Bk) buffer (about ``_SCORE_BLOCK_ELEMENTS``: cache-sized) through the cap, mask,
+    max, exp and sum, all in place. Rows that see no key give 0.
+    """
+    units, (g, sq, d) = qf.shape[:-3], qf.shape[-3:]
+    sk, dv = kf.shape[-2], vf.shape[-1]
+    if sq == 0 or sk == 0 or math.prod(units) == 0:
+        out[...] = 0
+        return
+    block_size = max(1, min(block_size, sk))
+    q_block = max(1, min(sq, _SCORE_BLOCK_ELEMENTS // (g * block_size)))
+    rows = g * q_block
+    q_buf = np.empty(rows * d, dtype=work)
+    s_buf = np.empty(rows * block_size, dtype=work)
+    pv_buf = np.empty(rows * dv, dtype=work)
+    per_batch = mask is not None and mask.q_pos.shape[0] > 1
+    neg_inf = -math.inf
+    schedule = list(_tiles(mask, sq, sk, q_block, block_size))   # masks: about Sq x block_size bools
+    k_buf = np.empty((sk, d), dtype=work)
+    for u in np.ndindex(units):
+        ku, vu = k_buf, vf[u]
+        np.copyto(ku, kf[u])   # BLAS needs K^T with unit stride along d (a strided K row falls off BLAS)
+        b = u[0] if per_batch else 0
+        for q0, q1, row in schedule:
+            bq = q1 - q0
+            r = g * bq
+            qt = q_buf[:r * d].reshape(g, bq, d)
+            np.multiply(qf[u][:, q0:q1, :], fold, out=qt)   # the scale (and 1/softcap) folded into q
+            qt = qt.reshape(r, d)
+            m = np.full((r, 1), neg_inf, dtype=work)
+            l = np.zeros((r, 1), dtype=work)
+            acc = np.zeros((r, dv), dtype=work)
+            for k0, k1, hidden in row:
+                s = s_buf[:r * (k1 - k0)].reshape(r, k1 - k0)
+                np.matmul(qt, ku[k0:k1].T, out=s)
+                if softcap:
+                    np.tanh(s, out=s)
+                    s *= softcap
+                if hidden is not None:
+                    np.copyto(s.reshape(g, bq, k1 - k0), neg_inf, where=hidden[b])
+                m_new = np.maximum(m, s.max(axis=1, keepdims=True))
+                # a row that has seen no key yet keeps max -inf: subtract 0 there (its exps are 0)
+                m_safe = np.where(m_new == neg_inf, 0.0, m_new) if hidden is not None else m_new
+                s -= m_safe
+                np.exp(s, out=s)
+                alpha = np.exp(m - m_safe)
+                l *= alpha
+                l += s.sum(axis=1, keepdims=True)
+                acc *= alpha
+                pv = pv_buf[:r * dv].reshape(r, dv)
+                np.matmul(s, vu[k0:k1], out=pv)
+                acc += pv
+                m = m_new
+            l[l == 0] = 1.0
+            np.divide(acc.reshape(g, bq, dv), l.reshape(g, bq, 1), out=out[u][:, q0:q1, :], casting="same_kind")
 
 
 def _cupy():
@@ -258,23 +413,13 @@ def _cupy():
     return cupy
 
 
-def _block_bounds(pos, size):
-    """(starts, per-block min over (Bp, block), per-block max) of 1-D mask coordinates (Bp, S)."""
-    n = pos.shape[1]
-    starts = np.arange(0, n, size)
-    if n == 0:
-        return starts, np.zeros(0, np.int64), np.zeros(0, np.int64)
-    lo = np.minimum.reduceat(pos.min(axis=0), starts)
-    hi = np.maximum.reduceat(pos.max(axis=0), starts)
-    return starts, lo, hi
-
-
-def _blocked(xp, qf, kf, vf, mq, mk, window, softcap, block_size):
+def _array_api_attention(xp, qf, kf, vf, mask, softcap, block_size):
     """Online-softmax attention of scaled q (lead..., Sq, d) against k (lead..., Sk, d), v (lead..., Sk, dv)
-    (lead axes broadcast); mq/mk: (Bp, S) int64 mask coordinates (mq None: no mask). Returns
+    (lead axes broadcast) for any array-API namespace (CuPy, torch, ...): each tile spans every head
+    (one batched matmul), sized for a device (``_SCORE_BLOCK_ELEMENTS * 32`` scores). Returns
     (lead..., Sq, dv) in q's work dtype; rows that see no key are 0."""
     lead = tuple(max(a, b) for a, b in zip(qf.shape[:-2], kf.shape[:-2]))
-    sq, d = qf.shape[-2], qf.shape[-1]
+    sq = qf.shape[-2]
     sk, dv = kf.shape[-2], vf.shape[-1]
     dtype = qf.dtype
     inplace = is_numpy_array(qf) or is_cupy_array(qf)
@@ -282,29 +427,18 @@ def _blocked(xp, qf, kf, vf, mq, mk, window, softcap, block_size):
     dev = xp_device(qf)
     if sq == 0 or sk == 0 or math.prod(lead) == 0:
         return xp.zeros(lead + (sq, dv), dtype=dtype, device=dev)
-    per_row = max(1, math.prod(lead)) * block_size
-    q_block = int(min(sq, max(16, _SCORE_BLOCK_ELEMENTS // per_row)))
-    kstarts, klo, khi = _block_bounds(mk, block_size)
-    qstarts = np.arange(0, sq, q_block)
-    if mq is not None:
-        _, qlo, qhi = _block_bounds(mq, q_block)
+    block_size = max(1, min(block_size, sk))
+    q_block = int(max(1, min(sq, (_SCORE_BLOCK_ELEMENTS * 32) // (max(1, math.prod(lead)) * block_size))))
     n_lead = len(lead)
     neg_inf = -math.inf
     out = xp.empty(lead + (sq, dv), dtype=dtype, device=dev) if inplace else None
     parts = []
-    for qi, q0 in enumerate(qstarts):
-        q1 = min(sq, q0 + q_block)
+    for q0, q1, row in _tiles(mask, sq, sk, q_block, block_size):
         qb = qf[..., q0:q1, :]
         m = xp.full(lead + (q1 - q0, 1), neg_inf, dtype=dtype, device=dev)
         l = xp.zeros(lead + (q1 - q0, 1), dtype=dtype, device=dev)
         acc = xp.zeros(lead + (q1 - q0, dv), dtype=dtype, device=dev)
-        for ki, k0 in enumerate(kstarts):
-            k1 = min(sk, k0 + block_size)
-            full = True
-            if mq is not None:
-                if klo[ki] > qhi[qi] or (window is not None and qlo[qi] - khi[ki] >= window):
-                    continue   # every key of the block is hidden from every query of the block
-                full = khi[ki] <= qlo[qi] and (window is None or qhi[qi] - klo[ki] < window)
+        for k0, k1, hidden in row:
             s = xp.matmul(qb, xp.matrix_transpose(kf[..., k0:k1, :]))
             if softcap:
                 if inplace:
@@ -312,14 +446,10 @@ def _blocked(xp, qf, kf, vf, mq, mk, window, softcap, block_size):
                     s *= softcap
                 else:
                     s = xp.tanh(s) * softcap
-            if not full:
-                qp, kp = mq[:, q0:q1, None], mk[:, None, k0:k1]
-                visible = kp <= qp
-                if window is not None:
-                    visible &= (qp - kp) < window
-                visible = (visible.reshape((visible.shape[0],) + (1,) * (n_lead - 1) + visible.shape[1:])
-                           if n_lead else visible[0])
-                hidden = xp.asarray(~visible, device=dev) if not is_numpy_array(s) else ~visible
+            if hidden is not None:   # (Bp, bq, bk), Bp on lead axis 0
+                hidden = (hidden.reshape((hidden.shape[0],) + (1,) * (n_lead - 1) + hidden.shape[1:])
+                          if n_lead else hidden[0])
+                hidden = xp.asarray(hidden, device=dev) if not is_numpy_array(s) else hidden
                 s = xp.where(hidden, xp.asarray(neg_inf, dtype=dtype, device=dev), s)
             m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
             m_safe = xp.where(m_new == neg_inf, xp.asarray(0.0, dtype=dtype, device=dev), m_new)

@@ -18,11 +18,14 @@ def _tol(dtype):
     return dict(rtol=1e-11, atol=1e-11) if dtype == np.float64 else dict(rtol=2e-5, atol=2e-5)
 
 
-@pytest.fixture(params=["one block", "tiny blocks"])
+@pytest.fixture(params=["one block", "tiny blocks", "tiny blocks, array-API path"])
 def blocks(request, monkeypatch):
-    """block_size to pass; "tiny blocks" also splits q into many row blocks."""
-    if request.param == "tiny blocks":
+    """block_size to pass; "tiny blocks" also splits q into many row blocks; the last runs NumPy
+    inputs through the array-API path (the one CuPy and torch take) instead of the NumPy tile loop."""
+    if request.param.startswith("tiny blocks"):
         monkeypatch.setattr(_attention, "_SCORE_BLOCK_ELEMENTS", 1)
+        if "array-API" in request.param:
+            monkeypatch.setattr(_attention, "_NUMPY_TILES", False)
         return 3
     return 512
 
@@ -114,6 +117,53 @@ def test_packed_never_mixes_sequences(backend, dtype, blocks, rng):
         alone = rotary.attention(q[a:b], k[c:e], v[c:e], int(offsets[n]), causal=True, window=5, spec=SPEC,
                                  seq_axis=0, backend=backend)
         np.testing.assert_allclose(o[a:b], alone, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_gqa_groups_bshd_window_softcap_kv_cache(dtype, blocks, rng):
+    """4 q heads per k/v head in one matmul, BSHD, heads on axis 2, q shorter than k, window and softcap."""
+    B, Sq, Sk, Hq, Hk, d = 2, 6, 17, 8, 2, 16
+    q = rng.standard_normal((B, Sq, Hq, d)).astype(dtype)
+    k = rng.standard_normal((B, Sk, Hk, d)).astype(dtype)
+    v = rng.standard_normal((B, Sk, Hk, 5)).astype(dtype)
+    o = rotary.attention(q, k, v, 9, causal=True, window=7, softcap=3.0, spec=SPEC, seq_axis=1, block_size=blocks)
+    assert o.shape == (B, Sq, Hq, 5) and o.dtype == dtype
+    kp = 9 + np.arange(Sk)
+    ref = testing.attention_quadratic(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), kp[-Sq:], kp, SPEC.inv_freq(),
+                                      causal=True, window=7, softcap=3.0)
+    tol = dict(rtol=5e-3, atol=5e-3) if dtype == np.float16 else _tol(dtype)
+    testing.assert_close(o, np.swapaxes(ref, 1, 2), like=q, **tol)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_one_sweep_equals_each_sequence_alone(causal, blocks, rng):
+    """Sequences sharing tiles (one block holds several; tiny blocks straddle boundaries), GQA, non-causal
+    too (the sequence mask alone), against the oracle per sequence."""
+    lens = [4, 1, 7, 3, 5]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    q = rng.standard_normal((cu[-1], 6, 16))
+    k = rng.standard_normal((cu[-1], 3, 16))
+    v = rng.standard_normal((cu[-1], 3, 4))
+    o = rotary.attention(q, k, v, causal=causal, spec=SPEC, seq_axis=0, cu_seqlens=cu, block_size=blocks)
+    for n, L in enumerate(lens):
+        a, b = cu[n], cu[n + 1]
+        ref = testing.attention_quadratic(*(np.swapaxes(x[a:b], 0, 1) for x in (q, k, v)), np.arange(L),
+                                          np.arange(L), SPEC.inv_freq(), causal=causal)
+        testing.assert_close(o[a:b], np.swapaxes(ref, 0, 1), like=q)
+
+
+def test_tile_schedule_skips_hidden_blocks():
+    """Causal 8x8 in blocks of 2: the 6 tiles above the diagonal are skipped, the 4 diagonal ones carry a
+    mask and the 6 below none; packed: no tile pairs two sequences, tiles inside one sequence need no mask."""
+    pos = np.arange(8)[None]
+    tiles = [(q0, k0, h is None) for q0, _, row in _attention._tiles(_attention._Mask(pos, pos, None, None, True, None),
+                                                                       8, 8, 2, 2) for k0, _, h in row]
+    assert [t[:2] for t in tiles] == [(q0, k0) for q0 in range(0, 8, 2) for k0 in range(0, q0 + 1, 2)]
+    assert sum(not full for *_, full in tiles) == 4
+    seq = np.repeat([0, 1], 4)
+    packed = _attention._Mask(np.tile(np.arange(4), 2)[None], np.tile(np.arange(4), 2)[None], seq, seq, False, None)
+    assert [(q0, k0, h is None) for q0, _, row in _attention._tiles(packed, 8, 8, 4, 4) for k0, _, h in row] == [
+        (0, 0, True), (4, 4, True)]
 
 
 def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
