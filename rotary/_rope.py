@@ -6,8 +6,7 @@ made for ``max_positions`` up front); the first call with a new geometry (shapes
 in place or not) is validated by the full frontend, and later calls with the same geometry reuse
 the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
 call only reads positions, allocates outputs and launches. Anything else (array types other than
-NumPy/CuPy, non-contiguous arrays, multi-axis, length-dependent or ``rotary_offset`` specs, positions
-outside the table)
+NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, positions outside the table)
 takes the general path of :func:`rotary.apply_qk`, with the same results.
 
 On CuPy, device (CuPy) int64 positions are used as table rows without a host round trip and are
@@ -63,9 +62,7 @@ class Rope:
         self.spec, self.backend, self.dtype, self.max_positions = spec, backend, dt, max_positions
         self._module = None if backend == "auto" else _backends.get(backend)
         self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
-        # a spec with rotary_offset takes the general path (it rotates a view from the offset on)
-        self._fast_ok = (not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
-                         and not spec.rotary_offset)
+        self._fast_ok = not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
         self._half, self._rotary_dim = spec.rotary_dim // 2, spec.rotary_dim
         self._interleaved = spec.layout == "interleaved"
         self._plans: dict = {}
@@ -207,10 +204,14 @@ class Rope:
         views = [canonical_view(x, ax) for x in xs]
         if any(v is None for v in views):
             return None
+        offset = self.spec.rotary_offset
+        if offset:   # the kernels rotate the heads from the offset on (as the frontend does)
+            views = [v[..., offset:] for v in views]
         B = views[0].shape[0]
         lead0 = x0.shape[0] if ax > 0 else 1
         plan = _Plan(S=S, B=B, lead0=lead0, batch_rep=B // max(1, lead0) if ax > 0 else B,
-                     in_place=[o is not None for o in outs], inverse=inverse)
+                     in_place=[o is not None for o in outs], inverse=inverse, offset=offset,
+                     shapes=[tuple(x.shape) for x in xs], seq_axis=ax)
         if name == "numba":
             return plan.for_numba(module, views, self)
         return plan.for_cupy(views, self, device_hooks)
@@ -229,14 +230,28 @@ class Rope:
 class _Plan:
     """What a geometry needs per call (see :class:`Rope`)."""
 
-    def __init__(self, S, B, lead0, batch_rep, in_place, inverse):
+    def __init__(self, S, B, lead0, batch_rep, in_place, inverse, offset, shapes, seq_axis):
         self.seq_len, self.B, self.lead0, self.batch_rep = S, B, lead0, batch_rep
         self.in_place, self.inverse, self.device = in_place, inverse, False
+        self.offset = offset   # the spec's rotary_offset: views, buffers and pointers start there
+        self.shapes, self.seq_axis = shapes, seq_axis
         self.default_rows = np.arange(S, dtype=np.int64).reshape(1, S)
         self.default_rows.flags.writeable = False
 
+    def _fresh_output(self, empty, i, v):
+        """The canonical view of a new output like the one a call allocates for input ``i`` (its shape:
+        a BHSD output is a transposed view, whose strides the geometry must have), from the offset on."""
+        view = canonical_view(empty(self.shapes[i], v.dtype), self.seq_axis)
+        return view[..., self.offset:] if self.offset else view
+
+    def _whole_head_copy(self, x, y):
+        """Out of place with an offset: coordinates [0, offset) pass through into the new output."""
+        if self.offset and y is not x:
+            y[..., :self.offset] = x[..., :self.offset]
+
     def for_numba(self, nb, views, rope):
-        group = [(v, v if ip else np.empty(v.shape, v.dtype), None, False) for v, ip in zip(views, self.in_place)]
+        group = [(v, v if ip else self._fresh_output(np.empty, i, v), None, False)
+                 for i, (v, ip) in enumerate(zip(views, self.in_place))]
         self.geo = nb._group_geometry(group)
         elements = sum(v.size for v in views)
         self.kernel, self.nb = nb.rotate_kernel(elements, self.B, self.seq_len), nb
@@ -254,6 +269,9 @@ class _Plan:
             xb, yb = x.reshape(-1), y.reshape(-1)
             if self.f16:
                 xb, yb = xb.view(np.uint16), yb.view(np.uint16)
+            if self.offset:   # the geometry was made for views that start at element `offset` (C-contiguous x, y)
+                self._whole_head_copy(x, y)
+                xb, yb = xb[self.offset:], yb[self.offset:]
             if xb is not yb and xb.flags.writeable:
                 xb.flags.writeable = False
             bufs += (xb, yb)
@@ -280,7 +298,7 @@ class _Plan:
         self.device = True
         self.dtype_name = str(views[0].dtype)
         self.address, self.launch_fn, self.empty = address, launch, empty
-        items = [(v, v if ip else empty(v.shape, v.dtype)) for v, ip in zip(views, self.in_place)]
+        items = [(v, v if ip else self._fresh_output(empty, i, v)) for i, (v, ip) in enumerate(zip(views, self.in_place))]
         cos, sin = rope._device_table(to_device)
         plan = cb.plan_rotate(items, cos, sin, to_device(self.default_rows), dtype_name=self.dtype_name,
                                    rotary_dim=rope._rotary_dim, layout=rope.spec.layout, inverse=self.inverse,
@@ -302,8 +320,11 @@ class _Plan:
         address = self.address
         for x, o in zip(xs, outs):
             y = x if o is not None else self.empty(x.shape, x.dtype)
-            arrays += (x, y)
             results.append(y)
+            if self.offset:   # the kernel's pointers start at the offset (strides come from the plan)
+                self._whole_head_copy(x, y)
+                x, y = x[..., self.offset:], (x[..., self.offset:] if y is x else y[..., self.offset:])
+            arrays += (x, y)
         for a, al in zip(arrays, self.align):
             if address(a) & 15 != al:   # another alignment: another vector width
                 return None

@@ -135,3 +135,61 @@ def test_rope_bad_input(rng):
         rope(q, k, seq_axis=1, out=q)
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count"):
         rope.apply(q[0], seq_axis=0, cu_seqlens=[0, 1])
+
+
+OFFSET_SPEC = RopeSpec(48, rotary_dim=16, rotary_offset=24, layout="interleaved")   # [24 | rope 16 | 8]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("seq_axis", [1, 2])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rope_fast_path_with_rotary_offset(dtype, seq_axis, in_place, rng):
+    """The prepared Numba path rotates from the offset on: bit for bit apply_qk, nope part untouched."""
+    rope = rotary.Rope(OFFSET_SPEC, backend="numba", dtype=dtype)
+    q, k = _qk(rng, dtype, D=48)
+    if seq_axis == 2:
+        q, k = (np.swapaxes(a, 1, 2).copy() for a in (q, k))   # BHSD, contiguous
+    for _ in range(3):
+        pos = rng.integers(0, 600, size=(3, 2))
+        want = rotary.apply_qk(q, k, pos, spec=OFFSET_SPEC, seq_axis=seq_axis, backend="numba")
+        if in_place:
+            qq, kk = q.copy(), k.copy()
+            got = rope(qq, kk, pos, seq_axis=seq_axis, out=(qq, kk))
+            assert got[0] is qq and got[1] is kk
+        else:
+            got = rope(q, k, pos, seq_axis=seq_axis)
+        for g, w, x in zip(got, want, (q, k)):
+            np.testing.assert_array_equal(g, w)
+            assert np.array_equal(g[..., :24], x[..., :24]) and np.array_equal(g[..., 40:], x[..., 40:])
+    assert rope._plans, "the prepared path was never taken"
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rope_cuda_launch_path_with_rotary_offset(kernels, in_place, rng):  # noqa: F811
+    """The CuPy launch path's pointers start at the offset; the nope part is copied or left alone."""
+    rope = rotary.Rope(OFFSET_SPEC, backend="numpy", dtype=np.float32)
+    q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2, D=48)
+    hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
+                 to_device=lambda a: a)
+    qq, kk = (q.copy(), k.copy()) if in_place else (q, k)
+    rope._prepare_device_path((qq, kk), (qq, kk) if in_place else None, seq_axis=1, **hooks)
+    pos = rng.integers(0, 3000, size=(5, 1))
+    want = [np.swapaxes(testing.rope_complex(np.swapaxes(a, 1, 2), pos[:, None, :], OFFSET_SPEC.inv_freq(),
+                                             layout="interleaved", rotary_offset=24), 1, 2) for a in (q, k)]
+    got = rope(qq, kk, pos, seq_axis=1, out=(qq, kk) if in_place else None)
+    for g, w, x in zip(got, want, (q, k)):
+        testing.assert_close(g, w, like=x)
+        assert np.array_equal(g[..., :24], x[..., :24]) and np.array_equal(g[..., 40:], x[..., 40:])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rope_fast_path_bhsd_out_of_place(dtype, rng):
+    """A BHSD call with a new output: the prepared geometry must be that of the output the call allocates
+    (x's shape: a transposed canonical view), not of a BSHD-ordered buffer (calls 2.. were wrong)."""
+    rope = rotary.Rope(SPEC, backend="numba", dtype=dtype)
+    q, k = (np.swapaxes(a, 1, 2).copy() for a in _qk(rng, dtype))   # (B, H, S, D)
+    for _ in range(3):
+        pos = rng.integers(0, 600, size=(3, 2))
+        for g, w in zip(rope(q, k, pos, seq_axis=2), rotary.apply_qk(q, k, pos, spec=SPEC, seq_axis=2, backend="numba")):
+            np.testing.assert_array_equal(g, w)
+    assert rope._plans
