@@ -9,7 +9,8 @@ Positions: keys sit at ``positions`` (None -> 0..k_len-1, an int -> offset + 0..
 array), and the q_len queries at the *last* q_len of those positions: a KV cache's new tokens,
 flash-attn's end-aligned causal mask (query i sees keys up to k_len - q_len + i). ``q_positions``
 and ``k_positions`` give both explicitly instead (the mask then compares them). Multi-axis (M-RoPE)
-positions rotate as given and the mask uses token indices, end-aligned.
+positions rotate as given and the mask uses token indices, end-aligned (HF Qwen2-VL's rule: the
+mask follows token order); ``q_mask_positions``/``k_mask_positions`` give other 1-D mask coordinates.
 
 Grouped-query attention: q head j uses k/v head ``j // (Hq / Hk)`` (HF ``repeat_kv``), by
 broadcasting, never by copying k/v. Packed batches: ``cu_seqlens`` (q) and ``cu_seqlens_k`` (k/v,
@@ -87,7 +88,8 @@ def _positions_arg(pos):
 
 def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
-              cu_seqlens_k=None, seqlen_offsets=None, block_size=512, **spec_kwargs):
+              cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
+              **spec_kwargs):
     """Softmax attention with RoPE applied to q and k (see the module docstring for the formula).
 
     Parameters
@@ -113,6 +115,11 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
         Packed q and k/v (seq_axis=0, shapes (total_tokens, heads, d)); see :mod:`rotary._packing`.
     seqlen_offsets : int or integer array (N,), optional
         With cu_seqlens: the position of each sequence's first key.
+    q_mask_positions, k_mask_positions : integer arrays, optional
+        1-D coordinates the causal mask and window compare instead of the rotation positions (both,
+        causal only), shaped like 1-D q_positions/k_positions (per token when packed). Default: the
+        1-D positions, or for multi-axis positions the token indices, end-aligned (HF Qwen2-VL masks
+        by token order too; its packed "text position ids" are these).
     block_size : int
         Keys per block of the online softmax.
 
@@ -179,12 +186,20 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
             shift = np.arange(k_len - q_len, k_len, dtype=np.int64)
             qpos = base + (shift[None, :] if kpos.ndim == 2 else shift[None, :, None])
 
-    if gaxis == 0 and max(mq.shape[0] if packed else qpos.shape[0], kpos.shape[0]) > 1:
-        raise ValueError("per-batch positions need a batch axis 0 that q and k share; here q and k differ "
-                         "in their head counts on axis 0")
     if not packed:
         mq, mk = _mask_positions(qpos, q_len, k_len), _mask_positions(kpos, k_len, k_len)
         q_seq = k_seq = None
+    if q_mask_positions is not None or k_mask_positions is not None:
+        if q_mask_positions is None or k_mask_positions is None:
+            raise ValueError("pass both q_mask_positions and k_mask_positions (or neither)")
+        if not causal:
+            raise ValueError("q_mask_positions/k_mask_positions need causal=True (they place the causal mask "
+                             "and window)")
+        mq = normalize_positions(q_mask_positions, () if packed else tuple(q.shape[:ax]), q_len, "q_mask_positions")
+        mk = normalize_positions(k_mask_positions, () if packed else tuple(k.shape[:ax]), k_len, "k_mask_positions")
+    if gaxis == 0 and max(qpos.shape[0], kpos.shape[0], mq.shape[0], mk.shape[0]) > 1:
+        raise ValueError("per-batch positions need a batch axis 0 that q and k share; here q and k differ "
+                         "in their head counts on axis 0")
     if rope:
         if qpos.shape == kpos.shape and np.array_equal(qpos, kpos):
             q, k = apply_qk(q, k, _positions_arg(qpos), spec=spec, seq_axis=ax, backend=backend)

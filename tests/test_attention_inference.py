@@ -166,6 +166,70 @@ def test_tile_schedule_skips_hidden_blocks():
         (0, 0, True), (4, 4, True)]
 
 
+MROPE = RopeSpec(16, mrope_section=(4, 2, 2), base=500.0)
+
+
+def _mrope_oracle(q, k, v, qpos3, kpos3, q_mask, k_mask, **kw):
+    """q, k, v (H, S, *): rotated by M-RoPE at (S, 3) positions (rope_complex), masked by 1-D coordinates."""
+    axes, inv = MROPE.pair_axes(), MROPE.inv_freq()
+    qr = testing.rope_complex(q, qpos3, inv, pair_axes=axes)
+    kr = testing.rope_complex(k, kpos3, inv, pair_axes=axes)
+    return testing.attention_quadratic(qr, kr, v, q_mask, k_mask, causal=True, **kw)
+
+
+def _image_positions(n):
+    """(n, 3) M-RoPE positions: a text run, a 2x3 image block, text again (text rows equal on every axis)."""
+    t = np.arange(3)
+    img = np.stack([np.full(6, 3), 3 + np.repeat(np.arange(2), 3), 3 + np.tile(np.arange(3), 2)], axis=1)
+    rest = 6 + np.arange(n - 9)
+    return np.concatenate([np.repeat(t[:, None], 3, 1), img, np.repeat(rest[:, None], 3, 1)])
+
+
+def test_mrope_mask_is_token_order_unless_mask_positions_given(blocks, rng):
+    """Multi-axis positions mask by token index, end-aligned (a KV cache); q_mask_positions/k_mask_positions
+    replace it (here text positions with a gap and a window that the gap changes)."""
+    Sq, Sk = 4, 13
+    q = rng.standard_normal((4, Sq, 16))
+    k, v = rng.standard_normal((2, 2, Sk, 16))
+    kpos3 = _image_positions(Sk)
+    o = rotary.attention(q, k, v, kpos3, causal=True, window=5, spec=MROPE, block_size=blocks)
+    ref = _mrope_oracle(q, k, v, kpos3[-Sq:], kpos3, np.arange(Sk - Sq, Sk), np.arange(Sk), window=5)
+    testing.assert_close(o, ref)
+    k_mask = np.concatenate([np.arange(9), 20 + np.arange(Sk - 9)])   # a gap of 11 after the 9th token
+    o2 = rotary.attention(q, k, v, kpos3, causal=True, window=5, spec=MROPE, block_size=blocks,
+                          q_mask_positions=k_mask[-Sq:], k_mask_positions=k_mask)
+    ref2 = _mrope_oracle(q, k, v, kpos3[-Sq:], kpos3, k_mask[-Sq:], k_mask, window=5)
+    testing.assert_close(o2, ref2)
+    assert not np.allclose(o2, o)
+
+
+def test_mrope_packed_equals_each_sequence_alone(blocks, rng):
+    """Packed multi-axis attention (per-token (T, 3) positions) masks each sequence by its own token order,
+    end-aligned, as the unpacked call does; explicit per-token mask positions likewise."""
+    lq, lk = [2, 4], [10, 12]
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
+    q = rng.standard_normal((cu_q[-1], 2, 16))
+    k, v = rng.standard_normal((2, cu_k[-1], 1, 16))
+    kpos3 = [_image_positions(n) for n in lk]
+    qpos3 = np.concatenate([p[-n:] for p, n in zip(kpos3, lq)])
+    k_mask = np.concatenate([np.arange(n) * 2 for n in lk])   # explicit mask coordinates, per token
+    q_mask = np.concatenate([(np.arange(n) * 2)[-m:] for n, m in zip(lk, lq)])
+    for extra in ({}, dict(q_mask_positions=q_mask, k_mask_positions=k_mask)):
+        o = rotary.attention(q, k, v, q_positions=qpos3, k_positions=np.concatenate(kpos3), causal=True, window=6,
+                             spec=MROPE, seq_axis=0, cu_seqlens=cu_q, cu_seqlens_k=cu_k, block_size=blocks, **extra)
+        for n in range(2):
+            a, b, c, e = cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]
+            alone_extra = {key: val[a:b] if key[0] == "q" else val[c:e] for key, val in extra.items()}
+            alone = rotary.attention(q[a:b], k[c:e], v[c:e], q_positions=qpos3[a:b], k_positions=kpos3[n],
+                                     causal=True, window=6, spec=MROPE, seq_axis=0, **alone_extra)
+            np.testing.assert_allclose(o[a:b], alone, rtol=1e-12, atol=1e-12)
+            qm = extra["q_mask_positions"][a:b] if extra else np.arange(lk[n] - lq[n], lk[n])
+            km = extra["k_mask_positions"][c:e] if extra else np.arange(lk[n])
+            ref = _mrope_oracle(*(np.swapaxes(x, 0, 1) for x in (q[a:b], k[c:e], v[c:e])), qpos3[a:b], kpos3[n],
+                                qm, km, window=6)
+            testing.assert_close(o[a:b], np.swapaxes(ref, 0, 1))
+
+
 def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
     q, k, v = _bhsd(rng, np.float64)
     spec = RopeSpec(16, base=500.0)
@@ -222,3 +286,13 @@ def test_inference_bad_input(rng):
                          seqlen_offsets=[1, 2])
     with pytest.raises(ValueError, match="seq_axis=0"):
         rotary.attention(q, k, v, cu_seqlens=np.array([0, 5]))
+    with pytest.raises(ValueError, match="both q_mask_positions and k_mask_positions"):
+        rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5), spec=SPEC)
+    with pytest.raises(ValueError, match="need causal=True"):
+        rotary.attention(q, k, v, q_mask_positions=np.arange(5), k_mask_positions=np.arange(11), spec=SPEC)
+    with pytest.raises(ValueError, match="k_mask_positions of shape"):
+        rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5), k_mask_positions=np.arange(4),
+                         spec=SPEC)
+    with pytest.raises(TypeError, match="q_mask_positions must have an integer dtype"):
+        rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5.0), k_mask_positions=np.arange(11),
+                         spec=SPEC)
