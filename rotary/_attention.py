@@ -323,7 +323,8 @@ def _tiles(mask, sq, sk, q_block, k_block):
     with the key blocks that hold a visible key; ``hidden`` (Bp, q1-q0, k1-k0) bool is True where the
     key is masked, or None for a block the queries see entirely. Generated one q block at a time (so
     the masks held never exceed one row of tiles). Block bounds decide most tiles; the rest (the
-    diagonal, the window's edge, packed sequence boundaries) get their exact mask."""
+    diagonal, the window's edge, packed sequence boundaries) get their exact mask, trimmed to the keys
+    some query of the block sees."""
     kstarts = range(0, sk, k_block)
     if mask is None:
         every = [(k0, min(sk, k0 + k_block), None) for k0 in kstarts]
@@ -353,10 +354,12 @@ def _tiles(mask, sq, sk, q_block, k_block):
                 row.append((k0, k1, None))
                 continue
             vis = mask.visible(q0, q1, k0, k1)
-            if vis.all():
-                row.append((k0, k1, None))
-            elif vis.any():
-                row.append((k0, k1, ~vis))
+            seen = np.flatnonzero(vis.any(axis=(0, 1)))
+            if seen.size == 0:
+                continue
+            a, b = int(seen[0]), int(seen[-1]) + 1   # trimmed to the keys some query sees
+            vis = vis[..., a:b]
+            row.append((k0 + a, k0 + b, None if vis.all() else ~vis))
         yield q0, q1, row
 
 
