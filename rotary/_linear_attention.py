@@ -387,9 +387,21 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
                        state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
                        normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
                        spec_kwargs=spec_kwargs)
+    return _linear_attention(xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps,
+                             spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
+                             decay=decay, normalize=normalize, spec_kwargs=spec_kwargs)
+
+
+def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, feature_map, eps, spec, state, return_state,
+                      backend, chunk, decay, normalize, spec_kwargs, varlen=None):
+    """The body of :func:`linear_attention` after the array checks. ``varlen = (cu_seqlens, next_positions)``:
+    a ragged packed batch of N sequences in one backend call: q, k, v are (1, T, ...) (ax = 1), positions
+    per token (1, T, ...), state and decay per sequence (N, ...), cu_seqlens int64 (N + 1,)."""
     _check_scalars(causal, eps, chunk, return_state, normalize)
     _check_feature_map(feature_map)
     kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
+    if varlen is not None:
+        kv_other = (int(varlen[0].shape[0]) - 1,) + kv_other[1:]   # the state's batch: one per sequence
     decay = _check_decay(decay, kv_other, causal)
 
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
@@ -428,6 +440,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     kv_other_w = tuple(kv_other[i] for i in operm)
     B, _, H, _ = canonical_shape(tuple(a.shape), wax)
     Hk = canonical_shape(tuple(b.shape), wax)[2]
+    Bs = B if varlen is None else kv_other[0]   # the states' batch
     pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B, spec=spec)
 
     def to_state_layout(x, tail):
@@ -467,19 +480,20 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
             x = xp.astype(x, work, copy=False)
             if operm != sorted(operm):
                 x = xp.permute_dims(x, tuple(operm) + tuple(range(len(operm), len(operm) + n_tail)))
-            return xp.reshape(x, (B, Hk) + tuple(x.shape[len(operm):]))
+            return xp.reshape(x, (Bs, Hk) + tuple(x.shape[len(operm):]))
 
         carried = (to_canonical_state(state.S, 2), None if state.z is None else to_canonical_state(state.z, 1))
     decay_c = None
     if decay is not None:
-        decay_c = np.ascontiguousarray(np.transpose(decay, operm)).reshape(B, Hk)
+        decay_c = np.ascontiguousarray(np.transpose(decay, operm)).reshape(Bs, Hk)
     a_c, b_c = _canonical(a, wax, xp), _canonical(b, wax, xp)
     if spec.rotary_offset:
         a_c, b_c, carried, restore = _rotated_block_first(xp, spec, m, a_c, b_c, carried, q)
+    packed = {} if varlen is None else {"cu_seqlens": varlen[0]}
     o, (S, z) = module.linear_attention(
         a_c, b_c, _canonical(v_in, wax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
-        eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize))
+        eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize), **packed)
     if spec.rotary_offset:
         S, z = restore(S), (None if z is None else restore(z))
     o_shape = tuple(a.shape[:-1]) + (dv,)
@@ -489,6 +503,8 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     o = xp.astype(o, q.dtype, copy=False)   # fresh from the backend
     if not return_state:
         return o
+    if varlen is not None:
+        return o, make_state(S, z, varlen[1])
     return o, make_state(S, z, _next_position(pos, lead_shape, seq_len, positions, state))
 
 
@@ -513,7 +529,9 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
     """linear_attention over a packed batch: one state per sequence, no token sees another sequence.
 
     The packed (1.., T, rest) arrays are seen as a batch of sequences: equal lengths as one call on
-    (N, L, rest) with per-batch positions; otherwise one call per sequence on (1, L_n, rest).
+    (N, L, rest) with per-batch positions; ragged lengths as one backend call on (1, T, rest) with
+    ``cu_seqlens`` (every built-in backend; a backend without ``PACKED_LINEAR_ATTENTION``: one call per
+    sequence on (1, L_n, rest)).
     """
     if cu_seqlens is None:
         raise ValueError("seqlen_offsets needs cu_seqlens (one offset per packed sequence)")
@@ -545,6 +563,11 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
               normalize=normalize, return_state=True, **spec_kwargs)
     lengths = packed.lengths
     pieces, states = [], []
+    if N and not np.all(lengths == lengths[0]) and getattr(_backend_module([q, k, v], backend),
+                                                           "PACKED_LINEAR_ATTENTION", False):
+        return _ragged(xp, q, k, v, positions, ax, packed, causal=causal, feature_map=feature_map, eps=eps,
+                       spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
+                       decay=decay_full, normalize=normalize, spec_kwargs=spec_kwargs)
     if N and np.all(lengths == lengths[0]):
         L = int(lengths[0])
         groups = [(0, N, L)]
@@ -580,3 +603,25 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
                           packed.offsets[n0:n1] for st, (n0, n1, L) in zip(states, groups)])
     return o, LinearAttentionState(S, z, nxt, spec=states[0].spec, feature_map=feature_map, decay=decay_full,
                                    normalize=normalize, groups=states[0].groups)
+
+
+def _ragged(xp, q, k, v, positions, ax, packed, *, causal, feature_map, eps, spec, state, return_state, backend,
+            chunk, decay, normalize, spec_kwargs):
+    """A packed batch of different lengths in one backend call: the arrays as (1, T, rest) with cu_seqlens,
+    positions per token, state and decay per sequence; next_position per sequence (an empty sequence keeps
+    its offset)."""
+    T = int(q.shape[ax])
+    q1, k1, v1 = (xp.reshape(a, (1, T) + tuple(a.shape[ax + 1:])) for a in (q, k, v))
+    gax, groups = _check_shapes(q1, k1, v1, 1)
+    cu = np.ascontiguousarray(packed.cu_seqlens, dtype=np.int64)
+    nxt = np.array(packed.offsets, dtype=np.int64).reshape(-1)
+    for n in range(packed.n_seqs):
+        t0, t1 = int(cu[n]), int(cu[n + 1])
+        if t1 > t0:
+            nxt[n] = _next_position(positions[t0:t1][None], (1,), t1 - t0, None, None)
+    out = _linear_attention(xp, q1, k1, v1, positions[None], 1, gax, groups, causal=causal, feature_map=feature_map,
+                            eps=eps, spec=spec, state=state, return_state=return_state, backend=backend,
+                            chunk=chunk, decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, varlen=(cu, nxt))
+    o = out[0] if return_state else out
+    o = xp.reshape(o, tuple(q.shape[:-1]) + (v.shape[-1],))
+    return (o, out[1]) if return_state else o

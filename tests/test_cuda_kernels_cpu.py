@@ -65,25 +65,28 @@ def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_lim
         return outs
 
     def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                         decay=None, normalize=True):
+                         decay=None, normalize=True, cu_seqlens=None):
         return run_linear_attention(kernels, q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout,
                                     causal=causal, feature_map=feature_map, eps=eps, chunk=chunk, state=state,
                                     threads=threads, shared_mem_limit=shared_mem_limit, decay=decay,
-                                    normalize=normalize)
+                                    normalize=normalize, cu_seqlens=cu_seqlens)
 
     return types.SimpleNamespace(NAME="cuda-shim", availability=lambda: (True, "ok"),
                                  accepts=lambda x: isinstance(x, np.ndarray), rotate=rotate,
-                                 linear_attention=linear_attention)
+                                 linear_attention=linear_attention, PACKED_LINEAR_ATTENTION=True)
 
 
 def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk,
                          state, threads=256, shared_mem_limit=cb.SHARED_MEM_LIMIT, dtype_name=None, decay=None,
-                         normalize=True):
+                         normalize=True, cu_seqlens=None):
     dtype_name = dtype_name or _dtype_name(q)
     work = np.float64 if cb.KERNEL_TYPES[dtype_name][1] == "double" else np.float32
     n_batch, seq_len, n_heads_q, m = q.shape
     n_heads, dv = k.shape[2], v.shape[3]
     o = np.empty((n_batch, seq_len, n_heads_q, dv), q.dtype)
+    if cu_seqlens is not None:   # a packed batch: the states' batch is the number of sequences
+        cu_seqlens = np.ascontiguousarray(cu_seqlens, np.int64)
+        n_batch = cu_seqlens.shape[0] - 1
     if state is None:
         s_state, z_in = np.zeros((n_batch, n_heads, m, dv), work), np.zeros((n_batch, n_heads, m), work)
     else:
@@ -95,7 +98,7 @@ def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout
                                     dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout, causal=causal,
                                     feature_map=feature_map, eps=eps, chunk=chunk, threads=threads,
                                     shared_mem_limit=shared_mem_limit, normalize=normalize,
-                                    powers=cb.powers_table(decay, max(1, int(chunk)), work))
+                                    powers=cb.powers_table(decay, max(1, int(chunk)), work), cu_seqlens=cu_seqlens)
     kernels.launch(plan)
     return o, (s_state, z_state)
 
@@ -717,3 +720,20 @@ def test_float64_rotation_exact_through_kernels(use_backend, rng):
         pos = _positions(rng, 4)
         x = rng.standard_normal((1, len(pos), 2, spec.head_dim))
         _assert_exact(rotary.apply(x, pos[None], spec=spec, seq_axis=1, backend=name), x, pos, spec)
+
+
+@pytest.mark.parametrize("threads", [32, 128])
+@pytest.mark.parametrize("causal,decay,normalize,dtype", [(True, None, True, np.float64), (True, [0.8, 0.99], False,
+                                                          np.float64), (False, None, True, np.float64),
+                                                         (True, [0.7, 1.0], True, np.float32)])
+def test_linear_attention_ragged_packed_batch(use_backend, threads, causal, decay, normalize, dtype, monkeypatch):
+    """A ragged packed batch (cu_seqlens, one empty sequence) in one launch of the CUDA kernel (one block per
+    sequence, k/v head and dv tile), each sequence against the float64 oracle on that sequence alone."""
+    from .test_linear_attention_variants import ragged_against_oracle
+
+    name = use_backend(threads=threads)
+    launches = []
+    real = cb.plan_linear_attention
+    monkeypatch.setattr(cb, "plan_linear_attention", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    ragged_against_oracle(name, causal, normalize, dtype, decay)
+    assert len(launches) == 1 and launches[0]["cu_seqlens"] is not None

@@ -395,6 +395,47 @@ def test_packed_batch_per_sequence_state(backend, lengths):
     assert st2.next_position.tolist() == (offsets + lengths + 1).tolist()
 
 
+def ragged_against_oracle(backend, causal, normalize, dtype, decay, calls=None):
+    """A ragged packed batch (lengths 6, 0, 11, 1, 3; GQA 4/2; positions from seqlen_offsets) in one call,
+    each sequence against the float64 quadratic oracle run on that sequence alone; returns the state."""
+    rng = np.random.default_rng(21)
+    spec = rotary.RopeSpec(8, base=100.0)
+    lengths = (6, 0, 11, 1, 3)
+    T, H, Hk = sum(lengths), 4, 2
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = np.array([3, 9, 0, 40, 5])
+    q, k, v = (rng.standard_normal((T, h, n)).astype(dtype) for h, n in ((H, 8), (Hk, 8), (Hk, 5)))
+    to = _to_backend(backend)
+    o, st = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=cu, seqlen_offsets=offsets, causal=causal,
+                                    spec=spec, seq_axis=0, decay=decay, normalize=normalize, backend=backend,
+                                    chunk=4, return_state=True)
+    o = np.asarray(o.get() if hasattr(o, "get") else o, dtype=np.float64)
+    for n, (s0, s1) in enumerate(zip(cu, cu[1:])):
+        if s1 == s0:
+            continue
+        qs, ks, vs = (np.moveaxis(a[s0:s1].astype(np.float64), 0, 1)[None] for a in (q, k, v))
+        ref = _reference(qs, ks, vs, spec, positions=offsets[n] + np.arange(s1 - s0), causal=causal, decay=decay,
+                         normalize=normalize)[0]
+        assert rel_rms(o[s0:s1], np.moveaxis(ref, 1, 0)) <= TOL[np.dtype(dtype).name], n
+    assert st.S.shape == (5, Hk, 8, 5) and st.next_position.tolist() == (offsets + np.array(lengths)).tolist()
+    return st
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal,decay", [(True, None), (True, [0.8, 0.99]), (False, None)])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_ragged_packed_batch_in_one_backend_call(backend, causal, decay, normalize, dtype, monkeypatch):
+    """Different lengths (one empty) go to the backend as one call with cu_seqlens; every sequence equals
+    the float64 oracle on that sequence alone."""
+    module = rotary.backends.get(backend)
+    calls = []
+    real = module.linear_attention
+    monkeypatch.setattr(module, "linear_attention", lambda *a, **kw: calls.append(kw.get("cu_seqlens")) or real(*a, **kw))
+    ragged_against_oracle(backend, causal, normalize, dtype, decay)
+    assert len(calls) == 1 and calls[0] is not None
+
+
 def test_packed_batch_errors():
     q = np.zeros((6, 2, 4))
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):

@@ -464,12 +464,13 @@ def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decaye
             args = (q.ravel(), k.ravel(), v.ravel(), o.ravel(), geo, cos, sin, rows, ss, sz, ns, nz)
             tail = (groups, powers, decayed, True)
             if parallel:
-                kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail, 0, B * Hk)
+                kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail,
+                                               np.zeros(0, np.int64), 0, B * Hk)
             else:
                 for b in range(B):
                     for h in range(Hk):
-                        kernels.linear_attention_head(*args, b, h, T, m // 2, m, False, causal, 1, 1e-6, chunk,
-                                                      *tail)
+                        kernels.linear_attention_head(*args, b, b, 0, h, T, m // 2, m, False, causal, 1, 1e-6,
+                                                      chunk, *tail)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
             np.testing.assert_array_equal(x, y)

@@ -17,13 +17,16 @@ They never compute frequencies: they receive cos/sin tables (from ``rotary._tabl
     Returns the output arrays in item order.
 
 ``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-decay=None, normalize=True)``
+decay=None, normalize=True[, cu_seqlens=None])``
     -> ``(o, (S, z))``; see ``rotary._linear_attention`` for the semantics. q is ``(B, S, H, m)``,
     k ``(B, S, Hk, m)`` and v ``(B, S, Hk, dv)`` with H a multiple G of Hk (GQA): q head h reads
     k/v head h // G. ``state`` is None or ``(S, z)`` with S ``(B, Hk, m, dv)`` and z ``(B, Hk, m)``
     or None (zeros), per k/v head, in the work dtype; it is read-only: a backend returns a new state
     and never writes into the old one. ``decay``: None or a float64 NumPy ``(B, Hk)`` of gammas in
     (0, 1] (host memory; all ones unless causal). ``normalize=False``: o is the numerator alone.
+    A module with ``PACKED_LINEAR_ATTENTION = True`` also takes ``cu_seqlens`` (host int64 ``(N + 1,)``
+    offsets; q, k, v of batch 1, rows ``(1, T)``): a packed batch of N sequences in one call, sequence n
+    its tokens ``cu_seqlens[n]:cu_seqlens[n + 1]`` with state and decay row n (state ``(N, Hk, ...)``).
 
 A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may
 raise ImportError at import when its dependency is missing (the registry turns that into the

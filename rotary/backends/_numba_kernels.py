@@ -459,9 +459,9 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
 
 
 @njit(cache=True)
-def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, hk, seq_len,
-                          half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
-                          normalize):
+def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, sb, t_first, hk,
+                          seq_len, half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers,
+                          decayed, normalize):
     """Linear attention of one (batch, k/v head) and its ``groups`` q heads hk*G .. hk*G+G-1, in chunks of
     ``chunk`` tokens, (S, z) carried in float64.
 
@@ -477,7 +477,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
 
     Every power has an exponent in 0..n: exact for gamma near 0 and 1. Non-causal (no decay): (S, z) over all
     chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)`` per q head. Buffers are padded to whole
-    register tiles with zeros (columns) so every tile is full width.
+    register tiles with zeros (columns) so every tile is full width. The tokens are b's t_first ..
+    t_first + seq_len - 1 (a packed batch: one sequence of it) and the state is state_s[sb] (sb = b unpacked).
     """
     m = state_z.shape[2]
     dv = state_s.shape[3]
@@ -507,7 +508,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     s_chunk = borrowed(s_chunk_own)
     s_work_own = np.zeros((m, dvp), work)
     s_work = borrowed(s_work_own)
-    carried_s_own = state_s[b, hk].astype(np.float64)
+    carried_s_own = state_s[sb, hk].astype(np.float64)
     carried_s = borrowed(carried_s_own)
     carried_z_own = np.zeros(m_f64)
     carried_z = borrowed(carried_z_own)
@@ -516,19 +517,19 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     pw_work_own = np.empty(chunk + 1, work)
     pw_work = borrowed(pw_work_own)
     for j in range(chunk + 1):
-        pw[j] = powers[b, hk, j] if decayed else 1.0
+        pw[j] = powers[sb, hk, j] if decayed else 1.0
         pw_work[j] = pw[j]
     gamma = pw[1]
     for j in range(m):
-        carried_z[j] = state_z[b, hk, j]
+        carried_z[j] = state_z[sb, hk, j]
         for c in range(dv):
             s_work[j, c] = carried_s[j, c]
     out_geo = geo[3]
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
-        load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
-                      k_plain, k_hat_t, True)
-        load_values(v, geo[2], b, hk, t0, n, values, dv)
+        load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                      feature_map, phi, k_plain, k_hat_t, True)
+        load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
         for i in range(n):
             k_row = k_plain[i]
             if decayed:
@@ -543,8 +544,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                     z_row[j] = carried_z[j]
         for g in range(groups if causal else 0):
             h = hk * groups + g
-            load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          phi, a_plain, a_hat, False)
+            load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                          feature_map, phi, a_plain, a_hat, False)
             for i0 in range(0, n, TILE_ROWS):
                 end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
                 for j0 in range(0, end, width):
@@ -565,7 +566,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                     madd_tile(scores, values, num, i0, j0, end, True)
                 for i in range(i0, end):
                     scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
-                    store_row(o, out_geo, b, t0 + i, h, num[i], dv, scale)
+                    store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
         if decayed:
             for r in range(m):
                 kt_row = k_hat_t[r]
@@ -577,14 +578,14 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
         h = hk * groups + g
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
-            load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                          phi, a_plain, a_hat, False)
+            load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                          feature_map, phi, a_plain, a_hat, False)
             matmul_tiles(a_hat, s_work, num, n, m, dv)
             for i in range(n):
                 scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
-                store_row(o, out_geo, b, t0 + i, h, num[i], dv, scale)
-    new_s[b, hk] = carried_s
-    new_z[b, hk] = carried_z[:m]
+                store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+    new_s[sb, hk] = carried_s
+    new_z[sb, hk] = carried_z[:m]
     keep_alive(a_plain_own)
     keep_alive(k_plain_own)
     keep_alive(z_rows_own)
@@ -605,20 +606,26 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
 @njit(nogil=True, cache=True)
 def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
                            rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
-                           normalize, first, last):
+                           normalize, cu_seqlens, first, last):
     """Tasks first..last-1 of batch x k/v heads (task = b * Hk + hk), without the GIL: the glue runs
     ranges of tasks on a few Python threads (no parfor, whose compilation took most of the first-call
-    time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o."""
+    time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o. A packed batch (cu_seqlens of
+    N + 1 offsets, else empty): task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] ..
+    cu_seqlens[n + 1] - 1 of batch row 0, with state n."""
     n_heads = state_s.shape[1]
     # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
     # incref/decref; the caller's references keep the arrays alive for the whole call
     bq, bk, bv, bo, bgeo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
     bcos, bsin, brows, bpow = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
     bss, bsz, bns, bnz = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
+    packed = cu_seqlens.shape[0] > 0
     for task in range(first, last):
-        b = task // n_heads
-        linear_attention_head(bq, bk, bv, bo, bgeo, bcos, bsin, brows, bss, bsz, bns, bnz, b,
-                              task - b * n_heads, seq_len, half, rotary_dim, interleaved, causal, feature_map,
+        sb = task // n_heads
+        b, t_first, length = sb, 0, seq_len
+        if packed:
+            b, t_first, length = 0, cu_seqlens[sb], cu_seqlens[sb + 1] - cu_seqlens[sb]
+        linear_attention_head(bq, bk, bv, bo, bgeo, bcos, bsin, brows, bss, bsz, bns, bnz, b, sb, t_first,
+                              task - sb * n_heads, length, half, rotary_dim, interleaved, causal, feature_map,
                               eps, chunk, groups, bpow, decayed, normalize)
     keep_alive(q)
     keep_alive(k)

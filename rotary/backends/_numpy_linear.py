@@ -72,14 +72,22 @@ def _expand_heads(xp, x, groups, axis):
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                     decay=None, normalize=True):
+                     decay=None, normalize=True, cu_seqlens=None):
     """(o, (S, z)) for canonical q (B, S, H, m), k (B, S, Hk, m), v (B, S, Hk, dv); see the module docstring.
 
     GQA (H = G Hk) runs on k, v, state and decay repeated to q's heads (the reference keeps it simple:
     G times the state work); the state returned is per k/v head (every G-th q head's).
+
+    ``cu_seqlens`` (N + 1 offsets; q, k, v of batch 1, rows (1, T)): a packed batch, sequence n its
+    tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 with state and decay row n; states (N, Hk, ...).
+    The reference runs the sequences one after another on views (one call of this function).
     """
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
+    if cu_seqlens is not None:
+        return _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay,
+                                 dict(rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map,
+                                      eps=eps, chunk=chunk, normalize=normalize))
     xp = array_namespace(q, k, v)
     groups = q.shape[2] // k.shape[2] if k.shape[2] else 1
     k, v = _expand_heads(xp, k, groups, 2), _expand_heads(xp, v, groups, 2)
@@ -104,6 +112,41 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     if groups > 1:
         S, z = S[:, ::groups, ...], z[:, ::groups, ...]
     return o, (S, z)
+
+
+def _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay, kw):
+    """linear_attention over the sequences of a packed batch, each on its views; states stacked (N, ...)."""
+    import numpy as np
+
+    xp = array_namespace(q, k, v)
+    cu = [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
+    n_seq = len(cu) - 1
+    B, T, H, m = q.shape
+    Hk, dv = k.shape[2], v.shape[3]
+    work = _compute_dtype(q.dtype, xp)
+    dev = xp_device(q)
+    pieces, s_out, z_out = [], [], []
+    for n in range(n_seq):
+        t0, t1 = cu[n], cu[n + 1]
+        st = None
+        if state is not None:
+            st = (state[0][n:n + 1], None if state[1] is None else state[1][n:n + 1])
+        dn = None if decay is None else np.asarray(decay)[n:n + 1]
+        if t1 > t0:
+            o, (S, z) = linear_attention(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], cos, sin, rows[:, t0:t1], state=st,
+                                         decay=dn, **kw)
+            pieces.append(o)
+        elif st is not None:   # an empty sequence keeps its state
+            S = xp.astype(st[0], work)
+            z = xp.zeros((1, Hk, m), dtype=work, device=dev) if st[1] is None else xp.astype(st[1], work)
+        else:
+            S, z = xp.zeros((1, Hk, m, dv), dtype=work, device=dev), xp.zeros((1, Hk, m), dtype=work, device=dev)
+        s_out.append(S)
+        z_out.append(z)
+    o = xp.concat(pieces, axis=1) if pieces else xp.zeros((B, T, H, dv), dtype=q.dtype, device=dev)
+    if n_seq == 0:
+        return o, (xp.zeros((0, Hk, m, dv), dtype=work, device=dev), xp.zeros((0, Hk, m), dtype=work, device=dev))
+    return o, (xp.concat(s_out, axis=0), xp.concat(z_out, axis=0))
 
 
 def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 NAME = "cupy"
+PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
 COMMON_HEADER = "rotary_common.cuh"
@@ -259,14 +260,19 @@ def linear_attention_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_
 
 def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, dtype_name: str, rotary_dim: int,
                           layout: str, causal: bool, feature_map: str, eps: float, chunk: int, threads: int = 256,
-                          shared_mem_limit: int = SHARED_MEM_LIMIT, powers=None, normalize: bool = True
-                          ) -> Launch | None:
+                          shared_mem_limit: int = SHARED_MEM_LIMIT, powers=None, normalize: bool = True,
+                          cu_seqlens=None) -> Launch | None:
     """The launch for linear attention: state_s (B, Hk, m, dv) is read and overwritten with the new S;
     z_in (B, Hk, m) is read and z_out (another buffer) receives the new z. q (B, S, H, m) with
     H = groups * Hk; k, v (B, S, Hk, .). ``powers``: None (no decay) or a device array (B * Hk, P) of
-    gamma^j in the work dtype, P > the chunk used (``powers_table`` makes it)."""
+    gamma^j in the work dtype, P > the chunk used (``powers_table`` makes it). ``cu_seqlens``: a device
+    int64 array of N + 1 offsets for a packed batch (q of batch 1, rows (1, T)): one block per (sequence,
+    k/v head, dv tile), state_s and z (N, Hk, ...), powers (N * Hk, P)."""
     itemsize = ITEMSIZE[dtype_name]
     n_batch, seq_len, n_heads_q, m = q.shape
+    packed = cu_seqlens is not None
+    if packed:
+        n_batch = int(cu_seqlens.shape[0]) - 1
     n_heads = k.shape[2]
     dv = v.shape[3]
     if n_batch * n_heads * dv == 0 or m == 0:
@@ -287,7 +293,7 @@ def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, d
              i32(n_heads_q // n_heads), i32(m), i32(dv), i32(rotary_dim), i32(layout == "interleaved"),
              i32(bool(causal)), i32(fmap), (np.float64 if work == "double" else np.float32)(eps), i32(c), i32(dt),
              powers if decayed else z_in, i32(powers.shape[-1] if decayed else 0), i32(decayed),
-             i32(bool(normalize))]
+             i32(bool(normalize)), cu_seqlens if packed else rows, i32(packed)]
     return Launch("linear_attention", linear_attention_kernel_name(dtype_name), grid, block, smem, tuple(args))
 
 
@@ -503,8 +509,9 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                     decay=None, normalize=True):
-    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary._linear_attention)."""
+                     decay=None, normalize=True, cu_seqlens=None):
+    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary._linear_attention).
+    ``cu_seqlens`` (N + 1 offsets): a packed batch in one launch, states (N, Hk, ...)."""
     import cupy
 
     exchange = _Exchange(q)
@@ -515,6 +522,10 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         n_batch, seq_len, n_heads_q, m = q.shape
         n_heads, dv = k.shape[2], v.shape[3]
         shape_o = (n_batch, seq_len, n_heads_q, dv)
+        cu_dev = None
+        if cu_seqlens is not None:
+            cu_dev = cupy.asarray(np.asarray(cu_seqlens, dtype=np.int64))
+            n_batch = int(cu_dev.shape[0]) - 1   # the states' batch: one per sequence
         if exchange.torch:
             import torch
 
@@ -537,7 +548,8 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                                      rotary_dim=rotary_dim, layout=layout, causal=causal,
                                      feature_map=feature_map, eps=eps, chunk=chunk, threads=LINEAR_ATTENTION_THREADS,
                                      shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT, max_shared_mem()),
-                                     powers=None if table is None else cupy.asarray(table), normalize=normalize)
+                                     powers=None if table is None else cupy.asarray(table), normalize=normalize,
+                                     cu_seqlens=cu_dev)
         if plan is not None:
             _launch(plan, name)
         else:  # no (batch, head) to run

@@ -17,6 +17,7 @@ import numpy as np
 from . import _numba_kernels as kernels
 
 NAME = "numba"
+PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -200,12 +201,13 @@ def rotate_kernel(elements: int, n_batch: int, seq_len: int):
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                     decay=None, normalize=True):
+                     decay=None, normalize=True, cu_seqlens=None):
     """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract.
 
     One task per (batch, k/v head) running its q heads, ranges of tasks on ``numba.get_num_threads()``
     threads; a one-token call (decode) runs :func:`kernels.linear_attention_step` on the calling
-    thread (no thread hand-off, one pass over S).
+    thread (no thread hand-off, one pass over S). ``cu_seqlens`` (N + 1 int64 offsets, q of batch 1):
+    a packed batch in one pass, one task per (sequence, k/v head), states (N, Hk, ...).
     """
     from ._numpy_linear import decay_powers
 
@@ -218,14 +220,19 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     rows = _readonly_c(rows if rows.dtype == np.int64 else rows.astype(np.int64))
     if feature_map not in kernels.FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {tuple(kernels.FEATURE_MAPS)}, got {feature_map!r}")
+    n_states = B
+    if cu_seqlens is not None:
+        cu_seqlens = _readonly_c(np.asarray(cu_seqlens, dtype=np.int64))
+        n_states = cu_seqlens.shape[0] - 1
     if state is None:
-        state_s, state_z = np.zeros((B, Hk, m, dv), work), np.zeros((B, Hk, m), work)
+        state_s, state_z = np.zeros((n_states, Hk, m, dv), work), np.zeros((n_states, Hk, m), work)
     else:
         state_s = np.ascontiguousarray(state[0], dtype=work)
-        state_z = np.zeros((B, Hk, m), work) if state[1] is None else np.ascontiguousarray(state[1], dtype=work)
+        state_z = (np.zeros((n_states, Hk, m), work) if state[1] is None
+                   else np.ascontiguousarray(state[1], dtype=work))
     o = np.empty((B, S, H, dv), dtype=q.dtype)
-    new_s, new_z = np.empty((B, Hk, m, dv), work), np.empty((B, Hk, m), work)
-    if B * Hk == 0:
+    new_s, new_z = np.empty((n_states, Hk, m, dv), work), np.empty((n_states, Hk, m), work)
+    if n_states * Hk == 0:
         return o, (new_s, new_z)
     chunk = max(1, min(int(chunk), S))
     decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
@@ -238,19 +245,20 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         geo[i] = (view[1], *view[2])
         bufs.append(view[0] if i == 3 else _readonly(view[0]))
     interleaved, fmap = layout == "interleaved", kernels.FEATURE_MAPS[feature_map]
-    if S == 1:
+    if S == 1 and cu_seqlens is None:
         kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s,
                                       new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps), groups,
                                       powers, decayed, bool(normalize))
     else:
         args = (*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s, new_z, S, rotary_dim // 2,
                 rotary_dim, interleaved, bool(causal), fmap, float(eps), chunk, groups, powers, decayed,
-                bool(normalize))
-        _run_tasks(kernels.linear_attention_tasks, args, B * Hk)
+                bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
+        _run_tasks(kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
 
 
 _NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)
+_NO_SEQLENS = _readonly(np.zeros(0, np.int64))   # the cu_seqlens argument of an unpacked call
 _pool = None
 _pool_lock = threading.Lock()
 

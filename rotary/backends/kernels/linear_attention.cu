@@ -193,7 +193,7 @@ __global__ void linear_attention_chunked(
     const W* cos_table, const W* sin_table, const i64* rows, int rows_batched,
     i64 seq_len, int n_heads, int groups, int m, int dv, int rotary_dim, int interleaved, int causal,
     int feature_map, W eps, int chunk, int dv_tile, const W* powers, int powers_stride, int decayed,
-    int normalize) {
+    int normalize, const i64* cu_seqlens, int packed) {
     ROTARY_DYNAMIC_SMEM(smem);
     const int mp = m | 1, dtp = dv_tile | 1, pp = chunk + 1, half = rotary_dim / 2;
     W* A = reinterpret_cast<W*>(smem);
@@ -208,12 +208,17 @@ __global__ void linear_attention_chunked(
     const int tid = threadIdx.x, nthreads = blockDim.x;
     const int n_tiles = (dv + dv_tile - 1) / dv_tile;
     const int tile = blockIdx.x % n_tiles;
-    const i64 bh = blockIdx.x / n_tiles;  // (batch, k/v head)
-    const i64 b = bh / n_heads;
-    const int hk = (int)(bh - b * n_heads);
+    const i64 bh = blockIdx.x / n_tiles;  // (batch, k/v head); packed: (sequence, k/v head)
+    const i64 sb = bh / n_heads;           // the state's batch row (the sequence when packed)
+    const int hk = (int)(bh - sb * n_heads);
+    // packed (cu_seqlens of n_seq + 1 offsets): sequence sb is tokens cu_seqlens[sb] .. cu_seqlens[sb + 1] - 1
+    // of batch row 0; unpacked: batch row sb, tokens 0 .. seq_len - 1
+    const i64 b = packed ? 0 : sb;
+    const i64 t_first = packed ? cu_seqlens[sb] : 0;
+    if (packed) seq_len = cu_seqlens[sb + 1] - t_first;
     const int c_lo = tile * dv_tile;
     const int width = imin(dv_tile, dv - c_lo);
-    const i64* row_base = rows + (rows_batched ? b : 0) * seq_len;
+    const i64* row_base = rows + (rows_batched ? b * seq_len : t_first);
     W* Sg = state_s + bh * m * dv;  // (m, dv) of this (b, k/v head)
     const W* dpw = decayed ? pw : nullptr;
 
@@ -226,8 +231,10 @@ __global__ void linear_attention_chunked(
     __syncthreads();
     const W gamma = pw[1];
 
-    const T* kb = k + b * ksb + hk * ksh;
-    const T* vb = v + b * vsb + hk * vsh + c_lo * vsd;
+    q += b * qsb + t_first * qss;
+    o += b * osb + t_first * oss;
+    const T* kb = k + b * ksb + hk * ksh + t_first * kss;
+    const T* vb = v + b * vsb + hk * vsh + c_lo * vsd + t_first * vss;
 
     // Pass 1 (causal: the only pass; non-causal: accumulate S and z over all tokens).
     for (i64 c0 = 0; c0 < seq_len; c0 += chunk) {
@@ -256,7 +263,7 @@ __global__ void linear_attention_chunked(
         __syncthreads();
         for (int g = 0; causal && g < groups; ++g) {
             const int h = hk * groups + g;
-            load_features<T, W>(A, mp, q + b * qsb + h * qsh + c0 * qss, qss, qsd, L, m, feature_map, tid,
+            load_features<T, W>(A, mp, q + h * qsh + c0 * qss, qss, qsd, L, m, feature_map, tid,
                                 nthreads);
             __syncthreads();
             if (normalize) {
@@ -275,7 +282,7 @@ __global__ void linear_attention_chunked(
             else
                 causal_scores<2>(P, pp, A, B, mp, L, m, dpw, tid, nthreads);
             __syncthreads();
-            T* ob = o + b * osb + h * osh + c_lo * osd + c0 * oss;
+            T* ob = o + h * osh + c_lo * osd + c0 * oss;
             if (wide_tiles(((L + 3) / 4) * ((width + 3) / 4), nthreads))
                 write_output<4, T, W>(ob, oss, osd, A, mp, S, dtp, P, pp, Vs, den, eps, L, m, width, 1, dpw,
                                       normalize, tid, nthreads);
@@ -302,8 +309,8 @@ __global__ void linear_attention_chunked(
     // Pass 2 (non-causal): o_t = Â_t S / (A_t . z + eps) with the final S, z, for each q head of the group.
     for (int g = 0; !causal && g < groups; ++g) {
         const int h = hk * groups + g;
-        const T* qb = q + b * qsb + h * qsh;
-        T* ob = o + b * osb + h * osh + c_lo * osd;
+        const T* qb = q + h * qsh;
+        T* ob = o + h * osh + c_lo * osd;
         for (i64 c0 = 0; c0 < seq_len; c0 += chunk) {
             const int L = (int)(seq_len - c0 < chunk ? seq_len - c0 : chunk);
             load_features<T, W>(A, mp, qb + c0 * qss, qss, qsd, L, m, feature_map, tid, nthreads);
