@@ -2,7 +2,8 @@
 
 ``rope = Rope(spec, backend="numba", dtype=np.float32)`` does once what ``apply_qk`` does per call:
 it resolves the backend and holds the spec's cos/sin table (grown when a larger position comes, or
-made for ``max_positions`` up front); the first call with a new geometry (shapes, strides, seq_axis,
+made for ``max_positions`` up front; far from 0, a cached window of it, so decoding past the dense
+table stays on the prepared path); the first call with a new geometry (shapes, strides, seq_axis,
 in place or not) is validated by the full frontend, and later calls with the same geometry reuse
 the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
 call only reads positions, allocates outputs and launches. Anything else (array types other than
@@ -66,10 +67,10 @@ class Rope:
         self._half, self._rotary_dim = spec.rotary_dim // 2, spec.rotary_dim
         self._interleaved = spec.layout == "interleaved"
         self._plans: dict = {}
-        self._table = None   # (rows R, cos, sin) on the host
+        self._table = None   # (base, end, cos, sin) on the host: rows 0.. hold positions base..end-1
         self._device_tables: dict = {}
         if max_positions is not None and self._fast_ok:
-            self._grow(int(max_positions) - 1)
+            self._grow(0, int(max_positions) - 1)
 
     def __repr__(self):
         return f"Rope({self.spec!r}, backend={self.backend!r}, dtype={self.dtype.name}, max_positions={self.max_positions})"
@@ -139,20 +140,22 @@ class Rope:
             return None
         return tuple(key)
 
-    def _grow(self, hi):
-        """Make the host table cover positions 0..hi (False when it cannot be dense)."""
-        cos, sin, _ = _tables.lookup(self.spec, np.array([0, hi], dtype=np.int64), dtype=self._work)
-        if cos.shape[0] <= hi:   # a compact table: positions past the dense cap
+    def _grow(self, lo, hi):
+        """Hold a host table covering positions lo..hi: the shared dense table near 0, else a cached
+        window (see ``_tables``). False when no table row range can (then the general path runs)."""
+        cos, sin, rows = _tables.lookup(self.spec, np.array([lo, hi], dtype=np.int64), dtype=self._work)
+        base = lo - int(rows[0])
+        if int(rows[1]) != hi - base:   # a compact table: rows are not positions - base
             return False
-        self._table = (cos.shape[0], cos, sin)
+        self._table = (base, base + cos.shape[0], cos, sin)
         self._device_tables.clear()
         return True
 
     def _device_table(self, to_device):
-        """cos/sin of the current host table on the device (cached per table size)."""
+        """cos/sin of the current host table on the device (moved once per host table)."""
         table = self._device_tables.get(to_device)
-        if table is None or table[0] != self._table[0]:
-            table = (self._table[0], to_device(self._table[1]), to_device(self._table[2]))
+        if table is None or table[0] is not self._table[2]:
+            table = (self._table[2], to_device(self._table[2]), to_device(self._table[3]))
             self._device_tables[to_device] = table
         return table[1], table[2]
 
@@ -178,23 +181,34 @@ class Rope:
                 rows = rows.view()
                 rows.flags.writeable = False
         elif plan.device and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
+            # device positions are table rows as they are (no host round trip): the table must start at 0
+            if self._table[0] != 0 and not self._grow(0, (self.max_positions or _tables._MIN_ROWS) - 1):
+                return None
             return positions.reshape(1, S) if positions.shape == (S,) else (
                 positions if positions.shape == (plan.lead0, S) and plan.batch_rep == 1 else None)
         else:
             return None
         if rows.size:
             table = self._table
-            if table is None or rows.view(np.uint64).max() >= np.uint64(table[0]):
-                if rows.min() < 0 or not self._grow(int(rows.max())):
+            if rows.size <= 64:   # decode-sized: cheaper in Python than NumPy reductions
+                values = rows.ravel().tolist()
+                lo, hi = min(values), max(values)
+            else:
+                lo, hi = int(rows.min()), int(rows.max())
+            if table is None or lo < table[0] or hi >= table[1]:
+                if lo < 0 or not self._grow(lo, hi):
                     return None
+                table = self._table
+            if table[0]:   # a window far from 0: its row 0 holds position table[0]
+                rows = rows - table[0]
         return rows
 
     def _prepare(self, xs, outs, seq_axis, inverse, device_hooks=None):
-        """The plan of this geometry. ``device_hooks`` (address, launch, empty, to_device) prepare the
+        """The plan of this geometry. ``device_hooks`` (address, empty, to_device, kernel or launch) prepare the
         CUDA launch path for other arrays (tests and benchmarks: the host shim, a mocked launch)."""
         module = self._module or _backends.pick(list(xs), "auto")
         name = "cupy" if device_hooks else module.NAME
-        if name not in ("numba", "cupy") or self._table is None and not self._grow(255):
+        if name not in ("numba", "cupy") or self._table is None and not self._grow(0, 255):
             return None
         x0 = xs[0]
         ndim = x0.ndim
@@ -221,7 +235,7 @@ class Rope:
         outs = outs or (None,) * len(xs)
         key = self._key(xs, outs, seq_axis, inverse)
         if self._table is None:
-            self._grow(255)
+            self._grow(0, 255)
         plan = self._prepare(xs, outs, seq_axis, inverse, device_hooks=hooks)
         self._plans[key] = plan
         return plan
@@ -279,45 +293,59 @@ class _Plan:
         if len(bufs) == 2:
             bufs += bufs
         if bufs[0].size and self.B * self.seq_len:
-            _, cos, sin = rope._table
+            cos, sin = rope._table[2], rope._table[3]
             kernel = self.kernel if not self.nb._in_forked_child else self.nb.rotate_kernel(0, 0, 0)   # serial
             kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, cos, sin, rows, *self.consts)
         return results
 
     def for_cupy(self, views, rope, hooks=None):
-        """The launch with every array slot open; the tables moved to the device once per table size."""
+        """The launch with every array slot open; the tables moved to the device once per table size, the
+        compiled kernel resolved once (per device: a call on another device takes the general path).
+
+        ``hooks`` (tests, benchmarks): ``address``, ``empty``, ``to_device`` and either ``kernel`` (called
+        as a CuPy RawKernel: ``kernel(grid, block, args, shared_mem=...)``) or ``launch(plan, dtype_name)``."""
         from .backends import cupy as cb
 
         if hooks:
-            address, launch, empty, to_device = (hooks["address"], hooks["launch"], hooks["empty"],
-                                                 hooks["to_device"])
+            address, empty, to_device = hooks["address"], hooks["empty"], hooks["to_device"]
+            current_device = lambda: 0   # noqa: E731
         else:
             import cupy
 
-            address, launch, empty, to_device = cb._address, cb._launch, cupy.empty, cupy.asarray
+            address, empty, to_device = cb._address, cupy.empty, cupy.asarray
+            current_device = cupy.cuda.runtime.getDevice
         self.device = True
-        self.dtype_name = str(views[0].dtype)
-        self.address, self.launch_fn, self.empty = address, launch, empty
+        dtype_name = str(views[0].dtype)
+        self.address, self.empty, self.to_device = address, empty, to_device
         items = [(v, v if ip else self._fresh_output(empty, i, v)) for i, (v, ip) in enumerate(zip(views, self.in_place))]
         cos, sin = rope._device_table(to_device)
-        plan = cb.plan_rotate(items, cos, sin, to_device(self.default_rows), dtype_name=self.dtype_name,
-                                   rotary_dim=rope._rotary_dim, layout=rope.spec.layout, inverse=self.inverse,
-                                   address=self.address)
+        plan = cb.plan_rotate(items, cos, sin, to_device(self.default_rows), dtype_name=dtype_name,
+                              rotary_dim=rope._rotary_dim, layout=rope.spec.layout, inverse=self.inverse,
+                              address=address)
         if plan is None:
             return None
-        self.align = [self.address(a) & 15 for pair in items for a in pair]
+        if not hooks:
+            self.kernel = cb.launch_kernel(plan, dtype_name)
+        elif "kernel" in hooks:
+            self.kernel = hooks["kernel"]
+        else:
+            launch = hooks["launch"]
+            self.kernel = lambda grid, block, args, shared_mem=0: launch(plan._replace(args=args), dtype_name)
+        self.current_device, self.device_id = current_device, current_device()
+        self.grid, self.block, self.shared_mem = (plan.grid,), (plan.block,), plan.shared_mem
+        self.align = [address(a) & 15 for pair in items for a in pair]   # a vector width per array
         self.slots = [i for i, a in enumerate(plan.args) if not isinstance(a, np.generic)]
         self.per_batch = (np.int32(0), np.int32(1))
         self.template = list(plan.args)
-        self.launch_plan = plan
-        self.to_device = to_device
         self.run = self._run_cupy
         return self
 
     def _run_cupy(self, rope, xs, outs, rows):
+        if self.current_device() != self.device_id:
+            return None
+        address = self.address
         arrays = []
         results = []
-        address = self.address
         for x, o in zip(xs, outs):
             y = x if o is not None else self.empty(x.shape, x.dtype)
             results.append(y)
@@ -337,8 +365,8 @@ class _Plan:
         for i, a in zip(self.slots, (*arrays, cos, sin, rows)):
             args[i] = a
         args[self.slots[-1] + 1] = self.per_batch[rows.shape[0] > 1]   # rows (Bp, S): Bp > 1 or not
-        self.launch_fn(self.launch_plan._replace(args=tuple(args)), self.dtype_name)
+        launch_args = tuple(args)
         for i in self.slots:
             args[i] = None
+        self.kernel(self.grid, self.block, launch_args, shared_mem=self.shared_mem)
         return results
-

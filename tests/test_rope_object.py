@@ -193,3 +193,44 @@ def test_rope_fast_path_bhsd_out_of_place(dtype, rng):
         for g, w in zip(rope(q, k, pos, seq_axis=2), rotary.apply_qk(q, k, pos, spec=SPEC, seq_axis=2, backend="numba")):
             np.testing.assert_array_equal(g, w)
     assert rope._plans
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_rope_decoding_far_from_zero_stays_prepared(backend, rng):
+    """Positions past the dense table (a long context): Rope holds a window of the table (rows =
+    positions - base) and keeps giving the float64 oracle's results, step after step and across windows."""
+    if not rotary.available_backends()[backend][0]:
+        pytest.skip(rotary.available_backends()[backend][1])
+    spec = RopeSpec(64, base=5e5)
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float64)
+    q, k = _qk(rng, np.float64, B=4, S=1, Hq=4, Hk=2, D=64)
+    start = 3_000_000 - 100
+    for step in range(0, 700, 7):
+        pos = start + step + np.arange(4, dtype=np.int64)[:, None] * 3
+        qr, kr = rope(q, k, pos, seq_axis=1)
+        for x, r in ((q, qr), (k, kr)):
+            want = np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), pos[:, None, :], spec.inv_freq()), 1, 2)
+            testing.assert_close(r, want, like=x)
+    if backend == "numba":
+        assert rope._plans and rope._table[0] > 0   # the prepared path with a window table
+    if backend == "numba":
+        for _ in range(2):                         # (the first call of a new geometry prepares it)
+            rope(q, k, 5, seq_axis=1)              # back near 0: the dense table again
+        assert rope._table[0] == 0
+
+
+def test_rope_cuda_launch_path_far_positions_through_host_shim(kernels, rng):  # noqa: F811
+    """The CuPy launch path with host positions far from 0 (a window table, rows shifted on the host)."""
+    rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32)
+    q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
+    hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
+                 to_device=lambda a: a)
+    rope._prepare_device_path((q, k), seq_axis=1, **hooks)
+    for step in range(3):
+        pos = 2**33 + 1000 * step + rng.integers(0, 50, size=(5, 1))
+        qr, kr = rope(q, k, pos, seq_axis=1)
+        assert rope._table[0] > 0
+        for x, r in ((q, qr), (k, kr)):
+            want = np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2).astype(np.float64), pos[:, None, :],
+                                                SPEC.inv_freq()), 1, 2)
+            testing.assert_close(r, want, like=x)

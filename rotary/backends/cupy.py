@@ -379,11 +379,17 @@ def _kernel(family: str, dtype_name: str, name: str):
     return kernel
 
 
-def _launch(plan: Launch, dtype_name: str) -> None:
+def launch_kernel(plan: Launch, dtype_name: str):
+    """The compiled kernel of ``plan`` on the current device, allowed the plan's dynamic shared memory;
+    called as ``kernel((plan.grid,), (plan.block,), args, shared_mem=plan.shared_mem)``."""
     kernel = _kernel(plan.family, dtype_name, plan.kernel)
     if plan.shared_mem > SHARED_MEM_LIMIT and kernel.max_dynamic_shared_size_bytes < plan.shared_mem:
         kernel.max_dynamic_shared_size_bytes = plan.shared_mem
-    kernel((plan.grid,), (plan.block,), plan.args, shared_mem=plan.shared_mem)
+    return kernel
+
+
+def _launch(plan: Launch, dtype_name: str) -> None:
+    launch_kernel(plan, dtype_name)((plan.grid,), (plan.block,), plan.args, shared_mem=plan.shared_mem)
 
 
 def max_shared_mem() -> int:
