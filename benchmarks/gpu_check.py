@@ -12,7 +12,9 @@
    q+k call, GPU time (events) and host wall time per call (goal <= 10 us).
 4. Causal linear attention, fp32, B*H = 128, T = 8192, m = dv = 128: GFLOP/s counting
    4*B*H*T*m*(C + dv) FLOP (C = the kernel's chunk), as a fraction of the fp32 FMA peak computed from
-   the device's SM count and clock (goal >= 0.4).
+   the device's SM count and clock (goal >= 0.4). Also RetNet retention against it (goal <= 1.2x), and a
+   ragged packed batch (64 sequences of 1..1024 tokens, cu_seqlens) in one launch against one launch per
+   sequence (time ratio and the largest output/state difference, expected ~0).
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
 """
 
@@ -192,6 +194,42 @@ def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=
     return {"B": batch, "H": heads, "T": T, "m": d, "dv": d, "runs": runs, **best}
 
 
+def linear_attention_ragged(cupy, cb, heads=16, d=64, n_seqs=64, max_len=1024) -> dict:
+    """A ragged packed batch (cu_seqlens; lengths 1..max_len) in one launch against one launch per
+    sequence; and the one-launch output against the per-sequence outputs (same kernel, same bits
+    expected up to the order of blocks, which does not enter the sums)."""
+    from rotary import RopeSpec
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, max_len + 1, n_seqs)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    T = int(cu[-1])
+    spec = RopeSpec(d)
+    q, k, v = (cupy.random.standard_normal((1, T, heads, d), dtype=cupy.float32) for _ in range(3))
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(max_len), dtype=np.float32))
+    rows = cupy.asarray(pos, dtype=cupy.int64)[None]
+    kw = dict(rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=64, state=None)
+
+    def packed():
+        return cb.linear_attention(q, k, v, cos, sin, rows, cu_seqlens=cu, **kw)
+
+    def per_sequence():
+        return [cb.linear_attention(q[:, a:b], k[:, a:b], v[:, a:b], cos, sin, rows[:, a:b], **kw)
+                for a, b in zip(cu[:-1], cu[1:])]
+
+    t_packed = _events_time(cupy, packed, 3)
+    t_loop = _events_time(cupy, per_sequence, 1)
+    o, (S, z) = packed()
+    pieces = per_sequence()
+    o_loop = cupy.concatenate([p[0] for p in pieces], axis=1)
+    S_loop = cupy.concatenate([p[1][0] for p in pieces], axis=0)
+    diff = float(cupy.abs(o - o_loop).max() / cupy.abs(o_loop).max())
+    diff_s = float(cupy.abs(S - S_loop).max() / cupy.abs(S_loop).max())
+    return {"n_seqs": n_seqs, "tokens": T, "H": heads, "d": d, "ms": t_packed * 1e3, "ms_per_sequence_loop":
+            t_loop * 1e3, "speedup_vs_loop": t_loop / t_packed, "max_rel_diff_o": diff, "max_rel_diff_S": diff_s}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).with_name("results")))
@@ -237,6 +275,8 @@ def main(argv=None) -> int:
          lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))
     step("linear_attention_retention_fp32",
          lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True))
+    step("linear_attention_ragged_packed_fp32",
+         lambda: linear_attention_ragged(cupy, cb, n_seqs=16 if args.quick else 64))
     plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))
     results["linear_attention_retention_fp32"]["ms_over_plain"] = (
         results["linear_attention_retention_fp32"].get("ms", float("nan")) / plain_ms)
