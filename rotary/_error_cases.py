@@ -219,6 +219,12 @@ def _cases() -> list:
         ErrorCase("set_table_cache_limit(-1)", lambda: _cache_limit(-1), ValueError, ("nbytes", ">= 0")),
         ErrorCase("set_table_cache_limit('1MB')", lambda: _cache_limit("1MB"), TypeError, ("nbytes", "int")),
         ErrorCase("set_table_cache_limit(True)", lambda: _cache_limit(True), TypeError, ("nbytes", "int")),
+        ErrorCase("linear_attention(decay=0.5, causal=False)", lambda: _linear_decay(0.5, causal=False), ValueError,
+                  ("decay", "causal=True")),
+        ErrorCase("linear_attention(decay=1.5)", lambda: _linear_decay(1.5), ValueError, ("decay", "(0, 1]")),
+        ErrorCase("linear_attention(decay=0)", lambda: _linear_decay(0.0), ValueError, ("decay", "(0, 1]")),
+        ErrorCase("linear_attention(decay of 3 values, 2 k/v heads)", lambda: _linear_decay([0.5, 0.6, 0.7]),
+                  ValueError, ("decay", "shape")),
         # -- documented mappings -----------------------------------------------------------------
         ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
                   check=lambda ok: ok is True),
@@ -232,6 +238,13 @@ def _linear_state_call(positions, start=None):
     state = None if start is None else _linear_state(S=np.zeros((1, 1, 8, 8), np.float32), z=np.zeros((1, 1, 8), np.float32),
                                                       next_position=start)
     return linear_attention(q, q, q, positions, seq_axis=1, causal=True, state=state, return_state=True)
+
+
+def _linear_decay(decay, causal=True):
+    from . import linear_attention
+
+    q = _x((1, 5, 2, 8))
+    return linear_attention(q, q, q, seq_axis=1, causal=causal, decay=decay)
 
 
 def _cache_limit(nbytes):

@@ -207,7 +207,8 @@ def _check_decay(decay, k_heads, causal):
         raise ValueError(f"decay must be in (0, 1] (gamma of S_t = gamma S_(t-1) + ...), got {bad.ravel()[:4]}")
     full = np.array(np.broadcast_to(d, k_heads), dtype=np.float64)
     if not causal and np.any(full != 1):
-        raise ValueError("decay < 1 needs causal=True: a decayed state has a direction (gamma^(t-s), s <= t)")
+        raise ValueError("decay < 1 needs causal=True: a decayed state has a direction (gamma^(t-s), s <= t); "
+                         "bidirectional retention (gamma^|t-s|) is two causal calls, see docs/linear_attention.md")
     full.setflags(write=False)
     return full
 

@@ -395,6 +395,25 @@ def test_packed_batch_per_sequence_state(backend, lengths):
     assert st2.next_position.tolist() == (offsets + lengths + 1).tolist()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bidirectional_retention_recipe_of_the_docs(backend):
+    """docs/linear_attention.md: gamma^|t-s| without a denominator as a forward causal call plus a causal call on
+    the reversed sequence minus the diagonal, against the float64 quadratic form written out here."""
+    from rotary.testing import rope_complex
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((3, 1, 2, 12, 8))
+    spec = rotary.RopeSpec(8, base=100.0)
+    pos = np.arange(12)
+    kw = dict(causal=True, decay=0.9, normalize=False, feature_map="identity", spec=spec)
+    forward = _run(backend, q, k, v, positions=pos, **kw)[0]
+    backward = _run(backend, q[:, :, ::-1], k[:, :, ::-1], v[:, :, ::-1], positions=pos[::-1], **kw)[0][:, :, ::-1]
+    o = forward + backward - np.einsum("bhtd,bhtd->bht", q, k)[..., None] * v
+    D = 0.9 ** np.abs(pos[:, None] - pos[None, :])
+    scores = np.einsum("bhtd,bhsd->bhts", rope_complex(q, pos, spec.inv_freq()), rope_complex(k, pos, spec.inv_freq()))
+    assert rel_rms(o, np.einsum("ts,bhts,bhsv->bhtv", D, scores, v)) <= 1e-12
+
+
 def ragged_against_oracle(backend, causal, normalize, dtype, decay, calls=None):
     """A ragged packed batch (lengths 6, 0, 11, 1, 3; GQA 4/2; positions from seqlen_offsets) in one call,
     each sequence against the float64 quadratic oracle run on that sequence alone; returns the state."""
