@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import rotary
+from bench_rope import best_us   # the benchmarks folder is on sys.path when run as a script
 
 
 def median_ms(fn, rounds):
@@ -27,17 +28,6 @@ def median_ms(fn, rounds):
         fn()
         times.append(time.perf_counter() - t)
     return 1e3 * float(np.median(times))
-
-
-def best_us(fn, calls, rounds):
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls)
-    return 1e6 * best
 
 
 def main():

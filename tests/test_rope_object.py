@@ -72,13 +72,19 @@ def test_rope_in_place_bhsd_packed_and_oracle(backend, rng):
                                                         seqlen_offsets=[5, 9], backend=backend))
 
 
-def test_rope_cuda_launch_path_through_host_shim(kernels, rng):  # noqa: F811
-    """The CuPy path's prepared launch (template + array slots) with the shim's launcher on NumPy arrays."""
+def _shim_rope(kernels, rng):  # noqa: F811
+    """A Rope whose CuPy launch path is prepared with the host shim (NumPy arrays, the shim's launcher)."""
     rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32)
     q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
     hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
                  to_device=lambda a: a)
     rope._prepare_device_path((q, k), seq_axis=1, **hooks)
+    return rope, q, k, hooks
+
+
+def test_rope_cuda_launch_path_through_host_shim(kernels, rng):  # noqa: F811
+    """The CuPy path's prepared launch (template + array slots) with the shim's launcher on NumPy arrays."""
+    rope, q, k, hooks = _shim_rope(kernels, rng)
     for step in range(3):
         pos = rng.integers(0, 3000, size=(5, 1))   # past the first table: it grows
         qr, kr = rope(q, k, pos, seq_axis=1)
@@ -221,11 +227,7 @@ def test_rope_decoding_far_from_zero_stays_prepared(backend, rng):
 
 def test_rope_cuda_launch_path_far_positions_through_host_shim(kernels, rng):  # noqa: F811
     """The CuPy launch path with host positions far from 0 (a window table, rows shifted on the host)."""
-    rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32)
-    q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
-    hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
-                 to_device=lambda a: a)
-    rope._prepare_device_path((q, k), seq_axis=1, **hooks)
+    rope, q, k, hooks = _shim_rope(kernels, rng)
     for step in range(3):
         pos = 2**33 + 1000 * step + rng.integers(0, 50, size=(5, 1))
         qr, kr = rope(q, k, pos, seq_axis=1)
