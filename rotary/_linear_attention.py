@@ -31,6 +31,7 @@ from ._api import (_check_float, _namespace, _table_converter, canonical_axes, c
 from ._spec import RopeSpec
 
 FEATURE_MAPS = ("elu", "relu", "identity")
+_INT64_MAX = 2**63 - 1
 
 
 class LinearAttentionState:
@@ -266,7 +267,7 @@ def _next_position(pos, lead_shape, seq_len, positions, state):
         return int(positions) if isinstance(positions, numbers.Integral) else 0
     if pos.ndim == 2 and pos.shape[0] == 1 and pos.dtype == np.int64:   # one row of positions (decode: one)
         last = int(pos[0, -1])
-        if last == np.iinfo(np.int64).max:
+        if last == _INT64_MAX:
             raise ValueError("the last position is the largest int64: the next position (for a state) would "
                              "overflow int64")
         return last + 1
@@ -275,7 +276,7 @@ def _next_position(pos, lead_shape, seq_len, positions, state):
         # real-valued coordinates: one past the largest coordinate seen
         last = np.floor(pos.reshape(pos.shape[0], -1).max(axis=1)).astype(np.int64) + 1
     else:
-        if int(pos[:, -1].max()) == np.iinfo(np.int64).max:
+        if int(pos[:, -1].max()) == _INT64_MAX:
             raise ValueError("the last position is the largest int64: the next position (for a state) would "
                              "overflow int64")
         last = pos[:, -1] + 1
@@ -444,10 +445,12 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     Bs = B if varlen is None else kv_other[0]   # the states' batch
     pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B, spec=spec)
 
+    reordered = operm != sorted(operm)   # k's other axes are not in canonical order (GQA on a middle axis)
+
     def to_state_layout(x, tail):
         """Canonical (B, Hk, *tail) -> k's other axes + tail."""
-        x = xp.reshape(x, kv_other_w + tail)
-        if operm != sorted(operm):
+        x = x.reshape(kv_other_w + tail) if type(x) is np.ndarray else xp.reshape(x, kv_other_w + tail)
+        if reordered:
             x = xp.permute_dims(x, tuple(int(i) for i in np.argsort(operm)) + tuple(range(len(operm), x.ndim)))
         return x
 
@@ -478,10 +481,14 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     carried = None
     if state is not None:
         def to_canonical_state(x, n_tail):
-            x = xp.astype(x, work, copy=False)
-            if operm != sorted(operm):
+            if type(x) is np.ndarray:   # NumPy without the namespace wrappers (a decode step per token)
+                x = x if x.dtype == work else x.astype(work)
+            else:
+                x = xp.astype(x, work, copy=False)
+            if reordered:
                 x = xp.permute_dims(x, tuple(operm) + tuple(range(len(operm), len(operm) + n_tail)))
-            return xp.reshape(x, (Bs, Hk) + tuple(x.shape[len(operm):]))
+            shape = (Bs, Hk) + tuple(x.shape[len(operm):])
+            return x.reshape(shape) if type(x) is np.ndarray else xp.reshape(x, shape)
 
         carried = (to_canonical_state(state.S, 2), None if state.z is None else to_canonical_state(state.z, 1))
     decay_c = None
@@ -501,7 +508,8 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     o = from_canonical(o, o_shape, wax, xp)
     if perm is not None:
         o = xp.permute_dims(o, tuple(int(i) for i in np.argsort(perm)))
-    o = xp.astype(o, q.dtype, copy=False)   # fresh from the backend
+    if type(o) is not np.ndarray or o.dtype != q.dtype:
+        o = xp.astype(o, q.dtype, copy=False)   # fresh from the backend
     if not return_state:
         return o
     if varlen is not None:
