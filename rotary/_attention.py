@@ -23,14 +23,17 @@ shows entirely run without a mask, and only the rest (the causal diagonal, the w
 packed sequence boundaries) get a per-token mask; a packed batch is one sweep over all its tokens.
 Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
-to stay in cache; on CuPy/torch a tile spans every head. Scores and softmax are float32 (float64
-for float64 inputs).
+to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
+in each, see :mod:`rotary._blas`); on CuPy/torch a tile spans every head. Scores and softmax are
+float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +41,7 @@ from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
 from ._api import (_check_float, _namespace, apply, apply_qk, normalize_positions, normalize_seq_axis,
                    packed_positions, resolve_spec, to_numpy)
+from ._blas import single_thread_blas
 from ._packing import pack
 
 #: target size of one tile of scores on the NumPy path, in elements ((g x q block) rows x block_size keys):
@@ -241,7 +245,8 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
 
 
 def _numpy_path(*arrays):
-    """True when the NumPy tile loop runs (NumPy arrays of real float dtypes, unless a test disables it)."""
+    """True when the NumPy tile loop runs: NumPy inputs (whatever the rotation backend), unless a test
+    sends them through the array-API path."""
     return _NUMPY_TILES and all(is_numpy_array(a) for a in arrays)
 
 
@@ -370,7 +375,10 @@ def _numpy_attention(qf, kf, vf, out, mask, fold, softcap, block_size, work):
 
     Per tile, the g heads of a k/v head are one (g*Bq, d) @ (d, Bk) matmul; the scores stay in a
     reused (g*Bq, Bk) buffer (about ``_SCORE_BLOCK_ELEMENTS``: cache-sized) through the cap, mask,
-    max, exp and sum, all in place. Rows that see no key give 0.
+    max, exp and sum, all in place. Rows that see no key give 0. The k/v heads are shared out over
+    one thread per core, each with single-threaded BLAS (many small matmuls from one thread and a
+    multi-threaded BLAS lose several-fold as soon as anything else runs); serial, with BLAS's own
+    threads, where the BLAS cannot be set per thread.
     """
     units, (g, sq, d) = qf.shape[:-3], qf.shape[-3:]
     sk, dv = kf.shape[-2], vf.shape[-1]
@@ -379,50 +387,76 @@ def _numpy_attention(qf, kf, vf, out, mask, fold, softcap, block_size, work):
         return
     block_size = max(1, min(block_size, sk))
     q_block = max(1, min(sq, _SCORE_BLOCK_ELEMENTS // (g * block_size)))
-    rows = g * q_block
-    q_buf = np.empty(rows * d, dtype=work)
-    s_buf = np.empty(rows * block_size, dtype=work)
-    pv_buf = np.empty(rows * dv, dtype=work)
     per_batch = mask is not None and mask.q_pos.shape[0] > 1
-    neg_inf = -math.inf
     schedule = list(_tiles(mask, sq, sk, q_block, block_size))   # masks: about Sq x block_size bools
-    k_buf = np.empty((sk, d), dtype=work)
-    for u in np.ndindex(units):
-        ku, vu = k_buf, vf[u]
-        np.copyto(ku, kf[u])   # BLAS needs K^T with unit stride along d (a strided K row falls off BLAS)
-        b = u[0] if per_batch else 0
-        for q0, q1, row in schedule:
-            bq = q1 - q0
-            r = g * bq
-            qt = q_buf[:r * d].reshape(g, bq, d)
-            np.multiply(qf[u][:, q0:q1, :], fold, out=qt)   # the scale (and 1/softcap) folded into q
-            qt = qt.reshape(r, d)
-            m = np.full((r, 1), neg_inf, dtype=work)
-            l = np.zeros((r, 1), dtype=work)
-            acc = np.zeros((r, dv), dtype=work)
-            for k0, k1, hidden in row:
-                s = s_buf[:r * (k1 - k0)].reshape(r, k1 - k0)
-                np.matmul(qt, ku[k0:k1].T, out=s)
-                if softcap:
-                    np.tanh(s, out=s)
-                    s *= softcap
-                if hidden is not None:
-                    np.copyto(s.reshape(g, bq, k1 - k0), neg_inf, where=hidden[b])
-                m_new = np.maximum(m, s.max(axis=1, keepdims=True))
-                # a row that has seen no key yet keeps max -inf: subtract 0 there (its exps are 0)
-                m_safe = np.where(m_new == neg_inf, 0.0, m_new) if hidden is not None else m_new
-                s -= m_safe
-                np.exp(s, out=s)
-                alpha = np.exp(m - m_safe)
-                l *= alpha
-                l += s.sum(axis=1, keepdims=True)
-                acc *= alpha
-                pv = pv_buf[:r * dv].reshape(r, dv)
-                np.matmul(s, vu[k0:k1], out=pv)
-                acc += pv
-                m = m_new
-            l[l == 0] = 1.0
-            np.divide(acc.reshape(g, bq, dv), l.reshape(g, bq, 1), out=out[u][:, q0:q1, :], casting="same_kind")
+    unit_list = list(np.ndindex(units))
+    one_thread = single_thread_blas()
+    n_threads = min(len(unit_list), _cpu_count()) if one_thread is not None else 1
+
+    def attend_units(some_units, in_worker):
+        if in_worker:
+            one_thread()   # this thread's matmuls single-threaded: the units are the parallelism
+        rows = g * q_block
+        buffers = (np.empty(rows * d, dtype=work), np.empty(rows * block_size, dtype=work),
+                   np.empty(rows * dv, dtype=work), np.empty((sk, d), dtype=work))
+        for u in some_units:
+            _attend_unit(qf[u], kf[u], vf[u], out[u], mask, u[0] if per_batch else 0, schedule, fold, softcap,
+                         work, buffers)
+
+    if n_threads <= 1:
+        attend_units(unit_list, False)
+        return
+    with ThreadPoolExecutor(n_threads) as pool:
+        for done in [pool.submit(attend_units, unit_list[i::n_threads], True) for i in range(n_threads)]:
+            done.result()
+
+
+def _cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def _attend_unit(qu, ku_in, vu, ou, mask, b, schedule, fold, softcap, work, buffers):
+    """One k/v head: qu (g, Sq, d), ku_in (Sk, d), vu (Sk, dv) -> ou (g, Sq, dv), along the schedule."""
+    q_buf, s_buf, pv_buf, ku = buffers
+    g, _, d = qu.shape
+    dv = vu.shape[-1]
+    neg_inf = -math.inf
+    np.copyto(ku, ku_in)   # BLAS needs K^T with unit stride along d (a strided K row falls off BLAS)
+    for q0, q1, row in schedule:
+        bq = q1 - q0
+        r = g * bq
+        qt = q_buf[:r * d].reshape(g, bq, d)
+        np.multiply(qu[:, q0:q1, :], fold, out=qt)   # the scale (and 1/softcap) folded into q
+        qt = qt.reshape(r, d)
+        m = np.full((r, 1), neg_inf, dtype=work)
+        l = np.zeros((r, 1), dtype=work)
+        acc = np.zeros((r, dv), dtype=work)
+        for k0, k1, hidden in row:
+            s = s_buf[:r * (k1 - k0)].reshape(r, k1 - k0)
+            np.matmul(qt, ku[k0:k1].T, out=s)
+            if softcap:
+                np.tanh(s, out=s)
+                s *= softcap
+            if hidden is not None:
+                np.copyto(s.reshape(g, bq, k1 - k0), neg_inf, where=hidden[b])
+            m_new = np.maximum(m, s.max(axis=1, keepdims=True))
+            # a row that has seen no key yet keeps max -inf: subtract 0 there (its exps are 0)
+            m_safe = np.where(m_new == neg_inf, 0.0, m_new) if hidden is not None else m_new
+            s -= m_safe
+            np.exp(s, out=s)
+            alpha = np.exp(m - m_safe)
+            l *= alpha
+            l += s.sum(axis=1, keepdims=True)
+            acc *= alpha
+            pv = pv_buf[:r * dv].reshape(r, dv)
+            np.matmul(s, vu[k0:k1], out=pv)
+            acc += pv
+            m = m_new
+        l[l == 0] = 1.0
+        np.divide(acc.reshape(g, bq, dv), l.reshape(g, bq, 1), out=ou[:, q0:q1, :], casting="same_kind")
 
 
 def _cupy():

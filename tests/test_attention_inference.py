@@ -230,6 +230,24 @@ def test_mrope_packed_equals_each_sequence_alone(blocks, rng):
             testing.assert_close(o[a:b], np.swapaxes(ref, 0, 1))
 
 
+@pytest.mark.parametrize("blas_per_thread", [True, False], ids=["threads", "serial fallback"])
+def test_heads_over_threads_and_serial_fallback(blas_per_thread, monkeypatch, rng):
+    """The k/v heads shared out over threads (single-threaded BLAS each) or, where the BLAS cannot be set
+    per thread, one serial loop: both match the oracle."""
+    from rotary import _blas
+
+    if blas_per_thread and _blas.single_thread_blas() is None:
+        pytest.skip("no OpenBLAS with openblas_set_num_threads_local in this process")
+    if not blas_per_thread:
+        monkeypatch.setattr(_attention, "single_thread_blas", lambda: None)
+    monkeypatch.setattr(_attention, "_cpu_count", lambda: 3)   # 3 threads for 4 k/v heads: uneven shares
+    q, k, v = _bhsd(rng, np.float32, B=2, Hq=8, Hk=2, Sq=9, Sk=30)
+    o = rotary.attention(q, k, v, 5, causal=True, window=11, spec=SPEC, block_size=4)
+    kp = 5 + np.arange(30)
+    ref = testing.attention_quadratic(q, k, v, kp[-9:], kp, SPEC.inv_freq(), causal=True, window=11)
+    testing.assert_close(o, ref, like=q, **_tol(np.float32))
+
+
 def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
     q, k, v = _bhsd(rng, np.float64)
     spec = RopeSpec(16, base=500.0)
