@@ -24,8 +24,8 @@ packed sequence boundaries) get a per-token mask; a packed batch is one sweep ov
 Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
 to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
-in each, see :mod:`rotary._blas`); on CuPy/torch a tile spans every head. Scores and softmax are
-float32 (float64 for float64 inputs).
+in each, see :mod:`rotary._blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
+tile spans every head. Scores and softmax are float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ from ._packing import pack
 #: target size of one tile of scores on the NumPy path, in elements ((g x q block) rows x block_size keys):
 #: 512 KiB of float32, so the scores stay in a core's L2 through softmax; 32x that (every head) on devices
 _SCORE_BLOCK_ELEMENTS = 1 << 17
+#: fewer scores than this (q heads x q_len x k_len; a decode step) and NumPy inputs take the array-API
+#: path (every head in one batched matmul) instead of the tile loop and its threads
+_TILES_MIN_SCORES = 1 << 20
 #: the NumPy tile loop for NumPy inputs (tests set it False to run NumPy through the array-API path)
 _NUMPY_TILES = True
 
@@ -220,7 +223,7 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     g = q.shape[gaxis] // k.shape[gaxis] if gaxis is not None else 1
     if gaxis is not None:
         qf = xp.reshape(qf, qf.shape[:gpos] + (k.shape[gaxis], g) + qf.shape[gpos + 1:])
-    if _numpy_path(q, k, v):
+    if _numpy_path(q, k, v) and math.prod(q.shape[:-1]) * k_len >= _TILES_MIN_SCORES:
         # (U..., g, S, d): the g q heads of one k/v head next to the sequence axis (views, no copies)
         qf = np.moveaxis(qf, gpos + 1, -3) if gaxis is not None else qf[..., None, :, :]
         vf = vf if vf.dtype == work else vf.astype(work)   # (k is copied per head, in the work dtype)

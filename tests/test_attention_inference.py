@@ -20,8 +20,10 @@ def _tol(dtype):
 
 @pytest.fixture(params=["one block", "tiny blocks", "tiny blocks, array-API path"])
 def blocks(request, monkeypatch):
-    """block_size to pass; "tiny blocks" also splits q into many row blocks; the last runs NumPy
-    inputs through the array-API path (the one CuPy and torch take) instead of the NumPy tile loop."""
+    """block_size to pass (NumPy inputs take the tile loop whatever their size); "tiny blocks" also splits q
+    into many row blocks; the last runs NumPy inputs through the array-API path (the one CuPy, torch and
+    small NumPy calls take) instead of the NumPy tile loop."""
+    monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)   # the tile loop even for these small inputs
     if request.param.startswith("tiny blocks"):
         monkeypatch.setattr(_attention, "_SCORE_BLOCK_ELEMENTS", 1)
         if "array-API" in request.param:
@@ -241,6 +243,7 @@ def test_heads_over_threads_and_serial_fallback(blas_per_thread, monkeypatch, rn
     if not blas_per_thread:
         monkeypatch.setattr(_attention, "single_thread_blas", lambda: None)
     monkeypatch.setattr(_attention, "_cpu_count", lambda: 3)   # 3 threads for 4 k/v heads: uneven shares
+    monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)
     q, k, v = _bhsd(rng, np.float32, B=2, Hq=8, Hk=2, Sq=9, Sk=30)
     o = rotary.attention(q, k, v, 5, causal=True, window=11, spec=SPEC, block_size=4)
     kp = 5 + np.arange(30)
