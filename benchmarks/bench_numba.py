@@ -48,8 +48,9 @@ def settle(seconds: float = 0.5) -> None:
     time.sleep(seconds)
 
 
-def best_times(candidates: dict, rounds: int) -> dict:
-    """{name: best seconds} over ``rounds`` interleaved rounds, after one warm-up call each."""
+def best_times(candidates: dict, rounds: int, all_times: dict | None = None) -> dict:
+    """{name: best seconds} over ``rounds`` interleaved rounds, after one warm-up call each; every time
+    goes into ``all_times[name]`` (a list) when given."""
     for fn in candidates.values():
         fn()
     best = {name: float("inf") for name in candidates}
@@ -57,7 +58,10 @@ def best_times(candidates: dict, rounds: int) -> dict:
         for name, fn in candidates.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            best[name] = min(best[name], elapsed)
+            if all_times is not None:
+                all_times.setdefault(name, []).append(elapsed)
     return best
 
 
@@ -101,6 +105,7 @@ def prefill(rounds: int):
                                                                     backend="numba"),
         "rotary numba, in place": lambda: rotary.apply_qk(q, k, spec=spec, seq_axis=1, out=(q, k), backend="numba"),
         "rotary numba, new outputs": lambda: rotary.apply_qk(q, k, spec=spec, seq_axis=1, backend="numba"),
+        "q.copy(), k.copy() (new arrays: what a new-output call must not exceed)": lambda: (q.copy(), k.copy()),
         "rotary numpy, out=(q_out, k_out)": lambda: rotary.apply_qk(q, k, spec=spec, seq_axis=1,
                                                                     out=(q_out, k_out), backend="numpy"),
     }
@@ -134,14 +139,17 @@ def prefill(rounds: int):
         hf_note = f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}"
     except ImportError:
         pass
-    best = best_times(candidates, rounds)
+    times: dict = {}
+    best = best_times(candidates, max(rounds, 15), times)
     moved = 2 * (q.nbytes + k.nbytes)
     limit = best["numba prange copy of q, k (limit)"]
     ours = best["rotary numba, out=(q_out, k_out)"]
     rows = []
     for name, t in best.items():
-        rows.append((name, f"{t * 1e3:.2f}", f"{moved / t / 1e9:.1f}", f"{limit / t:.2f}", f"{t / ours:.1f}"))
-    table = _table(["candidate", "ms", "GB/s (2 x (q+k) bytes)", "x copy limit", "time / numba out="], rows)
+        rows.append((name, f"{t * 1e3:.2f}", f"{np.median(times[name]) * 1e3:.2f}", f"{max(times[name]) * 1e3:.2f}",
+                     f"{moved / t / 1e9:.1f}", f"{limit / t:.2f}", f"{t / ours:.1f}"))
+    table = _table(["candidate", "best ms", "median ms", "worst ms", "GB/s (2 x (q+k) bytes, best)", "x copy limit",
+                    "time / numba out="], rows)
     return table, hf_note, numba.get_num_threads()
 
 
