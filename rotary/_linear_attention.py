@@ -379,6 +379,12 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         ``o`` has q's array type and dtype and q's shape with last dim dv; ``(o, state)`` with
         ``return_state=True``. The state is per k/v head (see :class:`LinearAttentionState`).
     """
+    if (state is not None and positions is None and spec is None and decay is None and cu_seqlens is None
+            and seqlen_offsets is None and not spec_kwargs):
+        result = _decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state,
+                              backend)
+        if result is not None:
+            return result
     xp = _namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_float(a, name, xp)
@@ -392,6 +398,53 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     return _linear_attention(xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps,
                              spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
                              decay=decay, normalize=normalize, spec_kwargs=spec_kwargs)
+
+
+_DECODE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state, backend):
+    """The one-token decode step, (B, 1, H, d) NumPy arrays continuing a 1-D ``state`` at its next position,
+    straight to the backend: the general path's result bit for bit, without its per-call checks (every
+    field below is compared with what the state was made for). None: not that case (the general path
+    takes the call and does the full checks)."""
+    if type(state) is not LinearAttentionState or type(q) is not np.ndarray or type(k) is not np.ndarray \
+            or type(v) is not np.ndarray or q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or type(seq_axis) is not int \
+            or seq_axis not in (1, -3):
+        return None
+    dtype = q.dtype
+    if dtype not in _DECODE_DTYPES or k.dtype != dtype or v.dtype != dtype:
+        return None
+    B, S1, H, m = q.shape
+    Hk, dv = k.shape[2], v.shape[3]
+    if S1 != 1 or k.shape != (B, 1, Hk, m) or v.shape[:3] != (B, 1, Hk) or Hk == 0 or H % Hk or dv == 0 or B == 0:
+        return None
+    spec, pos, S, z = state.spec, state.next_position, state.S, state.z
+    if (spec.multi_axis or spec.rotary_offset or spec.depends_on_seq_len or spec.float_positions
+            or spec.head_dim != m or state.decay is not None or state.groups != H // Hk
+            or type(pos) is not int or not 0 <= pos < _INT64_MAX):
+        return None
+    if (causal is not True or type(feature_map) is not str or feature_map != state.feature_map
+            or type(normalize) is not bool or normalize != state.normalize or type(return_state) is not bool
+            or type(eps) is not float or not eps >= 0 or type(chunk) is not int or chunk < 1):
+        return None
+    if type(S) is not np.ndarray or S.shape != (B, Hk, m, dv) or S.dtype != dtype:
+        return None
+    if normalize and (type(z) is not np.ndarray or z.shape != (B, Hk, m) or z.dtype != dtype):
+        return None
+    module = _backends.pick([q, k, v], backend) if type(backend) is str else None
+    if module is None or not hasattr(module, "linear_attention") or hasattr(module, "table_converter"):
+        return None
+    cos, sin, rows = _tables.lookup(spec, np.array([[pos]], dtype=np.int64), dtype=dtype, device_key="numpy")
+    o, (S_new, z_new) = module.linear_attention(
+        q, k, v, cos, sin, rows, rotary_dim=spec.rotary_dim, layout=spec.layout, causal=True, feature_map=feature_map,
+        eps=eps, chunk=chunk, state=(S, z), decay=None, normalize=normalize)
+    if o.dtype != dtype:
+        o = o.astype(dtype)
+    if not return_state:
+        return o
+    return o, LinearAttentionState._trusted(S_new, z_new if normalize else None, pos + 1, spec, feature_map, None,
+                                            normalize, state.groups)
 
 
 def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, feature_map, eps, spec, state, return_state,

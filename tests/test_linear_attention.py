@@ -593,3 +593,50 @@ def test_plot_script_mass_is_the_weight_sum(monkeypatch):
     den = np.tril(a @ np.swapaxes(b, -1, -2))
     np.testing.assert_allclose(mass, num.sum(-1) / den.sum(-1), rtol=1e-12, atol=1e-14)
     assert np.allclose(mass[:, 0], 1.0)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("groups, normalize, feature_map", [(1, True, "elu"), (4, True, "relu"),
+                                                            (2, False, "identity")])
+def test_decode_step_fast_path_equals_general_path(backend, dtype, groups, normalize, feature_map, monkeypatch):
+    """A (B, 1, H, d) decode step continuing a state goes straight to the backend: the same bits and the same
+    state as the general path (forced here by passing the state's next position explicitly), step after
+    step, and the general path is really skipped; the prefill before it is checked against the oracle."""
+    if not _backends.available_backends()[backend][0]:
+        pytest.skip(_backends.available_backends()[backend][1])
+    import rotary._linear_attention as la
+
+    rng = np.random.default_rng(7)
+    B, H, d, dv, T = 2, 4, 16, 8, 5
+    Hk = H // groups
+    spec = rotary.RopeSpec(d, base=500.0)
+    q, k, v = (rng.standard_normal((B, T, h, n)).astype(dtype) for h, n in ((H, d), (Hk, d), (Hk, dv)))
+    kw = dict(causal=True, seq_axis=1, backend=backend, feature_map=feature_map, normalize=normalize)
+    o, state = rotary.linear_attention(q[:, :2], k[:, :2], v[:, :2], spec=spec, return_state=True, **kw)
+    if groups == 1 and normalize:
+        want = oracle(*(x[:, :2].swapaxes(1, 2) for x in (q, k, v)), np.arange(2), spec, causal=True,
+                      feature_map=feature_map).swapaxes(1, 2)
+        np.testing.assert_allclose(o, want, rtol=1e-4 if dtype == np.float32 else 1e-10,
+                                   atol=1e-4 if dtype == np.float32 else 1e-10)
+    fast_state, general_state = state, state
+    general = la._linear_attention
+    for t in range(2, T):
+        step = (q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+        o_general, general_state = rotary.linear_attention(*step, general_state.next_position, state=general_state,
+                                                           return_state=True, **kw)
+        monkeypatch.setattr(la, "_linear_attention", None)   # the fast path must not need it
+        o_fast, fast_state = rotary.linear_attention(*step, state=fast_state, return_state=True, **kw)
+        monkeypatch.setattr(la, "_linear_attention", general)
+        np.testing.assert_array_equal(o_fast, o_general)
+        assert o_fast.dtype == dtype and o_fast.shape == (B, 1, H, dv)
+        np.testing.assert_array_equal(fast_state.S, general_state.S)
+        assert (fast_state.z is None) == (not normalize)
+        if normalize:
+            np.testing.assert_array_equal(fast_state.z, general_state.z)
+        assert fast_state.next_position == general_state.next_position == t + 1
+        assert (fast_state.groups, fast_state.normalize, fast_state.feature_map) == (groups, normalize, feature_map)
+    # the whole sequence in one call gives what the decode steps gave at the last token
+    o_all = rotary.linear_attention(q, k, v, spec=spec, **kw)
+    np.testing.assert_allclose(o_fast, o_all[:, -1:], rtol=1e-4 if dtype == np.float32 else 1e-10,
+                               atol=1e-4 if dtype == np.float32 else 1e-10)
