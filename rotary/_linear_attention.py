@@ -142,10 +142,15 @@ def _check_feature_map(feature_map):
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS} or a callable, got {feature_map!r}")
 
 
+def _plain_scalars(causal, eps, chunk, return_state, normalize) -> bool:
+    """The common, valid case of the scalar arguments, in a few type checks (a decode step runs this per token)."""
+    return (type(causal) is bool and type(return_state) is bool and type(normalize) is bool and type(eps) is float
+            and 0 <= eps < math.inf and type(chunk) is int and chunk >= 1)
+
+
 def _check_scalars(causal, eps, chunk, return_state, normalize):
-    if (type(causal) is bool and type(return_state) is bool and type(normalize) is bool and type(eps) is float
-            and 0 <= eps < math.inf and type(chunk) is int and chunk >= 1):
-        return   # the common case, in a few type checks (the decode path calls this per token)
+    if _plain_scalars(causal, eps, chunk, return_state, normalize):
+        return
     for name, value in (("causal", causal), ("return_state", return_state), ("normalize", normalize)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -424,9 +429,8 @@ def _decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, norm
             or spec.head_dim != m or state.decay is not None or state.groups != H // Hk
             or type(pos) is not int or not 0 <= pos < _INT64_MAX):
         return None
-    if (causal is not True or type(feature_map) is not str or feature_map != state.feature_map
-            or type(normalize) is not bool or normalize != state.normalize or type(return_state) is not bool
-            or type(eps) is not float or not eps >= 0 or type(chunk) is not int or chunk < 1):
+    if (causal is not True or not _plain_scalars(causal, eps, chunk, return_state, normalize)
+            or type(feature_map) is not str or feature_map != state.feature_map or normalize != state.normalize):
         return None
     if type(S) is not np.ndarray or S.shape != (B, Hk, m, dv) or S.dtype != dtype:
         return None

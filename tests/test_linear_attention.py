@@ -640,3 +640,15 @@ def test_decode_step_fast_path_equals_general_path(backend, dtype, groups, norma
     o_all = rotary.linear_attention(q, k, v, spec=spec, **kw)
     np.testing.assert_allclose(o_fast, o_all[:, -1:], rtol=1e-4 if dtype == np.float32 else 1e-10,
                                atol=1e-4 if dtype == np.float32 else 1e-10)
+
+
+def test_decode_step_fast_path_keeps_the_checks():
+    """Arguments the state does not vouch for are still checked on a decode step (eps=inf, a state for
+    another feature map): the general path takes the call and raises."""
+    q = np.ones((1, 2, 2, 8), np.float32)
+    _, state = rotary.linear_attention(q, q, q, causal=True, seq_axis=1, return_state=True)
+    step = (q[:, :1], q[:, :1], q[:, :1])
+    with pytest.raises(ValueError, match="eps"):
+        rotary.linear_attention(*step, causal=True, seq_axis=1, state=state, eps=float("inf"))
+    with pytest.raises(ValueError, match="feature_map"):
+        rotary.linear_attention(*step, causal=True, seq_axis=1, state=state, feature_map="relu")
