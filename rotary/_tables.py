@@ -198,14 +198,17 @@ def _varying(spec: RopeSpec, seq_len) -> bool:
             and seq_len > (spec.max_position_embeddings or 0))
 
 
-def _dense_entry(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key, convert):
-    """The cached dense entry (n_rows, cos, sin) covering rows 0..hi, grown (doubled) when needed."""
+def _dense_entry(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key, convert, grow: bool = True):
+    """The cached dense entry (n_rows, cos, sin) covering rows 0..hi, grown (doubled) when needed; with
+    ``grow=False`` only an entry that already covers hi (else None)."""
     key = (_frequency_key(spec, seq_len), dtype.str, device_key)
     with _lock:
         entry = _cache_get(key)
         if entry is not None and entry[0] > hi:
             _state["hits"] += 1
             return entry
+        if not grow:
+            return None
         n = _MIN_ROWS if entry is None else entry[0]
         while n <= hi:
             n *= 2
@@ -293,11 +296,11 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     seq_len = hi + 1 if (spec.depends_on_seq_len and hi >= 0) else None
     rows = positions if positions.dtype == np.int64 else positions.astype(np.int64)
     if lo >= 0 and not _varying(spec, seq_len):
-        cap = _max_rows(spec, dtype)
-        if hi < cap and (hi < _DENSE_ALWAYS_BELOW or hi < 4 * (hi - lo + 1) or _dense_covers(spec, hi, seq_len,
-                                                                                             dtype, device_key)):
-            entry = _dense_entry(spec, hi, seq_len, dtype, device_key, convert)
-            return entry[1], entry[2], convert(np.ascontiguousarray(rows))
+        if hi < _max_rows(spec, dtype):   # near 0 (or already covered): the dense table
+            near = hi < _DENSE_ALWAYS_BELOW or hi < 4 * (hi - lo + 1)
+            entry = _dense_entry(spec, hi, seq_len, dtype, device_key, convert, grow=near)
+            if entry is not None:
+                return entry[1], entry[2], convert(np.ascontiguousarray(rows))
         window = _window_entry(spec, lo, hi, seq_len, dtype, device_key, convert)
         if window is not None:
             base, cos, sin = window
@@ -305,13 +308,6 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     unique, inverse = np.unique(positions, return_inverse=True)
     cos, sin = _make(spec, unique, seq_len, dtype)
     return convert(cos), convert(sin), convert(inverse.reshape(positions.shape).astype(np.int64))
-
-
-def _dense_covers(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key) -> bool:
-    """True when the cached dense table already holds row ``hi``."""
-    with _lock:
-        item = _cache.get((_frequency_key(spec, seq_len), dtype.str, device_key))
-    return item is not None and item[0][0] > hi
 
 
 def clear_cache() -> None:
