@@ -154,7 +154,6 @@ def prefill(rounds: int):
 
 
 def decode(rounds: int):
-    from rotary.backends import _numba_kernels as kernels
     from rotary.backends import numba as nb
 
     B, Hq, Hk, D = 32, 32, 8, 128
@@ -168,9 +167,9 @@ def decode(rounds: int):
     xq, oq, gq = nb._geometry(q, q_out)
     xk, ok, gk = nb._geometry(k, k_out)
     geo = np.stack([gq, gk])
-    args = (xq, oq, xk, ok, geo, nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), B, 1, D // 2, D, D,
+    args = (xq, oq, xk, ok, geo, nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), 0, B, 1, D // 2, D, D,
             False, False)
-    kernel = kernels.rotate_qk_parallel if q.size + k.size >= nb.PARALLEL_MIN_ELEMENTS else kernels.rotate_qk_serial
+    kernel = nb.rotate_kernel(q.size + k.size, B, 1)   # the kernel a call of this size runs
     candidates = {
         "rotary.apply_qk numba (frontend + kernel)": lambda: rotary.apply_qk(
             q, k, positions, spec=spec, seq_axis=1, out=(q_out, k_out), backend="numba"),

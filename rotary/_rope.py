@@ -24,6 +24,7 @@ from ._api import _layout, canonical_view, packed_positions, rotate_arrays
 from ._spec import RopeSpec
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
+_INT64_LIMIT = 2 ** 63
 
 
 class Rope:
@@ -103,11 +104,9 @@ class Rope:
             if key is not None:
                 plan = self._plans.get(key)
                 if plan is not None:
-                    rows = self._rows(positions, plan)
-                    if rows is not None:
-                        result = plan.run(self, xs, outs, rows)
-                        if result is not None:
-                            return result
+                    result = plan.run(self, xs, outs, positions)
+                    if result is not None:
+                        return result
         result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
                                inverse=inverse, backend=self.backend, spec_kwargs={})
         if self._fast_ok and key is not None and plan is None:   # validated: prepare this geometry
@@ -159,6 +158,13 @@ class Rope:
             self._device_tables[to_device] = table
         return table[1], table[2]
 
+    def _cover(self, lo, hi):
+        """Hold a table covering positions lo..hi (see ``_grow``); False: the general path must take the call."""
+        table = self._table
+        if table is not None and table[0] <= lo and hi < table[1]:
+            return True
+        return lo >= 0 and self._grow(lo, hi)
+
     def _rows(self, positions, plan):
         """int64 (Bp, S) table rows of this call, or None when the general path must take it."""
         S = plan.seq_len
@@ -195,10 +201,9 @@ class Rope:
                 lo, hi = min(values), max(values)
             else:
                 lo, hi = int(rows.min()), int(rows.max())
-            if table is None or lo < table[0] or hi >= table[1]:
-                if lo < 0 or not self._grow(lo, hi):
-                    return None
-                table = self._table
+            if not self._cover(lo, hi):
+                return None
+            table = self._table
             if table[0]:   # a window far from 0: its row 0 holds position table[0]
                 rows = rows - table[0]
         return rows
@@ -275,7 +280,30 @@ class _Plan:
         self.run = self._run_numba
         return self
 
-    def _run_numba(self, rope, xs, outs, rows):
+    def _positions(self, positions):
+        """(rows, start) of this call: token (b, s) is at position rows[b or 0, s] + start (read-only int64
+        rows; the kernel checks that they fall in the table), or None when the general path must take it."""
+        if positions is None:
+            return self.default_rows, 0
+        if type(positions) is int:
+            return (self.default_rows, positions) if -_INT64_LIMIT <= positions < _INT64_LIMIT - self.seq_len else None
+        if type(positions) is not np.ndarray or positions.dtype != np.int64:
+            return None
+        S = self.seq_len
+        if positions.shape == (S,):
+            rows = positions.reshape(1, S)
+        elif positions.shape == (self.lead0, S) and self.batch_rep == 1 and positions.flags.c_contiguous:
+            rows = positions.view()
+        else:
+            return None
+        rows.flags.writeable = False   # one compiled kernel for read-only and writable positions
+        return rows, 0
+
+    def _run_numba(self, rope, xs, outs, positions):
+        given = self._positions(positions)
+        if given is None:
+            return None
+        rows, start = given
         bufs = []
         results = []
         for x, o in zip(xs, outs):
@@ -286,16 +314,23 @@ class _Plan:
             if self.offset:   # the geometry was made for views that start at element `offset` (C-contiguous x, y)
                 self._whole_head_copy(x, y)
                 xb, yb = xb[self.offset:], yb[self.offset:]
-            if xb is not yb and xb.flags.writeable:
-                xb.flags.writeable = False
+            xb.flags.writeable = False   # a view of its own: one compiled signature for any input
             bufs += (xb, yb)
             results.append(y)
         if len(bufs) == 2:
             bufs += bufs
-        if bufs[0].size and self.B * self.seq_len:
-            cos, sin = rope._table[2], rope._table[3]
-            kernel = self.kernel if not self.nb._in_forked_child else self.nb.rotate_kernel(0, 0, 0)   # serial
-            kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, cos, sin, rows, *self.consts)
+        if not (bufs[0].size and self.B * self.seq_len):
+            return results
+        kernel = self.kernel if not self.nb._in_forked_child else self.nb.rotate_kernel(0, 0, 0)   # serial
+        table = rope._table
+        args = (bufs[0], bufs[1], bufs[2], bufs[3], self.geo)
+        if kernel(*args, table[2], table[3], rows, start - table[0], *self.consts):
+            return results
+        # a position outside the table held: grow it (or the general path takes the call), then rotate
+        if rows.size == 0 or not rope._cover(int(rows.min()) + start, int(rows.max()) + start):
+            return None
+        table = rope._table
+        kernel(*args, table[2], table[3], rows, start - table[0], *self.consts)
         return results
 
     def for_cupy(self, views, rope, hooks=None):
@@ -340,8 +375,11 @@ class _Plan:
         self.run = self._run_cupy
         return self
 
-    def _run_cupy(self, rope, xs, outs, rows):
+    def _run_cupy(self, rope, xs, outs, positions):
         if self.current_device() != self.device_id:
+            return None
+        rows = rope._rows(positions, self)
+        if rows is None:
             return None
         address = self.address
         arrays = []

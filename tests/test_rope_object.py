@@ -236,3 +236,32 @@ def test_rope_cuda_launch_path_far_positions_through_host_shim(kernels, rng):  #
             want = np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2).astype(np.float64), pos[:, None, :],
                                                 SPEC.inv_freq()), 1, 2)
             testing.assert_close(r, want, like=x)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rope_numba_positions_checked_by_the_kernel(dtype, rng):
+    """The prepared Numba path hands positions to the kernel as they are (the kernel checks them against the
+    table and writes nothing when one falls outside): in place, a step past the table grows it and still
+    equals the float64 oracle; positions near the int64 limit give apply_qk's error, not wrapped rows."""
+    spec = RopeSpec(32, base=10000.0)
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=16)
+    q, k = _qk(rng, dtype, B=3, S=1)
+    qi, ki = q.copy(), k.copy()
+    for pos in (np.array([[1], [2], [3]]), np.array([[4], [40_000], [5]]), np.array([[7], [8], [9]]), 12):
+        rope(qi, ki, pos, seq_axis=1, out=(qi, ki))
+        p = np.broadcast_to(np.asarray(pos), (3, 1))
+        for x, r in ((q, qi), (k, ki)):
+            want = np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), p[:, None, :], spec.inv_freq()), 1, 2)
+            testing.assert_close(r, want, like=x)
+        qi[...], ki[...] = q, k
+    assert rope._plans and rope._table[1] > 40_000
+    big = np.array([[0], [2 ** 63 - 1], [5]])   # the largest int64 position: rotated, as apply_qk does
+    for got, want in zip(rope(q, k, big, seq_axis=1), rotary.apply_qk(q, k, big, spec=spec, seq_axis=1)):
+        np.testing.assert_array_equal(got, want)
+    q2, k2 = _qk(rng, dtype, B=3, S=2)
+    for pos in (2 ** 63 - 1, 2 ** 63):   # a second token past the int64 limit, an offset past it
+        with pytest.raises((ValueError, OverflowError)) as got:
+            rope(q2, k2, pos, seq_axis=1)
+        with pytest.raises(got.type) as want:
+            rotary.apply_qk(q2, k2, pos, spec=spec, seq_axis=1, backend="numba")
+        assert str(got.value) == str(want.value)

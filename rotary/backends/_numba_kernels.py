@@ -155,8 +155,10 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
 
 
 @njit(cache=True)
-def rotate_token(t, x, o, geo, item, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse):
-    """Rotate every head of token t (= b*seq_len + s) of item ``item``; geo[item]: its GEO_COLUMNS int64 values.
+def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
+                 inverse):
+    """Rotate every head of token t (= b*seq_len + s) of item ``item`` with table row rows[b or 0, s] + shift;
+    geo[item]: its GEO_COLUMNS int64 values.
 
     The geometry is read into locals once per token and the heads are walked by their stride (the
     stores into o could alias geo as far as the compiler knows, so reads inside the head loop would be
@@ -164,7 +166,7 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, seq_len, half, rotary_dim, 
     Together 2.5x faster at decode size (32 tokens x 40 heads x 128) than reading geo per head."""
     b = t // seq_len
     s = t - b * seq_len
-    row = rows[b if rows.shape[0] > 1 else 0, s]
+    row = rows[b if rows.shape[0] > 1 else 0, s] + shift
     heads = geo[item, GEO_HEADS]
     xsh, xsd = geo[item, GEO_X + 3], geo[item, GEO_X + 4]
     osh, osd = geo[item, GEO_OUT + 3], geo[item, GEO_OUT + 4]
@@ -180,24 +182,47 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, seq_len, half, rotary_dim, 
                       interleaved, inverse, copy_tail)
 
 
+@njit(cache=True)
+def rows_in_table(rows, shift, table_rows):
+    """True when every rows[i, j] + shift is a row of the table (0 <= row < table_rows)."""
+    for i in range(rows.shape[0]):
+        for j in range(rows.shape[1]):
+            row = rows[i, j] + shift
+            if row < 0 or row >= table_rows:
+                return False
+    return True
+
+
 @njit(parallel=True, cache=True)
-def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, half, rotary_dim, head_dim,
+def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
                        interleaved, inverse):
-    """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row."""
+    """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row
+    rows[b or 0, s] + shift. Returns False, writing nothing, when a row lies outside the table
+    (a prepared caller passes positions with shift = -table start and grows the table then)."""
+    if not rows_in_table(rows, shift, cos.shape[0]):
+        return False
     for t in prange(n_tokens):
-        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
-        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
+                     inverse)
+        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
+                     inverse)
+    return True
 
 
 @njit(cache=True)
-def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, n_tokens, seq_len, half, rotary_dim, head_dim,
+def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
                      interleaved, inverse):
     """rotate_qk_parallel on the calling thread (small calls: no thread hand-off)."""
     xq, oq, xk, ok, geo = borrowed(xq), borrowed(oq), borrowed(xk), borrowed(ok), borrowed(geo)
     cos, sin, rows = borrowed(cos), borrowed(sin), borrowed(rows)
+    if not rows_in_table(rows, shift, cos.shape[0]):
+        return False
     for t in range(n_tokens):
-        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
-        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, seq_len, half, rotary_dim, head_dim, interleaved, inverse)
+        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
+                     inverse)
+        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
+                     inverse)
+    return True
 
 
 # -- linear attention ----------------------------------------------------------------------------

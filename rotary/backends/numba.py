@@ -189,8 +189,9 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
         bufs.append(bufs[0])
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
     kernel = rotate_kernel(elements, B, S)
-    kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, B * S, S, rotary_dim // 2,
-           rotary_dim, D, layout == "interleaved", bool(inverse))
+    if not kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S, rotary_dim // 2,
+                  rotary_dim, D, layout == "interleaved", bool(inverse)):
+        raise ValueError(f"rows must index the cos/sin table (0 <= row < {cos.shape[0]})")
 
 
 def rotate_kernel(elements: int, n_batch: int, seq_len: int):
