@@ -652,3 +652,49 @@ def test_decode_step_fast_path_keeps_the_checks():
         rotary.linear_attention(*step, causal=True, seq_axis=1, state=state, eps=float("inf"))
     with pytest.raises(ValueError, match="feature_map"):
         rotary.linear_attention(*step, causal=True, seq_axis=1, state=state, feature_map="relu")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_decode_steps_carry_their_prepared_step_across_the_table_end(backend, dtype, monkeypatch):
+    """Contiguous decode steps from position 250 to 261: each state carries the checked step to the next call
+    (a new one when the position leaves the table it holds), and the outputs and states are those of the
+    general path bit for bit, with the Numba backend's one-token shortcut (``_one_token_step``) turned off
+    there; the last output matches the whole sequence computed at once."""
+    if not _backends.available_backends()[backend][0]:
+        pytest.skip(_backends.available_backends()[backend][1])
+    import rotary._linear_attention as la
+
+    rng = np.random.default_rng(3)
+    B, H, Hk, d, dv, T = 2, 4, 2, 16, 8, 12
+    spec = rotary.RopeSpec(d, base=500.0)
+    q, k, v = (rng.standard_normal((B, T, h, n)).astype(dtype) for h, n in ((H, d), (Hk, d), (Hk, dv)))
+    S0 = rng.standard_normal((B, Hk, d, dv)).astype(dtype)
+    z0 = rng.random((B, Hk, d)).astype(dtype)
+    fast = general = rotary.LinearAttentionState(S0, z0, 250, spec=spec, groups=2)
+    kw = dict(causal=True, seq_axis=1, backend=backend, return_state=True)
+    rotary.clear_cache()   # the first step's table: the 256-row dense one
+    steps = []
+    for t in range(T):
+        step = tuple(np.ascontiguousarray(x[:, t:t + 1]) for x in (q, k, v))
+        if backend == "numba":
+            from rotary.backends import numba as nb
+            monkeypatch.setattr(nb, "_one_token_step", lambda *a: None)
+        o_general, general = rotary.linear_attention(*step, general.next_position, state=general, **kw)
+        monkeypatch.undo()
+        monkeypatch.setattr(la, "_linear_attention", None)   # the fast path must not need the general one
+        o_fast, fast = rotary.linear_attention(*step, state=fast, **kw)
+        monkeypatch.undo()
+        np.testing.assert_array_equal(o_fast, o_general)
+        np.testing.assert_array_equal(fast.S, general.S)
+        np.testing.assert_array_equal(fast.z, general.z)
+        assert fast.next_position == 251 + t and fast._step is not None and general._step is None
+        steps.append(fast._step)
+    for t, prepared in enumerate(steps):   # each step read a table holding its position; a new one only past its end
+        assert prepared.base <= 250 + t < prepared.end
+        assert t == 0 or prepared is steps[t - 1] or 250 + t >= steps[t - 1].end
+    assert steps[0] is steps[5] and steps[5] is not steps[6]   # position 256 is past the first (256-row) table
+    o_all = rotary.linear_attention(q, k, v, 250, state=rotary.LinearAttentionState(S0, z0, 250, spec=spec, groups=2),
+                                    causal=True, seq_axis=1, backend=backend)
+    np.testing.assert_allclose(o_fast, o_all[:, -1:], rtol=1e-4 if dtype == np.float32 else 1e-10,
+                               atol=1e-4 if dtype == np.float32 else 1e-10)

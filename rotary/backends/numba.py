@@ -210,6 +210,11 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     thread (no thread hand-off, one pass over S). ``cu_seqlens`` (N + 1 int64 offsets, q of batch 1):
     a packed batch in one pass, one task per (sequence, k/v head), states (N, Hk, ...).
     """
+    if (q.shape[1] == 1 and cu_seqlens is None and decay is None and state is not None
+            and type(q) is type(k) is type(v) is np.ndarray):
+        o = _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_map, eps, normalize)
+        if o is not None:
+            return o
     from ._numpy_linear import decay_powers
 
     B, S, H, m = q.shape
@@ -255,6 +260,47 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                 rotary_dim, interleaved, bool(causal), fmap, float(eps), chunk, groups, powers, decayed,
                 bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
         _run_tasks(kernels.linear_attention_tasks, args, n_states * Hk)
+    return o, (new_s, new_z)
+
+
+#: (q, k, v shapes and dtype) -> the (4, 5) geometry of C-contiguous q, k, v and o (see _one_token_step)
+_step_geo_cache: dict = {}
+
+
+def _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_map, eps, normalize):
+    """The one-token step without decay for C-contiguous q, k, v of one dtype and a C-contiguous state in
+    that (work) dtype: the general path's kernel call with less glue (geometry cached by shapes, buffers
+    as flat reshapes). None when the call is not that case (the general path takes it)."""
+    S0, z0 = state
+    dtype = q.dtype
+    if (dtype == np.float16 or k.dtype != dtype or v.dtype != dtype or type(S0) is not np.ndarray
+            or type(z0) is not np.ndarray or S0.dtype != dtype or z0.dtype != dtype or cos.dtype != dtype
+            or sin.dtype != dtype or rows.dtype != np.int64 or feature_map not in kernels.FEATURE_MAPS):
+        return None
+    for a in (q, k, v, S0, z0, cos, sin, rows):
+        if not a.flags.c_contiguous:
+            return None
+    B, _, H, m = q.shape
+    Hk, dv = k.shape[2], v.shape[3]
+    if B * Hk == 0 or S0.shape != (B, Hk, m, dv) or z0.shape != (B, Hk, m) or not q.size or not v.size:
+        return None
+    key = (q.shape, k.shape, v.shape)
+    geo = _step_geo_cache.get(key)
+    if geo is None:   # offset 0 and the C strides (in elements) of q, k, v and o
+        geo = np.zeros((4, 5), dtype=np.int64)
+        for i, (_, n1, n2, n3) in enumerate((q.shape, k.shape, v.shape, (B, 1, H, dv))):
+            geo[i, 1:] = (n1 * n2 * n3, n2 * n3, n3, 1)
+        if len(_step_geo_cache) >= _GEO_CACHE_MAX:
+            _step_geo_cache.clear()
+        _step_geo_cache[key] = geo
+    o = np.empty((B, 1, H, dv), dtype=dtype)
+    new_s, new_z = np.empty(S0.shape, dtype), np.empty(z0.shape, dtype)
+    qb, kb, vb = q.reshape(-1), k.reshape(-1), v.reshape(-1)   # new view objects
+    qb.flags.writeable = kb.flags.writeable = vb.flags.writeable = False
+    S0, z0, cos, sin, rows = [_readonly(a) if a.flags.writeable else a for a in (S0, z0, cos, sin, rows)]
+    kernels.linear_attention_step(qb, kb, vb, o.reshape(-1), geo, cos, sin, rows, S0, z0, new_s, new_z,
+                                  rotary_dim // 2, rotary_dim, layout == "interleaved", kernels.FEATURE_MAPS[feature_map],
+                                  float(eps), H // Hk, _NO_POWERS, False, bool(normalize))
     return o, (new_s, new_z)
 
 
