@@ -455,6 +455,82 @@ def test_ragged_packed_batch_in_one_backend_call(backend, causal, decay, normali
     assert len(calls) == 1 and calls[0] is not None
 
 
+def _packed_state_oracle(k, v, spec, positions, gamma):
+    """The state after the tokens of one sequence, in float64: S = sum_s gamma^(L-1-s) R_(p_s) phi(k_s) v_s^T,
+    z = sum_s gamma^(L-1-s) phi(k_s), per k/v head; k (L, Hk, m), v (L, Hk, dv), gamma (Hk,) or None."""
+    from rotary.testing import feature_map64, rope_complex
+
+    b = np.moveaxis(feature_map64(k), 0, 1)                                   # (Hk, L, m)
+    L = b.shape[1]
+    w = np.ones((b.shape[0], L)) if gamma is None else np.asarray(gamma)[:, None] ** (L - 1 - np.arange(L))
+    bhat = rope_complex(b, positions, spec.inv_freq())
+    return (np.einsum("hs,hsm,hsv->hmv", w, bhat, np.moveaxis(np.asarray(v, np.float64), 0, 1)),
+            np.einsum("hs,hsm->hm", w, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("decay", [None, 0.85, [0.5, 0.97]], ids=["no_decay", "scalar", "per_head"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_ragged_packed_resume_equals_one_call(backend, decay, dtype):
+    """Two ragged packed calls (lengths 4, 0, 7, 1, 3 then 2, 3, 0, 5, 1; GQA 4/2; positions from
+    seqlen_offsets, then from the state): every sequence's outputs equal the float64 oracle on the whole
+    sequence, and the final state equals the decayed sum over its tokens (an empty piece keeps the state)."""
+    rng = np.random.default_rng(31)
+    spec = rotary.RopeSpec(8, base=100.0)
+    first, second = np.array([4, 0, 7, 1, 3]), np.array([2, 3, 0, 5, 1])
+    offsets = np.array([5, 0, 11, 2, 30])
+    H, Hk = 4, 2
+    seqs = [tuple(rng.standard_normal((n, h, d)).astype(dtype) for h, d in ((H, 8), (Hk, 8), (Hk, 5)))
+            for n in first + second]
+    to = _to_backend(backend)
+    host = (lambda a: np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.float64))
+    kw = dict(causal=True, spec=spec, seq_axis=0, decay=decay, backend=backend, chunk=4, return_state=True)
+    outs, st = [], None
+    for part, (lengths, lo) in enumerate(((first, np.zeros(5, int)), (second, first))):
+        packed = [np.concatenate([s[i][a:a + n] for s, a, n in zip(seqs, lo, lengths)]) for i in range(3)]
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        extra = dict(seqlen_offsets=offsets) if part == 0 else dict(state=st)
+        o, st = rotary.linear_attention(*(to(a) for a in packed), cu_seqlens=cu, **extra, **kw)
+        outs.append(np.split(host(o), cu[1:-1]))
+    assert st.next_position.tolist() == (offsets + first + second).tolist()
+    gamma = None if decay is None else np.broadcast_to(np.asarray(decay, np.float64), (Hk,))
+    for n, (qs, ks, vs) in enumerate(seqs):
+        pos = offsets[n] + np.arange(len(qs))
+        ref = _reference(*(np.moveaxis(a.astype(np.float64), 0, 1)[None] for a in (qs, ks, vs)), spec,
+                         positions=pos, decay=decay)[0]
+        got = np.concatenate([outs[0][n], outs[1][n]])
+        assert rel_rms(got, np.moveaxis(ref, 1, 0)) <= TOL[dtype], n
+        S, z = _packed_state_oracle(ks, vs, spec, pos, gamma)
+        assert rel_rms(host(st.S)[n], S) <= TOL[dtype] and rel_rms(host(st.z)[n], z) <= TOL[dtype], n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal,decay", [(False, None), (True, None), (True, 0.5)])
+def test_packed_padding_adds_nothing(backend, causal, decay):
+    """Short sequences next to a long one (lengths 1, 16, 2, 0), elu features (phi(0) = 1: a zero-padded key
+    would add to z and S), strong decay (0.5: a state decayed through 15 padded tokens would shrink 0.5^15):
+    outputs and states equal the float64 oracle on each sequence alone."""
+    rng = np.random.default_rng(32)
+    spec = rotary.RopeSpec(6, base=50.0)
+    lengths = np.array([1, 16, 2, 0])
+    T, cu = int(lengths.sum()), np.concatenate([[0], np.cumsum(lengths)])
+    q, k, v = (rng.standard_normal((T, 2, d)) + 1.0 for d in (6, 6, 3))       # mostly positive: phi(x) large
+    to = _to_backend(backend)
+    o, st = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=cu, causal=causal, decay=decay, spec=spec,
+                                    seq_axis=0, chunk=4, backend=backend, return_state=True)
+    o, S_out, z_out = (np.asarray(a.get() if hasattr(a, "get") else a) for a in (o, st.S, st.z))
+    gamma = None if decay is None else np.full(2, decay)
+    for n, (s0, s1) in enumerate(zip(cu, cu[1:])):
+        pos = np.arange(s1 - s0)
+        S, z = _packed_state_oracle(k[s0:s1], v[s0:s1], spec, pos, gamma)
+        np.testing.assert_allclose(S_out[n], S, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(z_out[n], z, rtol=1e-12, atol=1e-12)
+        if s1 > s0:
+            ref = _reference(*(np.moveaxis(a[s0:s1], 0, 1)[None] for a in (q, k, v)), spec, positions=pos,
+                             causal=causal, decay=decay)[0]
+            assert rel_rms(o[s0:s1], np.moveaxis(ref, 1, 0)) <= 1e-12, n
+
+
 def test_packed_batch_errors():
     q = np.zeros((6, 2, 4))
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count 6"):

@@ -176,3 +176,117 @@ def test_token_by_token_decode_equals_one_call(groups, dtype):
     assert _rel_rms(np.concatenate(pieces, axis=2), full) <= TOL[dtype]
     assert _rel_rms(np.concatenate(pieces, axis=2), _oracle(q, k, v, np.arange(9), rotary.RopeSpec(8),
                                                             causal=True)) <= TOL[dtype]
+
+
+# -- packed batches (cu_seqlens): padded passes ----------------------------------------------------------
+def _packed_inputs(rng, lengths, H=2, d=6, dv=3):
+    T = int(np.sum(lengths))
+    return (rng.standard_normal((T, H, n)) for n in (d, d, dv))
+
+
+def _assert_packed_matches_oracle(o, q, k, v, lengths, spec, *, causal, decay=None, tol=1e-12):
+    """Each sequence of the packed (T, H, .) arrays against the float64 oracle on that sequence alone."""
+    o = np.asarray(o, dtype=np.float64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    for n, (s0, s1) in enumerate(zip(cu, cu[1:])):
+        if s1 == s0:
+            continue
+        qs, ks, vs = (np.moveaxis(a[s0:s1], 0, 1)[None] for a in (q, k, v))
+        ref = linear_attention_quadratic(qs, ks, vs, np.arange(s1 - s0), spec.inv_freq(), layout=spec.layout,
+                                         causal=causal, decay=decay, feature_map="elu", eps=1e-6)[0]
+        assert _rel_rms(o[s0:s1], np.moveaxis(ref, 1, 0)) <= tol, n
+
+
+def _namespace(name):
+    if name == "numpy":
+        return np.asarray
+    if name == "torch":
+        return pytest.importorskip("torch").as_tensor
+    return pytest.importorskip(name).asarray
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict", "torch"])
+@pytest.mark.parametrize("causal,decay", [(True, None), (True, 0.7), (False, None)])
+def test_packed_batch_is_one_pass(namespace, causal, decay, monkeypatch):
+    """43 ragged sequences (lengths 0..6 and 11) go through one padded batch: one call of the batched
+    algorithm (a loop over the sequences would make one per non-empty sequence), and each sequence equals
+    the oracle on it alone; the caller's array type comes back."""
+    rng = np.random.default_rng(40)
+    lengths = np.concatenate([rng.integers(0, 7, size=40), [11, 0, 1]])
+    q, k, v = _packed_inputs(rng, lengths)
+    calls = []
+    real = nl._batched
+    monkeypatch.setattr(nl, "_batched", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    to = _namespace(namespace)
+    spec = rotary.RopeSpec(6, base=100.0)
+    o = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]),
+                                causal=causal, decay=decay, spec=spec, seq_axis=0, chunk=4, backend="numpy")
+    assert type(o) is type(to(q))
+    assert calls == [(np.count_nonzero(lengths), 11, 2, 6)]
+    _assert_packed_matches_oracle(np.asarray(o), q, k, v, lengths, spec, causal=causal, decay=decay)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict"])
+def test_a_long_sequence_among_short_ones_gets_its_own_pass(namespace, monkeypatch):
+    """Padding 30 short sequences to one of 300 tokens would be 30 x 300 padded tokens for 340 real ones:
+    the long one runs in a pass of its own (PAD_RATIO), the short ones padded to 2."""
+    rng = np.random.default_rng(41)
+    lengths = np.array([1] * 20 + [300] + [2] * 10)
+    q, k, v = _packed_inputs(rng, lengths)
+    calls = []
+    real = nl._batched
+    monkeypatch.setattr(nl, "_batched", lambda *a, **kw: calls.append(a[0].shape[:2]) or real(*a, **kw))
+    to = _namespace(namespace)
+    spec = rotary.RopeSpec(6, base=1000.0)
+    o, st = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]),
+                                    causal=True, decay=0.9, spec=spec, seq_axis=0, chunk=16, return_state=True,
+                                    backend="numpy")
+    assert sorted(calls) == [(1, 300), (30, 2)]
+    _assert_packed_matches_oracle(np.asarray(o), q, k, v, lengths, spec, causal=True, decay=0.9)
+    assert np.asarray(st.S).shape == (31, 2, 6, 3) and st.next_position.tolist() == lengths.tolist()
+
+
+def test_packed_batch_in_cache_sized_blocks(groups):
+    """With small group caps the padded batch runs in blocks of sequences (one per block here): the same
+    results, states back in sequence order."""
+    rng = np.random.default_rng(42)
+    lengths = np.array([3, 0, 9, 1, 5, 2])
+    q, k, v = _packed_inputs(rng, lengths)
+    spec = rotary.RopeSpec(6)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    kw = dict(cu_seqlens=cu, causal=True, spec=spec, seq_axis=0, chunk=4, return_state=True, backend="numpy")
+    o, st = rotary.linear_attention(q, k, v, **kw)
+    _assert_packed_matches_oracle(o, q, k, v, lengths, spec, causal=True)
+    for n in range(len(lengths)):                  # each sequence's state is its own call's
+        one = rotary.linear_attention(q[cu[n]:cu[n + 1]], k[cu[n]:cu[n + 1]], v[cu[n]:cu[n + 1]],
+                                      **dict(kw, cu_seqlens=[0, lengths[n]]))[1]
+        assert _rel_rms(st.S[n], one.S[0]) <= 1e-12 and _rel_rms(st.z[n], one.z[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_plan_covers_every_token_once(seed):
+    """plan_buckets: every packed token has one padded slot and comes back from it; each bucket within its
+    caps and PAD_RATIO; state_rows puts the per-bucket rows back in sequence order."""
+    from rotary.backends import _padded_batch as pb
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 40, size=int(rng.integers(1, 60)))
+    if seed % 2:
+        lengths[rng.integers(0, lengths.size)] = int(rng.integers(100, 500))   # a long one among short ones
+    if seed == 4:
+        lengths[:] = 0
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    max_rows = int(rng.integers(1, 20))
+    plan = pb.plan_buckets(cu, max_rows=max_rows, max_elements=4096, token_cost=8, chunk=16)
+    T = int(cu[-1])
+    slots = np.concatenate([b.gather for b in plan.buckets]) if plan.buckets else np.zeros(0, np.int64)
+    assert np.array_equal(slots[plan.scatter], np.arange(T))
+    assert np.array_equal(np.sort(slots[slots < T]), np.arange(T))
+    for b in plan.buckets:
+        assert b.width == b.lengths.max() and b.lengths.min() > 0 and np.array_equal(lengths[b.ids], b.lengths)
+        if b.ids.size > 1:
+            assert b.ids.size <= max_rows and b.ids.size * min(b.width, 16) * 8 <= 4096
+            assert b.ids.size * b.width <= pb.PAD_RATIO * b.lengths.sum()
+    order = np.concatenate([b.ids for b in plan.buckets] + [plan.empty])
+    assert np.array_equal(order if plan.state_rows is None else order[plan.state_rows], np.arange(lengths.size))
+    assert np.array_equal(plan.empty, np.flatnonzero(lengths == 0))

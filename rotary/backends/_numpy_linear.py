@@ -21,12 +21,16 @@ the work dtype, which is still no more roundings than the generic path's per-chu
 sizes keep the temporaries cache-sized (``_GROUP_ELEMENTS``, ``_STATE_ELEMENTS``) and their buffers are
 reused across groups. Rotation: ``x * cos_full + swap(x) * sin_signed``, the same products as
 ``_rotate_xp``. The returned state has the work dtype, as before.
+
+A packed batch (``cu_seqlens``) runs as padded batches of its sequences through the same two paths
+(``_packed_sequences``).
 """
 
 from __future__ import annotations
 
 from array_api_compat import array_namespace, device as xp_device, is_numpy_array
 
+from ._padded_batch import gather_padded, merge_sequences, merge_tokens, plan_buckets
 from ._xp_rotate import _compute_dtype, _rotate_xp, gather_rows
 
 FEATURE_MAPS = ("elu", "relu", "identity")
@@ -80,14 +84,20 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 
     ``cu_seqlens`` (N + 1 offsets; q, k, v of batch 1, rows (1, T)): a packed batch, sequence n its
     tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 with state and decay row n; states (N, Hk, ...).
-    The reference runs the sequences one after another on views (one call of this function).
+    It runs as padded batches of sequences, not sequence by sequence (``_packed_sequences``).
     """
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {feature_map!r}")
+    kw = dict(rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map, eps=eps, chunk=chunk,
+              normalize=normalize)
     if cu_seqlens is not None:
-        return _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay,
-                                 dict(rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map,
-                                      eps=eps, chunk=chunk, normalize=normalize))
+        return _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay, kw)
+    return _batched(q, k, v, cos, sin, rows, state=state, decay=decay, **kw)
+
+
+def _batched(q, k, v, cos, sin, rows, *, state, decay, lengths=None, **kw):
+    """linear_attention on a (B, S, ...) batch: GQA heads expanded, then the NumPy path or the generic one.
+    ``lengths`` (B,): row b's tokens past lengths[b] are padding (see ``_linear_attention_xp``)."""
     xp = array_namespace(q, k, v)
     groups = q.shape[2] // k.shape[2] if k.shape[2] else 1
     k, v = _expand_heads(xp, k, groups, 2), _expand_heads(xp, v, groups, 2)
@@ -102,55 +112,86 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         decay = np.repeat(np.asarray(decay, np.float64), groups, axis=1)
         if np.all(decay == 1):
             decay = None
-    kw = dict(rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map, eps=eps, chunk=chunk,
-              state=state, normalize=normalize)
     if decay is None and all(is_numpy_array(a) for a in (q, k, v, cos, sin)) and (
             state is None or all(is_numpy_array(s) for s in state)):
-        o, (S, z) = _linear_attention_numpy(q, k, v, cos, sin, rows, **kw)
+        o, (S, z) = _linear_attention_numpy(q, k, v, cos, sin, rows, state=state, **kw)
     else:
-        o, (S, z) = _linear_attention_xp(q, k, v, cos, sin, rows, decay=decay, **kw)
+        o, (S, z) = _linear_attention_xp(q, k, v, cos, sin, rows, state=state, decay=decay, lengths=lengths, **kw)
     if groups > 1:
         S, z = S[:, ::groups, ...], z[:, ::groups, ...]
     return o, (S, z)
 
 
+#: an input that each feature map takes to 0 (phi(-inf) = exp(-inf) + max(-inf, 0) = 0 for elu + 1)
+_ZERO_FEATURE_INPUT = {"elu": -float("inf"), "relu": 0.0, "identity": 0.0}
+
+
 def _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay, kw):
-    """linear_attention over the sequences of a packed batch, each on its views; states stacked (N, ...)."""
+    """A packed batch as padded (nb, W, ...) batches (``_padded_batch``), the per-sequence states and decay
+    rows as their batch, one ``_batched`` call each; outputs back in packed order, states stacked (N, ...).
+
+    torch, JAX, array-api-strict arrays: one padded batch of all sequences. NumPy arrays: the sequences
+    sorted by length in cache-sized blocks (rows' states within ``_STATE_ELEMENTS``, chunk temporaries
+    within ``_GROUP_ELEMENTS``, as the token groups of ``_linear_attention_numpy``), each padded to its own
+    longest; a small batch is one block. Either way a sequence that would take a batch past
+    ``_padded_batch.PAD_RATIO`` x its real tokens in padding starts a batch of its own.
+
+    A padded slot adds nothing: its key is an input the feature map takes to exactly 0
+    (``_ZERO_FEATURE_INPUT``; phi(0) is 1 for elu), its value 0, so it adds nothing to S, z or another
+    token's output; with decay the state is read at each sequence's last real token (``lengths``), not
+    decayed through the padding. Padded queries are 0, their outputs dropped. An empty sequence is in no
+    batch and keeps its state (zeros without one).
+    """
     import numpy as np
 
     xp = array_namespace(q, k, v)
-    cu = [int(c) for c in np.asarray(cu_seqlens).reshape(-1)]
-    n_seq = len(cu) - 1
-    B, T, H, m = q.shape
-    Hk, dv = k.shape[2], v.shape[3]
-    work = _compute_dtype(q.dtype, xp)
     dev = xp_device(q)
-    pieces, s_out, z_out = [], [], []
-    for n in range(n_seq):
-        t0, t1 = cu[n], cu[n + 1]
+    work = _compute_dtype(q.dtype, xp)
+    _, T, H, m = q.shape
+    Hk, dv = k.shape[2], v.shape[3]
+    if is_numpy_array(q):   # cache-sized blocks of sequences, as the token groups of _linear_attention_numpy
+        plan = plan_buckets(cu_seqlens, max_rows=max(1, _STATE_ELEMENTS // max(1, H * m * dv)),
+                            max_elements=_GROUP_ELEMENTS, token_cost=H * max(m, dv), chunk=int(kw["chunk"]))
+    else:
+        plan = plan_buckets(cu_seqlens)
+    packed = [(x[0, ...], 0) for x in (q, v)] + [(k[0, ...], _ZERO_FEATURE_INPUT[kw["feature_map"]]),
+                                                  (xp.reshape(rows, (-1,)), 0)]
+    outs, S_parts, z_parts = [], [], []
+    for bucket in plan.buckets:
+        nb, width = bucket.ids.size, bucket.width
+        qb, vb, kb, rb = (xp.reshape(gather_padded(xp, x, bucket.gather, fill), (nb, width) + tuple(x.shape[1:]))
+                          for x, fill in packed)
         st = None
         if state is not None:
-            st = (state[0][n:n + 1], None if state[1] is None else state[1][n:n + 1])
-        dn = None if decay is None else np.asarray(decay)[n:n + 1]
-        if t1 > t0:
-            o, (S, z) = linear_attention(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], cos, sin, rows[:, t0:t1], state=st,
-                                         decay=dn, **kw)
-            pieces.append(o)
-        elif st is not None:   # an empty sequence keeps its state
-            S = xp.astype(st[0], work)
-            z = xp.zeros((1, Hk, m), dtype=work, device=dev) if st[1] is None else xp.astype(st[1], work)
+            ids = xp.asarray(bucket.ids, device=xp_device(state[0]))
+            st = tuple(None if s is None else xp.take(s, ids, axis=0) for s in state)
+        o, (S, z) = _batched(qb, kb, vb, cos, sin, rb, state=st,
+                             decay=None if decay is None else np.asarray(decay)[bucket.ids],
+                             lengths=bucket.lengths, **kw)
+        outs.append(xp.reshape(o, (nb * width, H, dv)))
+        S_parts.append(S)
+        z_parts.append(z)
+    if plan.empty.size:                                   # empty sequences keep their state (or zeros)
+        ne = int(plan.empty.size)
+        if state is None:
+            S_parts.append(xp.zeros((ne, Hk, m, dv), dtype=work, device=dev))
+            z_parts.append(xp.zeros((ne, Hk, m), dtype=work, device=dev))
         else:
-            S, z = xp.zeros((1, Hk, m, dv), dtype=work, device=dev), xp.zeros((1, Hk, m), dtype=work, device=dev)
-        s_out.append(S)
-        z_out.append(z)
-    o = xp.concat(pieces, axis=1) if pieces else xp.zeros((B, T, H, dv), dtype=q.dtype, device=dev)
-    if n_seq == 0:
+            ids = xp.asarray(plan.empty, device=xp_device(state[0]))
+            S_parts.append(xp.astype(xp.take(state[0], ids, axis=0), work))
+            z_parts.append(xp.zeros((ne, Hk, m), dtype=work, device=dev) if state[1] is None else
+                           xp.astype(xp.take(state[1], ids, axis=0), work))
+    if not outs:
+        o = xp.zeros((1, T, H, dv), dtype=q.dtype, device=dev)
+    else:
+        o = xp.reshape(merge_tokens(xp, plan, outs), (1, T, H, dv))
+    if not S_parts:
         return o, (xp.zeros((0, Hk, m, dv), dtype=work, device=dev), xp.zeros((0, Hk, m), dtype=work, device=dev))
-    return o, (xp.concat(s_out, axis=0), xp.concat(z_out, axis=0))
+    return o, (merge_sequences(xp, plan, S_parts), merge_sequences(xp, plan, z_parts))
 
 
 def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                         normalize=True, decay=None):
+                         normalize=True, decay=None, lengths=None):
     """The generic array-API path (torch, JAX, array-api-strict, NumPy with decay): a Python loop over chunks.
 
     With decay (causal only; (B, H) float64 gammas), relative powers within a chunk of n rows::
@@ -160,6 +201,11 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
         S <- gamma^n S + sum_j gamma^(n-1-j) B̂_j V_j^T,   z <- z_(n-1)
 
     Every power has an exponent in 0..n (no gamma^-t), so it is exact for gamma near 0 and near 1.
+    ``lengths`` (B,), for a padded batch whose padded tokens have zero features and values: the state is
+    the one after row b's first lengths[b] tokens. Padding adds nothing, but with decay it would still
+    decay the state, so there n becomes each row's real tokens in the chunk, n_b (0 past its end)::
+
+        S <- gamma^n_b S + sum_{j<n_b} gamma^(n_b-1-j) B̂_j V_j^T,   z <- gamma^n_b z + sum_{j<n_b} gamma^(n_b-1-j) B_j
     """
     xp = array_namespace(q, k, v)
     dev = xp_device(q)
@@ -221,19 +267,39 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
                 num = xp.matmul(ahat, S) + xp.matmul(scores, vc)
                 z_rows = z[:, :, None, :] + xp.cumulative_sum(bc, axis=-2)            # z after each row
                 S = S + xp.matmul(xp.matrix_transpose(bhat), vc)
+                z_next = z_rows[:, :, -1, :]
             else:
                 d = dmask[:, :, :n, :n]                                              # gamma^(i-j), j <= i
                 inter = pw[:, :, 1:n + 1, None]                                      # gamma^(i+1)
                 num = xp.matmul(ahat, S) * inter + xp.matmul(scores * d, vc)
                 z_rows = z[:, :, None, :] * inter + xp.matmul(d, bc)
-                tail = rev[:, :, n_max - n + 1:n_max + 1, None]                      # gamma^(n-1-j)
-                S = S * pw[:, :, n:n + 1, None] + xp.matmul(xp.matrix_transpose(bhat * tail), vc)
+                if lengths is None:
+                    tail = rev[:, :, n_max - n + 1:n_max + 1, None]                  # gamma^(n-1-j)
+                    keep = pw[:, :, n:n + 1]                                         # gamma^n
+                    z_next = z_rows[:, :, -1, :]
+                else:                                                                # padded rows: n_b real
+                    tail, keep = (xp.asarray(w.astype(host), device=dev)
+                                  for w in _real_token_weights(pw64, np.asarray(lengths) - s0, n))
+                    z_next = z * keep + xp.sum(bc * tail, axis=-2)
+                S = S * keep[..., None] + xp.matmul(xp.matrix_transpose(bhat * tail), vc)
             den = xp.sum(ac * z_rows, axis=-1, keepdims=True)
             pieces.append(finish(num, den))
-            z = z_rows[:, :, -1, :]
+            z = z_next
     o = xp.concat(pieces, axis=-2) if pieces else xp.zeros((B, H, 0, dv), dtype=work, device=dev)
     o = xp.astype(xp.permute_dims(o, (0, 2, 1, 3)), q.dtype)                        # (B, T, H, dv)
     return o, (S, z)
+
+
+def _real_token_weights(pw64, remaining, n):
+    """float64 (B, H, n, 1) gamma^(n_b-1-j) for j < n_b, else 0, and (B, H, 1) gamma^n_b, with n_b the
+    real tokens of row b in a chunk of n rows (``remaining`` (B,) clipped to 0..n); pw64 (B, H, >n) gamma^j."""
+    import numpy as np
+
+    n_b = np.clip(remaining, 0, n)
+    expo = n_b[:, None] - 1 - np.arange(n)                                          # (B, n)
+    tail = np.where(expo[:, None, :] >= 0, np.take_along_axis(pw64, np.maximum(expo, 0)[:, None, :], axis=-1), 0.0)
+    keep = np.take_along_axis(pw64, n_b[:, None, None], axis=-1)
+    return tail[..., None], keep
 
 
 # -- NumPy: chunkwise-parallel form ------------------------------------------------------------------
