@@ -337,10 +337,11 @@ def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inve
 
 # -- linear attention: chunk products and the chunk loop ---------------------------------------------
 @njit(cache=True)
-def keep_alive(array):
-    """A use of ``array``: Numba releases a variable after its last use, so a call at the end of a kernel
-    keeps the owner of borrowed views alive until then."""
-    return array.size
+def keep_alive(arrays):
+    """A use of each array of the tuple ``arrays``: Numba releases a variable after its last use, so a call
+    at the end of a kernel keeps the owners of borrowed views alive until then (one call with a tuple:
+    one compiled signature per kernel, not one per array type)."""
+    return len(arrays)
 
 
 @njit(cache=True)
@@ -637,23 +638,14 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
             for i in range(n):
                 scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
                 store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
-    new_s[sb, hk] = carried_s
-    new_z[sb, hk] = carried_z[:m]
-    keep_alive(a_plain_own)
-    keep_alive(k_plain_own)
-    keep_alive(z_rows_own)
-    keep_alive(a_hat_own)
-    keep_alive(k_hat_t_own)
-    keep_alive(values_own)
-    keep_alive(scores_own)
-    keep_alive(num_own)
-    keep_alive(s_chunk_own)
-    keep_alive(s_work_own)
-    keep_alive(carried_s_own)
-    keep_alive(carried_z_own)
-    keep_alive(pw_own)
-    keep_alive(pw_work_own)
-    keep_alive(phi_own)
+    # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
+    # error message (f-strings, str, join: ~8 s of the first call's compile time)
+    for j in range(m):
+        new_z[sb, hk, j] = carried_z[j]
+        for c in range(dv):
+            new_s[sb, hk, j, c] = carried_s[j, c]
+    keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
+                s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own))
 
 
 @njit(nogil=True, cache=True)
@@ -680,19 +672,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
         linear_attention_head(bq, bk, bv, bo, bgeo, bcos, bsin, brows, bss, bsz, bns, bnz, b, sb, t_first,
                               task - sb * n_heads, length, half, rotary_dim, interleaved, causal, feature_map,
                               eps, chunk, groups, bpow, decayed, normalize)
-    keep_alive(q)
-    keep_alive(k)
-    keep_alive(v)
-    keep_alive(o)
-    keep_alive(geo)
-    keep_alive(cos)
-    keep_alive(sin)
-    keep_alive(rows)
-    keep_alive(powers)
-    keep_alive(state_s)
-    keep_alive(state_z)
-    keep_alive(new_s)
-    keep_alive(new_z)
+    keep_alive((q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z))
 
 
 @njit(cache=True)
@@ -808,14 +788,5 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                         den += a_plain[g, j] * np.float64(new_z[b, hk, j])
                     scale = 1.0 / (den + eps)
                 store_row(o, geo[3], b, 0, hk * groups + g, acc[g], dv, scale)
-    keep_alive(b_plain_own)
-    keep_alive(b_hat_own)
-    keep_alive(a_plain_own)
-    keep_alive(a_hat_own)
-    keep_alive(vals_own)
-    keep_alive(acc_own)
-    keep_alive(phi_own)
-    keep_alive(keep[0])
-    keep_alive(keep[3])
-    keep_alive(keep[8])
-    keep_alive(keep[10])
+    keep_alive((b_plain_own, b_hat_own, a_plain_own, a_hat_own, vals_own, acc_own, phi_own, keep[0], keep[3],
+                keep[8], keep[10]))
