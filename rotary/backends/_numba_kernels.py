@@ -540,7 +540,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     phi_own = np.empty(m, work)
     phi = borrowed(phi_own)
     width = tile_width(phi)
-    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, TILE_ROWS)
+    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
     m_f64 = padded(m, lanes(np.empty(0, np.float64)))
     a_plain_own = np.zeros((cp, m_f64))
     a_plain = borrowed(a_plain_own)
@@ -762,16 +762,19 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     acc = borrowed(acc_own)
     phi_own = np.empty(m, work)
     phi = borrowed(phi_own)
+    # token 0, one token: int64 values, not literal constants, so the helpers below reuse the versions the
+    # chunk kernel compiled (a literal argument would compile a version of each of its own)
+    t0, one = np.int64(0), np.int64(1)
     for b in range(n_batch):
         for hk in range(n_kv):
             gamma = powers[b, hk, 1] if decayed else 1.0
             phi[0] = gamma
             gw = phi[0]                                 # gamma in the work dtype
-            load_features(k, geo[1], b, hk, 0, 1, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
+            load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
                           b_plain, b_hat, False)
-            load_values(v, geo[2], b, hk, 0, 1, vals, dv)
+            load_values(v, geo[2], b, hk, t0, one, vals, dv)
             for g in range(groups):
-                load_features(q, geo[0], b, hk * groups + g, 0, 1, cos, sin, rows, half, rotary_dim, interleaved,
+                load_features(q, geo[0], b, hk * groups + g, t0, one, cos, sin, rows, half, rotary_dim, interleaved,
                               feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], False)
                 acc_row = acc[g]
                 for c in range(dv):
@@ -787,6 +790,6 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                     for j in range(m):
                         den += a_plain[g, j] * np.float64(new_z[b, hk, j])
                     scale = 1.0 / (den + eps)
-                store_row(o, geo[3], b, 0, hk * groups + g, acc[g], dv, scale)
+                store_row(o, geo[3], b, t0, hk * groups + g, acc[g], dv, scale)
     keep_alive((b_plain_own, b_hat_own, a_plain_own, a_hat_own, vals_own, acc_own, phi_own, keep[0], keep[3],
                 keep[8], keep[10]))
