@@ -201,11 +201,12 @@ def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq
     (a prepared caller passes positions with shift = -table start and grows the table then)."""
     if not rows_in_table(rows, shift, cos.shape[0]):
         return False
+    q_item, k_item = np.int64(0), np.int64(1)   # not literals: one compiled rotate_token for both
     for t in prange(n_tokens):
-        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                     inverse)
-        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                     inverse)
+        rotate_token(t, xq, oq, geo, q_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
+                     interleaved, inverse)
+        rotate_token(t, xk, ok, geo, k_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
+                     interleaved, inverse)
     return True
 
 
@@ -217,11 +218,12 @@ def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_l
     cos, sin, rows = borrowed(cos), borrowed(sin), borrowed(rows)
     if not rows_in_table(rows, shift, cos.shape[0]):
         return False
+    q_item, k_item = np.int64(0), np.int64(1)   # not literals: one compiled rotate_token for both
     for t in range(n_tokens):
-        rotate_token(t, xq, oq, geo, 0, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                     inverse)
-        rotate_token(t, xk, ok, geo, 1, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                     inverse)
+        rotate_token(t, xq, oq, geo, q_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
+                     interleaved, inverse)
+        rotate_token(t, xk, ok, geo, k_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
+                     interleaved, inverse)
     return True
 
 
