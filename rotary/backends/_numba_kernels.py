@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.core.imputils import lower_builtin
+from numba.extending import intrinsic, overload, type_callable
 
 from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
     VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
@@ -115,19 +116,21 @@ def borrowed(array):
     return array
 
 
-@overload(borrowed)
-def _borrowed_impl(array):
-    return lambda array: _borrowed(array)
+# typed and lowered in place (a typing template and a lowering, not an @overload): no function of its own
+# to compile per array type (an overload compiled one for each of ~25 array types, ~1.5 s of first calls)
+@type_callable(borrowed)
+def _type_borrowed(context):
+    def typer(array):
+        if isinstance(array, types.Array):
+            return array
+    return typer
 
 
-@intrinsic
-def _borrowed(typingctx, array):
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(array)(context, builder, args[0])
-        ary.meminfo = ir.Constant(ary.meminfo.type, None)
-        return ary._getvalue()
-
-    return array(array), codegen
+@lower_builtin(borrowed, types.Array)
+def _lower_borrowed(context, builder, signature, args):
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    ary.meminfo = ir.Constant(ary.meminfo.type, None)
+    return ary._getvalue()
 
 
 @njit(cache=True)
@@ -338,12 +341,24 @@ def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inve
 
 
 # -- linear attention: chunk products and the chunk loop ---------------------------------------------
-@njit(cache=True)
 def keep_alive(arrays):
     """A use of each array of the tuple ``arrays``: Numba releases a variable after its last use, so a call
-    at the end of a kernel keeps the owners of borrowed views alive until then (one call with a tuple:
-    one compiled signature per kernel, not one per array type)."""
+    at the end of a kernel keeps the owners of borrowed views alive until then. Compiled, it is typed and
+    lowered in place (nothing to compile of its own), like :func:`borrowed`."""
     return len(arrays)
+
+
+@type_callable(keep_alive)
+def _type_keep_alive(context):
+    def typer(arrays):
+        if isinstance(arrays, types.BaseTuple):
+            return types.intp
+    return typer
+
+
+@lower_builtin(keep_alive, types.BaseTuple)
+def _lower_keep_alive(context, builder, signature, args):
+    return context.get_constant(types.intp, len(signature.args[0]))
 
 
 @njit(cache=True)
@@ -406,7 +421,7 @@ def matmul_tiles(a, b, c, rows, depth, cols):
     width = tile_width(c[0])
     for i0 in range(0, rows, TILE_ROWS):
         for j0 in range(0, cols, width):
-            madd_tile(a, b, c, i0, j0, depth, False)
+            madd_tile(a, b, c, i0, j0, depth, np.bool_(False))   # a run-time bool: no literal version
 
 
 @njit(cache=True)
@@ -419,7 +434,7 @@ def dot_f64(x, y):
     return vsum(acc)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")   # one call site: inlined, no compile of its own
 def rotate_features(x, y, cos_row, sin_row, half, rotary_dim, m, interleaved):
     """y[:m] = R x[:m] for one feature row: on each pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``
     (pairs (p, p + half) or (2p, 2p + 1)), y_j = x_j from rotary_dim on."""
@@ -498,7 +513,7 @@ def store_row(o, g, b, t, h, acc, dv, scale):
             store(o, base + j * g[4], acc[j] * scale)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")   # one call site: inlined, no compile of its own
 def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
     """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
     s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied)."""
@@ -581,10 +596,13 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
         for c in range(dv):
             s_work[j, c] = carried_s[j, c]
     out_geo = geo[3]
+    # run-time bools, not literal constants: one compiled madd_tile and load_features serve every call site
+    fresh, accumulate = np.bool_(False), np.bool_(True)
+    as_rows, as_columns = np.bool_(False), np.bool_(True)
     for t0 in range(0, seq_len, chunk):
         n = min(chunk, seq_len - t0)
         load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                      feature_map, phi, k_plain, k_hat_t, True)
+                      feature_map, phi, k_plain, k_hat_t, as_columns)
         load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
         for i in range(n):
             k_row = k_plain[i]
@@ -601,11 +619,11 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
         for g in range(groups if causal else 0):
             h = hk * groups + g
             load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                          feature_map, phi, a_plain, a_hat, False)
+                          feature_map, phi, a_plain, a_hat, as_rows)
             for i0 in range(0, n, TILE_ROWS):
                 end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
                 for j0 in range(0, end, width):
-                    madd_tile(a_hat, k_hat_t, scores, i0, j0, m, False)
+                    madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
                 for i in range(i0, end):
                     for j in range(i + 1, end):
                         scores[i, j] = 0
@@ -613,13 +631,13 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                         for j in range(i + 1):
                             scores[i, j] *= pw_work[i - j]
                 for j0 in range(0, dv, width):
-                    madd_tile(a_hat, s_work, num, i0, j0, m, False)
+                    madd_tile(a_hat, s_work, num, i0, j0, m, fresh)
                     if decayed:
                         for i in range(i0, end):
                             num_row = num[i]
                             for j in range(j0, j0 + width):
                                 num_row[j] *= pw_work[i + 1]
-                    madd_tile(scores, values, num, i0, j0, end, True)
+                    madd_tile(scores, values, num, i0, j0, end, accumulate)
                 for i in range(i0, end):
                     scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
                     store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
@@ -635,7 +653,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
         for t0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - t0)
             load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                          feature_map, phi, a_plain, a_hat, False)
+                          feature_map, phi, a_plain, a_hat, as_rows)
             matmul_tiles(a_hat, s_work, num, n, m, dv)
             for i in range(n):
                 scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
@@ -764,20 +782,21 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     acc = borrowed(acc_own)
     phi_own = np.empty(m, work)
     phi = borrowed(phi_own)
-    # token 0, one token: int64 values, not literal constants, so the helpers below reuse the versions the
-    # chunk kernel compiled (a literal argument would compile a version of each of its own)
+    # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
+    # the chunk kernel compiled (a literal argument would compile a version of each of its own)
     t0, one = np.int64(0), np.int64(1)
+    as_rows = np.bool_(False)
     for b in range(n_batch):
         for hk in range(n_kv):
             gamma = powers[b, hk, 1] if decayed else 1.0
             phi[0] = gamma
             gw = phi[0]                                 # gamma in the work dtype
             load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
-                          b_plain, b_hat, False)
+                          b_plain, b_hat, as_rows)
             load_values(v, geo[2], b, hk, t0, one, vals, dv)
             for g in range(groups):
                 load_features(q, geo[0], b, hk * groups + g, t0, one, cos, sin, rows, half, rotary_dim, interleaved,
-                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], False)
+                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], as_rows)
                 acc_row = acc[g]
                 for c in range(dv):
                     acc_row[c] = 0
