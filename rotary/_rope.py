@@ -6,7 +6,9 @@ made for ``max_positions`` up front; far from 0, a cached window of it, so decod
 table stays on the prepared path); the first call with a new geometry (shapes, strides, seq_axis,
 in place or not) is validated by the full frontend, and later calls with the same geometry reuse
 the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
-call only reads positions, allocates outputs and launches. Anything else (array types other than
+call only reads positions, allocates outputs and launches. On Numba the positions go to the kernel as
+they are (with the table's start as a shift): the kernel checks them against the table and writes
+nothing when one falls outside; Rope then grows the table and launches again. Anything else (array types other than
 NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, positions outside the table)
 takes the general path of :func:`rotary.apply_qk`, with the same results.
 
