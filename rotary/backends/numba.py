@@ -263,7 +263,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     return o, (new_s, new_z)
 
 
-#: (q, k, v shapes and dtype) -> the (4, 5) geometry of C-contiguous q, k, v and o (see _one_token_step)
+#: (q, k, v shapes) -> the (4, 5) geometry of C-contiguous q, k, v and o (see _one_token_step)
 _step_geo_cache: dict = {}
 
 
@@ -299,8 +299,9 @@ def _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_
     qb.flags.writeable = kb.flags.writeable = vb.flags.writeable = False
     S0, z0, cos, sin, rows = [_readonly(a) if a.flags.writeable else a for a in (S0, z0, cos, sin, rows)]
     kernels.linear_attention_step(qb, kb, vb, o.reshape(-1), geo, cos, sin, rows, S0, z0, new_s, new_z,
-                                  rotary_dim // 2, rotary_dim, layout == "interleaved", kernels.FEATURE_MAPS[feature_map],
-                                  float(eps), H // Hk, _NO_POWERS, False, bool(normalize))
+                                  rotary_dim // 2, rotary_dim, layout == "interleaved",
+                                  kernels.FEATURE_MAPS[feature_map], float(eps), H // Hk, _NO_POWERS, False,
+                                  bool(normalize))
     return o, (new_s, new_z)
 
 
