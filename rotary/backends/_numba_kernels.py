@@ -177,8 +177,8 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     xi = element_offset(geo[item, GEO_X], geo[item, GEO_X + 1], geo[item, GEO_X + 2], 0, b, s, 0)
     oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2], 0, b, s, 0)
     if xsd == 1 and osd == 1 and not copy_tail and simd_covers(x, o, cos, sin, half):
-        for h in range(heads):   # unit-stride heads whose pairs fill whole registers: the common case
-            rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+        # unit-stride heads whose pairs fill whole registers (the common case): all heads in one call
+        rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse)
         return
     for h in range(heads):
         rotate_vector(x, xi + h * xsh, xsd, o, oi + h * osh, osd, cos, sin, row, half, rotary_dim, head_dim,
@@ -312,30 +312,45 @@ def _simd_covers_impl(x, o, cos, sin, half):
     return lambda x, o, cos, sin, half: half % n == 0
 
 
+def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+    """:func:`rotate_pairs_simd` on the ``heads`` unit-stride vectors x[xi + h*xsh:] into o[oi + h*osh:]
+    (h < heads), all with table row ``row``, in one call (a compiled call per head, its arguments passed
+    on the stack, cost about as much as rotating a head of 128); returns the pairs done per head."""
+    return 0
+
+
 @overload(rotate_pairs_simd)
 def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+    return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: rotate_heads_simd(
+        x, xi, 0, o, oi, 0, 1, cos, sin, row, half, interleaved, inverse)
+
+
+@overload(rotate_heads_simd)
+def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
-        return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
+        return lambda x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse: 0
 
-    def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+    def impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
         table = np.int64(row) * cos.shape[1]
         done = half - half % n
-        for i in range(0, done, n):
-            c = _vload_flat(cos, table + i)
-            s = _vload_flat(sin, table + i)
-            if inverse:
-                s = _vneg(s)
-            if interleaved:
-                xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
-                lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
-                _vstore_flat(o, oi + 2 * i, lo)
-                _vstore_flat(o, oi + 2 * i + n, hi)
-            else:
-                xa = _vload_flat(x, xi + i)
-                xb = _vload_flat(x, xi + half + i)
-                _vstore_flat(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
-                _vstore_flat(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
+        for h in range(heads):
+            xh, oh = xi + h * xsh, oi + h * osh
+            for i in range(0, done, n):
+                c = _vload_flat(cos, table + i)
+                s = _vload_flat(sin, table + i)
+                if inverse:
+                    s = _vneg(s)
+                if interleaved:
+                    xa, xb = _vdeinterleave(_vload_flat(x, xh + 2 * i), _vload_flat(x, xh + 2 * i + n))
+                    lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
+                    _vstore_flat(o, oh + 2 * i, lo)
+                    _vstore_flat(o, oh + 2 * i + n, hi)
+                else:
+                    xa = _vload_flat(x, xh + i)
+                    xb = _vload_flat(x, xh + half + i)
+                    _vstore_flat(o, oh + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
+                    _vstore_flat(o, oh + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
         return done
     return impl
 
