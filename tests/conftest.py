@@ -18,3 +18,24 @@ def backend_params():
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def run_in_threads(work, n_threads, timeout=240):
+    """Run ``work(i)`` on threads i = 0 .. n_threads-1 at once and return what they raised (a list, empty
+    when none did); each work function does its own checks."""
+    import threading
+
+    errors = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return errors

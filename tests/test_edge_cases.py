@@ -2,7 +2,6 @@
 SIMD pairs and cached geometry, NumPy chunkwise-parallel linear attention), checked against the
 float64 oracles of rotary.testing or against exact equality with another path."""
 
-import threading
 import warnings
 
 import numpy as np
@@ -12,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import rotary
 from rotary.testing import assert_close, linear_attention_quadratic, rope_complex
 
-from .conftest import AVAILABLE
+from .conftest import AVAILABLE, run_in_threads
 
 CPU = [b for b in ("numpy", "numba") if b in AVAILABLE]
 DTYPES = [np.float16, np.float32, np.float64]
@@ -209,27 +208,18 @@ def test_numba_geometry_cache_same_shape_other_layouts(rng):
 
 
 def test_threads_share_table_and_geometry_caches():
-    errors = []
-
     def work(seed):
         r = np.random.default_rng(seed)
-        try:
-            for j in range(24):
-                S, D = int(r.integers(1, 40)), int(r.choice([8, 16, 64]))
-                dtype, backend = DTYPES[j % 3], CPU[j % len(CPU)]
-                x = r.standard_normal((2, S, 3, D)).astype(dtype)
-                off = int(r.integers(0, 3000))
-                spec = rotary.RopeSpec(D, base=(10000.0, 500000.0)[seed % 2])
-                y = rotary.apply(x, off, spec=spec, seq_axis=1, backend=backend)
-                assert_close(y, oracle(x, np.arange(S) + off, spec, 1), like=x)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for j in range(24):
+            S, D = int(r.integers(1, 40)), int(r.choice([8, 16, 64]))
+            dtype, backend = DTYPES[j % 3], CPU[j % len(CPU)]
+            x = r.standard_normal((2, S, 3, D)).astype(dtype)
+            off = int(r.integers(0, 3000))
+            spec = rotary.RopeSpec(D, base=(10000.0, 500000.0)[seed % 2])
+            y = rotary.apply(x, off, spec=spec, seq_axis=1, backend=backend)
+            assert_close(y, oracle(x, np.arange(S) + off, spec, 1), like=x)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_in_threads(work, 4)
     assert not errors, errors[0]
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import rotary
 from rotary.testing import assert_close, linear_attention_quadratic, rope_complex
+
+from .conftest import run_in_threads
 
 numba_backend = pytest.importorskip("rotary.backends.numba", reason="numba not installed")
 
@@ -51,21 +52,15 @@ def test_fork_pool_after_parallel_kernels():
 
 
 def test_parallel_kernel_from_several_threads():
-    errors = []
+    results = []
 
     def work(seed):
-        try:
-            for _ in range(3):
-                errors.append(_rotation_error(seed))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        for _ in range(3):
+            results.append(_rotation_error(seed))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert len(errors) == 9 and all(isinstance(e, float) and e < 2e-5 for e in errors), errors
+    errors = run_in_threads(work, 3)
+    assert not errors, errors[0]
+    assert len(results) == 9 and all(e < 2e-5 for e in results), results
 
 
 @pytest.mark.parametrize("shape, parallel", [((32, 1, 40, 128), False),     # decode B=32: one token each
