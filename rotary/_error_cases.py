@@ -196,6 +196,10 @@ def _cases() -> list:
         ErrorCase("from_hf_config head='q'", lambda: _head_spec("q"), ValueError, ("head must be one of", "'q'")),
         ErrorCase("from_hf_config head='indexer' without a DSA config", lambda: _head_spec("indexer"),
                   _config_error(), ("head='indexer'", "index_head_dim")),
+        *[ErrorCase(f"from_hf_config {family} config.json without per-layer-type rope_parameters",
+                    (lambda f=family: _from_config(model_type=f)), _config_error(),
+                    (f"a {family} config.json", "per layer type", "AutoConfig"))
+          for family in ("deepseek_v4", "dots3_note")],
         # -- softmax attention scalars ------------------------------------------------------------
         ErrorCase("attention scale=nan", lambda: _attention(scale=float("nan")), ValueError, ("scale", "finite")),
         ErrorCase("attention scale=inf", lambda: _attention(scale=math.inf), ValueError, ("scale", "finite")),

@@ -230,9 +230,23 @@ def _rope_labels(reader: _Reader) -> tuple:
     return tuple(labels)
 
 
+#: families whose HF config class derives per-layer-type RoPE and head-dim defaults that their config.json
+#: leaves implicit (DeepSeek-V4: head_dim 512, rotary fraction 64/512, "main" and "compress" layers with
+#: compress_rope_theta and YaRN; dots3_note: head_dim 256, sliding-window layers with their own theta and
+#: heads): a dict without per-layer-type rope_parameters would read as one flat spec, wrong for some layers
+CLASS_DERIVED_ROPE_FAMILIES = frozenset({"deepseek_v4", "dots3_note"})
+
+
 def rope_dicts(reader: _Reader) -> tuple[dict | None, dict | None]:
     """(flat rope parameters, per-layer-type dicts) of a config; exactly one is not None (or both None)."""
     params = reader.get("rope_parameters")
+    if (reader.is_dict and _family(reader) in CLASS_DERIVED_ROPE_FAMILIES
+            and not (isinstance(params, Mapping) and params and all(isinstance(v, Mapping) or v is None
+                                                                   for v in params.values()))):
+        raise ConfigError(f"{reader.where}: a {reader.model_type} config.json leaves the RoPE of its layer types "
+                          "(and its head_dim default) to HF's config class; pass the config object "
+                          "(transformers.AutoConfig.from_pretrained(...)) or a dict with rope_parameters per "
+                          "layer type and head_dim")
     if params is not None and not isinstance(params, Mapping):
         raise ConfigError(f"{reader.name('rope_parameters')} must be a dict, got {type(params).__name__}")
     if params:

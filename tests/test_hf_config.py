@@ -229,3 +229,22 @@ def test_from_inv_freq_with_attention_scaling():
         RopeSpec(8, attention_factor=2.0)
     with pytest.raises(ValueError, match="inv_freq must be a 1-D"):
         RopeSpec.from_inv_freq([[1.0]])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "dots3_note"])
+def test_class_derived_rope_families_need_per_layer_rope_parameters(family):
+    """DeepSeek-V4 and dots3_note: HF's config class derives per-layer-type RoPE and head-dim defaults that a
+    config.json leaves implicit, so a bare config.json is a clear error (it used to read as one flat spec of
+    hidden_size // heads), while the config object's own dict (rope_parameters per layer type) still reads
+    as the object does."""
+    bare = {"model_type": family, "hidden_size": 4096, "num_attention_heads": 64, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=f"a {family} config.json leaves the RoPE of its layer types"):
+        RopeSpec.from_hf_config(bare)
+    with pytest.raises(ValueError, match="AutoConfig"):
+        RopeSpec.per_layer_from_hf_config(bare)
+    transformers = pytest.importorskip("transformers")
+    try:
+        config = transformers.AutoConfig.for_model(family)
+    except (ValueError, KeyError) as exc:   # an older transformers without this family
+        pytest.skip(f"transformers {transformers.__version__} has no {family}: {exc}")
+    assert RopeSpec.per_layer_from_hf_config(config.to_dict()) == RopeSpec.per_layer_from_hf_config(config)
