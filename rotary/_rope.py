@@ -168,46 +168,30 @@ class Rope:
         return lo >= 0 and self._grow(lo, hi)
 
     def _rows(self, positions, plan):
-        """int64 (Bp, S) table rows of this call, or None when the general path must take it."""
+        """int64 (Bp, S) table rows of this call (host positions range-checked and shifted to the held
+        table; device positions as they are), or None when the general path must take it."""
         S = plan.seq_len
-        if positions is None:
-            rows = plan.default_rows
-        elif type(positions) is int:
-            if positions == 0:
-                rows = plan.default_rows
-            else:
-                rows = plan.default_rows + positions
-                rows.flags.writeable = False
-        elif type(positions) is np.ndarray and positions.dtype == np.int64:
-            if positions.shape == (S,):
-                rows = positions.reshape(1, S)
-            elif positions.shape == (plan.lead0, S) and plan.batch_rep == 1:
-                rows = positions if positions.flags.c_contiguous else np.ascontiguousarray(positions)
-            else:
-                return None
-            if rows.flags.writeable:
-                rows = rows.view()
-                rows.flags.writeable = False
-        elif plan.device and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
+        if plan.device and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
             # device positions are table rows as they are (no host round trip): the table must start at 0
             if self._table[0] != 0 and not self._grow(0, (self.max_positions or _tables._MIN_ROWS) - 1):
                 return None
             return positions.reshape(1, S) if positions.shape == (S,) else (
                 positions if positions.shape == (plan.lead0, S) and plan.batch_rep == 1 else None)
-        else:
+        given = plan._positions(positions)
+        if given is None:
             return None
+        rows, start = given
         if rows.size:
-            table = self._table
             if rows.size <= 64:   # decode-sized: cheaper in Python than NumPy reductions
                 values = rows.ravel().tolist()
-                lo, hi = min(values), max(values)
+                lo, hi = min(values) + start, max(values) + start
             else:
-                lo, hi = int(rows.min()), int(rows.max())
+                lo, hi = int(rows.min()) + start, int(rows.max()) + start
             if not self._cover(lo, hi):
                 return None
-            table = self._table
-            if table[0]:   # a window far from 0: its row 0 holds position table[0]
-                rows = rows - table[0]
+            shift = start - self._table[0]   # a window far from 0: its row 0 holds position table[0]
+            if shift:
+                rows = rows + shift
         return rows
 
     def _prepare(self, xs, outs, seq_axis, inverse, device_hooks=None):
