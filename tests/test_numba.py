@@ -319,6 +319,41 @@ def test_register_tiles_match_numpy(rng, dtype):
         assert abs(dot_f64(x, y) - x @ y) <= 1e-13 * np.abs(x * y).sum()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_vector_feature_maps_equal_the_scalar_ones(dtype):
+    """vfeature (SIMD elu + 1 / relu / identity, LLVM vectors) gives the scalar ``feature`` bit for bit,
+    at the clamps of the float32 exp (-87, 88), at 0 and -0, and for +-inf and NaN; elu + 1 for float64
+    has no vector form (vfeature_covers says so) and runs scalar."""
+    from numba import njit
+
+    from rotary.backends._numba_simd import vfeature, vfeature_covers
+
+    @njit
+    def both(x, feature_map):
+        vector, scalar = np.empty_like(x), np.empty_like(x)
+        width = kernels.lanes(x)
+        for j in range(0, x.shape[0], width):
+            kernels.vstore(vector, j, vfeature(kernels.vload(x, j), feature_map))
+        for j in range(x.shape[0]):
+            scalar[j] = kernels.feature(x[j], feature_map)
+        return vector, scalar, vfeature_covers(x, feature_map)
+
+    special = [0.0, -0.0, 1e-30, -1e-30, -86.9, -87.0, -87.5, -100.0, 87.9, 88.0, 88.5, 1e30, -1e30,
+               np.inf, -np.inf, np.nan, 0.5, -0.5, -1.0, -20.0]
+    x = np.concatenate([special, np.linspace(-90, 90, 1997), np.random.default_rng(0).standard_normal(3000)])
+    x = np.resize(x.astype(dtype), len(x) // 64 * 64 + 64)
+    for feature_map in (0, 1, 2):
+        vector, scalar, covered = both(x, np.int64(feature_map))
+        assert covered == (dtype == np.float32 or feature_map != 1)
+        if covered:
+            np.testing.assert_array_equal(vector.view(np.uint8), scalar.view(np.uint8))
+    # the scalar float32 elu is an exp within 2 ulp of the float64 one below the clamp
+    _, scalar, _ = both(x, np.int64(1))
+    inside = (x <= 0) & (x > -87)
+    expected = np.exp(x[inside].astype(np.float64))
+    assert np.all(np.abs(scalar[inside] - expected) <= 2 * np.spacing(expected.astype(dtype)))
+
+
 # -- the kernels' bodies as plain Python (small inputs; coverage sees these lines) ----------------
 @pytest.fixture
 def pure_python(monkeypatch):

@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload, type_callable
 
 from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
     VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
-    _work_dtype, lanes, vload,
+    _work_dtype, lanes, prefetch, prefetch_for_write, vfeature, vfeature_covers, vload,
     vmadd, vsplat, vstore, vsum, vzeros)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -267,7 +267,7 @@ def _exp_work_impl(x):
     return impl
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")   # per element: a call would keep the row loop scalar
 def feature(x, feature_map):
     """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
     if feature_map == 1:
@@ -450,17 +450,18 @@ def dot_f64(x, y):
 
 
 @njit(cache=True, inline="always")   # one call site: inlined, no compile of its own
-def rotate_features(x, y, cos_row, sin_row, half, rotary_dim, m, interleaved):
-    """y[:m] = R x[:m] for one feature row: on each pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``
-    (pairs (p, p + half) or (2p, 2p + 1)), y_j = x_j from rotary_dim on."""
+def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
+    """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
+    pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half) or (2p, 2p + 1)),
+    y_j = x_j from rotary_dim on."""
     if interleaved:
-        for p in range(half):
+        for p in range(first, half):
             c, s = cos_row[p], sin_row[p]
             xa, xb = x[2 * p], x[2 * p + 1]
             y[2 * p] = xa * c - xb * s
             y[2 * p + 1] = xb * c + xa * s
     else:
-        for p in range(half):
+        for p in range(first, half):
             c, s = cos_row[p], sin_row[p]
             xa, xb = x[p], x[p + half]
             y[p] = xa * c - xb * s
@@ -469,41 +470,78 @@ def rotate_features(x, y, cos_row, sin_row, half, rotary_dim, m, interleaved):
         y[j] = x[j]
 
 
+#: rows the linear-attention row loops fetch ahead of use. One head's rows are H*d elements apart, a
+#: stride the hardware prefetcher does not follow, and a row's work leaves no room in the reorder
+#: buffer for the next row's loads: without it each row waited out a memory latency.
+PREFETCH_ROWS = 4
+
+
+@njit(cache=True, inline="always")
+def prefetch_row(x, g, b, t, h, length, write):
+    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x); a hint, never a fault."""
+    base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
+    span = (length - 1) * g[4] + 1          # elements from the first to the last (none if strides < 0)
+    for j in range(0, span, 64 // x.itemsize):
+        if write:
+            prefetch_for_write(x, base + j)
+        else:
+            prefetch(x, base + j)
+
+
+@njit(cache=True)
+def widen_rows(src, dest, n):
+    """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
+    m = src.shape[1]
+    for i in range(n):
+        src_row, dest_row = src[i], dest[i]
+        for j in range(m):
+            dest_row[j] = src_row[j]
+
+
 @njit(cache=True)
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
                   rotated, transpose):
-    """plain[i, :m] = phi(x[b, t0+i, h, :]) (float64) and its rotation R_{p(t0+i)} phi(...) for i < n.
+    """phi[i, :m] = phi(x[b, t0+i, h, :]) in the work dtype, plain[i, :m] the same in float64 and the rotation
+    R_{p(t0+i)} phi(...) to rotated[i, :m] or, with ``transpose``, to rotated[:m, i], for i < n.
 
-    phi(x) is computed in the work dtype in the row buffer ``phi``; the rotated row goes to
-    rotated[i, :m] or, with ``transpose``, to rotated[:m, i]. g: (offset, sB, sS, sH, sD) of x.
+    Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
+    forms; rows ahead are prefetched. g: (offset, sB, sS, sH, sD) of x.
     """
-    m = phi.shape[0]
-    hat = rotated[0] if not transpose else np.empty(m, phi.dtype)
+    m = phi.shape[1]
+    hat_own = np.empty(m, phi.dtype)       # the rotated row before its transposed store
+    hat = borrowed(hat_own)
+    width = lanes(hat)
+    vector_end = m - m % width if g[4] == 1 and vfeature_covers(hat, feature_map) else 0
+    for i in range(min(n, PREFETCH_ROWS)):
+        prefetch_row(x, g, b, t0 + i, h, m, False)
     for i in range(n):
+        if i + PREFETCH_ROWS < n:
+            prefetch_row(x, g, b, t0 + i + PREFETCH_ROWS, h, m, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        if g[4] == 1:   # unit stride: a slice indexed from 0, a loop LLVM vectorises
-            x_row = x[base:base + m]
-            for j in range(m):
-                phi[j] = feature(load(x_row, j), feature_map)
-        else:
-            for j in range(m):
-                phi[j] = feature(load(x, base + j * g[4]), feature_map)
-        plain_row = plain[i]
-        for j in range(m):
-            plain_row[j] = phi[j]
+        phi_row = phi[i]
+        for j in range(0, vector_end, width):
+            vstore(phi_row, j, vfeature(_vload_flat(x, base + j), feature_map))
+        for j in range(vector_end, m):
+            phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
-        if not transpose:
-            hat = rotated[i]
-        rotate_features(phi, hat, cos[row], sin[row], half, rotary_dim, m, interleaved)
+        out_row = hat if transpose else rotated[i]
+        done = rotate_pairs_simd(phi_row, 0, out_row, 0, cos, sin, row, half, interleaved, False)
+        rotate_features(phi_row, out_row, cos[row], sin[row], done, half, rotary_dim, m, interleaved)
         if transpose:
             for j in range(m):
                 rotated[j, i] = hat[j]
+    widen_rows(phi, plain, n)
+    keep_alive((hat_own,))
 
 
 @njit(cache=True)
 def load_values(x, g, b, h, t0, n, dest, dv):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n."""
+    for i in range(min(n, PREFETCH_ROWS)):
+        prefetch_row(x, g, b, t0 + i, h, dv, False)
     for i in range(n):
+        if i + PREFETCH_ROWS < n:
+            prefetch_row(x, g, b, t0 + i + PREFETCH_ROWS, h, dv, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         row = dest[i]
         if g[4] == 1:
@@ -569,9 +607,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    phi_own = np.empty(m, work)
-    phi = borrowed(phi_own)
-    width = tile_width(phi)
+    width = tile_width(np.empty(0, work))
     cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
     m_f64 = padded(m, lanes(np.empty(0, np.float64)))
     a_plain_own = np.zeros((cp, m_f64))
@@ -582,6 +618,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     z_rows = borrowed(z_rows_own)
     a_hat_own = np.zeros((cp, m), work)
     a_hat = borrowed(a_hat_own)
+    phi_own = np.empty((cp, m), work)           # phi(q) or phi(k) of the chunk's rows, work dtype
+    phi = borrowed(phi_own)
     k_hat_t_own = np.zeros((mp, cp), work)
     k_hat_t = borrowed(k_hat_t_own)
     values_own = np.zeros((cp, dvp), work)
@@ -795,7 +833,7 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     vals = borrowed(vals_own)
     acc_own = np.zeros((groups, dv), work)
     acc = borrowed(acc_own)
-    phi_own = np.empty(m, work)
+    phi_own = np.empty((1, m), work)
     phi = borrowed(phi_own)
     # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
     # the chunk kernel compiled (a literal argument would compile a version of each of its own)
@@ -804,8 +842,8 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     for b in range(n_batch):
         for hk in range(n_kv):
             gamma = powers[b, hk, 1] if decayed else 1.0
-            phi[0] = gamma
-            gw = phi[0]                                 # gamma in the work dtype
+            phi[0, 0] = gamma
+            gw = phi[0, 0]                              # gamma in the work dtype
             load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
                           b_plain, b_hat, as_rows)
             load_values(v, geo[2], b, hk, t0, one, vals, dv)

@@ -2,8 +2,8 @@
 
 :class:`Vec` is an LLVM vector of one register (``VECTOR_BYTES``: 64 with AVX-512, 32 with AVX,
 else 16) of float32 or float64, with loads/stores from contiguous rows (:func:`vload`,
-:func:`vstore`), :func:`vzeros`, :func:`vsplat`, :func:`vmadd` (``acc + x * y``, one multiply and
-one add: no fused multiply-add, fastmath off) and :func:`vsum`; plus the flat-buffer loads/stores,
+:func:`vstore`), :func:`vzeros`, :func:`vsplat`, :func:`vmadd` (``acc + x * y``, fused where the CPU
+has FMA: linear attention's products) and :func:`vsum`; plus the flat-buffer loads/stores,
 negation and (de)interleaving shuffles the rotation kernel's ``rotate_pairs_simd`` uses.
 """
 
@@ -13,7 +13,7 @@ import llvmlite.binding as ll
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import config, errors
+from numba.core import cgutils, config, errors
 from numba.extending import intrinsic, models, overload, register_model
 from numba.np.numpy_support import as_dtype
 
@@ -106,7 +106,8 @@ def _vsplat(typingctx, x):
 @intrinsic
 def _vmadd(typingctx, acc, x, y):
     def codegen(context, builder, signature, args):
-        return builder.fadd(args[0], builder.fmul(args[1], args[2]))   # no contract flag: no FMA
+        contract = ("contract",)   # fused where the CPU has FMA, else one multiply and one add
+        return builder.fadd(args[0], builder.fmul(args[1], args[2], flags=contract), flags=contract)
 
     return acc(acc, x, y), codegen
 
@@ -148,7 +149,8 @@ def vsplat(x):
 
 
 def vmadd(acc, x, y):
-    """acc + x * y lane by lane, one multiply then one add (rounded twice: no fused multiply-add)."""
+    """acc + x * y lane by lane: a fused multiply-add where the CPU has one (rounded once), else one multiply
+    then one add. Matrix products only; the rotation kernel keeps its unfused multiply and add."""
     return acc + x * y
 
 
@@ -292,3 +294,114 @@ def _vinterleave(typingctx, even, odd):
         return context.make_tuple(builder, pair, [lo, hi])
 
     return pair(even, odd), codegen
+
+
+
+@intrinsic
+def _velu_plus_one_f32(typingctx, x):
+    """elu(x) + 1 lane by lane on a float32 vector: x + 1 where x > 0, else exp(x) by the same Cephes
+    steps and operation order as the scalar ``exp_work`` (bit for bit the scalar result)."""
+    def codegen(context, builder, signature, args):
+        vec_type, i32 = args[0].type, ir.IntType(32)
+        ivec = ir.VectorType(i32, x.lanes)
+
+        def splat(value):
+            return ir.Constant(vec_type, [value] * x.lanes)
+
+        v = args[0]
+        # min(max(v, -87), 88) with Python's min/max semantics (a NaN stays NaN)
+        c = builder.select(builder.fcmp_ordered("<", v, splat(-87.0)), splat(-87.0), v)
+        c = builder.select(builder.fcmp_ordered(">", c, splat(88.0)), splat(88.0), c)
+        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec_type, [vec_type]),
+                                               f"llvm.floor.v{x.lanes}f32")
+        n = builder.call(floor, [builder.fadd(builder.fmul(c, splat(1.44269504088896341)), splat(0.5))])
+        r = builder.fadd(builder.fsub(c, builder.fmul(n, splat(0.693359375))), builder.fmul(n, splat(2.12194440e-4)))
+        p = builder.fadd(builder.fmul(splat(1.9875691500e-4), r), splat(1.3981999507e-3))
+        for coefficient in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = builder.fadd(builder.fmul(p, r), splat(coefficient))
+        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), splat(1.0))
+        bits = builder.shl(builder.add(builder.fptosi(n, ivec), ir.Constant(ivec, [127] * x.lanes)),
+                           ir.Constant(ivec, [23] * x.lanes))
+        e = builder.fmul(p, builder.bitcast(bits, vec_type))
+        positive = builder.fcmp_ordered(">", v, splat(0.0))
+        return builder.select(positive, builder.fadd(v, splat(1.0)), e)
+
+    return x(x), codegen
+
+
+@intrinsic
+def _vrelu(typingctx, x):
+    """x where x > 0, else x * 0 (-0.0 for negative x, NaN stays NaN: the scalar ``feature`` exactly)."""
+    def codegen(context, builder, signature, args):
+        zero = ir.Constant(args[0].type, [0.0] * x.lanes)
+        return builder.select(builder.fcmp_ordered(">", args[0], zero), args[0], builder.fmul(args[0], zero))
+
+    return x(x), codegen
+
+
+def vfeature_covers(row, feature_map):
+    """True when :func:`vfeature` has a vector form for this work dtype and feature map."""
+    return False
+
+
+@overload(vfeature_covers)
+def _vfeature_covers_impl(row, feature_map):
+    f32 = _work_dtype(row.dtype) == types.float32
+    return lambda row, feature_map: f32 or feature_map != 1
+
+
+def vfeature(x, feature_map):
+    """phi(x) lane by lane (0 identity, 1 elu + 1 (float32 only), 2 relu), bit for bit the scalar form."""
+    return x
+
+
+@overload(vfeature)
+def _vfeature_impl(x, feature_map):
+    if x.dtype == types.float32:
+        def impl(x, feature_map):
+            if feature_map == 1:
+                return _velu_plus_one_f32(x)
+            return _vrelu(x) if feature_map == 2 else x
+        return impl
+    return lambda x, feature_map: _vrelu(x) if feature_map == 2 else x
+
+
+
+# -- software prefetch ---------------------------------------------------------------------------------
+def _prefetch_intrinsic(write):
+    @intrinsic
+    def _prefetch(typingctx, buf, i):
+        def codegen(context, builder, signature, args):
+            ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+            # (address, read 0 / write 1, locality 3: keep in all cache levels, data cache)
+            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3),
+                              ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(buf, i), codegen
+    return _prefetch
+
+
+_prefetch_read, _prefetch_write = _prefetch_intrinsic(write=False), _prefetch_intrinsic(write=True)
+
+
+def prefetch(buf, i):
+    """Ask the CPU to bring the cache line of buf.flat[i] in (``llvm.prefetch``: a hint, never a fault;
+    nothing in pure Python), for rows a loop reads soon at a stride the hardware prefetcher misses."""
+
+
+def prefetch_for_write(buf, i):
+    """:func:`prefetch` for a line about to be written (fetched in exclusive state)."""
+
+
+@overload(prefetch)
+def _prefetch_impl(buf, i):
+    return lambda buf, i: _prefetch_read(buf, i)
+
+
+@overload(prefetch_for_write)
+def _prefetch_for_write_impl(buf, i):
+    return lambda buf, i: _prefetch_write(buf, i)
