@@ -319,10 +319,32 @@ def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interl
     return 0
 
 
-@overload(rotate_pairs_simd)
+@overload(rotate_pairs_simd, inline="always")   # inlined where it is called: no call per vector
 def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
-    return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: rotate_heads_simd(
-        x, xi, 0, o, oi, 0, 1, cos, sin, row, half, interleaved, inverse)
+    n = _simd_lanes(x, o, cos, sin)
+    if n == 0:
+        return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
+
+    def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+        table = np.int64(row) * cos.shape[1]
+        done = half - half % n
+        for i in range(0, done, n):
+            c = _vload_flat(cos, table + i)
+            s = _vload_flat(sin, table + i)
+            if inverse:
+                s = _vneg(s)
+            if interleaved:
+                xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
+                lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
+                _vstore_flat(o, oi + 2 * i, lo)
+                _vstore_flat(o, oi + 2 * i + n, hi)
+            else:
+                xa = _vload_flat(x, xi + i)
+                xb = _vload_flat(x, xi + half + i)
+                _vstore_flat(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
+                _vstore_flat(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
+        return done
+    return impl
 
 
 @overload(rotate_heads_simd)
@@ -332,26 +354,9 @@ def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, 
         return lambda x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse: 0
 
     def impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
-        table = np.int64(row) * cos.shape[1]
-        done = half - half % n
         for h in range(heads):
-            xh, oh = xi + h * xsh, oi + h * osh
-            for i in range(0, done, n):
-                c = _vload_flat(cos, table + i)
-                s = _vload_flat(sin, table + i)
-                if inverse:
-                    s = _vneg(s)
-                if interleaved:
-                    xa, xb = _vdeinterleave(_vload_flat(x, xh + 2 * i), _vload_flat(x, xh + 2 * i + n))
-                    lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
-                    _vstore_flat(o, oh + 2 * i, lo)
-                    _vstore_flat(o, oh + 2 * i + n, hi)
-                else:
-                    xa = _vload_flat(x, xh + i)
-                    xb = _vload_flat(x, xh + half + i)
-                    _vstore_flat(o, oh + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
-                    _vstore_flat(o, oh + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
-        return done
+            rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+        return half - half % n
     return impl
 
 
@@ -499,19 +504,30 @@ def widen_rows(src, dest, n):
 
 
 @njit(cache=True)
+def transpose_rows(src, dest, n):
+    """dest[j, i] = src[i, j] for i < n, j < src.shape[1], in blocks of 8 rows (each dest line written
+    8 values at a time)."""
+    m = src.shape[1]
+    for i0 in range(0, n, 8):
+        end = min(i0 + 8, n)
+        for j in range(m):
+            dest_row = dest[j]
+            for i in range(i0, end):
+                dest_row[i] = src[i, j]
+
+
+@njit(cache=True)
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
                   rotated, transpose):
-    """phi[i, :m] = phi(x[b, t0+i, h, :]) in the work dtype, plain[i, :m] the same in float64 and the rotation
-    R_{p(t0+i)} phi(...) to rotated[i, :m] or, with ``transpose``, to rotated[:m, i], for i < n.
+    """phi(x[b, t0+i, h, :]) for i < n to plain[i, :m] (float64) and its rotation R_{p(t0+i)} phi(...) to
+    rotated[i, :m] or, with ``transpose``, to rotated[:m, i]; phi: (>= n, m) work-dtype scratch rows.
 
     Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
     forms; rows ahead are prefetched. g: (offset, sB, sS, sH, sD) of x.
     """
     m = phi.shape[1]
-    hat_own = np.empty(m, phi.dtype)       # the rotated row before its transposed store
-    hat = borrowed(hat_own)
-    width = lanes(hat)
-    vector_end = m - m % width if g[4] == 1 and vfeature_covers(hat, feature_map) else 0
+    width = lanes(phi[0])
+    vector_end = m - m % width if g[4] == 1 and vfeature_covers(phi, feature_map) else 0
     for i in range(min(n, PREFETCH_ROWS)):
         prefetch_row(x, g, b, t0 + i, h, m, False)
     for i in range(n):
@@ -523,15 +539,15 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
             vstore(phi_row, j, vfeature(_vload_flat(x, base + j), feature_map))
         for j in range(vector_end, m):
             phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
+    widen_rows(phi, plain, n)
+    for i in range(n):
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
-        out_row = hat if transpose else rotated[i]
+        phi_row = phi[i]
+        out_row = phi_row if transpose else rotated[i]        # in place, then transposed below
         done = rotate_pairs_simd(phi_row, 0, out_row, 0, cos, sin, row, half, interleaved, False)
         rotate_features(phi_row, out_row, cos[row], sin[row], done, half, rotary_dim, m, interleaved)
-        if transpose:
-            for j in range(m):
-                rotated[j, i] = hat[j]
-    widen_rows(phi, plain, n)
-    keep_alive((hat_own,))
+    if transpose:
+        transpose_rows(phi, rotated, n)
 
 
 @njit(cache=True)
@@ -675,6 +691,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                           feature_map, phi, a_plain, a_hat, as_rows)
             for i0 in range(0, n, TILE_ROWS):
                 end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
+                for i in range(end, min(end + TILE_ROWS, n)):   # the next block's output rows
+                    prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
                 for j0 in range(0, end, width):
                     madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
                 for i in range(i0, end):
@@ -709,6 +727,8 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                           feature_map, phi, a_plain, a_hat, as_rows)
             matmul_tiles(a_hat, s_work, num, n, m, dv)
             for i in range(n):
+                if i + PREFETCH_ROWS < n:
+                    prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
                 scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
                 store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
     # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
