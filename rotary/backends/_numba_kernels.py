@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload, type_callable
 
 from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
     VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
-    _work_dtype, lanes, prefetch, prefetch_for_write, vfeature, vfeature_covers, vload,
+    _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers, vload,
     vmadd, vsplat, vstore, vsum, vzeros)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -481,16 +481,25 @@ def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interlea
 PREFETCH_ROWS = 4
 
 
-@njit(cache=True, inline="always")
 def prefetch_row(x, g, b, t, h, length, write):
-    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x); a hint, never a fault."""
-    base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
-    span = (length - 1) * g[4] + 1          # elements from the first to the last (none if strides < 0)
-    for j in range(0, span, 64 // x.itemsize):
+    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x), for writing if ``write``;
+    a hint, never a fault (nothing in pure Python). A separate compiled function per array type."""
+
+
+@overload(prefetch_row)
+def _prefetch_row_impl(x, g, b, t, h, length, write):
+    step = 64 // (x.dtype.bitwidth // 8)          # elements per 64-byte cache line
+
+    def impl(x, g, b, t, h, length, write):
+        base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
+        span = (length - 1) * g[4] + 1              # elements from the first to the last (none if strides < 0)
         if write:
-            prefetch_for_write(x, base + j)
+            for j in range(0, span, step):
+                prefetch_write(x, base + j)
         else:
-            prefetch(x, base + j)
+            for j in range(0, span, step):
+                prefetch_read(x, base + j)
+    return impl
 
 
 @njit(cache=True)

@@ -366,7 +366,6 @@ def _vfeature_impl(x, feature_map):
     return lambda x, feature_map: _vrelu(x) if feature_map == 2 else x
 
 
-
 # -- software prefetch ---------------------------------------------------------------------------------
 def _prefetch_intrinsic(write):
     @intrinsic
@@ -385,23 +384,7 @@ def _prefetch_intrinsic(write):
     return _prefetch
 
 
-_prefetch_read, _prefetch_write = _prefetch_intrinsic(write=False), _prefetch_intrinsic(write=True)
-
-
-def prefetch(buf, i):
-    """Ask the CPU to bring the cache line of buf.flat[i] in (``llvm.prefetch``: a hint, never a fault;
-    nothing in pure Python), for rows a loop reads soon at a stride the hardware prefetcher misses."""
-
-
-def prefetch_for_write(buf, i):
-    """:func:`prefetch` for a line about to be written (fetched in exclusive state)."""
-
-
-@overload(prefetch)
-def _prefetch_impl(buf, i):
-    return lambda buf, i: _prefetch_read(buf, i)
-
-
-@overload(prefetch_for_write)
-def _prefetch_for_write_impl(buf, i):
-    return lambda buf, i: _prefetch_write(buf, i)
+#: ``prefetch_read(buf, i)`` / ``prefetch_write(buf, i)``: ask the CPU to bring the cache line of buf.flat[i]
+#: in (``llvm.prefetch``, a hint that never faults), for reading / for writing (exclusive state). Intrinsics:
+#: compiled code only (callers wrap them in a function with a pure-Python form, see ``prefetch_row``).
+prefetch_read, prefetch_write = _prefetch_intrinsic(write=False), _prefetch_intrinsic(write=True)
