@@ -609,7 +609,7 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
                 work_row[j] = carried_row[j]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")   # one call site: no compile (and LLVM pass) of its own
 def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, sb, t_first, hk,
                           seq_len, half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers,
                           decayed, normalize):
