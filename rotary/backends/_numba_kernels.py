@@ -21,7 +21,8 @@ with s <= t (causal) or all s. The causal form runs in chunks of C tokens: per c
 ``N = A_hat S + tril(A_hat B_hat^T) V``, ``D = A z + rowsum(A * cumsum(B))``, then
 ``S += B_hat^T V``, ``z += sum B``. The chunk products are register-tiled matrix products written
 here (:func:`madd_tile` on :class:`Vec` values, one SIMD register each; no BLAS call from inside the
-parallel loop, whose own threads would oversubscribe the cores). Chunk products sum in the work
+parallel loop, whose own threads would oversubscribe the cores), with fused multiply-adds where the
+CPU has FMA (:func:`vmadd`; the rotation above stays unfused). Chunk products sum in the work
 dtype; the carried S, z and the denominators are float64.
 """
 
@@ -267,7 +268,7 @@ def _exp_work_impl(x):
     return impl
 
 
-@njit(cache=True, inline="always")   # per element: a call would keep the row loop scalar
+@njit(cache=True)
 def feature(x, feature_map):
     """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
     if feature_map == 1:

@@ -4,7 +4,9 @@
 else 16) of float32 or float64, with loads/stores from contiguous rows (:func:`vload`,
 :func:`vstore`), :func:`vzeros`, :func:`vsplat`, :func:`vmadd` (``acc + x * y``, fused where the CPU
 has FMA: linear attention's products) and :func:`vsum`; plus the flat-buffer loads/stores,
-negation and (de)interleaving shuffles the rotation kernel's ``rotate_pairs_simd`` uses.
+negation and (de)interleaving shuffles the rotation kernel's ``rotate_pairs_simd`` uses; and for
+linear attention's row loads the vector feature maps (:func:`vfeature`) and ``llvm.prefetch``
+(:data:`prefetch_read`, :data:`prefetch_write`).
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def _vinterleave(typingctx, even, odd):
     return pair(even, odd), codegen
 
 
-
+# -- SIMD feature maps of linear attention -----------------------------------------------------------
 @intrinsic
 def _velu_plus_one_f32(typingctx, x):
     """elu(x) + 1 lane by lane on a float32 vector: x + 1 where x > 0, else exp(x) by the same Cephes
