@@ -171,12 +171,25 @@ def test_parallel_and_serial_kernels_agree(rng, monkeypatch):
     testing.assert_close(parallel[0], oracle_bshd(q, np.arange(300), rotary.RopeSpec(32)))
 
 
+def jitted(helper):
+    """A Python-callable jitted call of a kernel helper (helpers have no Python entry point of their own:
+    HELPER_JIT); the wrapper is cached per helper."""
+    if helper not in _JITTED:
+        from numba import njit
+
+        _JITTED[helper] = njit(lambda *args: helper(*args))
+    return _JITTED[helper]
+
+
+_JITTED: dict = {}
+
+
 # -- int64 index arithmetic ------------------------------------------------------------------------
 def test_element_offset_is_int64():
     args = (5, 3 * 2**31 + 1, 2**33 + 7, 2**32 - 1, 3, 2**20, 1000)
     expected = 5 + 3 * (3 * 2**31 + 1) + 2**20 * (2**33 + 7) + 1000 * (2**32 - 1)
     assert expected > 2**53 // 1024 and expected < 2**63
-    assert kernels.element_offset(*args) == expected
+    assert jitted(kernels.element_offset)(*args) == expected
     assert kernels.element_offset.py_func(*args) == expected
 
 
@@ -295,12 +308,12 @@ def test_linear_attention_frontend_uses_numba(rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_register_tiles_match_numpy(rng, dtype):
     """madd_tile / matmul_tiles / dot_f64 (compiled, and their Python bodies) against NumPy products."""
-    w = kernels.tile_width(np.empty(1, dtype))
+    w = jitted(kernels.tile_width)(np.empty(1, dtype))
     a = rng.standard_normal((8, 13)).astype(dtype)
     b = rng.standard_normal((13, 2 * w)).astype(dtype)
     c = rng.standard_normal((8, 2 * w)).astype(dtype)
     tol = 1e-5 if dtype == np.float32 else 1e-13
-    for madd_tile in (kernels.madd_tile, kernels.madd_tile.py_func):
+    for madd_tile in (jitted(kernels.madd_tile), kernels.madd_tile.py_func):
         got = c.copy()
         madd_tile(a, b, got, 4, w, 13, True)           # rows 4..7, second tile of columns, accumulate
         expected = c.astype(np.float64)
@@ -312,10 +325,10 @@ def test_register_tiles_match_numpy(rng, dtype):
         expected[:4, :w] = a[:4, :5].astype(np.float64) @ b[:5, :w]
         assert _rel(got, expected) <= tol
     got = np.full_like(c, np.nan)
-    kernels.matmul_tiles(a, b, got, 8, 13, 2 * w)
+    jitted(kernels.matmul_tiles)(a, b, got, 8, 13, 2 * w)
     assert _rel(got, a.astype(np.float64) @ b) <= tol
     x, y = rng.standard_normal((2, 3 * kernels.lanes(np.empty(1, np.float64))))
-    for dot_f64 in (kernels.dot_f64, kernels.dot_f64.py_func):
+    for dot_f64 in (jitted(kernels.dot_f64), kernels.dot_f64.py_func):
         assert abs(dot_f64(x, y) - x @ y) <= 1e-13 * np.abs(x * y).sum()
 
 
@@ -473,10 +486,11 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
 # -- linear attention: borrowed work buffers ----------------------------------------------------------
 @pytest.mark.parametrize("groups,decayed", [(1, False), (2, True)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decayed):
-    """The parallel entry (work buffers borrowed: views without refcounts, owners kept alive to the end)
-    gives exactly the bits of calling linear_attention_head per (batch, k/v head) from Python, call after
-    call; also with GQA (two q heads per k/v head) and decay."""
+def test_linear_attention_task_range_equals_single_tasks(rng, causal, groups, decayed):
+    """One call over all (batch, k/v head) tasks (work buffers borrowed: views without refcounts, owners
+    kept alive to the end; one set of buffers serving every task of the range) gives exactly the bits of
+    one call per task, tasks in reverse order: nothing of a task leaks into the next. Also with GQA (two
+    q heads per k/v head) and decay."""
     from rotary.backends._numpy_linear import decay_powers
 
     decayed = decayed and causal
@@ -493,19 +507,15 @@ def test_linear_attention_parallel_equals_head_calls(rng, causal, groups, decaye
     for chunk in (5, 16, 37):
         powers = decay_powers(rng.uniform(0.5, 1.0, (B, Hk)), chunk) if decayed else np.ones((1, 1, 1))
         outs = []
-        for parallel in (True, False):
+        for one_range in (True, False):
             o = np.zeros((B, T, H, dv), np.float32)
             ns, nz = np.zeros_like(ss), np.zeros_like(sz)
             args = (q.ravel(), k.ravel(), v.ravel(), o.ravel(), geo, cos, sin, rows, ss, sz, ns, nz)
             tail = (groups, powers, decayed, True)
-            if parallel:
+            ranges = [(0, B * Hk)] if one_range else [(t, t + 1) for t in reversed(range(B * Hk))]
+            for first, last in ranges:
                 kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail,
-                                               np.zeros(0, np.int64), 0, B * Hk)
-            else:
-                for b in range(B):
-                    for h in range(Hk):
-                        kernels.linear_attention_head(*args, b, b, 0, h, T, m // 2, m, False, causal, 1, 1e-6,
-                                                      chunk, *tail)
+                                               np.zeros(0, np.int64), first, last)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
             np.testing.assert_array_equal(x, y)

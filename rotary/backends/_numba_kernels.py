@@ -35,7 +35,7 @@ from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, overload, type_callable
 
 from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
-    VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
+    HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
     _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers, vload,
     vmadd, vsplat, vstore, vsum, vzeros)
 
@@ -77,14 +77,14 @@ def store(buf, i, value):
         buf[i] = value
 
 
-@overload(load)
+@overload(load, jit_options=OVERLOAD_JIT)
 def _load_impl(buf, i):
     if buf.dtype == types.uint16:
         return lambda buf, i: _half_bits_to_f32(buf[i])
     return lambda buf, i: buf[i]
 
 
-@overload(store)
+@overload(store, jit_options=OVERLOAD_JIT)
 def _store_impl(buf, i, value):
     if buf.dtype == types.uint16:
         def impl(buf, i, value):
@@ -97,7 +97,7 @@ def _store_impl(buf, i, value):
 
 
 # -- index arithmetic ----------------------------------------------------------------------------
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def element_offset(offset, stride_b, stride_s, stride_h, b, s, h):
     """Flat index of element (b, s, h, 0): ``offset + b*stride_b + s*stride_s + h*stride_h`` in int64."""
     return np.int64(offset) + np.int64(b) * np.int64(stride_b) + np.int64(s) * np.int64(stride_s) \
@@ -134,7 +134,7 @@ def _lower_borrowed(context, builder, signature, args):
     return ary._getvalue()
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
                   copy_tail):
     """Rotate the head vector at x[xi + j*xsd] (j < head_dim) into o[oi + j*osd] with table row ``row``."""
@@ -158,7 +158,7 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
             o[oi + j * osd] = x[xi + j * xsd]
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
                  inverse):
     """Rotate every head of token t (= b*seq_len + s) of item ``item`` with table row rows[b or 0, s] + shift;
@@ -186,7 +186,7 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
                       interleaved, inverse, copy_tail)
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def rows_in_table(rows, shift, table_rows):
     """True when every rows[i, j] + shift is a row of the table (0 <= row < table_rows)."""
     for i in range(rows.shape[0]):
@@ -247,7 +247,7 @@ def exp_work(x):
     return np.exp(x)
 
 
-@overload(exp_work)
+@overload(exp_work, jit_options=OVERLOAD_JIT)
 def _exp_work_impl(x):
     if x != types.float32:
         return lambda x: np.exp(x)
@@ -268,7 +268,7 @@ def _exp_work_impl(x):
     return impl
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def feature(x, feature_map):
     """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
     if feature_map == 1:
@@ -305,7 +305,7 @@ def simd_covers(x, o, cos, sin, half):
     return False
 
 
-@overload(simd_covers)
+@overload(simd_covers, jit_options=OVERLOAD_JIT)
 def _simd_covers_impl(x, o, cos, sin, half):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
@@ -320,7 +320,7 @@ def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interl
     return 0
 
 
-@overload(rotate_pairs_simd, inline="always")   # inlined where it is called: no call per vector
+@overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)   # inlined where it is called: no call per vector
 def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
@@ -348,7 +348,7 @@ def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inve
     return impl
 
 
-@overload(rotate_heads_simd)
+@overload(rotate_heads_simd, jit_options=OVERLOAD_JIT)
 def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
@@ -382,19 +382,19 @@ def _lower_keep_alive(context, builder, signature, args):
     return context.get_constant(types.intp, len(signature.args[0]))
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def padded(n, multiple):
     """n rounded up to a multiple of ``multiple``."""
     return (n + multiple - 1) // multiple * multiple
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def tile_width(row):
     """Columns of one register tile of :func:`madd_tile`: two vectors (32 float32 / 16 float64 with AVX-512)."""
     return 2 * lanes(row)
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def madd_tile(a, b, c, i0, j0, depth, accumulate):
     """One register tile of a matrix product, TILE_ROWS = 4 rows by two vectors (w = 2 * lanes)::
 
@@ -435,7 +435,7 @@ def madd_tile(a, b, c, i0, j0, depth, accumulate):
     vstore(c3, j0 + half, s31)
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def matmul_tiles(a, b, c, rows, depth, cols):
     """c[:rows, :cols] = a[:rows, :depth] @ b[:depth, :cols] by :func:`madd_tile` (rows and cols rounded up
     to whole tiles: the buffers are padded for that)."""
@@ -445,7 +445,7 @@ def matmul_tiles(a, b, c, rows, depth, cols):
             madd_tile(a, b, c, i0, j0, depth, np.bool_(False))   # a run-time bool: no literal version
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def dot_f64(x, y):
     """sum_j x[j] y[j] in float64 (lanes-wide partial sums, then across lanes); x, y: float64, a whole
     number of vectors long (zero padded)."""
@@ -455,7 +455,7 @@ def dot_f64(x, y):
     return vsum(acc)
 
 
-@njit(cache=True, inline="always")   # one call site: inlined, no compile of its own
+@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
 def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
     """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
     pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half) or (2p, 2p + 1)),
@@ -487,7 +487,7 @@ def prefetch_row(x, g, b, t, h, length, write):
     a hint, never a fault (nothing in pure Python). A separate compiled function per array type."""
 
 
-@overload(prefetch_row)
+@overload(prefetch_row, jit_options=OVERLOAD_JIT)
 def _prefetch_row_impl(x, g, b, t, h, length, write):
     step = 64 // (x.dtype.bitwidth // 8)          # elements per 64-byte cache line
 
@@ -503,7 +503,7 @@ def _prefetch_row_impl(x, g, b, t, h, length, write):
     return impl
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def widen_rows(src, dest, n):
     """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
     m = src.shape[1]
@@ -513,7 +513,7 @@ def widen_rows(src, dest, n):
             dest_row[j] = src_row[j]
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def transpose_rows(src, dest, n):
     """dest[j, i] = src[i, j] for i < n, j < src.shape[1], in blocks of 8 rows (each dest line written
     8 values at a time)."""
@@ -526,7 +526,7 @@ def transpose_rows(src, dest, n):
                 dest_row[i] = src[i, j]
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
                   rotated, transpose):
     """phi(x[b, t0+i, h, :]) for i < n to plain[i, :m] (float64) and its rotation R_{p(t0+i)} phi(...) to
@@ -560,7 +560,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
         transpose_rows(phi, rotated, n)
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def load_values(x, g, b, h, t0, n, dest, dv):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
     load_features: a row's copy is short)."""
@@ -581,7 +581,7 @@ def load_values(x, g, b, h, t0, n, dest, dv):
                 row[j] = load(x, base + j * g[4])
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def store_row(o, g, b, t, h, acc, dv, scale):
     """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype."""
     base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
@@ -594,7 +594,7 @@ def store_row(o, g, b, t, h, acc, dv, scale):
             store(o, base + j * g[4], acc[j] * scale)
 
 
-@njit(cache=True, inline="always")   # one call site: inlined, no compile of its own
+@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
 def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
     """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
     s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied)."""
@@ -610,12 +610,14 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
                 work_row[j] = carried_row[j]
 
 
-@njit(cache=True, inline="always")   # one call site: no compile (and LLVM pass) of its own
-def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, b, sb, t_first, hk,
-                          seq_len, half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers,
-                          decayed, normalize):
-    """Linear attention of one (batch, k/v head) and its ``groups`` q heads hk*G .. hk*G+G-1, in chunks of
-    ``chunk`` tokens, (S, z) carried in float64.
+@njit(nogil=True, cache=True)
+def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
+                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
+                           normalize, cu_seqlens, first, last):
+    """Linear attention of tasks first..last-1 (task = b * Hk + hk: one batch row, one k/v head and its
+    ``groups`` q heads hk*G .. hk*G+G-1), in chunks of ``chunk`` tokens, (S, z) carried in float64; without
+    the GIL (the glue runs ranges of tasks on a few Python threads: no parfor, whose compilation took most
+    of the first-call time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o.
 
     Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`; gamma^j =
     powers[b, hk, j], all ones without decay and then not applied)::
@@ -629,9 +631,22 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
 
     Every power has an exponent in 0..n: exact for gamma near 0 and 1. Non-causal (no decay): (S, z) over all
     chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)`` per q head. Buffers are padded to whole
-    register tiles with zeros (columns) so every tile is full width. The tokens are b's t_first ..
-    t_first + seq_len - 1 (a packed batch: one sequence of it) and the state is state_s[sb] (sb = b unpacked).
+    register tiles with zeros (columns) so every tile is full width; no task writes a padding column, so
+    the buffers serve every task of the range. A packed batch (cu_seqlens of N + 1 offsets, else empty):
+    task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 of batch row 0, with
+    state n (sb below; sb = b unpacked).
+
+    One function, not a per-task helper: inlining a helper this size copied its IR block by block (~1.7 s
+    of the first call) and a separate helper is optimised by LLVM again in its caller's module.
     """
+    n_heads = state_s.shape[1]
+    keep = (q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z)
+    # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
+    # incref/decref; the caller's references keep the arrays alive for the whole call
+    q, k, v, o, geo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
+    cos, sin, rows, powers = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
+    state_s, state_z, new_s, new_z = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
+    packed = cu_seqlens.shape[0] > 0
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
@@ -660,7 +675,7 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     s_chunk = borrowed(s_chunk_own)
     s_work_own = np.zeros((m, dvp), work)
     s_work = borrowed(s_work_own)
-    carried_s_own = state_s[sb, hk].astype(np.float64)
+    carried_s_own = np.empty((m, dv))
     carried_s = borrowed(carried_s_own)
     carried_z_own = np.zeros(m_f64)
     carried_z = borrowed(carried_z_own)
@@ -668,119 +683,99 @@ def linear_attention_head(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     pw = borrowed(pw_own)
     pw_work_own = np.empty(chunk + 1, work)
     pw_work = borrowed(pw_work_own)
-    for j in range(chunk + 1):
-        pw[j] = powers[sb, hk, j] if decayed else 1.0
-        pw_work[j] = pw[j]
-    gamma = pw[1]
-    for j in range(m):
-        carried_z[j] = state_z[sb, hk, j]
-        for c in range(dv):
-            s_work[j, c] = carried_s[j, c]
     out_geo = geo[3]
     # run-time bools, not literal constants: one compiled madd_tile and load_features serve every call site
     fresh, accumulate = np.bool_(False), np.bool_(True)
     as_rows, as_columns = np.bool_(False), np.bool_(True)
-    for t0 in range(0, seq_len, chunk):
-        n = min(chunk, seq_len - t0)
-        load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                      feature_map, phi, k_plain, k_hat_t, as_columns)
-        load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
-        for i in range(n):
-            k_row = k_plain[i]
-            if decayed:
-                for j in range(m):
-                    carried_z[j] = carried_z[j] * gamma + k_row[j]
-            else:
-                for j in range(m):
-                    carried_z[j] += k_row[j]
-            if causal and normalize:
-                z_row = z_rows[i]
-                for j in range(m):
-                    z_row[j] = carried_z[j]
-        for g in range(groups if causal else 0):
-            h = hk * groups + g
-            load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                          feature_map, phi, a_plain, a_hat, as_rows)
-            for i0 in range(0, n, TILE_ROWS):
-                end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
-                for i in range(end, min(end + TILE_ROWS, n)):   # the next block's output rows
-                    prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
-                for j0 in range(0, end, width):
-                    madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
-                for i in range(i0, end):
-                    for j in range(i + 1, end):
-                        scores[i, j] = 0
-                    if decayed:
-                        for j in range(i + 1):
-                            scores[i, j] *= pw_work[i - j]
-                for j0 in range(0, dv, width):
-                    madd_tile(a_hat, s_work, num, i0, j0, m, fresh)
-                    if decayed:
-                        for i in range(i0, end):
-                            num_row = num[i]
-                            for j in range(j0, j0 + width):
-                                num_row[j] *= pw_work[i + 1]
-                    madd_tile(scores, values, num, i0, j0, end, accumulate)
-                for i in range(i0, end):
-                    scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
-                    store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
-        if decayed:
-            for r in range(m):
-                kt_row = k_hat_t[r]
-                for j in range(n):
-                    kt_row[j] *= pw_work[n - 1 - j]
-        matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
-        add_state(carried_s, s_work, s_chunk, m, dv, pw[n], decayed)
-    for g in range(0 if causal else groups):
-        h = hk * groups + g
-        for t0 in range(0, seq_len, chunk):
-            n = min(chunk, seq_len - t0)
-            load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                          feature_map, phi, a_plain, a_hat, as_rows)
-            matmul_tiles(a_hat, s_work, num, n, m, dv)
-            for i in range(n):
-                if i + PREFETCH_ROWS < n:
-                    prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
-                scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
-                store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
-    # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
-    # error message (f-strings, str, join: ~8 s of the first call's compile time)
-    for j in range(m):
-        new_z[sb, hk, j] = carried_z[j]
-        for c in range(dv):
-            new_s[sb, hk, j, c] = carried_s[j, c]
-    keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
-                s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own))
-
-
-@njit(nogil=True, cache=True)
-def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
-                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
-                           normalize, cu_seqlens, first, last):
-    """Tasks first..last-1 of batch x k/v heads (task = b * Hk + hk), without the GIL: the glue runs
-    ranges of tasks on a few Python threads (no parfor, whose compilation took most of the first-call
-    time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o. A packed batch (cu_seqlens of
-    N + 1 offsets, else empty): task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] ..
-    cu_seqlens[n + 1] - 1 of batch row 0, with state n."""
-    n_heads = state_s.shape[1]
-    # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
-    # incref/decref; the caller's references keep the arrays alive for the whole call
-    bq, bk, bv, bo, bgeo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
-    bcos, bsin, brows, bpow = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
-    bss, bsz, bns, bnz = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
-    packed = cu_seqlens.shape[0] > 0
     for task in range(first, last):
         sb = task // n_heads
+        hk = task - sb * n_heads
         b, t_first, length = sb, 0, seq_len
         if packed:
             b, t_first, length = 0, cu_seqlens[sb], cu_seqlens[sb + 1] - cu_seqlens[sb]
-        linear_attention_head(bq, bk, bv, bo, bgeo, bcos, bsin, brows, bss, bsz, bns, bnz, b, sb, t_first,
-                              task - sb * n_heads, length, half, rotary_dim, interleaved, causal, feature_map,
-                              eps, chunk, groups, bpow, decayed, normalize)
-    keep_alive((q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z))
+        for j in range(chunk + 1):
+            pw[j] = powers[sb, hk, j] if decayed else 1.0
+            pw_work[j] = pw[j]
+        gamma = pw[1]
+        for j in range(m):
+            carried_z[j] = state_z[sb, hk, j]
+            for c in range(dv):
+                carried_s[j, c] = state_s[sb, hk, j, c]
+                s_work[j, c] = carried_s[j, c]
+        for t0 in range(0, length, chunk):
+            n = min(chunk, length - t0)
+            load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                          feature_map, phi, k_plain, k_hat_t, as_columns)
+            load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
+            for i in range(n):
+                k_row = k_plain[i]
+                if decayed:
+                    for j in range(m):
+                        carried_z[j] = carried_z[j] * gamma + k_row[j]
+                else:
+                    for j in range(m):
+                        carried_z[j] += k_row[j]
+                if causal and normalize:
+                    z_row = z_rows[i]
+                    for j in range(m):
+                        z_row[j] = carried_z[j]
+            for g in range(groups if causal else 0):
+                h = hk * groups + g
+                load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain, a_hat, as_rows)
+                for i0 in range(0, n, TILE_ROWS):
+                    end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
+                    for i in range(end, min(end + TILE_ROWS, n)):   # the next block's output rows
+                        prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
+                    for j0 in range(0, end, width):
+                        madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
+                    for i in range(i0, end):
+                        for j in range(i + 1, end):
+                            scores[i, j] = 0
+                        if decayed:
+                            for j in range(i + 1):
+                                scores[i, j] *= pw_work[i - j]
+                    for j0 in range(0, dv, width):
+                        madd_tile(a_hat, s_work, num, i0, j0, m, fresh)
+                        if decayed:
+                            for i in range(i0, end):
+                                num_row = num[i]
+                                for j in range(j0, j0 + width):
+                                    num_row[j] *= pw_work[i + 1]
+                        madd_tile(scores, values, num, i0, j0, end, accumulate)
+                    for i in range(i0, end):
+                        scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
+                        store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+            if decayed:
+                for r in range(m):
+                    kt_row = k_hat_t[r]
+                    for j in range(n):
+                        kt_row[j] *= pw_work[n - 1 - j]
+            matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
+            add_state(carried_s, s_work, s_chunk, m, dv, pw[n], decayed)
+        for g in range(0 if causal else groups):
+            h = hk * groups + g
+            for t0 in range(0, length, chunk):
+                n = min(chunk, length - t0)
+                load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain, a_hat, as_rows)
+                matmul_tiles(a_hat, s_work, num, n, m, dv)
+                for i in range(n):
+                    if i + PREFETCH_ROWS < n:
+                        prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
+                    scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
+                    store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+        # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
+        # error message (f-strings, str, join: ~8 s of the first call's compile time)
+        for j in range(m):
+            new_z[sb, hk, j] = carried_z[j]
+            for c in range(dv):
+                new_s[sb, hk, j, c] = carried_s[j, c]
+    keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
+                s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own, keep))
 
 
-@njit(cache=True)
+@njit(**HELPER_JIT)
 def step_state_update(old, new, b_hat, v_row, a_hat, acc, gamma, decayed):
     """new = gamma old + b_hat v^T (gamma not applied without decay) and acc[g] += sum_j a_hat[g, j] new[j]
     for an (m, dv) state, one pass over it.

@@ -20,6 +20,16 @@ from numba.extending import intrinsic, models, overload, register_model
 from numba.np.numpy_support import as_dtype
 
 
+#: jit options of an @overload implementation here and in ``_numba_kernels``: no C-callable wrapper (an
+#: overload has no Python one already). A wrapper is more code for LLVM to optimise and generate, with the
+#: function, in every caller's module; together ~1.7 s of linear attention's first call.
+OVERLOAD_JIT = {"no_cfunc_wrapper": True}
+#: @njit options of a helper called only from other kernels: cached, no Python or C entry point (as above;
+#: the Python wrappers were another ~1.2 s). Calling such a helper from Python crashes the interpreter:
+#: tests call them from a jitted function (or test ``.py_func``).
+HELPER_JIT = {"cache": True, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+
+
 # -- SIMD vectors for the chunk products -----------------------------------------------------------
 def _vector_bytes():
     """Bytes of the widest vector register of the compile target: 64 with AVX-512, 32 with AVX, else 16."""
@@ -164,39 +174,39 @@ def vsum(value):
     return total
 
 
-@overload(lanes)
+@overload(lanes, jit_options=OVERLOAD_JIT)
 def _lanes_impl(row):
     count = VECTOR_BYTES // (row.dtype.bitwidth // 8)
     return lambda row: count
 
 
-@overload(vload)
+@overload(vload, jit_options=OVERLOAD_JIT)
 def _vload_impl(row, j):
     return lambda row, j: _vload(row, j)
 
 
-@overload(vstore)
+@overload(vstore, jit_options=OVERLOAD_JIT)
 def _vstore_impl(row, j, value):
     return lambda row, j, value: _vstore(row, j, value)
 
 
-@overload(vzeros)
+@overload(vzeros, jit_options=OVERLOAD_JIT)
 def _vzeros_impl(row):
     zero = as_dtype(row.dtype).type(0)
     return lambda row: _vsplat(zero)
 
 
-@overload(vsplat)
+@overload(vsplat, jit_options=OVERLOAD_JIT)
 def _vsplat_impl(x):
     return lambda x: _vsplat(x)
 
 
-@overload(vmadd)
+@overload(vmadd, jit_options=OVERLOAD_JIT)
 def _vmadd_impl(acc, x, y):
     return lambda acc, x, y: _vmadd(acc, x, y)
 
 
-@overload(vsum)
+@overload(vsum, jit_options=OVERLOAD_JIT)
 def _vsum_impl(value):
     return lambda value: _vsum(value)
 
@@ -346,7 +356,7 @@ def vfeature_covers(row, feature_map):
     return False
 
 
-@overload(vfeature_covers)
+@overload(vfeature_covers, jit_options=OVERLOAD_JIT)
 def _vfeature_covers_impl(row, feature_map):
     f32 = _work_dtype(row.dtype) == types.float32
     return lambda row, feature_map: f32 or feature_map != 1
@@ -357,7 +367,7 @@ def vfeature(x, feature_map):
     return x
 
 
-@overload(vfeature)
+@overload(vfeature, jit_options=OVERLOAD_JIT)
 def _vfeature_impl(x, feature_map):
     if x.dtype == types.float32:
         def impl(x, feature_map):
