@@ -650,18 +650,20 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    width = tile_width(np.empty(0, work))
+    width = 2 * lanes(cos[0])                     # tile_width
     cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
-    m_f64 = padded(m, lanes(np.empty(0, np.float64)))
-    a_plain_own = np.zeros((cp, m_f64))
+    m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
+    # every buffer 2-D from np.zeros in the work dtype or float64: two compiled versions of NumPy's
+    # allocation, where mixed shapes and dtypes had compiled eleven (~0.6 s)
+    a_plain_own = np.zeros((cp, m_f64), np.float64)
     a_plain = borrowed(a_plain_own)
-    k_plain_own = np.zeros((cp, m_f64))
+    k_plain_own = np.zeros((cp, m_f64), np.float64)
     k_plain = borrowed(k_plain_own)
-    z_rows_own = np.zeros((cp, m_f64))          # z after each row of the chunk (causal)
+    z_rows_own = np.zeros((cp, m_f64), np.float64)   # z after each row of the chunk (causal)
     z_rows = borrowed(z_rows_own)
     a_hat_own = np.zeros((cp, m), work)
     a_hat = borrowed(a_hat_own)
-    phi_own = np.empty((cp, m), work)           # phi(q) or phi(k) of the chunk's rows, work dtype
+    phi_own = np.zeros((cp, m), work)           # phi(q) or phi(k) of the chunk's rows, work dtype
     phi = borrowed(phi_own)
     k_hat_t_own = np.zeros((mp, cp), work)
     k_hat_t = borrowed(k_hat_t_own)
@@ -675,14 +677,14 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     s_chunk = borrowed(s_chunk_own)
     s_work_own = np.zeros((m, dvp), work)
     s_work = borrowed(s_work_own)
-    carried_s_own = np.empty((m, dv))
+    carried_s_own = np.zeros((m, dv), np.float64)
     carried_s = borrowed(carried_s_own)
-    carried_z_own = np.zeros(m_f64)
-    carried_z = borrowed(carried_z_own)
-    pw_own = np.empty(chunk + 1)                 # gamma^j, float64
-    pw = borrowed(pw_own)
-    pw_work_own = np.empty(chunk + 1, work)
-    pw_work = borrowed(pw_work_own)
+    carried_z_own = np.zeros((1, m_f64), np.float64)
+    carried_z = borrowed(carried_z_own)[0]
+    pw_own = np.zeros((1, chunk + 1), np.float64)   # gamma^j, float64
+    pw = borrowed(pw_own)[0]
+    pw_work_own = np.zeros((1, chunk + 1), work)
+    pw_work = borrowed(pw_work_own)[0]
     out_geo = geo[3]
     # run-time bools, not literal constants: one compiled madd_tile and load_features serve every call site
     fresh, accumulate = np.bool_(False), np.bool_(True)
@@ -848,11 +850,11 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                                        borrowed(cos), borrowed(sin), borrowed(rows))
     state_s, state_z, new_s, new_z, powers = (borrowed(state_s), borrowed(state_z), borrowed(new_s),
                                               borrowed(new_z), borrowed(powers))
-    b_plain_own = np.zeros((1, m))
+    b_plain_own = np.zeros((1, m), np.float64)
     b_plain = borrowed(b_plain_own)
     b_hat_own = np.zeros((1, m), work)
     b_hat = borrowed(b_hat_own)
-    a_plain_own = np.zeros((groups, m))
+    a_plain_own = np.zeros((groups, m), np.float64)
     a_plain = borrowed(a_plain_own)
     a_hat_own = np.zeros((groups, m), work)
     a_hat = borrowed(a_hat_own)
@@ -860,7 +862,7 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     vals = borrowed(vals_own)
     acc_own = np.zeros((groups, dv), work)
     acc = borrowed(acc_own)
-    phi_own = np.empty((1, m), work)
+    phi_own = np.zeros((1, m), work)
     phi = borrowed(phi_own)
     # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
     # the chunk kernel compiled (a literal argument would compile a version of each of its own)

@@ -11,12 +11,14 @@ linear attention's row loads the vector feature maps (:func:`vfeature`) and ``ll
 
 from __future__ import annotations
 
+import inspect
 import llvmlite.binding as ll
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config, errors
-from numba.extending import intrinsic, models, overload, register_model
+from numba.core.imputils import lower_builtin
+from numba.extending import intrinsic, models, overload, register_model, type_callable
 from numba.np.numpy_support import as_dtype
 
 
@@ -174,41 +176,44 @@ def vsum(value):
     return total
 
 
-@overload(lanes, jit_options=OVERLOAD_JIT)
-def _lanes_impl(row):
+def lowered_in_place(python_func, definition):
+    """Type and lower compiled calls of ``python_func`` as the intrinsic-style ``definition(typingctx,
+    *arg_types) -> (signature, codegen)`` does, emitted at each call site, like :func:`numba.extending.intrinsic`
+    (an @overload would compile a function of its own per signature: ~0.05 s each). ``python_func`` stays
+    the plain Python function (NumPy semantics) that ``.py_func`` tests run."""
+    @type_callable(python_func)
+    def _type(context):
+        def typer(*args):
+            found = definition(context, *args)
+            return None if found is None else found[0].return_type
+        typer.pysig = inspect.signature(python_func)   # the arguments as python_func names them (no *args)
+        return typer
+
+    @lower_builtin(python_func, types.VarArg(types.Any))
+    def _lower(context, builder, signature, args):
+        return definition(context.typing_context, *signature.args)[1](context, builder, signature, args)
+
+    return python_func
+
+
+def _lanes_definition(typingctx, row):
     count = VECTOR_BYTES // (row.dtype.bitwidth // 8)
-    return lambda row: count
+    return types.intp(row), lambda context, builder, signature, args: context.get_constant(types.intp, count)
 
 
-@overload(vload, jit_options=OVERLOAD_JIT)
-def _vload_impl(row, j):
-    return lambda row, j: _vload(row, j)
+def _vzeros_definition(typingctx, row):
+    vec = Vec(row.dtype)
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(context.get_value_type(vec), [0.0] * vec.lanes)
+
+    return vec(row), codegen
 
 
-@overload(vstore, jit_options=OVERLOAD_JIT)
-def _vstore_impl(row, j, value):
-    return lambda row, j, value: _vstore(row, j, value)
-
-
-@overload(vzeros, jit_options=OVERLOAD_JIT)
-def _vzeros_impl(row):
-    zero = as_dtype(row.dtype).type(0)
-    return lambda row: _vsplat(zero)
-
-
-@overload(vsplat, jit_options=OVERLOAD_JIT)
-def _vsplat_impl(x):
-    return lambda x: _vsplat(x)
-
-
-@overload(vmadd, jit_options=OVERLOAD_JIT)
-def _vmadd_impl(acc, x, y):
-    return lambda acc, x, y: _vmadd(acc, x, y)
-
-
-@overload(vsum, jit_options=OVERLOAD_JIT)
-def _vsum_impl(value):
-    return lambda value: _vsum(value)
+lowered_in_place(lanes, _lanes_definition)
+lowered_in_place(vzeros, _vzeros_definition)
+for _func, _intrinsic in ((vload, _vload), (vstore, _vstore), (vsplat, _vsplat), (vmadd, _vmadd), (vsum, _vsum)):
+    lowered_in_place(_func, _intrinsic._defn)
 
 
 # -- SIMD rotation of unit-stride head vectors ------------------------------------------------------
@@ -356,10 +361,19 @@ def vfeature_covers(row, feature_map):
     return False
 
 
-@overload(vfeature_covers, jit_options=OVERLOAD_JIT)
-def _vfeature_covers_impl(row, feature_map):
-    f32 = _work_dtype(row.dtype) == types.float32
-    return lambda row, feature_map: f32 or feature_map != 1
+def _vfeature_covers_definition(typingctx, row, feature_map):
+    def codegen(context, builder, signature, args):
+        if _work_dtype(row.dtype) == types.float32:
+            return context.get_constant(types.boolean, True)
+        one = context.get_constant(feature_map, 1)
+        return builder.icmp_signed("!=", args[1], one)
+
+    if not isinstance(feature_map, types.Integer):
+        raise errors.TypingError(f"feature_map must be an integer, got {feature_map}")
+    return types.boolean(row, feature_map), codegen
+
+
+lowered_in_place(vfeature_covers, _vfeature_covers_definition)
 
 
 def vfeature(x, feature_map):
