@@ -3,9 +3,10 @@ come from.
 
     PYTHONPATH=. python benchmarks/bench_first_touch.py [--processes 3] [--calls 8]
 
-Each candidate runs in fresh processes (a warm-up call first: nothing compiles in the timed calls), ``--calls`` calls in a row,
-and the table gives the median over processes of each call's time. Every candidate writes 80 MiB of fresh
-output (the Llama-8B prefill shape, q (1, 4096, 32, 128), k (1, 4096, 8, 128), fp32) except ``out=``:
+Each candidate runs in fresh processes (a warm-up call first: nothing compiles in the timed calls),
+``--calls`` calls in a row, and the table gives the median over processes of each call's time. Every
+candidate writes 80 MiB of fresh output (the Llama-8B prefill shape, q (1, 4096, 32, 128), k (1, 4096, 8,
+128), fp32) except ``out=``:
 
 - ``rotary.apply_qk`` returning new arrays (the parallel kernel first-touches them from 2 threads);
 - ``q.copy(), k.copy()``: what a new-output call must not exceed;
@@ -14,7 +15,8 @@ output (the Llama-8B prefill shape, q (1, 4096, 32, 128), k (1, 4096, 8, 128), f
 - ``rotary.apply_qk(..., out=)`` into arrays allocated once (no page is new after the first call).
 
 On the 2-vCPU VM of docs/benchmarks.md, fresh pages first touched by the *second* thread cost 4-5x in the
-first 2-4 calls of a process, whoever writes them (rotary or the plain prange copy); one thread never shows it.
+first 2-4 calls of a process, whoever writes them (rotary or the plain prange copy); one thread never
+shows it.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, overload, type_callable
 
 from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
-    HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg, _vstore_flat, _vsub,
-    _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers, vload,
+    HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg,
+    _vstore_flat, _vsub, _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers, vload,
     vmadd, vsplat, vstore, vsum, vzeros)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -320,7 +320,8 @@ def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interl
     return 0
 
 
-@overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)   # inlined where it is called: no call per vector
+# inlined where it is called: no call per vector
+@overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)
 def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
