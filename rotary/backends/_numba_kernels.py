@@ -651,7 +651,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     m = state_z.shape[2]
     dv = state_s.shape[3]
     work = cos.dtype
-    width = 2 * lanes(cos[0])                     # tile_width
+    width = tile_width(cos[0])
     cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
     m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
     # every buffer 2-D from np.zeros in the work dtype or float64: two compiled versions of NumPy's

@@ -19,7 +19,6 @@ from numba import types
 from numba.core import cgutils, config, errors
 from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, models, overload, register_model, type_callable
-from numba.np.numpy_support import as_dtype
 
 
 #: jit options of an @overload implementation here and in ``_numba_kernels``: no C-callable wrapper (an
