@@ -25,7 +25,7 @@ from bench_numba import best_times  # noqa: E402  (sets the thread counts before
 import numpy as np  # noqa: E402
 
 import rotary  # noqa: E402
-from rotary import _tables  # noqa: E402
+from rotary.spec import tables as _tables  # noqa: E402
 
 SECTION = "## Multi-axis (benchmarks/bench_multi_axis.py)"
 S, HQ, HK, D = 4096, 32, 8, 128

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import rotary  # noqa: E402
-from rotary import _tables  # noqa: E402
+from rotary.spec import tables as _tables  # noqa: E402
 
 SECTION_BEGIN = "<!-- BEGIN benchmarks/bench_numba.py -->"
 SECTION_END = "<!-- END benchmarks/bench_numba.py -->"

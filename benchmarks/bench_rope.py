@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import rotary
-from rotary import _tables
+from rotary.spec import tables as _tables
 
 
 def best_us(fn, calls, rounds):

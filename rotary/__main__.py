@@ -44,7 +44,7 @@ def cmd_info(args) -> int:
 
 
 def _oracle(x, positions, spec):
-    from rotary.testing import rope_complex
+    from .testing import rope_complex
 
     return rope_complex(x.astype(np.float64), positions, spec.inv_freq(int(positions.max()) + 1),
                         layout=spec.layout, scale=spec.attention_scaling)
@@ -52,7 +52,7 @@ def _oracle(x, positions, spec):
 
 def cmd_demo(args) -> int:
     import rotary
-    from rotary import _conformance
+    from .conformance import cases as _conformance
 
     spec = rotary.RopeSpec.from_hf_config(LLAMA31_8B)
     print(f"spec from Llama-3.1-8B's config.json: {spec}")
@@ -110,8 +110,9 @@ def _demo_linear_attention(seq, rng) -> int:
     """Causal linear attention with RoPE per backend against the quadratic float64 oracle, one call and
     prefill + continue through the state; returns the number of failing backends."""
     import rotary
-    from rotary import _conformance, backends
-    from rotary.testing import linear_attention_quadratic
+    from .conformance import cases as _conformance
+    from . import backends
+    from .testing import linear_attention_quadratic
 
     spec = rotary.RopeSpec(64)
     q, k, v = (rng.standard_normal((1, 8, seq, 64)).astype(np.float32) for _ in range(3))
@@ -190,11 +191,11 @@ def _run(argv=None) -> int:
 def _add_optional_commands(sub) -> None:
     """Subcommands that live in their own modules (conformance runner, benchmarks)."""
     try:
-        from . import _cli_conformance
+        from .cli import conformance as _cli_conformance
     except ImportError:
         return
     _cli_conformance.add_parser(sub)
-    from . import _cli_inspect
+    from .cli import inspect as _cli_inspect
 
     _cli_inspect.add_parser(sub)
 

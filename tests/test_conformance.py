@@ -2,7 +2,7 @@
 
 import pytest
 
-from rotary import _conformance as conformance
+from rotary.conformance import cases as conformance
 
 from .conftest import backend_params
 

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import rotary
-from rotary import RopeSpec, _conformance as conformance
+from rotary import RopeSpec
+from rotary.conformance import cases as conformance
 from rotary import backends as registry
 from rotary.backends import cupy as cb
 from rotary.testing import rope_complex, tolerance

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import RopeSpec, _tables
+from rotary import RopeSpec
+from rotary.spec import tables as _tables
 from rotary.backends import cupy as cb
 from rotary.testing import rope_complex, tolerance
 

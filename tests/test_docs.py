@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import _cli_conformance, _conformance
+from rotary.cli import conformance as _cli_conformance
+from rotary.conformance import cases as _conformance
 from rotary.testing import rope_complex
 
 ROOT = Path(__file__).resolve().parent.parent

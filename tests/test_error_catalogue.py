@@ -1,4 +1,4 @@
-"""The bad-input catalogue (rotary._error_cases, issue 14): each case raises the exact exception type with
+"""The bad-input catalogue (rotary.conformance.error_cases, issue 14): each case raises the exact exception type with
 the required words in its message, or returns the exact value required; the CLI reports the same."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import io
 
 import pytest
 
-from rotary import _cli_conformance, _error_cases
+from rotary.cli import conformance as _cli_conformance
+from rotary.conformance import error_cases as _error_cases
 from rotary.backends import available_backends
 
 CASES = _error_cases.cases()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import _angles
+from rotary.spec import angles as _angles
 from rotary.testing import phase
 
 from .conftest import backend_params

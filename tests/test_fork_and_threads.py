@@ -68,7 +68,7 @@ def test_parallel_kernel_from_several_threads():
                                              ((1, 6, 32, 128), False),      # 6 tokens
                                              ((1, 64, 32, 128), True)])     # prefill
 def test_small_and_one_token_calls_stay_on_the_calling_thread(shape, parallel, monkeypatch):
-    from rotary.backends import _numba_kernels as kernels
+    from rotary.backends.numba_kernels import rotation as kernels
 
     used = []
     for name in ("rotate_qk_parallel", "rotate_qk_serial"):

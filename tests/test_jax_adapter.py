@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import _tables
+from rotary.spec import tables as _tables
 from rotary.testing import assert_close, linear_attention_quadratic, rope_complex
 
 jax = pytest.importorskip("jax")

@@ -1,6 +1,6 @@
 """Multi-axis specs (M-RoPE, axial RoPE): pair assignment, angles, every entry point, bad input.
 
-The conformance suite (rotary._conformance, ``*mrope*`` / ``*axial*`` cases) runs every backend against
+The conformance suite (rotary.conformance.cases, ``*mrope*`` / ``*axial*`` cases) runs every backend against
 the float64 oracle; here: the spec's own contract, written out pair by pair from HF's code, and the
 entry points the suite does not cover (softmax attention, cos_sin, tables, errors).
 """
@@ -12,7 +12,7 @@ import pytest
 
 import rotary
 from rotary import RopeSpec, testing
-from rotary import _conformance as conformance
+from rotary.conformance import cases as conformance
 
 from .conftest import backend_params
 
@@ -129,7 +129,7 @@ def test_inverse_undoes_multi_axis(backend, rng):
     grid = np.stack(np.meshgrid(np.arange(3), np.arange(3), np.arange(3), indexing="ij"), -1).reshape(-1, 3)
     y = rotary.apply(to_backend(x), grid, spec=spec, seq_axis=-3, backend=backend)
     back = rotary.apply(y, grid, spec=spec, seq_axis=-3, inverse=True, backend=backend)
-    np.testing.assert_allclose(rotary._api.to_numpy(back), x, atol=1e-12)
+    np.testing.assert_allclose(rotary.frontend.rotate.to_numpy(back), x, atol=1e-12)
 
 
 def test_relative_position_property_per_axis(rng):
@@ -176,7 +176,7 @@ def test_linear_attention_state_continues_mrope(rng):
 # -- a multi-axis check can fail ---------------------------------------------------------------------
 def test_wrong_axis_assignment_fails_the_conformance_check(monkeypatch):
     """Rotating every pair by the first coordinate (a 1-D rotation) is caught by the multi-axis cases."""
-    from rotary import _tables
+    from rotary.spec import tables as _tables
 
     original = _tables._axis_columns
     monkeypatch.setattr(_tables, "_axis_columns", lambda pair_axes: original((0,) * len(pair_axes)))

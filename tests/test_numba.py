@@ -11,8 +11,9 @@ import pytest
 pytest.importorskip("numba")
 
 import rotary  # noqa: E402
-from rotary import _tables, testing  # noqa: E402
-from rotary.backends import _numba_kernels as kernels  # noqa: E402
+from rotary.spec import tables as _tables
+from rotary import testing  # noqa: E402
+from rotary.backends.numba_kernels import rotation as kernels  # noqa: E402
 from rotary.backends import numba as nb  # noqa: E402
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -339,7 +340,7 @@ def test_vector_feature_maps_equal_the_scalar_ones(dtype):
     has no vector form (vfeature_covers says so) and runs scalar."""
     from numba import njit
 
-    from rotary.backends._numba_simd import vfeature, vfeature_covers
+    from rotary.backends.numba_kernels.simd import vfeature, vfeature_covers
 
     @njit
     def both(x, feature_map):
@@ -491,7 +492,7 @@ def test_linear_attention_task_range_equals_single_tasks(rng, causal, groups, de
     kept alive to the end; one set of buffers serving every task of the range) gives exactly the bits of
     one call per task, tasks in reverse order: nothing of a task leaks into the next. Also with GQA (two
     q heads per k/v head) and decay."""
-    from rotary.backends._numpy_linear import decay_powers
+    from rotary.backends.numpy_linear import decay_powers
 
     decayed = decayed and causal
     B, T, H, m, dv = 2, 37, 4, 20, 9

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import _tables
+from rotary.spec import tables as _tables
 from rotary.backends import numpy as nb
 
 # inputs near the fp16 limits overflow on purpose (the overflow test checks the warning with pytest.warns)

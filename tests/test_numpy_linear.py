@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary.backends import _numpy_linear as nl
+from rotary.backends import numpy_linear as nl
 from rotary.testing import linear_attention_quadratic
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3}
@@ -150,7 +150,7 @@ def test_same_result_as_the_generic_path(groups, dtype, causal):
     rng = np.random.default_rng(2)
     q, k, v = _inputs(rng, (2, 35, 3, 6), 4, dtype)       # canonical (B, S, H, m)
     spec = rotary.RopeSpec(6, layout="interleaved")
-    from rotary import _tables
+    from rotary.spec import tables as _tables
 
     pos = np.array([0, 50])[:, None] + np.arange(35)
     cos, sin, rows = _tables.lookup(spec, pos, dtype=q.dtype, device_key="cpu")
@@ -269,7 +269,7 @@ def test_packed_batch_in_cache_sized_blocks(groups):
 def test_bucket_plan_covers_every_token_once(seed):
     """plan_buckets: every packed token has one padded slot and comes back from it; each bucket within its
     caps and PAD_RATIO; state_rows puts the per-bucket rows back in sequence order."""
-    from rotary.backends import _padded_batch as pb
+    from rotary.backends import padded_batch as pb
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 40, size=int(rng.integers(1, 60)))

@@ -93,7 +93,7 @@ def _nvcc():
 
 
 def nvcc_ptxas(family: str, out_dir: Path, nvcc: str = "nvcc", archs=NVCC_ARCHS):
-    """Compile kernels/<family>.cu standalone with every instantiation; returns (returncode, stderr, rows).
+    """Compile cuda_kernels/<family>.cu standalone with every instantiation; returns (returncode, stderr, rows).
 
     rows: (arch, kernel name expression, registers, spill store bytes, spill load bytes, smem bytes).
     """

@@ -1,4 +1,4 @@
-"""Packed variable-length batches (cu_seqlens, flash-attn's varlen/THD form): rotary._packing and
+"""Packed variable-length batches (cu_seqlens, flash-attn's varlen/THD form): rotary.spec.packing and
 ``cu_seqlens=`` on apply/apply_qk, against each sequence rotated alone and the float64 oracle, on every
 backend (the CUDA kernels through the host shim)."""
 
@@ -7,7 +7,7 @@ import pytest
 
 import rotary
 from rotary import RopeSpec, testing
-from rotary._packing import pack
+from rotary.spec.packing import pack
 
 from .conftest import backend_params
 from .test_cuda_kernels_cpu import kernels, use_backend  # noqa: F401  (host-shim fixtures)
@@ -15,7 +15,7 @@ from .test_cuda_kernels_cpu import kernels, use_backend  # noqa: F401  (host-shi
 SPEC = RopeSpec(32, base=10000.0)
 
 
-# -- rotary._packing ------------------------------------------------------------------------------
+# -- rotary.spec.packing ------------------------------------------------------------------------------
 def test_pack_positions_and_ids():
     p = pack(np.array([0, 3, 3, 7], np.int32), 7, seqlen_offsets=[5, 0, 100])
     assert p.positions.dtype == np.int64 and p.seq_ids.dtype == np.int64

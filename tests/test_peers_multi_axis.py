@@ -90,7 +90,7 @@ POSITION_RULE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl":
 
 def _mixed_positions(model_type, far=40_000):
     """(2, seq, 3) M-RoPE ids of a text / image / video / text prompt; row 1 shifted by ``far`` (a long context)."""
-    frames = rotary._positions.VIDEO_RULES[model_type] == "frames"
+    frames = rotary.spec.positions.VIDEO_RULES[model_type] == "frames"
     image = [1] * (3 * 4)                                              # grid (1, 6, 8), merge 2
     video = ([0, 0] + [2] * 4) * 2 if frames else [2] * 8              # grid (2, 4, 4): 2 frames of 2x2
     types_ = np.array([[0] * 5 + image + [0] * 3 + video + [0] * 4] * 2)
@@ -142,7 +142,7 @@ def test_text_mrope_needs_its_own_assignment(model):
     pos = _mixed_positions(POSITION_RULE[model])
     with torch.no_grad():
         cos, _ = rope(torch.zeros(1), torch.from_numpy(np.moveaxis(pos, -1, 0).copy()))
-    for layout in rotary._spec.MROPE_LAYOUTS:
+    for layout in rotary.spec.rope_spec.MROPE_LAYOUTS:
         if layout != spec.mrope_layout:
             other = spec.replace(mrope_layout=layout, mrope_interleaved=None)
             assert np.max(np.abs(_hf_layout(other.cos_sin(pos, dtype=np.float64)[0], spec) - cos.double().numpy())) > 0.1

@@ -197,7 +197,7 @@ def _hf_model(transformers, model_type):
 def _random_prompt(rng, model_type, m, batch=3, pad=True):
     """Token types, grids and a mask for a random mixed prompt batch: rows left-padded (mask 0) when
     ``pad``, else filled up with trailing text tokens (mask all 1)."""
-    frames_split = rotary._positions.VIDEO_RULES[model_type] == "frames"
+    frames_split = rotary.spec.positions.VIDEO_RULES[model_type] == "frames"
     rows, images, videos, seconds = [], [], [], []
     for _ in range(batch):
         row = [0] * int(rng.integers(1, 4))

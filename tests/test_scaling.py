@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import rotary
 from rotary import RopeSpec
-from rotary._scaling import ROPE_TYPES, yarn_correction_range, yarn_mscale
+from rotary.spec.scaling import ROPE_TYPES, yarn_correction_range, yarn_mscale
 
 
 def omega(base, d):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rotary
-from rotary import _tables
+from rotary.spec import tables as _tables
 from rotary import testing as T
 
 from .conftest import backend_params

@@ -1,7 +1,7 @@
 """Backend registry: name -> lazily imported module, with availability and a reason.
 
 Every backend module implements the same primitives on *canonical views* made by the frontend.
-They never compute frequencies: they receive cos/sin tables (from ``rotary._tables``) and rows.
+They never compute frequencies: they receive cos/sin tables (from ``rotary.spec.tables``) and rows.
 
 ``rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse) -> list``
     items: sequence of ``(x, out)``. ``x`` is a 4-D array ``(B, S, H, D)`` of the backend's array
@@ -18,7 +18,7 @@ They never compute frequencies: they receive cos/sin tables (from ``rotary._tabl
 
 ``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
 decay=None, normalize=True[, cu_seqlens=None])``
-    -> ``(o, (S, z))``; see ``rotary._linear_attention`` for the semantics. q is ``(B, S, H, m)``,
+    -> ``(o, (S, z))``; see ``rotary.attention.linear`` for the semantics. q is ``(B, S, H, m)``,
     k ``(B, S, Hk, m)`` and v ``(B, S, Hk, dv)`` with H a multiple G of Hk (GQA): q head h reads
     k/v head h // G. ``state`` is None or ``(S, z)`` with S ``(B, Hk, m, dv)`` and z ``(B, Hk, m)``
     or None (zeros), per k/v head, in the work dtype; it is read-only: a backend returns a new state

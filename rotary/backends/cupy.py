@@ -1,4 +1,4 @@
-"""CuPy backend: raw CUDA kernels (``kernels/*.cu``) compiled lazily with NVRTC per device and dtype.
+"""CuPy backend: raw CUDA kernels (``cuda_kernels/*.cu``) compiled lazily with NVRTC per device and dtype.
 
 Nothing is compiled at import or install: the first call for a (device, kernel file, dtype) builds a
 ``cupy.RawModule`` with that dtype's template instantiations (``name_expressions``); CuPy's on-disk
@@ -28,7 +28,7 @@ import numpy as np
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 
-KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_DIR = Path(__file__).with_name("cuda_kernels")
 COMMON_HEADER = "rotary_common.cuh"
 #: kernel file of each kernel family
 SOURCES = {"rope": "rope.cu", "linear_attention": "linear_attention.cu"}
@@ -300,7 +300,7 @@ def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, d
 def powers_table(decay, chunk: int, work_dtype):
     """Host (B * Hk, chunk + 1) gamma^j in ``work_dtype`` of a float64 (B, Hk) decay; None when there is no
     decay or every gamma is 1 (the kernels then skip the factors)."""
-    from ._numpy_linear import decay_powers
+    from .numpy_linear import decay_powers
 
     if decay is None or bool(np.all(np.asarray(decay) == 1)):
         return None
@@ -516,7 +516,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
                      decay=None, normalize=True, cu_seqlens=None):
-    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary._linear_attention).
+    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary.attention.linear).
     ``cu_seqlens`` (N + 1 offsets): a packed batch in one launch, states (N, Hk, ...)."""
     import cupy
 

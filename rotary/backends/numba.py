@@ -14,7 +14,7 @@ import threading
 import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
 
-from . import _numba_kernels as kernels
+from .numba_kernels import rotation as kernels
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -215,7 +215,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         o = _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_map, eps, normalize)
         if o is not None:
             return o
-    from ._numpy_linear import decay_powers
+    from .numpy_linear import decay_powers
 
     B, S, H, m = q.shape
     Hk, dv = k.shape[2], v.shape[3]

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import array_namespace, is_numpy_array
 
-from ._numpy_linear import linear_attention  # noqa: F401  (the backend's linear-attention primitive)
+from .numpy_linear import linear_attention  # noqa: F401  (the backend's linear-attention primitive)
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
-from ._xp_rotate import _compute_dtype, _rotate_xp, gather_rows  # noqa: F401  (gather_rows: tests use it)
+from .array_api import _compute_dtype, _rotate_xp, gather_rows  # noqa: F401  (gather_rows: tests use it)
 
 NAME = "numpy"
 

@@ -1,6 +1,6 @@
 """Dispatch of torch tensors, JAX arrays and Dask arrays to their adapters.
 
-``rotary._torch``, ``rotary._jax``, ``rotary._dask`` and ``rotary._bf16`` (ml_dtypes bfloat16) each turn their library's arrays into what the
+``rotary.interop.torch_adapter``, ``rotary.interop.jax_adapter``, ``rotary.interop.dask_adapter`` and ``rotary.interop.bf16_adapter`` (ml_dtypes bfloat16) each turn their library's arrays into what the
 backend primitives take (NumPy/CuPy views, host tables) and back. The frontend functions are wrapped
 once (:func:`dispatch`): plain NumPy/CuPy calls pay one type check; an adapter receives the wrapped
 function itself (``core``) and every keyword unchanged, so keywords added to the frontend pass through.
@@ -14,8 +14,8 @@ import importlib
 
 import numpy as np
 
-_MODULES = {"torch": "rotary._torch", "jax": "rotary._jax", "jaxlib": "rotary._jax", "dask": "rotary._dask",
-            "bfloat16": "rotary._bf16"}
+_MODULES = {"torch": "rotary.interop.torch_adapter", "jax": "rotary.interop.jax_adapter", "jaxlib": "rotary.interop.jax_adapter", "dask": "rotary.interop.dask_adapter",
+            "bfloat16": "rotary.interop.bf16_adapter"}
 
 
 def library(a) -> str | None:

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _tables
-from . import backends as _backends
-from ._api import _layout, canonical_view, packed_positions, rotate_arrays
-from ._spec import RopeSpec
+from ..spec import tables as _tables
+from .. import backends as _backends
+from .rotate import _layout, canonical_view, packed_positions, rotate_arrays
+from ..spec.rope_spec import RopeSpec
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
 _INT64_LIMIT = 2 ** 63
@@ -325,7 +325,7 @@ class _Plan:
 
         ``hooks`` (tests, benchmarks): ``address``, ``empty``, ``to_device`` and either ``kernel`` (called
         as a CuPy RawKernel: ``kernel(grid, block, args, shared_mem=...)``) or ``launch(plan, dtype_name)``."""
-        from .backends import cupy as cb
+        from ..backends import cupy as cb
 
         if hooks:
             address, empty, to_device = hooks["address"], hooks["empty"], hooks["to_device"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._spec import _as_int
+from .rope_spec import _as_int
 
 #: HF ``model_type`` -> how video grids become positions (``get_rope_index`` of each model):
 #: "index": temporal id = frame index (Qwen2-VL);

@@ -37,44 +37,44 @@ def _x(shape=(4, 8), dtype=np.float32):
 
 
 def _spec(*args, **kwargs):
-    from . import RopeSpec
+    from .. import RopeSpec
 
     return RopeSpec(*args, **kwargs)
 
 
 def _apply(*args, **kwargs):
-    from . import apply
+    from .. import apply
 
     return apply(*args, **kwargs)
 
 
 def _convert_layout(**kwargs):
-    from . import convert_layout
+    from .. import convert_layout
 
     return convert_layout(_x(), to="half", **kwargs)
 
 
 def _from_config(**values):
-    from . import RopeSpec
+    from .. import RopeSpec
 
     return RopeSpec.from_hf_config({"hidden_size": 256, "num_attention_heads": 4, "rope_theta": 1e4, **values})
 
 
 def _head_spec(head):
-    from . import RopeSpec
+    from .. import RopeSpec
 
     return RopeSpec.from_hf_config({"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 4,
                                     "qk_nope_head_dim": 32, "qk_rope_head_dim": 16}, head=head)
 
 
 def _config_error():
-    from ._hf_config import ConfigError
+    from ..spec.hf_config import ConfigError
 
     return ConfigError
 
 
 def _attention(seq=4, **kwargs):
-    from . import attention
+    from .. import attention
 
     x = _x((seq, 8), np.float64)
     return attention(x, x, x, **kwargs)
@@ -86,7 +86,7 @@ def _yarn(**extra):
 
 def _mixed_precision_ok(result) -> bool:
     """fp32 q and fp64 k: k is rotated in float64 (as alone), q in float32 (as alone)."""
-    from . import apply
+    from .. import apply
 
     q, k = _x((6, 8)), _x((6, 8), np.float64)
     return (np.array_equal(result[1], apply(k, 2**30)) and np.array_equal(result[0], apply(q, 2**30))
@@ -94,7 +94,7 @@ def _mixed_precision_ok(result) -> bool:
 
 
 def _linear_state(**kwargs):
-    from . import LinearAttentionState
+    from .. import LinearAttentionState
 
     defaults = dict(S=np.zeros((8, 4)), z=np.zeros(8), next_position=0, spec=_spec(8))
     defaults.update(kwargs)
@@ -103,14 +103,14 @@ def _linear_state(**kwargs):
 
 
 def _linear(feature_map):
-    from . import linear_attention
+    from .. import linear_attention
 
     q = _x((1, 5, 2, 8))
     return linear_attention(q, q, q, seq_axis=1, feature_map=feature_map)
 
 
 def _cases() -> list:
-    from . import apply_qk, convert_layout, decay_curve
+    from .. import apply_qk, convert_layout, decay_curve
 
     big = 2**63
     return [
@@ -236,7 +236,7 @@ def _cases() -> list:
 
 
 def _linear_state_call(positions, start=None):
-    from . import linear_attention
+    from .. import linear_attention
 
     q = _x((1, 3, 1, 8))
     state = None if start is None else _linear_state(S=np.zeros((1, 1, 8, 8), np.float32), z=np.zeros((1, 1, 8), np.float32),
@@ -245,14 +245,14 @@ def _linear_state_call(positions, start=None):
 
 
 def _linear_decay(decay, causal=True):
-    from . import linear_attention
+    from .. import linear_attention
 
     q = _x((1, 5, 2, 8))
     return linear_attention(q, q, q, seq_axis=1, causal=causal, decay=decay)
 
 
 def _cache_limit(nbytes):
-    from . import set_table_cache_limit
+    from .. import set_table_cache_limit
 
     set_table_cache_limit(set_table_cache_limit(nbytes))   # restores the previous limit when accepted
 
@@ -274,7 +274,7 @@ def cases() -> list:
 
 def run_case(case: ErrorCase) -> ErrorResult:
     if case.needs is not None:
-        from .backends import available_backends
+        from ..backends import available_backends
 
         ok, reason = available_backends()[case.needs]
         if not ok:

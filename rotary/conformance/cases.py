@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from . import _scaling
-from ._spec import RopeSpec
-from .testing import linear_attention_quadratic, rope_complex, tolerance
+from ..spec import scaling as _scaling
+from ..spec.rope_spec import RopeSpec
+from ..testing import linear_attention_quadratic, rope_complex, tolerance
 
 #: Scaling rules exercised by the suite (only those this build knows are used).
 SCALINGS = {
@@ -288,7 +288,7 @@ class Result:
 
 def run_case(case: Case, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:
     """Run ``case`` on ``backend`` (inputs moved with ``to_backend``, results back with ``to_host``)."""
-    from . import _api
+    from ..frontend import rotate as _api
 
     to_backend = to_backend or (lambda a: a)
     to_host = to_host or (lambda a: _api.to_numpy(a))
@@ -432,8 +432,8 @@ def make_linear_inputs(case: LinearCase, seed: int = 0):
 
 def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:
     """Run ``case`` on ``backend``; error = max |o - o_ref| / rms(o_ref) against the quadratic oracle."""
-    from . import _api
-    from ._linear_attention import linear_attention
+    from ..frontend import rotate as _api
+    from ..attention.linear import linear_attention
 
     to_backend = to_backend or (lambda a: a)
     to_host = to_host or (lambda a: _api.to_numpy(a))
@@ -515,7 +515,7 @@ def array_converters(backend: str):
 
 def run(backends=None, quick: bool = False) -> list[Result]:
     """Run every case (rotation, then linear attention) on every requested (default: available) backend."""
-    from .backends import available_backends, get
+    from ..backends import available_backends, get
 
     avail = available_backends()
     names = [b for b, (ok, _) in avail.items() if ok] if backends is None else list(backends)

@@ -60,8 +60,8 @@ def _runs(types) -> str:
 def inspect_config(config, layer_type=None, head="rope") -> str:
     """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig); ``head`` as in
     ``RopeSpec.from_hf_config`` (MLA: "qk" for the whole [nope | rope] head, "indexer" for DSA's indexer)."""
-    from . import _hf_config
-    from ._spec import RopeSpec
+    from ..spec import hf_config as _hf_config
+    from ..spec.rope_spec import RopeSpec
 
     if layer_type is not None:
         specs = {layer_type: RopeSpec.from_hf_config(config, layer_type=layer_type, head=head)}

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device as xp_device, is_numpy_array
 
-from ._padded_batch import gather_padded, merge_sequences, merge_tokens, plan_buckets
-from ._xp_rotate import _compute_dtype, _rotate_xp, gather_rows
+from .padded_batch import gather_padded, merge_sequences, merge_tokens, plan_buckets
+from .array_api import _compute_dtype, _rotate_xp, gather_rows
 
 FEATURE_MAPS = ("elu", "relu", "identity")
 

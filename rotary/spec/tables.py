@@ -35,7 +35,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._spec import RopeSpec, _inv_freq_and_scaling
+from .rope_spec import RopeSpec, _inv_freq_and_scaling
 
 #: Largest dense or window table, in bytes (cos + sin); past it a compact table is made per call.
 DENSE_TABLE_MAX_BYTES = 64 * 2**20

@@ -48,7 +48,7 @@ class Packed(NamedTuple):
 
 
 def _host_int_array(a, name: str) -> np.ndarray:
-    from ._api import to_numpy   # lazy: _api imports this module
+    from ..frontend.rotate import to_numpy  # lazy: _api imports this module
 
     if isinstance(a, (bool, np.bool_)) or (isinstance(a, np.ndarray) and a.dtype == bool):
         raise TypeError(f"{name} must be an integer array, got a bool")

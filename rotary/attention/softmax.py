@@ -24,7 +24,7 @@ packed sequence boundaries) get a per-token mask; a packed batch is one sweep ov
 Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
 to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
-in each, see :mod:`rotary._blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
+in each, see :mod:`rotary.attention.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
 tile spans every head. Scores and softmax are float32 (float64 for float64 inputs).
 """
 
@@ -39,10 +39,10 @@ from typing import NamedTuple
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
-from ._api import (_check_float, _namespace, apply, apply_qk, normalize_positions, normalize_seq_axis,
-                   packed_positions, resolve_spec, to_numpy)
-from ._blas import single_thread_blas
-from ._packing import pack
+from ..frontend.rotate import (_check_float, _namespace, apply, apply_qk, normalize_positions, normalize_seq_axis,
+    packed_positions, resolve_spec, to_numpy)
+from .blas import single_thread_blas
+from ..spec.packing import pack
 
 #: target size of one tile of scores on the NumPy path, in elements ((g x q block) rows x block_size keys):
 #: 512 KiB of float32, so the scores stay in a core's L2 through softmax; 32x that (every head) on devices
@@ -119,7 +119,7 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     softcap : float, optional
         Soft-capping of the scores, ``c tanh(scores / c)`` (Gemma 2's attn_logit_softcapping).
     cu_seqlens, cu_seqlens_k : integer arrays (N+1,), optional
-        Packed q and k/v (seq_axis=0, shapes (total_tokens, heads, d)); see :mod:`rotary._packing`.
+        Packed q and k/v (seq_axis=0, shapes (total_tokens, heads, d)); see :mod:`rotary.spec.packing`.
     seqlen_offsets : int or integer array (N,), optional
         With cu_seqlens: the position of each sequence's first key.
     q_mask_positions, k_mask_positions : integer arrays, optional

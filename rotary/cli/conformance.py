@@ -1,4 +1,4 @@
-"""``python -m rotary conformance``: run the conformance suite of ``rotary._conformance`` here.
+"""``python -m rotary conformance``: run the conformance suite of ``rotary.conformance.cases`` here.
 
 Every case is run on every available backend (or those named with ``--backend``) and compared
 with the float64 complex-multiplication oracle; a case passes when
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _conformance
-from .backends import available_backends, names
+from ..conformance import cases as _conformance
+from ..backends import available_backends, names
 
 HELP = "run the cross-backend conformance suite against float64 oracles"
 
@@ -80,8 +80,8 @@ def run_cli(args: argparse.Namespace, stdout=None) -> int:
 
 
 def run_errors(args: argparse.Namespace, stdout) -> int:
-    """``--errors``: one row per bad-input case of ``rotary._error_cases``; exit 1 if any fails."""
-    from . import _error_cases
+    """``--errors``: one row per bad-input case of ``rotary.conformance.error_cases``; exit 1 if any fails."""
+    from ..conformance import error_cases as _error_cases
 
     results = _error_cases.run()
     width = max(len(r.case) for r in results)

@@ -3,7 +3,7 @@
 The frontend turns any input into canonical 4-D views ``(B, S, H, D)`` (B = the axes before the
 sequence axis, merged; H = the axes between the sequence axis and the last, merged; no copy when the
 strides allow it), turns positions into an int64 ``(Bp, S)`` host array (Bp in {1, B}), fetches
-cos/sin tables from ``rotary._tables`` and calls the backend's primitive.
+cos/sin tables from ``rotary.spec.tables`` and calls the backend's primitive.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import numpy as np
 from array_api_compat import (array_namespace, device as xp_device, is_cupy_array, is_jax_array,
                               is_numpy_array, is_torch_array)
 
-from . import _adapters, _packing, _tables
-from . import backends as _backends
-from ._spec import RopeSpec
+from . import dispatch as _adapters
+from ..spec import packing as _packing, tables as _tables
+from .. import backends as _backends
+from ..spec.rope_spec import RopeSpec
 
 _SPEC_KEYWORDS = ("base", "layout", "rotary_dim", "scaling", "max_position_embeddings", "rotary_offset")
 
@@ -386,7 +387,7 @@ def _check_cross_overlap(xs, outs, names):
 
 # -- packed batches ------------------------------------------------------------------------------
 def packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, name="x", spec=None):
-    """``positions`` for a call with ``cu_seqlens`` (a packed batch, see :mod:`rotary._packing`).
+    """``positions`` for a call with ``cu_seqlens`` (a packed batch, see :mod:`rotary.spec.packing`).
 
     Without cu_seqlens: positions unchanged (seqlen_offsets must be None). With it: x must have no
     batch axis before its sequence axis (or one of size 1); positions None -> restarting per sequence

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import _angles, _scaling
+from . import angles as _angles, scaling as _scaling
 
 LAYOUTS = ("half", "interleaved")
 TWO_PI = 2.0 * math.pi
@@ -376,7 +376,7 @@ class RopeSpec:
         "indexer" DeepSeek-V3.2's DSA lightning indexer: ``index_head_dim`` heads laid out
         ``[rope | rest]`` with half-split pairs (GLM-MoE-DSA: interleaved), the same frequencies.
         """
-        from . import _hf_config
+        from . import hf_config as _hf_config
 
         kwargs = _hf_config.head_kwargs(config, _hf_config.spec_kwargs(config, layer_type), head)
         return cls._from_hf_kwargs(kwargs, layout)
@@ -386,7 +386,7 @@ class RopeSpec:
         """{layer type: spec} of a config: one entry per RoPE layer type of a per-layer-type config,
         one per ``layer_types`` entry of a flat config (all equal), ``{"default": spec}`` otherwise.
         ``head`` as in :meth:`from_hf_config`."""
-        from . import _hf_config
+        from . import hf_config as _hf_config
 
         return {lt: cls._from_hf_kwargs(_hf_config.head_kwargs(config, kw, head), layout)
                 for lt, kw in _hf_config.per_layer_kwargs(config).items()}
@@ -395,7 +395,7 @@ class RopeSpec:
     def layers_from_hf_config(cls, config, *, layout: str | None = None) -> list:
         """The spec of each layer index (``config.layer_types``, per-layer overrides such as Gemma 4's
         global head dim applied), None for a layer whose type has no RoPE."""
-        from . import _hf_config
+        from . import hf_config as _hf_config
 
         cache = {}
         out = []
@@ -458,7 +458,7 @@ class RopeSpec:
         for a multi-axis spec (positions (..., n_axes); pair i reads coordinate ``pair_axes[i]``) and
         positions.shape + (d/2,) otherwise.
 
-        The product is formed exactly and reduced mod 2*pi in double-double (``rotary._angles``):
+        The product is formed exactly and reduced mod 2*pi in double-double (``rotary.spec.angles``):
         the angle is within about one ulp of pi of the exact ``p * w mod 2 pi`` (w the float64
         inv_freq) at every position below 2**53, so float64 data gets an exact rotation.
         """
@@ -624,5 +624,5 @@ def _inv_freq_and_scaling(spec: RopeSpec, seq_len):
 
 @lru_cache(maxsize=512)
 def _freq_turns(spec: RopeSpec, seq_len):
-    """The per-frequency constants of :func:`rotary._angles.reduced_angles` (inv_freq / 2 pi, split)."""
+    """The per-frequency constants of :func:`rotary.spec.angles.reduced_angles` (inv_freq / 2 pi, split)."""
     return _angles.turns(_inv_freq_and_scaling(spec, seq_len)[0])

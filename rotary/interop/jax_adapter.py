@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from ._spec import RopeSpec
+from ..spec.rope_spec import RopeSpec
 
 _DIGIT = 11
 _ROWS = 1 << _DIGIT
@@ -62,7 +62,7 @@ def _concrete_positions(positions):
 
 
 def rotate(core, xs, outs, names, positions, **kwargs):
-    """``rotary._api.rotate_arrays`` for JAX arrays."""
+    """``rotary.frontend.rotate.rotate_arrays`` for JAX arrays."""
     _check_out(outs, names)
     _check_backend(kwargs.get("backend", "auto"), names)
     concrete = _concrete_positions(positions)
@@ -112,8 +112,8 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=-2, inverse=Fals
                    spec_kwargs=None, **unknown):
     import jax.numpy as jnp
 
-    from . import _api
-    from .backends.numpy import _rotate_xp
+    from ..frontend import rotate as _api
+    from ..backends.numpy import _rotate_xp
 
     if unknown:
         raise TypeError(f"traced positions do not support the arguments {sorted(unknown)} yet; pass concrete "

@@ -34,10 +34,9 @@ from numba import njit, prange, types
 from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, overload, type_callable
 
-from ._numba_simd import (  # noqa: F401  (VECTOR_BYTES, Vec: re-exported for tests and docs)
-    HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul, _vneg,
-    _vstore_flat, _vsub, _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers, vload,
-    vmadd, vsplat, vstore, vsum, vzeros)
+from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, Vec, _vadd, _vdeinterleave, _vinterleave, _vload_flat,
+    _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
+    vload, vmadd, vsplat, vstore, vsum, vzeros)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._api import (_namespace, canonical_shape, normalize_positions, normalize_seq_axis, resolve_spec,
-                   rotate_arrays)
-from ._spec import RopeSpec
+from ..frontend.rotate import (_namespace, canonical_shape, normalize_positions, normalize_seq_axis, resolve_spec,
+    rotate_arrays)
+from ..spec.rope_spec import RopeSpec
 
 
 def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_len=None, to_seq_len=None,

@@ -23,12 +23,13 @@ import numbers
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
-from . import _adapters, _tables
-from . import backends as _backends
-from ._api import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape, canonical_view,
-                   from_canonical, normalize_positions, normalize_seq_axis, packed_positions, resolve_spec,
-                   to_canonical, to_numpy)
-from ._spec import RopeSpec
+from ..frontend import dispatch as _adapters
+from ..spec import tables as _tables
+from .. import backends as _backends
+from ..frontend.rotate import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape,
+    canonical_view, from_canonical, normalize_positions, normalize_seq_axis, packed_positions, resolve_spec,
+    to_canonical, to_numpy)
+from ..spec.rope_spec import RopeSpec
 
 FEATURE_MAPS = ("elu", "relu", "identity")
 _INT64_MAX = 2**63 - 1
@@ -370,7 +371,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     normalize : bool
         Divide by the (decayed) denominator (default) or return the numerator alone.
     cu_seqlens : integer array (N+1,), optional
-        A packed batch (flash-attn's varlen convention, see :mod:`rotary._packing`): q, k, v have no
+        A packed batch (flash-attn's varlen convention, see :mod:`rotary.spec.packing`): q, k, v have no
         batch axis before the sequence axis (or one of size 1) and sequence n owns tokens
         ``cu_seqlens[n]:cu_seqlens[n+1]``; no token sees another sequence's, positions restart per
         sequence (at ``seqlen_offsets``, or at the state's ``next_position``), and the state is per

@@ -20,7 +20,7 @@ def _widen(a):
 
 
 def rotate(core, xs, outs, names, positions, **kwargs):
-    """``rotary._api.rotate_arrays`` for bfloat16 NumPy arrays."""
+    """``rotary.frontend.rotate.rotate_arrays`` for bfloat16 NumPy arrays."""
     for x, out, name in zip(xs, outs, names):
         if out is not None and (not isinstance(out, np.ndarray) or out.dtype != x.dtype or out.shape != x.shape):
             raise ValueError(f"out for {name} must be a NumPy array of {name}'s shape {x.shape} and dtype {x.dtype}, "

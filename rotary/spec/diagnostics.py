@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ._spec import LAYOUTS, _as_int
+from .rope_spec import LAYOUTS, _as_int
 
 
 def decay_curve(head_dim, max_distance, *, base=10000.0) -> np.ndarray:

@@ -36,7 +36,7 @@ import numbers
 import operator
 from collections.abc import Mapping
 
-from . import _scaling
+from . import scaling as _scaling
 
 #: MLA families whose HF config sets ``head_dim = qk_rope_head_dim``
 MLA_ROPE_HEAD_FAMILIES = ("axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",

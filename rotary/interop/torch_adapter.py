@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import backends as _backends
-from ._adapters import with_arrays
+from .. import backends as _backends
+from ..frontend.dispatch import with_arrays
 
 
 def _torch():
@@ -63,7 +63,7 @@ class _Bridge:
             _backends.get("cupy")   # BackendUnavailableError saying what to install when CuPy/CUDA is missing
             import cupy
 
-            from .backends.cupy import _external_stream
+            from ..backends.cupy import _external_stream
 
             index = device.index if device.index is not None else torch.cuda.current_device()
             self.device = cupy.cuda.Device(index)
@@ -171,7 +171,7 @@ _ROTATE = []
 
 
 def rotate(core, xs, outs, names, positions, **kwargs):
-    """``rotary._api.rotate_arrays`` for torch tensors (see the module docstring)."""
+    """``rotary.frontend.rotate.rotate_arrays`` for torch tensors (see the module docstring)."""
     torch = _torch()
     for x, name in zip(xs, names):
         if not isinstance(x, torch.Tensor):

@@ -1,0 +1,1 @@
+"""rotary.backends.numba_kernels."""
