@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 import rotary
+from rotary.backends import cupy as cuda_backend
 from rotary.spec import tables as _tables
 
 
@@ -68,10 +69,10 @@ def main():
 
     # Rope's own Python work per Numba call: the prepared plan with the kernel replaced by a no-op
     plan = next(iter(rope._plans.values()))
-    kernel_fn, plan.kernel = plan.kernel, (lambda *a: True)   # True: every row was in the table
+    kernel_fn, plan.prepared.kernel = plan.prepared.kernel, (lambda *a: True)   # True: every row was in the table
     t = best_us(lambda: rope(q, k, positions, seq_axis=1), args.calls, args.rounds)
     print(f"| Rope numba, its own work per call (kernel replaced by a no-op) | {t:.1f} |")
-    plan.kernel = kernel_fn
+    plan.prepared.kernel = kernel_fn
 
     # the CUDA launch path with a mocked kernel: Rope's host work per call. NumPy arrays stand in for
     # device arrays: their address is looked up (as cheap as CuPy's a.data.ptr), device positions are an
@@ -82,7 +83,7 @@ def main():
     hooks = dict(address=lambda a: addresses[id(a)] if id(a) in addresses else a.ctypes.data,
                  kernel=lambda grid, block, args, shared_mem=0: launches.append(args), empty=np.empty,
                  to_device=lambda a: a)
-    dev_rope._prepare_device_path((qi, ki), (qi, ki), seq_axis=1, **hooks)
+    dev_rope._prepare_device_path((qi, ki), (qi, ki), seq_axis=1, backend=cuda_backend, **hooks)
     pos_dev = positions.view(DevicePositions)
     pos_host = positions.copy()
     for label, pos in (("device positions", pos_dev), ("host NumPy positions: range check + copy to device", pos_host)):

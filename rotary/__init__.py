@@ -8,11 +8,11 @@ frequency and layout conventions (every length-extension rule); ``attention`` an
 __version__ = "0.1.0"
 
 from .frontend.rotate import apply, apply_qk
-from .attention.softmax import attention
+from .attn.softmax import attention
 from .spec.diagnostics import convert_layout, decay_curve, permute_weights
-from .attention.linear import LinearAttentionState, linear_attention
+from .attn.linear import LinearAttentionState, linear_attention
 from .spec.positions import grid_positions, mrope_next_positions, mrope_positions
-from .attention.rerotate import rerotate
+from .attn.rerotate import rerotate
 from .frontend.rope import Rope
 from .spec.rope_spec import LAYOUTS, RopeSpec
 from .spec.tables import clear_cache, set_table_cache_limit, table_cache_info

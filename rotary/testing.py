@@ -198,7 +198,7 @@ def attention_quadratic(q, k, v, q_positions, k_positions, inv_freq=None, *, lay
 
 def to_numpy64(a) -> np.ndarray:
     """A float64 NumPy copy of any array (CuPy, torch, JAX, array-api-strict)."""
-    from .frontend.rotate import to_numpy
+    from .spec.validators import to_numpy
 
     if hasattr(a, "dtype") and "bfloat16" in str(a.dtype):
         try:

@@ -605,7 +605,7 @@ def test_decode_step_fast_path_equals_general_path(backend, dtype, groups, norma
     step, and the general path is really skipped; the prefill before it is checked against the oracle."""
     if not _backends.available_backends()[backend][0]:
         pytest.skip(_backends.available_backends()[backend][1])
-    import rotary.attention.linear as la
+    import rotary.attn.linear as la
 
     rng = np.random.default_rng(7)
     B, H, d, dv, T = 2, 4, 16, 8, 5
@@ -663,7 +663,7 @@ def test_decode_steps_carry_their_prepared_step_across_the_table_end(backend, dt
     there; the last output matches the whole sequence computed at once."""
     if not _backends.available_backends()[backend][0]:
         pytest.skip(_backends.available_backends()[backend][1])
-    import rotary.attention.linear as la
+    import rotary.attn.linear as la
 
     rng = np.random.default_rng(3)
     B, H, Hk, d, dv, T = 2, 4, 2, 16, 8, 12

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import rotary
+from rotary.backends import cupy as cuda_backend
 from rotary import RopeSpec, testing
 
 from .conftest import backend_params
@@ -78,7 +79,7 @@ def _shim_rope(kernels, rng):  # noqa: F811
     q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
     hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
                  to_device=lambda a: a)
-    rope._prepare_device_path((q, k), seq_axis=1, **hooks)
+    rope._prepare_device_path((q, k), seq_axis=1, backend=cuda_backend, **hooks)
     return rope, q, k, hooks
 
 
@@ -93,7 +94,7 @@ def test_rope_cuda_launch_path_through_host_shim(kernels, rng):  # noqa: F811
         testing.assert_close(kr, np.swapaxes(testing.rope_2x2(np.swapaxes(k, 1, 2), pos[:, None, :],
                                                               SPEC.inv_freq()), 1, 2), like=k)
     qq, kk = q.copy(), k.copy()
-    rope._prepare_device_path((qq, kk), (qq, kk), seq_axis=1, **hooks)
+    rope._prepare_device_path((qq, kk), (qq, kk), seq_axis=1, backend=cuda_backend, **hooks)
     rope(qq, kk, pos, seq_axis=1, out=(qq, kk))
     np.testing.assert_array_equal(qq, qr)
 
@@ -178,7 +179,7 @@ def test_rope_cuda_launch_path_with_rotary_offset(kernels, in_place, rng):  # no
     hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
                  to_device=lambda a: a)
     qq, kk = (q.copy(), k.copy()) if in_place else (q, k)
-    rope._prepare_device_path((qq, kk), (qq, kk) if in_place else None, seq_axis=1, **hooks)
+    rope._prepare_device_path((qq, kk), (qq, kk) if in_place else None, seq_axis=1, backend=cuda_backend, **hooks)
     pos = rng.integers(0, 3000, size=(5, 1))
     want = [np.swapaxes(testing.rope_complex(np.swapaxes(a, 1, 2), pos[:, None, :], OFFSET_SPEC.inv_freq(),
                                              layout="interleaved", rotary_offset=24), 1, 2) for a in (q, k)]

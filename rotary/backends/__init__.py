@@ -18,7 +18,7 @@ They never compute frequencies: they receive cos/sin tables (from ``rotary.spec.
 
 ``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
 decay=None, normalize=True[, cu_seqlens=None])``
-    -> ``(o, (S, z))``; see ``rotary.attention.linear`` for the semantics. q is ``(B, S, H, m)``,
+    -> ``(o, (S, z))``; see ``rotary.attn.linear`` for the semantics. q is ``(B, S, H, m)``,
     k ``(B, S, Hk, m)`` and v ``(B, S, Hk, dv)`` with H a multiple G of Hk (GQA): q head h reads
     k/v head h // G. ``state`` is None or ``(S, z)`` with S ``(B, Hk, m, dv)`` and z ``(B, Hk, m)``
     or None (zeros), per k/v head, in the work dtype; it is read-only: a backend returns a new state
@@ -28,6 +28,21 @@ decay=None, normalize=True[, cu_seqlens=None])``
     offsets; q, k, v of batch 1, rows ``(1, T)``): a packed batch of N sequences in one call, sequence n
     its tokens ``cu_seqlens[n]:cu_seqlens[n + 1]`` with state and decay row n (state ``(N, Hk, ...)``).
 
+Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, never for a backend by name):
+
+``prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table) -> prepared or None``
+    A rotation prepared for one geometry (``rotary.Rope``'s decode path): ``views`` are canonical views
+    of the inputs from ``offset`` on, ``out_views`` those of outputs like the ones a call makes (the view
+    itself: in place). ``prepared.run(xs, outs, rows, start, table)`` rotates C-contiguous ``xs`` into
+    new arrays (``outs[i] is None``) or in place (``outs[i] is xs[i]``), token (b, s) at position
+    ``rows[b or 0, s] + start``, with ``table = (base, end, cos, sin, on_device)`` holding positions
+    ``base .. end-1`` in rows 0.. (``on_device(to_device)`` gives the cos/sin on a device, cached). It
+    returns the outputs; :data:`OUTSIDE_TABLE` when a position falls outside the table and nothing was
+    written (the caller grows the table and runs again); None when it cannot take the call (the caller
+    takes the general path). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
+    (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
+``table_converter(x) -> (device_key, convert)``
+    Where the backend's cos/sin tables live (device tables cached per device key).
 A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may
 raise ImportError at import when its dependency is missing (the registry turns that into the
 "what to install" message).
@@ -50,6 +65,9 @@ _INSTALL = {
     "numba": "pip install 'rotary[numba]'",
     "cupy": "pip install 'rotary[cuda12]' or 'rotary[cuda13]' (CuPy) and use a machine with a CUDA GPU",
 }
+#: What a prepared rotation's ``run`` returns when a position falls outside its table (nothing written).
+OUTSIDE_TABLE = "outside the table"
+
 #: Order in which backend="auto" tries backends for a given input.
 AUTO_ORDER = ("cupy", "numba", "numpy")
 

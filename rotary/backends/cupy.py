@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import OUTSIDE_TABLE
+
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 
@@ -482,6 +484,108 @@ def _work_tables(cos, sin, work: str):
     return (cupy.ascontiguousarray(cos, dtype=dtype), cupy.ascontiguousarray(sin, dtype=dtype))
 
 
+class PreparedRotation:
+    """The ``prepare_rotation`` capability (see :mod:`rotary.backends`): the launch with every array slot
+    open, the tables moved to the device once per table, the compiled kernel resolved once (per device:
+    a call on another device, or with other alignments, returns None and takes the general path). Host
+    rows are range-checked here (OUTSIDE_TABLE before anything is launched); device int64 rows are table
+    rows as they are (no host round trip, not range-checked: the table must start at position 0).
+
+    ``hooks`` (tests, benchmarks): ``address``, ``empty``, ``to_device`` and either ``kernel`` (called as a
+    CuPy RawKernel: ``kernel(grid, block, args, shared_mem=...)``) or ``launch(plan, dtype_name)``."""
+
+    device_rows = True
+
+    def __init__(self, views, out_views, launch, *, offset, address, to_device, kernel, current_device):
+        self.offset, self.address, self.to_device, self.kernel = offset, address, to_device, kernel
+        self.current_device, self.device_id = current_device, current_device()
+        self.grid, self.block, self.shared_mem = (launch.grid,), (launch.block,), launch.shared_mem
+        self.align = [address(a) & 15 for pair in zip(views, out_views) for a in pair]   # a vector width per array
+        self.slots = [i for i, a in enumerate(launch.args) if not isinstance(a, np.generic)]
+        self.per_batch = (np.int32(0), np.int32(1))
+        self.template = list(launch.args)
+        self.empty = None
+
+    def run(self, xs, outs, rows, start, table):
+        if self.current_device() != self.device_id:
+            return None
+        if type(rows) is np.ndarray:
+            if rows.size:
+                if rows.size <= 64:   # decode-sized: cheaper in Python than NumPy reductions
+                    values = rows.ravel().tolist()
+                    lo, hi = min(values) + start, max(values) + start
+                else:
+                    lo, hi = int(rows.min()) + start, int(rows.max()) + start
+                if lo < table[0] or hi >= table[1]:
+                    return OUTSIDE_TABLE
+            shift = start - table[0]   # a window far from 0: its row 0 holds position table[0]
+            rows = self.to_device(rows + shift if shift else rows)
+        elif table[0] != 0:   # device rows index the table as they are
+            return OUTSIDE_TABLE
+        address, offset = self.address, self.offset
+        arrays, results = [], []
+        for x, o in zip(xs, outs):
+            y = x if o is not None else self.empty(x.shape, x.dtype)
+            results.append(y)
+            if offset:   # the kernel's pointers start at the offset (strides come from the plan)
+                if y is not x:
+                    y[..., :offset] = x[..., :offset]
+                x, y = x[..., offset:], (x[..., offset:] if y is x else y[..., offset:])
+            arrays += (x, y)
+        for a, al in zip(arrays, self.align):
+            if address(a) & 15 != al:   # another alignment: another vector width
+                return None
+        cos, sin = table[4](self.to_device)
+        if len(arrays) == 2:
+            arrays += arrays
+        args = self.template
+        for i, a in zip(self.slots, (*arrays, cos, sin, rows)):
+            args[i] = a
+        args[self.slots[-1] + 1] = self.per_batch[rows.shape[0] > 1]   # rows (Bp, S): Bp > 1 or not
+        launch_args = tuple(args)
+        for i in self.slots:
+            args[i] = None
+        self.kernel(self.grid, self.block, launch_args, shared_mem=self.shared_mem)
+        return results
+
+
+def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table, hooks=None):
+    """A :class:`PreparedRotation` for canonical ``views`` and their outputs' views (see ``rotary.backends``)."""
+    if hooks:
+        address, empty, to_device = hooks["address"], hooks["empty"], hooks["to_device"]
+        current_device = lambda: 0   # noqa: E731
+    else:
+        import cupy
+
+        address, empty, to_device = _address, cupy.empty, cupy.asarray
+        current_device = cupy.cuda.runtime.getDevice
+    dtype_name = str(views[0].dtype)
+    cos, sin = table[4](to_device)
+    rows = to_device(np.arange(seq_len, dtype=np.int64).reshape(1, seq_len))
+    launch = plan_rotate(list(zip(views, out_views)), cos, sin, rows, dtype_name=dtype_name, rotary_dim=rotary_dim,
+                         layout=layout, inverse=inverse, address=address)
+    if launch is None:
+        return None
+    if not hooks:
+        kernel = launch_kernel(launch, dtype_name)
+    elif "kernel" in hooks:
+        kernel = hooks["kernel"]
+    else:
+        run = hooks["launch"]
+        kernel = lambda grid, block, args, shared_mem=0: run(launch._replace(args=args), dtype_name)   # noqa: E731
+    prepared = PreparedRotation(views, out_views, launch, offset=offset, address=address, to_device=to_device,
+                                kernel=kernel, current_device=current_device)
+    prepared.empty = empty
+    return prepared
+
+
+def empty(shape, dtype):
+    """A new device array on the current device (the allocator of this backend's outputs)."""
+    import cupy
+
+    return cupy.empty(shape, dtype)
+
+
 def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     """Rotate every ``(x, out)`` of ``items`` (see ``rotary.backends``); q and k share one launch."""
     import cupy
@@ -516,7 +620,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
                      decay=None, normalize=True, cu_seqlens=None):
-    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary.attention.linear).
+    """Linear attention with RoPE in the numerator; returns ``(o, (S, z))`` (see rotary.attn.linear).
     ``cu_seqlens`` (N + 1 offsets): a packed batch in one launch, states (N, Hk, ...)."""
     import cupy
 

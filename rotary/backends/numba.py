@@ -14,6 +14,7 @@ import threading
 import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
 
+from . import OUTSIDE_TABLE
 from .numba_kernels import rotation as kernels
 
 NAME = "numba"
@@ -192,6 +193,60 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
     if not kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S, rotary_dim // 2,
                   rotary_dim, D, layout == "interleaved", bool(inverse)):
         raise ValueError(f"rows must index the cos/sin table (0 <= row < {cos.shape[0]})")
+
+
+class PreparedRotation:
+    """The ``prepare_rotation`` capability (see :mod:`rotary.backends`): one geometry's kernel, geometry
+    array and constants, so a call only flattens its arrays and launches. The kernel checks every row
+    against the held table and writes nothing when one falls outside (``run`` returns OUTSIDE_TABLE)."""
+
+    def __init__(self, views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, f16):
+        group = [(v, o, None, False) for v, o in zip(views, out_views)]
+        self.geo = _group_geometry(group)
+        self.batch, self.seq_len = views[0].shape[0], seq_len
+        self.kernel = rotate_kernel(sum(v.size for v in views), self.batch, seq_len)
+        self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
+                       layout == "interleaved", bool(inverse))
+        self.offset, self.f16 = offset, f16
+
+    def run(self, xs, outs, rows, start, table):
+        """Rotate ``xs`` (C-contiguous, this geometry) into new arrays or in place (``outs[i] is xs[i]``);
+        token (b, s) at position ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``."""
+        bufs, results = [], []
+        offset = self.offset
+        for x, o in zip(xs, outs):
+            y = x if o is not None else np.empty(x.shape, x.dtype)
+            xb, yb = x.reshape(-1), y.reshape(-1)
+            if self.f16:
+                xb, yb = xb.view(np.uint16), yb.view(np.uint16)
+            if offset:   # the geometry was made for views that start at element `offset` (C-contiguous x, y)
+                if y is not x:
+                    y[..., :offset] = x[..., :offset]   # coordinates before the rotated span pass through
+                xb, yb = xb[offset:], yb[offset:]
+            xb.flags.writeable = False   # a view of its own: one compiled signature for any input
+            bufs += (xb, yb)
+            results.append(y)
+        if len(bufs) == 2:
+            bufs += bufs
+        if not (bufs[0].size and self.batch * self.seq_len):
+            return results
+        kernel = self.kernel if not _in_forked_child else rotate_kernel(0, 0, 0)   # serial
+        if kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows, start - table[0],
+                  *self.consts):
+            return results
+        return OUTSIDE_TABLE
+
+
+def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None):
+    """A :class:`PreparedRotation` for canonical ``views`` (from the rotary offset on) and the views of
+    their outputs (``out_views[i] is views[i]``: in place); the table is passed to each ``run``."""
+    return PreparedRotation(views, out_views, seq_len=seq_len, rotary_dim=rotary_dim, layout=layout,
+                            inverse=inverse, offset=offset, f16=np.dtype(dtype) == np.float16)
+
+
+def empty(shape, dtype):
+    """A new host array (the allocator of this backend's outputs)."""
+    return np.empty(shape, dtype)
 
 
 def rotate_kernel(elements: int, n_batch: int, seq_len: int):

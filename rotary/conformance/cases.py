@@ -20,6 +20,7 @@ import numpy as np
 
 from ..spec import scaling as _scaling
 from ..spec.rope_spec import RopeSpec
+from ..spec.validators import to_numpy
 from ..testing import linear_attention_quadratic, rope_complex, tolerance
 
 #: Scaling rules exercised by the suite (only those this build knows are used).
@@ -291,7 +292,7 @@ def run_case(case: Case, backend: str, *, to_backend=None, to_host=None, seed: i
     from ..frontend import rotate as _api
 
     to_backend = to_backend or (lambda a: a)
-    to_host = to_host or (lambda a: _api.to_numpy(a))
+    to_host = to_host or (lambda a: to_numpy(a))
     x, k, pos = make_inputs(case, seed)
     refs = [expected(case, x, pos)] + ([expected(case, k, pos)] if k is not None else [])
     xs = [to_backend(x)] + ([to_backend(k)] if k is not None else [])
@@ -432,11 +433,10 @@ def make_linear_inputs(case: LinearCase, seed: int = 0):
 
 def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:
     """Run ``case`` on ``backend``; error = max |o - o_ref| / rms(o_ref) against the quadratic oracle."""
-    from ..frontend import rotate as _api
-    from ..attention.linear import linear_attention
+    from ..attn.linear import linear_attention
 
     to_backend = to_backend or (lambda a: a)
-    to_host = to_host or (lambda a: _api.to_numpy(a))
+    to_host = to_host or (lambda a: to_numpy(a))
     q, k, v, pos = make_linear_inputs(case, seed)
     spec = case.spec()
     if pos is None:

@@ -5,12 +5,13 @@ it resolves the backend and holds the spec's cos/sin table (grown when a larger 
 made for ``max_positions`` up front; far from 0, a cached window of it, so decoding past the dense
 table stays on the prepared path); the first call with a new geometry (shapes, strides, seq_axis,
 in place or not) is validated by the full frontend, and later calls with the same geometry reuse
-the backend's prepared launch (Numba: the kernel's geometry array; CuPy: the launch arguments), so a
-call only reads positions, allocates outputs and launches. On Numba the positions go to the kernel as
-they are (with the table's start as a shift): the kernel checks them against the table and writes
-nothing when one falls outside; Rope then grows the table and launches again. Anything else (array types other than
-NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, positions outside the table)
-takes the general path of :func:`rotary.apply_qk`, with the same results.
+the backend's prepared rotation (the ``prepare_rotation`` capability of :mod:`rotary.backends`: Numba
+keeps the kernel's geometry array, CuPy the launch arguments), so a call only reads positions,
+allocates outputs and launches. The positions go to the backend as they are (with the table's start
+as a shift): it checks them against the table and writes nothing when one falls outside
+(``OUTSIDE_TABLE``); Rope then grows the table and runs again. Anything else (array types other than
+NumPy/CuPy, non-contiguous arrays, multi-axis or length-dependent specs, a backend without the
+capability) takes the general path of :func:`rotary.apply_qk`, with the same results.
 
 On CuPy, device (CuPy) int64 positions are used as table rows without a host round trip and are
 *not* range-checked: pass ``max_positions`` and keep positions in ``[0, max_positions)``.
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..spec import tables as _tables
 from .. import backends as _backends
-from .rotate import _layout, canonical_view, packed_positions, rotate_arrays
+from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
+from .normalize import canonical_view, packed_positions, pick_backend, prepared_rows
+from .rotate import rotate_arrays
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
-_INT64_LIMIT = 2 ** 63
 
 
 class Rope:
@@ -67,11 +68,9 @@ class Rope:
         self._module = None if backend == "auto" else _backends.get(backend)
         self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
         self._fast_ok = not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
-        self._half, self._rotary_dim = spec.rotary_dim // 2, spec.rotary_dim
-        self._interleaved = spec.layout == "interleaved"
+        self._rotary_dim = spec.rotary_dim
         self._plans: dict = {}
-        self._table = None   # (base, end, cos, sin) on the host: rows 0.. hold positions base..end-1
-        self._device_tables: dict = {}
+        self._table = None   # a _HeldTable: host rows 0.. hold positions base..end-1
         if max_positions is not None and self._fast_ok:
             self._grow(0, int(max_positions) - 1)
 
@@ -106,7 +105,7 @@ class Rope:
             if key is not None:
                 plan = self._plans.get(key)
                 if plan is not None:
-                    result = plan.run(self, xs, outs, positions)
+                    result = self._run(plan, xs, outs, positions)
                     if result is not None:
                         return result
         result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
@@ -143,254 +142,111 @@ class Rope:
 
     def _grow(self, lo, hi):
         """Hold a host table covering positions lo..hi: the shared dense table near 0, else a cached
-        window (see ``_tables``). False when no table row range can (then the general path runs)."""
+        window (see ``spec.tables``). False when no table row range can (then the general path runs)."""
         cos, sin, rows = _tables.lookup(self.spec, np.array([lo, hi], dtype=np.int64), dtype=self._work)
         base = lo - int(rows[0])
         if int(rows[1]) != hi - base:   # a compact table: rows are not positions - base
             return False
-        self._table = (base, base + cos.shape[0], cos, sin)
-        self._device_tables.clear()
+        self._table = _HeldTable(base, base + cos.shape[0], cos, sin)
         return True
 
-    def _device_table(self, to_device):
-        """cos/sin of the current host table on the device (moved once per host table)."""
-        table = self._device_tables.get(to_device)
-        if table is None or table[0] is not self._table[2]:
-            table = (self._table[2], to_device(self._table[2]), to_device(self._table[3]))
-            self._device_tables[to_device] = table
-        return table[1], table[2]
-
-    def _cover(self, lo, hi):
-        """Hold a table covering positions lo..hi (see ``_grow``); False: the general path must take the call."""
+    def _cover(self, rows, start):
+        """Hold a table covering this call's positions (see ``_grow``); False: the general path must take it.
+        Device rows index the table as they are: it must start at 0 (``max_positions`` rows, or the least)."""
+        if type(rows) is not np.ndarray:
+            return self._table[0] == 0 or self._grow(0, (self.max_positions or _tables._MIN_ROWS) - 1)
+        if rows.size == 0:
+            return True
+        lo, hi = int(rows.min()) + start, int(rows.max()) + start
         table = self._table
         if table is not None and table[0] <= lo and hi < table[1]:
             return True
         return lo >= 0 and self._grow(lo, hi)
 
-    def _rows(self, positions, plan):
-        """int64 (Bp, S) table rows of this call (host positions range-checked and shifted to the held
-        table; device positions as they are), or None when the general path must take it."""
-        S = plan.seq_len
-        if plan.device and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
-            # device positions are table rows as they are (no host round trip): the table must start at 0
-            if self._table[0] != 0 and not self._grow(0, (self.max_positions or _tables._MIN_ROWS) - 1):
-                return None
-            return positions.reshape(1, S) if positions.shape == (S,) else (
-                positions if positions.shape == (plan.lead0, S) and plan.batch_rep == 1 else None)
-        given = plan._positions(positions)
-        if given is None:
-            return None
-        rows, start = given
-        if rows.size:
-            if rows.size <= 64:   # decode-sized: cheaper in Python than NumPy reductions
-                values = rows.ravel().tolist()
-                lo, hi = min(values) + start, max(values) + start
-            else:
-                lo, hi = int(rows.min()) + start, int(rows.max()) + start
-            if not self._cover(lo, hi):
-                return None
-            shift = start - self._table[0]   # a window far from 0: its row 0 holds position table[0]
-            if shift:
-                rows = rows + shift
-        return rows
-
-    def _prepare(self, xs, outs, seq_axis, inverse, device_hooks=None):
-        """The plan of this geometry. ``device_hooks`` (address, empty, to_device, kernel or launch) prepare the
-        CUDA launch path for other arrays (tests and benchmarks: the host shim, a mocked launch)."""
-        module = self._module or _backends.pick(list(xs), "auto")
-        name = "cupy" if device_hooks else module.NAME
-        if name not in ("numba", "cupy") or self._table is None and not self._grow(0, 255):
+    def _prepare(self, xs, outs, seq_axis, inverse, module=None, hooks=None):
+        """The plan of this geometry: the backend's prepared rotation, or None (no ``prepare_rotation``
+        capability, or views it cannot take). ``module``/``hooks`` prepare another backend's path for these
+        arrays (tests and benchmarks: the CUDA launch path through the host shim, a mocked launch)."""
+        module = module or self._module or pick_backend(list(xs), "auto", capability=None)
+        prepare = getattr(module, "prepare_rotation", None)
+        if prepare is None or self._table is None and not self._grow(0, 255):
             return None
         x0 = xs[0]
-        ndim = x0.ndim
-        ax = seq_axis % ndim
-        batch_axes, _, _, _ = _layout(ndim, ax)
-        S = x0.shape[ax]
+        ax = seq_axis % x0.ndim
         views = [canonical_view(x, ax) for x in xs]
         if any(v is None for v in views):
             return None
         offset = self.spec.rotary_offset
+        empty = hooks["empty"] if hooks else module.empty
+
+        def fresh_view(x):
+            """The canonical view of a new output like the one a call allocates for x (its shape: a BHSD
+            output is a transposed view, whose strides the geometry must have), from the offset on."""
+            return canonical_view(empty(tuple(x.shape), x.dtype), ax)
+
+        out_views = [v if o is not None else fresh_view(x) for x, o, v in zip(xs, outs, views)]
         if offset:   # the kernels rotate the heads from the offset on (as the frontend does)
-            views = [v[..., offset:] for v in views]
+            views, out_views = [v[..., offset:] for v in views], [v[..., offset:] for v in out_views]
+        out_views = [v if o is not None else ov for v, o, ov in zip(views, outs, out_views)]
+        prepared = prepare(views, out_views, seq_len=x0.shape[ax], rotary_dim=self._rotary_dim,
+                           layout=self.spec.layout, inverse=inverse, offset=offset, dtype=self.dtype,
+                           table=self._table, **({"hooks": hooks} if hooks else {}))
+        if prepared is None:
+            return None
         B = views[0].shape[0]
         lead0 = x0.shape[0] if ax > 0 else 1
-        plan = _Plan(S=S, B=B, lead0=lead0, batch_rep=B // max(1, lead0) if ax > 0 else B,
-                     in_place=[o is not None for o in outs], inverse=inverse, offset=offset,
-                     shapes=[tuple(x.shape) for x in xs], seq_axis=ax)
-        if name == "numba":
-            return plan.for_numba(module, views, self)
-        return plan.for_cupy(views, self, device_hooks)
+        return _Plan(prepared, seq_len=x0.shape[ax], lead0=lead0, batch_rep=B // max(1, lead0) if ax > 0 else B)
 
-    def _prepare_device_path(self, xs, outs=None, seq_axis=-2, inverse=False, **hooks):
-        """Prepare (and keep) the CUDA launch path for this geometry with the given hooks (tests, benchmarks)."""
+    def _prepare_device_path(self, xs, outs=None, seq_axis=-2, inverse=False, *, backend, **hooks):
+        """Prepare (and keep) ``backend``'s prepared path (a backend module, e.g. the CuPy one with the host
+        shim's hooks) for this geometry (tests, benchmarks)."""
         outs = outs or (None,) * len(xs)
         key = self._key(xs, outs, seq_axis, inverse)
         if self._table is None:
             self._grow(0, 255)
-        plan = self._prepare(xs, outs, seq_axis, inverse, device_hooks=hooks)
+        plan = self._prepare(xs, outs, seq_axis, inverse, module=backend, hooks=hooks)
         self._plans[key] = plan
         return plan
 
-
-class _Plan:
-    """What a geometry needs per call (see :class:`Rope`)."""
-
-    def __init__(self, S, B, lead0, batch_rep, in_place, inverse, offset, shapes, seq_axis):
-        self.seq_len, self.B, self.lead0, self.batch_rep = S, B, lead0, batch_rep
-        self.in_place, self.inverse, self.device = in_place, inverse, False
-        self.offset = offset   # the spec's rotary_offset: views, buffers and pointers start there
-        self.shapes, self.seq_axis = shapes, seq_axis
-        self.default_rows = np.arange(S, dtype=np.int64).reshape(1, S)
-        self.default_rows.flags.writeable = False
-
-    def _fresh_output(self, empty, i, v):
-        """The canonical view of a new output like the one a call allocates for input ``i`` (its shape:
-        a BHSD output is a transposed view, whose strides the geometry must have), from the offset on."""
-        view = canonical_view(empty(self.shapes[i], v.dtype), self.seq_axis)
-        return view[..., self.offset:] if self.offset else view
-
-    def _whole_head_copy(self, x, y):
-        """Out of place with an offset: coordinates [0, offset) pass through into the new output."""
-        if self.offset and y is not x:
-            y[..., :self.offset] = x[..., :self.offset]
-
-    def for_numba(self, nb, views, rope):
-        group = [(v, v if ip else self._fresh_output(np.empty, i, v), None, False)
-                 for i, (v, ip) in enumerate(zip(views, self.in_place))]
-        self.geo = nb._group_geometry(group)
-        elements = sum(v.size for v in views)
-        self.kernel, self.nb = nb.rotate_kernel(elements, self.B, self.seq_len), nb
-        self.consts = (self.B * self.seq_len, self.seq_len, rope._half, rope._rotary_dim, views[0].shape[3],
-                       rope._interleaved, bool(self.inverse))
-        self.f16 = rope.dtype == np.float16
-        self.run = self._run_numba
-        return self
-
-    def _positions(self, positions):
-        """(rows, start) of this call: token (b, s) is at position rows[b or 0, s] + start (read-only int64
-        rows; the kernel checks that they fall in the table), or None when the general path must take it."""
-        if positions is None:
-            return self.default_rows, 0
-        if type(positions) is int:
-            return (self.default_rows, positions) if -_INT64_LIMIT <= positions < _INT64_LIMIT - self.seq_len else None
-        if type(positions) is not np.ndarray or positions.dtype != np.int64:
-            return None
-        S = self.seq_len
-        if positions.shape == (S,):
-            rows = positions.reshape(1, S)
-        elif positions.shape == (self.lead0, S) and self.batch_rep == 1 and positions.flags.c_contiguous:
-            rows = positions.view()
-        else:
-            return None
-        rows.flags.writeable = False   # one compiled kernel for read-only and writable positions
-        return rows, 0
-
-    def _run_numba(self, rope, xs, outs, positions):
-        given = self._positions(positions)
+    def _run(self, plan, xs, outs, positions):
+        """A call on the prepared path; None when the general path must take it."""
+        given = prepared_rows(positions, plan.seq_len, plan.lead0, plan.batch_rep, plan.default_rows,
+                              getattr(plan.prepared, "device_rows", False))
         if given is None:
             return None
         rows, start = given
-        bufs = []
-        results = []
-        for x, o in zip(xs, outs):
-            y = x if o is not None else np.empty(x.shape, x.dtype)
-            xb, yb = x.reshape(-1), y.reshape(-1)
-            if self.f16:
-                xb, yb = xb.view(np.uint16), yb.view(np.uint16)
-            if self.offset:   # the geometry was made for views that start at element `offset` (C-contiguous x, y)
-                self._whole_head_copy(x, y)
-                xb, yb = xb[self.offset:], yb[self.offset:]
-            xb.flags.writeable = False   # a view of its own: one compiled signature for any input
-            bufs += (xb, yb)
-            results.append(y)
-        if len(bufs) == 2:
-            bufs += bufs
-        if not (bufs[0].size and self.B * self.seq_len):
-            return results
-        kernel = self.kernel if not self.nb._in_forked_child else self.nb.rotate_kernel(0, 0, 0)   # serial
-        table = rope._table
-        args = (bufs[0], bufs[1], bufs[2], bufs[3], self.geo)
-        if kernel(*args, table[2], table[3], rows, start - table[0], *self.consts):
-            return results
-        # a position outside the table held: grow it (or the general path takes the call), then rotate
-        if rows.size == 0 or not rope._cover(int(rows.min()) + start, int(rows.max()) + start):
-            return None
-        table = rope._table
-        kernel(*args, table[2], table[3], rows, start - table[0], *self.consts)
-        return results
-
-    def for_cupy(self, views, rope, hooks=None):
-        """The launch with every array slot open; the tables moved to the device once per table size, the
-        compiled kernel resolved once (per device: a call on another device takes the general path).
-
-        ``hooks`` (tests, benchmarks): ``address``, ``empty``, ``to_device`` and either ``kernel`` (called
-        as a CuPy RawKernel: ``kernel(grid, block, args, shared_mem=...)``) or ``launch(plan, dtype_name)``."""
-        from ..backends import cupy as cb
-
-        if hooks:
-            address, empty, to_device = hooks["address"], hooks["empty"], hooks["to_device"]
-            current_device = lambda: 0   # noqa: E731
-        else:
-            import cupy
-
-            address, empty, to_device = cb._address, cupy.empty, cupy.asarray
-            current_device = cupy.cuda.runtime.getDevice
-        self.device = True
-        dtype_name = str(views[0].dtype)
-        self.address, self.empty, self.to_device = address, empty, to_device
-        items = [(v, v if ip else self._fresh_output(empty, i, v)) for i, (v, ip) in enumerate(zip(views, self.in_place))]
-        cos, sin = rope._device_table(to_device)
-        plan = cb.plan_rotate(items, cos, sin, to_device(self.default_rows), dtype_name=dtype_name,
-                              rotary_dim=rope._rotary_dim, layout=rope.spec.layout, inverse=self.inverse,
-                              address=address)
-        if plan is None:
-            return None
-        if not hooks:
-            self.kernel = cb.launch_kernel(plan, dtype_name)
-        elif "kernel" in hooks:
-            self.kernel = hooks["kernel"]
-        else:
-            launch = hooks["launch"]
-            self.kernel = lambda grid, block, args, shared_mem=0: launch(plan._replace(args=args), dtype_name)
-        self.current_device, self.device_id = current_device, current_device()
-        self.grid, self.block, self.shared_mem = (plan.grid,), (plan.block,), plan.shared_mem
-        self.align = [address(a) & 15 for pair in items for a in pair]   # a vector width per array
-        self.slots = [i for i, a in enumerate(plan.args) if not isinstance(a, np.generic)]
-        self.per_batch = (np.int32(0), np.int32(1))
-        self.template = list(plan.args)
-        self.run = self._run_cupy
-        return self
-
-    def _run_cupy(self, rope, xs, outs, positions):
-        if self.current_device() != self.device_id:
-            return None
-        rows = rope._rows(positions, self)
-        if rows is None:
-            return None
-        address = self.address
-        arrays = []
-        results = []
-        for x, o in zip(xs, outs):
-            y = x if o is not None else self.empty(x.shape, x.dtype)
-            results.append(y)
-            if self.offset:   # the kernel's pointers start at the offset (strides come from the plan)
-                self._whole_head_copy(x, y)
-                x, y = x[..., self.offset:], (x[..., self.offset:] if y is x else y[..., self.offset:])
-            arrays += (x, y)
-        for a, al in zip(arrays, self.align):
-            if address(a) & 15 != al:   # another alignment: another vector width
+        result = plan.prepared.run(xs, outs, rows, start, self._table)
+        if result is _backends.OUTSIDE_TABLE:   # nothing written: grow the table (or go general), run again
+            if not self._cover(rows, start):
                 return None
-        if type(rows) is np.ndarray:
-            rows = self.to_device(rows)
-        cos, sin = rope._device_table(self.to_device)
-        if len(arrays) == 2:
-            arrays += arrays
-        args = self.template
-        for i, a in zip(self.slots, (*arrays, cos, sin, rows)):
-            args[i] = a
-        args[self.slots[-1] + 1] = self.per_batch[rows.shape[0] > 1]   # rows (Bp, S): Bp > 1 or not
-        launch_args = tuple(args)
-        for i in self.slots:
-            args[i] = None
-        self.kernel(self.grid, self.block, launch_args, shared_mem=self.shared_mem)
-        return results
+            result = plan.prepared.run(xs, outs, rows, start, self._table)
+            if result is _backends.OUTSIDE_TABLE:
+                return None
+        return result
+
+
+class _HeldTable(tuple):
+    """``(base, end, cos, sin, on_device)``: host cos/sin rows 0.. for positions base..end-1, and
+    ``on_device(to_device)`` -> (cos, sin) moved by ``to_device`` (once per table and device)."""
+
+    def __new__(cls, base, end, cos, sin):
+        moved = {}
+
+        def on_device(to_device):
+            pair = moved.get(to_device)
+            if pair is None:
+                pair = moved[to_device] = (to_device(cos), to_device(sin))
+            return pair
+
+        return super().__new__(cls, (base, end, cos, sin, on_device))
+
+
+class _Plan:
+    """One geometry's prepared rotation and what its positions are parsed against (see :class:`Rope`)."""
+
+    __slots__ = ("prepared", "seq_len", "lead0", "batch_rep", "default_rows")
+
+    def __init__(self, prepared, *, seq_len, lead0, batch_rep):
+        self.prepared, self.seq_len, self.lead0, self.batch_rep = prepared, seq_len, lead0, batch_rep
+        self.default_rows = np.arange(seq_len, dtype=np.int64).reshape(1, seq_len)
+        self.default_rows.flags.writeable = False

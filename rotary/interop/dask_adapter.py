@@ -52,7 +52,7 @@ def _check_float(x, name):
 
 
 def _spec_of(kwargs, head_dim, name):
-    from ..frontend.rotate import resolve_spec
+    from ..frontend.normalize import resolve_spec
 
     return resolve_spec(kwargs.get("spec"), kwargs.get("spec_kwargs") or {}, int(head_dim), name)
 
@@ -85,7 +85,7 @@ def _positions_array(positions, x, ax, spec, name="positions"):
 
 
 def _host(a, name):
-    from ..frontend.rotate import to_numpy
+    from ..spec.validators import to_numpy
 
     return to_numpy(a, name)
 
@@ -99,7 +99,7 @@ def _rotate_block(xb, pb, *, kwargs, label):
 def rotate(core, xs, outs, names, positions, **kwargs):
     """``rotary.frontend.rotate.rotate_arrays`` for Dask arrays: one blockwise task per block."""
     da = _da()
-    from ..frontend.rotate import normalize_seq_axis
+    from ..frontend.normalize import normalize_seq_axis
 
     for x, name in zip(xs, names):
         if not _is_dask(x):
@@ -166,13 +166,13 @@ def _combine(prefix, st, length):
 
 
 def _block_state(q, k, v, p, kwargs):
-    from ..attention.linear import linear_attention
+    from ..attn.linear import linear_attention
 
     return linear_attention(q, k, v, p, **dict(kwargs, return_state=True, state=None))[1]
 
 
 def _block_output(q, k, v, p, state, kwargs):
-    from ..attention.linear import linear_attention
+    from ..attn.linear import linear_attention
 
     return linear_attention(q, k, v, p, **dict(kwargs, state=state, return_state=False))
 
@@ -182,7 +182,7 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     da = _da()
     import dask
 
-    from ..frontend.rotate import normalize_seq_axis
+    from ..frontend.normalize import normalize_seq_axis
 
     names = ("q", "k", "v")
     for a, name in zip((q, k, v), names):

@@ -112,15 +112,15 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=-2, inverse=Fals
                    spec_kwargs=None, **unknown):
     import jax.numpy as jnp
 
-    from ..frontend import rotate as _api
+    from ..frontend import normalize as _api
     from ..backends.numpy import _rotate_xp
 
     if unknown:
         raise TypeError(f"traced positions do not support the arguments {sorted(unknown)} yet; pass concrete "
                         "positions (static under jit)")
-    xp = _api._namespace(list(xs), list(names))
+    xp = _api.namespace(list(xs), list(names))
     for x, name in zip(xs, names):
-        _api._check_float(x, name, xp)
+        _api.check_float(x, name, xp)
     x0 = xs[0]
     ax = _api.normalize_seq_axis(seq_axis, x0.ndim, names[0])
     spec = _api.resolve_spec(spec, spec_kwargs or {}, int(x0.shape[-1]), names[0])

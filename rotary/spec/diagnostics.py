@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from .rope_spec import LAYOUTS, _as_int
+from .rope_spec import LAYOUTS
+from .validators import as_int
 
 
 def decay_curve(head_dim, max_distance, *, base=10000.0) -> np.ndarray:
@@ -15,10 +16,10 @@ def decay_curve(head_dim, max_distance, *, base=10000.0) -> np.ndarray:
     ``(1/(d/2)) * sum_{j=1}^{d/2} |S_j|`` with ``S_j = sum_{i<j} exp(1j * r * theta_i)`` and
     ``theta_i = base**(-2i/d)``. Equals ``(d/2 + 1)/2`` at r = 0 and decays (with oscillation) as r grows.
     """
-    d = _as_int(head_dim, "head_dim")
+    d = as_int(head_dim, "head_dim")
     if d < 2 or d % 2:
         raise ValueError(f"head_dim must be an even integer >= 2, got {d}")
-    n = _as_int(max_distance, "max_distance")
+    n = as_int(max_distance, "max_distance")
     if n < 0:
         raise ValueError(f"max_distance must be >= 0, got {n}")
     if isinstance(base, (bool, np.bool_)) or not isinstance(base, (int, float, np.integer, np.floating)):
@@ -43,7 +44,7 @@ def layout_permutation(rotary_dim: int, *, to: str = "half") -> np.ndarray:
     ``to="half"`` maps interleaved (2i, 2i+1) to half (i, i + d/2): HF's ``permute`` in
     ``convert_llama_weights_to_hf.py``; ``to="interleaved"`` is its inverse.
     """
-    r = _as_int(rotary_dim, "rotary_dim")
+    r = as_int(rotary_dim, "rotary_dim")
     if r < 2 or r % 2:
         raise ValueError(f"rotary_dim must be an even integer >= 2, got {r}")
     if to not in LAYOUTS:
@@ -58,11 +59,11 @@ def layout_permutation(rotary_dim: int, *, to: str = "half") -> np.ndarray:
 def _head_permutation(head_dim: int, rotary_dim, rotary_offset, to: str, what: str) -> np.ndarray:
     """The permutation of one head's coordinates: identity outside [rotary_offset, rotary_offset +
     rotary_dim), :func:`layout_permutation` inside (rotary_dim defaults to the rest of the head, even)."""
-    off = _as_int(rotary_offset, "rotary_offset")
+    off = as_int(rotary_offset, "rotary_offset")
     if off < 0:
         raise ValueError(f"rotary_offset must be >= 0, got {off}")
     rest = head_dim - off
-    r = rest - rest % 2 if rotary_dim is None else _as_int(rotary_dim, "rotary_dim")
+    r = rest - rest % 2 if rotary_dim is None else as_int(rotary_dim, "rotary_dim")
     if r > rest:
         if off:
             raise ValueError(f"rotary_offset + rotary_dim ({off} + {r}) must be <= {what} ({head_dim})")
@@ -98,8 +99,8 @@ def permute_weights(w, num_heads, *, head_dim, rotary_dim=None, to: str = "half"
     from array_api_compat import array_namespace
 
     xp = array_namespace(w)
-    h = _as_int(num_heads, "num_heads")
-    hd = _as_int(head_dim, "head_dim")
+    h = as_int(num_heads, "num_heads")
+    hd = as_int(head_dim, "head_dim")
     per_head = _head_permutation(hd, rotary_dim, rotary_offset, to, "head_dim")
     if w.ndim not in (1, 2) or w.shape[0] != h * hd:
         raise ValueError(f"w must have shape (num_heads*head_dim, in) or (num_heads*head_dim,) = "

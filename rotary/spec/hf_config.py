@@ -32,11 +32,10 @@ What is read, in HF's order of precedence:
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Mapping
 
 from . import scaling as _scaling
+from .validators import as_finite, as_int
 
 #: MLA families whose HF config sets ``head_dim = qk_rope_head_dim``
 MLA_ROPE_HEAD_FAMILIES = ("axk1", "axk2", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "deepseek_v32",
@@ -165,21 +164,11 @@ class _Reader:
 
 # -- checked reads ---------------------------------------------------------------------------------
 def _number(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ConfigError(f"{where} must be a finite number, got {type(value).__name__} {value!r}")
-    return float(value)
+    return as_finite(value, where, error=ConfigError)
 
 
 def _integer(value, where: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where} must be an integer, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        pass
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
+    return as_int(value, where, error=ConfigError, integral_float=True)
 
 
 def _has_rope(reader: _Reader) -> bool:

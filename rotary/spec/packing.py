@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .validators import to_numpy
+
 
 class Packed(NamedTuple):
     """A validated packed batch; every field is an int64 NumPy array.
@@ -48,8 +50,6 @@ class Packed(NamedTuple):
 
 
 def _host_int_array(a, name: str) -> np.ndarray:
-    from ..frontend.rotate import to_numpy  # lazy: _api imports this module
-
     if isinstance(a, (bool, np.bool_)) or (isinstance(a, np.ndarray) and a.dtype == bool):
         raise TypeError(f"{name} must be an integer array, got a bool")
     arr = to_numpy(a, name) if not isinstance(a, (list, tuple)) else np.asarray(a)

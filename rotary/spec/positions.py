@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rope_spec import _as_int
+from .validators import as_int
 
 #: HF ``model_type`` -> how video grids become positions (``get_rope_index`` of each model):
 #: "index": temporal id = frame index (Qwen2-VL);
@@ -199,7 +199,7 @@ def mrope_next_positions(positions, num_tokens=1, *, attention_mask=None) -> np.
         raise TypeError(f"positions must be integer M-RoPE ids, got dtype {p.dtype}")
     if p.ndim not in (2, 3) or p.shape[-1] != 3 or p.shape[-2] == 0:
         raise ValueError(f"positions must have shape (seq, 3) or (batch, seq, 3) with seq >= 1, got {p.shape}")
-    num_tokens = _as_int(num_tokens, "num_tokens")
+    num_tokens = as_int(num_tokens, "num_tokens")
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     p = p.astype(np.int64)
@@ -217,7 +217,7 @@ def mrope_next_positions(positions, num_tokens=1, *, attention_mask=None) -> np.
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _positive(value, name):
-    value = _as_int(value, name)
+    value = as_int(value, name)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
@@ -303,9 +303,9 @@ def _token_types(input_ids, mm_token_type_ids, image_token_id, video_token_id, c
                              "tokens; or pass mm_token_type_ids")
         types = np.zeros(ids.shape, dtype=np.int64)
         if image_token_id is not None:
-            types[ids == _as_int(image_token_id, "image_token_id")] = IMAGE
+            types[ids == as_int(image_token_id, "image_token_id")] = IMAGE
         if video_token_id is not None:
-            types[ids == _as_int(video_token_id, "video_token_id")] = VIDEO
+            types[ids == as_int(video_token_id, "video_token_id")] = VIDEO
     else:
         raise ValueError("pass input_ids (with image_token_id / video_token_id or config=) or mm_token_type_ids")
     if types.ndim not in (1, 2):

@@ -16,34 +16,15 @@ Coordinates from ``rotary_dim`` to ``head_dim`` pass through unchanged.
 from __future__ import annotations
 
 import math
-import operator
 from functools import lru_cache
 
 import numpy as np
 
 from . import angles as _angles, scaling as _scaling
+from .validators import as_int, int_tuple, positive_real
 
 LAYOUTS = ("half", "interleaved")
 TWO_PI = 2.0 * math.pi
-
-
-def _as_int(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
-
-
-def _positive_real(value, name: str) -> float:
-    """``value`` as a finite float > 0 (TypeError for non-numbers and bools, ValueError otherwise)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
 
 
 #: How an M-RoPE spec assigns its ``mrope_section`` sizes (pairs per t/h/w axis) to pairs, as in HF:
@@ -70,12 +51,6 @@ def mrope_pair_axes(mrope_section, mrope_layout: str, half: int | None = None) -
         hw = s[0] + s[1]
         axes = [1 + (i % 2) for i in range(hw)] + [0] * (half - hw)
     return tuple(axes)
-
-
-def _int_tuple(value, name: str) -> tuple:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of integers, got {type(value).__name__} {value!r}")
-    return tuple(_as_int(v, f"{name}[{i}]") for i, v in enumerate(value))
 
 
 class RopeSpec:
@@ -140,10 +115,10 @@ class RopeSpec:
                  max_position_embeddings=None, mrope_section=None, mrope_interleaved=None, mrope_layout=None,
                  pair_axes=None, n_axes=None, frequencies=None, float_positions=False, softmax_scale_factor=1.0,
                  attention_factor=None, rotary_offset=0):
-        head_dim = _as_int(head_dim, "head_dim")
+        head_dim = as_int(head_dim, "head_dim")
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-        rotary_offset = _as_int(rotary_offset, "rotary_offset")
+        rotary_offset = as_int(rotary_offset, "rotary_offset")
         if rotary_offset < 0:
             raise ValueError(f"rotary_offset must be >= 0, got {rotary_offset}")
         rotated_part = head_dim - rotary_offset   # the coordinates from rotary_offset on
@@ -152,7 +127,7 @@ class RopeSpec:
                 raise ValueError(f"head_dim - rotary_offset must be >= 2 (at least one rotated pair), got head_dim "
                                  f"{head_dim} with rotary_offset {rotary_offset}")
             rotary_dim = rotated_part - (rotated_part % 2)
-        rotary_dim = _as_int(rotary_dim, "rotary_dim")
+        rotary_dim = as_int(rotary_dim, "rotary_dim")
         if rotary_dim % 2 or rotary_dim < 2:
             raise ValueError(f"rotary_dim must be an even integer >= 2, got {rotary_dim}")
         if rotary_dim > rotated_part:
@@ -170,7 +145,7 @@ class RopeSpec:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if max_position_embeddings is not None:
-            max_position_embeddings = _as_int(max_position_embeddings, "max_position_embeddings")
+            max_position_embeddings = as_int(max_position_embeddings, "max_position_embeddings")
             if max_position_embeddings < 1:
                 raise ValueError(f"max_position_embeddings must be >= 1, got {max_position_embeddings}")
         scaling = _scaling.canonical_scaling(scaling, rotary_dim=rotary_dim, head_dim=rotated_part, base=base,
@@ -181,11 +156,11 @@ class RopeSpec:
             half, mrope_section, mrope_interleaved, mrope_layout, pair_axes, n_axes)
         if not isinstance(float_positions, (bool, np.bool_)):
             raise TypeError(f"float_positions must be a bool, got {type(float_positions).__name__}")
-        softmax_scale_factor = _positive_real(softmax_scale_factor, "softmax_scale_factor")
+        softmax_scale_factor = positive_real(softmax_scale_factor, "softmax_scale_factor")
         if attention_factor is not None:
             if frequencies is None:
                 raise ValueError("attention_factor= goes with frequencies= (a scaling rule sets its own factor)")
-            attention_factor = _positive_real(attention_factor, "attention_factor")
+            attention_factor = positive_real(attention_factor, "attention_factor")
         values = dict(head_dim=head_dim, rotary_dim=rotary_dim, base=base, layout=layout, scaling=scaling,
                       max_position_embeddings=max_position_embeddings, frequencies=frequencies,
                       _pair_axes=pair_axes, n_axes=n_axes, mrope_section=mrope_section, mrope_layout=mrope_layout,
@@ -303,19 +278,19 @@ class RopeSpec:
         Layout "half" pairs (i, i + rotary_dim/2) (HF ``rotate_half``); "interleaved" pairs
         (2i, 2i+1) (SAM's complex form). Group g holds pairs [g*n, (g+1)*n), n = rotary_dim/(2*axes).
         """
-        head_dim = _as_int(head_dim, "head_dim")
-        axes = _as_int(axes, "axes")
+        head_dim = as_int(head_dim, "head_dim")
+        axes = as_int(axes, "axes")
         if axes < 1:
             raise ValueError(f"axes must be >= 1, got {axes}")
         if rotary_dim is None:
             rotary_dim = head_dim - head_dim % (2 * axes)
-        rotary_dim = _as_int(rotary_dim, "rotary_dim")
+        rotary_dim = as_int(rotary_dim, "rotary_dim")
         if rotary_dim < 2 * axes or rotary_dim % (2 * axes):
             raise ValueError(f"rotary_dim must be a positive multiple of 2*axes = {2 * axes} for an axial spec, "
                              f"got {rotary_dim}")
         if axis_order is None:
             axis_order = tuple(range(axes))
-        axis_order = _int_tuple(axis_order, "axis_order")
+        axis_order = int_tuple(axis_order, "axis_order")
         if sorted(axis_order) != list(range(axes)):
             raise ValueError(f"axis_order must be a permutation of 0..{axes - 1}, got {axis_order}")
         if isinstance(frequency_scale, bool) or not isinstance(frequency_scale, (int, float, np.integer, np.floating)) \
@@ -438,7 +413,7 @@ class RopeSpec:
         """``seq_len`` checked (None or an integer >= 1), and None for rules that do not depend on it."""
         if seq_len is None:
             return None
-        seq_len = _as_int(seq_len, "seq_len")
+        seq_len = as_int(seq_len, "seq_len")
         if seq_len < 1:
             raise ValueError(f"seq_len must be an integer >= 1 (max position + 1) or None, got {seq_len}")
         return seq_len if self.depends_on_seq_len else None
@@ -555,7 +530,7 @@ def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes,
     else:
         if pair_axes is not None:
             raise ValueError("pass either mrope_section= or pair_axes=, not both")
-        mrope_section = _int_tuple(mrope_section, "mrope_section")
+        mrope_section = int_tuple(mrope_section, "mrope_section")
         if len(mrope_section) != 3 or min(mrope_section) < 0:
             raise ValueError(f"mrope_section must be 3 non-negative integers (pairs per t, h, w axis), "
                              f"got {mrope_section}")
@@ -569,20 +544,20 @@ def _check_axes(half, mrope_section, mrope_interleaved, mrope_layout, pair_axes,
             raise ValueError(f"mrope_layout must be one of {MROPE_LAYOUTS}, got {mrope_layout!r}")
         elif mrope_interleaved is not None and bool(mrope_interleaved) != (mrope_layout == "interleaved"):
             raise ValueError(f"mrope_interleaved={mrope_interleaved} disagrees with mrope_layout={mrope_layout!r}")
-        if n_axes is not None and _as_int(n_axes, "n_axes") != 3:
+        if n_axes is not None and as_int(n_axes, "n_axes") != 3:
             raise ValueError(f"an M-RoPE spec has n_axes = 3, got {n_axes}")
         pair_axes, n_axes = mrope_pair_axes(mrope_section, mrope_layout, half), 3
         return pair_axes, n_axes, mrope_section, mrope_layout
     if pair_axes is None:
-        if n_axes is not None and _as_int(n_axes, "n_axes") != 1:
+        if n_axes is not None and as_int(n_axes, "n_axes") != 1:
             raise ValueError(f"n_axes={n_axes} needs pair_axes= (or mrope_section=)")
         return None, 1, None, None
-    pair_axes = _int_tuple(pair_axes, "pair_axes")
+    pair_axes = int_tuple(pair_axes, "pair_axes")
     if len(pair_axes) != half:
         raise ValueError(f"pair_axes must have rotary_dim/2 = {half} entries, got {len(pair_axes)}")
     if min(pair_axes) < 0:
         raise ValueError(f"pair_axes entries must be >= 0, got {pair_axes}")
-    n_axes = max(pair_axes) + 1 if n_axes is None else _as_int(n_axes, "n_axes")
+    n_axes = max(pair_axes) + 1 if n_axes is None else as_int(n_axes, "n_axes")
     if n_axes <= max(pair_axes):
         raise ValueError(f"pair_axes reads coordinate {max(pair_axes)} but n_axes is {n_axes}")
     return pair_axes, n_axes, None, None

@@ -47,11 +47,12 @@ dropped with a warning (HF warns too).
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from .validators import is_bool, is_real
 
 ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "proportional")
 
@@ -73,10 +74,6 @@ _KEYS = {
 
 
 # -- validation helpers ----------------------------------------------------------------------------
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
 def _real(params: dict, key: str, rope_type: str, *, minimum: float | None = None, strict: bool = False,
           what: str | None = None) -> float:
     """params[key] as a finite float, checked against ``minimum`` (``strict``: > instead of >=)."""
@@ -85,7 +82,7 @@ def _real(params: dict, key: str, rope_type: str, *, minimum: float | None = Non
     need = what or f"a finite number{bound}"
     if value is None:
         raise ValueError(f"scaling['{key}'] is required for rope_type {rope_type!r} ({need})")
-    if not _is_real(value) or not math.isfinite(float(value)):
+    if not is_real(value) or not math.isfinite(float(value)):
         raise ValueError(f"scaling['{key}'] must be {need} for rope_type {rope_type!r}; got {value!r}")
     value = float(value)
     if minimum is not None and (value <= minimum if strict else value < minimum):
@@ -94,7 +91,7 @@ def _real(params: dict, key: str, rope_type: str, *, minimum: float | None = Non
 
 
 def _positive_int(value, key: str, rope_type: str) -> int:
-    if _is_real(value) and math.isfinite(float(value)) and float(value) == int(value) and int(value) >= 1:
+    if is_real(value) and math.isfinite(float(value)) and float(value) == int(value) and int(value) >= 1:
         return int(value)
     raise ValueError(f"scaling['{key}'] must be a positive integer for rope_type {rope_type!r}; got {value!r}")
 
@@ -132,7 +129,7 @@ def _factor_list(params: dict, key: str, half: int) -> tuple:
         raise ValueError(f"scaling['{key}'] must be a list of {half} positive numbers; got {type(value).__name__}")
     if len(value) != half:
         raise ValueError(f"scaling['{key}'] must have length rotary_dim/2 = {half}; got length {len(value)}")
-    if not all(_is_real(v) and math.isfinite(float(v)) and float(v) > 0 for v in value):
+    if not all(is_real(v) and math.isfinite(float(v)) and float(v) > 0 for v in value):
         raise ValueError(f"scaling['{key}'] must hold finite numbers > 0; got {list(value)!r}")
     return tuple(float(v) for v in value)
 
@@ -175,11 +172,11 @@ def canonical_scaling(scaling, *, rotary_dim: int, head_dim: int, base: float, m
         params.pop(key, None)
 
     theta = params.pop("rope_theta", None)
-    if theta is not None and (not _is_real(theta) or float(theta) != base):
+    if theta is not None and (not is_real(theta) or float(theta) != base):
         raise ValueError(f"scaling['rope_theta'] = {theta!r} disagrees with base = {base!r}")
     if rope_type != "proportional" and params.get("partial_rotary_factor") is not None:
         p = params.pop("partial_rotary_factor")
-        if not _is_real(p) or int(head_dim * p) != rotary_dim:
+        if not is_real(p) or int(head_dim * p) != rotary_dim:
             raise ValueError(f"scaling['partial_rotary_factor'] = {p!r} disagrees with rotary_dim = {rotary_dim} "
                              f"(HF: rotary_dim = int(head_dim * partial_rotary_factor), head_dim = {head_dim})")
 
@@ -226,7 +223,7 @@ def _canonical_yarn(params, *, rotary_dim, head_dim, max_position_embeddings):
         raise ValueError(f"scaling['beta_fast'] ({out['beta_fast']:g}) must be >= scaling['beta_slow'] "
                          f"({out['beta_slow']:g}) for rope_type 'yarn'")
     truncate = params.get("truncate", True)
-    if not isinstance(truncate, (bool, np.bool_)):
+    if not is_bool(truncate):
         raise ValueError(f"scaling['truncate'] must be True or False for rope_type 'yarn'; got {truncate!r}")
     out["truncate"] = bool(truncate)
     if params.get("attention_factor") is not None:

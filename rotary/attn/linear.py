@@ -21,15 +21,15 @@ import math
 import numbers
 
 import numpy as np
-from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
+from array_api_compat import device as xp_device
 
 from ..frontend import dispatch as _adapters
 from ..spec import tables as _tables
-from .. import backends as _backends
-from ..frontend.rotate import (_check_float, _namespace, _table_converter, canonical_axes, canonical_shape,
-    canonical_view, from_canonical, normalize_positions, normalize_seq_axis, packed_positions, resolve_spec,
-    to_canonical, to_numpy)
+from ..frontend.normalize import (canonical, canonical_axes, canonical_shape, check_float, from_canonical, namespace,
+                                  next_position, normalize_positions, normalize_seq_axis, packed_positions,
+                                  pick_backend, resolve_spec, start_positions, table_converter, to_numpy)
 from ..spec.rope_spec import RopeSpec
+from ..spec.validators import as_bool
 
 FEATURE_MAPS = ("elu", "relu", "identity")
 _INT64_MAX = 2**63 - 1
@@ -154,8 +154,7 @@ def _check_scalars(causal, eps, chunk, return_state, normalize):
     if _plain_scalars(causal, eps, chunk, return_state, normalize):
         return
     for name, value in (("causal", causal), ("return_state", return_state), ("normalize", normalize)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        as_bool(value, name)
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps >= 0):
@@ -225,7 +224,7 @@ def _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize,
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
     if not (type(q) is type(state.S) is np.ndarray and (state.z is None or type(state.z) is np.ndarray)):
-        _namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
+        namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
             state.z is not None)])
     expected = (*kv_other, m, dv)
     if tuple(state.S.shape) != expected:
@@ -247,61 +246,6 @@ def _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize,
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _canonical(x, ax, xp):
-    """The (B, S, H, D) view of x (NumPy/CuPy: no copy when the strides allow one)."""
-    if is_numpy_array(x) or is_cupy_array(x):
-        view = canonical_view(x, ax)
-        return view if view is not None else to_canonical(x.copy(), ax, xp)
-    return to_canonical(x, ax, xp)
-
-
-def _start_positions(state, lead_shape, seq_len):
-    """positions=None with a state: from the state's next position on (an int offset or (batch, seq))."""
-    start = state.next_position
-    if isinstance(start, int):
-        return start
-    if not lead_shape or start.shape != (lead_shape[0],):
-        raise ValueError(f"state.next_position of shape {start.shape} does not match the batch axis "
-                         f"(size {lead_shape[0] if lead_shape else 'none'}) of q")
-    return start[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]
-
-
-def _next_position(pos, lead_shape, seq_len, positions, state):
-    """next_position after this call: last position + 1 (int, or (batch,) for per-batch positions)."""
-    if seq_len == 0:
-        if state is not None:
-            return state.next_position
-        return int(positions) if isinstance(positions, numbers.Integral) else 0
-    if pos.ndim == 2 and pos.shape[0] == 1 and pos.dtype == np.int64:   # one row of positions (decode: one)
-        last = int(pos[0, -1])
-        if last == _INT64_MAX:
-            raise ValueError("the last position is the largest int64: the next position (for a state) would "
-                             "overflow int64")
-        return last + 1
-    if pos.ndim == 3 or pos.dtype.kind == "f":
-        # multi-axis (M-RoPE's decode rule: every axis continues from the largest coordinate + 1) or
-        # real-valued coordinates: one past the largest coordinate seen
-        last = np.floor(pos.reshape(pos.shape[0], -1).max(axis=1)).astype(np.int64) + 1
-    else:
-        if int(pos[:, -1].max()) == _INT64_MAX:
-            raise ValueError("the last position is the largest int64: the next position (for a state) would "
-                             "overflow int64")
-        last = pos[:, -1] + 1
-    if pos.shape[0] == 1:
-        return int(last[0])
-    rep = pos.shape[0] // lead_shape[0]
-    return last[::rep]
-
-
-def _backend_module(arrays, backend):
-    module = _backends.pick(arrays, backend)
-    if hasattr(module, "linear_attention"):
-        return module
-    if backend == "auto":
-        return _backends.get("numpy")
-    raise NotImplementedError(f"backend {backend!r} has no linear_attention; use backend='numpy' or 'auto'")
-
-
 # -- public ------------------------------------------------------------------------------------
 def _gqa_permutation(ndim, ax, gax):
     """Axis order that makes the GQA axis the innermost canonical head axis (None: already is)."""
@@ -392,9 +336,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
                               backend)
         if result is not None:
             return result
-    xp = _namespace([q, k, v], ["q", "k", "v"])
+    xp = namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_float(a, name, xp)
+        check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
     gax, groups = _check_shapes(q, k, v, ax)
     if cu_seqlens is not None or seqlen_offsets is not None:
@@ -474,7 +418,7 @@ def _prepare_decode_step(q, k, v, state, feature_map, normalize, backend):
         return None
     if normalize and (type(z) is not np.ndarray or z.shape != (B, Hk, m) or z.dtype != dtype):
         return None
-    module = _backends.pick([q, k, v], backend) if type(backend) is str else None
+    module = pick_backend([q, k, v], backend, capability=None) if type(backend) is str else None
     if module is None or not hasattr(module, "linear_attention") or hasattr(module, "table_converter"):
         return None
     cos, sin, rows = _tables.lookup(spec, np.array([[pos]], dtype=np.int64), dtype=dtype, device_key="numpy")
@@ -524,7 +468,7 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     if state is not None:
         _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups)
         if positions is None:
-            positions = _start_positions(state, lead_shape, seq_len)
+            positions = start_positions(state, lead_shape, seq_len)
 
     # GQA: the axis where k has fewer heads becomes the innermost canonical head axis (a view)
     perm = _gqa_permutation(q.ndim, ax, gax)
@@ -565,10 +509,10 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
             return o, state
         S = xp.zeros((B, Hk, m, dv), dtype=work, device=dev)
         z = xp.zeros((B, Hk, m), dtype=work, device=dev)
-        return o, make_state(S, z, _next_position(pos, lead_shape, 0, positions, None))
+        return o, make_state(S, z, next_position(pos, lead_shape, 0, positions, None))
 
-    module = _backend_module([q, k, v], backend)
-    device_key, convert = _table_converter(module, q, xp)
+    module = pick_backend([q, k, v], backend, "linear_attention")
+    device_key, convert = table_converter(module, q, xp)
     table_dtype = np.float64 if q.dtype == xp.float64 else np.float32
     cos, sin, rows = _tables.lookup(spec, pos, dtype=table_dtype, device_key=device_key, convert=convert)
     carried = None
@@ -587,12 +531,12 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     decay_c = None
     if decay is not None:
         decay_c = np.ascontiguousarray(np.transpose(decay, operm)).reshape(Bs, Hk)
-    a_c, b_c = _canonical(a, wax, xp), _canonical(b, wax, xp)
+    a_c, b_c = canonical(a, wax, xp), canonical(b, wax, xp)
     if spec.rotary_offset:
         a_c, b_c, carried, restore = _rotated_block_first(xp, spec, m, a_c, b_c, carried, q)
     packed = {} if varlen is None else {"cu_seqlens": varlen[0]}
     o, (S, z) = module.linear_attention(
-        a_c, b_c, _canonical(v_in, wax, xp), cos, sin, rows,
+        a_c, b_c, canonical(v_in, wax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize), **packed)
     if spec.rotary_offset:
@@ -607,7 +551,7 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         return o
     if varlen is not None:
         return o, make_state(S, z, varlen[1])
-    return o, make_state(S, z, _next_position(pos, lead_shape, seq_len, positions, state))
+    return o, make_state(S, z, next_position(pos, lead_shape, seq_len, positions, state))
 
 
 def _rotated_block_first(xp, spec, m, a, b, carried, like):
@@ -665,7 +609,7 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
               normalize=normalize, return_state=True, **spec_kwargs)
     lengths = packed.lengths
     pieces, states = [], []
-    if N and not np.all(lengths == lengths[0]) and getattr(_backend_module([q, k, v], backend),
+    if N and not np.all(lengths == lengths[0]) and getattr(pick_backend([q, k, v], backend, "linear_attention"),
                                                            "PACKED_LINEAR_ATTENTION", False):
         return _ragged(xp, q, k, v, positions, ax, packed, causal=causal, feature_map=feature_map, eps=eps,
                        spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
@@ -720,7 +664,7 @@ def _ragged(xp, q, k, v, positions, ax, packed, *, causal, feature_map, eps, spe
     for n in range(packed.n_seqs):
         t0, t1 = int(cu[n]), int(cu[n + 1])
         if t1 > t0:
-            nxt[n] = _next_position(positions[t0:t1][None], (1,), t1 - t0, None, None)
+            nxt[n] = next_position(positions[t0:t1][None], (1,), t1 - t0, None, None)
     out = _linear_attention(xp, q1, k1, v1, positions[None], 1, gax, groups, causal=causal, feature_map=feature_map,
                             eps=eps, spec=spec, state=state, return_state=return_state, backend=backend,
                             chunk=chunk, decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, varlen=(cu, nxt))

@@ -24,14 +24,13 @@ packed sequence boundaries) get a per-token mask; a packed batch is one sweep ov
 Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
 to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
-in each, see :mod:`rotary.attention.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
+in each, see :mod:`rotary.attn.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
 tile spans every head. Scores and softmax are float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -39,8 +38,9 @@ from typing import NamedTuple
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
-from ..frontend.rotate import (_check_float, _namespace, apply, apply_qk, normalize_positions, normalize_seq_axis,
-    packed_positions, resolve_spec, to_numpy)
+from ..frontend.normalize import (check_float, namespace, normalize_positions, normalize_seq_axis, resolve_spec)
+from ..frontend.rotate import apply, apply_qk
+from ..spec.validators import optional_number
 from .blas import single_thread_blas
 from ..spec.packing import pack
 
@@ -65,20 +65,6 @@ def _gqa_axis(q_shape, k_shape, ax):
     if q_shape[i] % k_shape[i]:
         raise ValueError(f"q heads ({q_shape[i]}) must be a multiple of k/v heads ({k_shape[i]}) on axis {i}")
     return i
-
-
-def _check_number(value, name, *, positive=True, integer=False):
-    if value is None:
-        return None
-    kinds = numbers.Integral if integer else numbers.Real
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
-        raise TypeError(f"{name} must be {'an integer' if integer else 'a real number'} or None, "
-                        f"got {type(value).__name__}")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return int(value) if integer else float(value)
 
 
 def _mask_positions(pos, seq_len, k_len):
@@ -132,9 +118,9 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
 
     Returns q's array type and dtype, shape of q with last dim dv.
     """
-    xp = _namespace([q, k, v], ["q", "k", "v"])
+    xp = namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_float(a, name, xp)
+        check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
     if k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
@@ -147,9 +133,9 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(rope, (bool, np.bool_)):
         raise TypeError(f"rope must be a bool, got {type(rope).__name__}")
-    window = _check_number(window, "window", integer=True)
-    softcap = _check_number(softcap, "softcap")
-    block_size = _check_number(block_size, "block_size", integer=True)
+    window = optional_number(window, "window", integer=True)
+    softcap = optional_number(softcap, "softcap")
+    block_size = optional_number(block_size, "block_size", integer=True)
     if window is not None and not causal:
         raise ValueError("window (a sliding window) needs causal=True")
     d = q.shape[-1]
@@ -158,7 +144,7 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     if scale is None:
         scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(d)
     else:
-        scale = _check_number(scale, "scale")
+        scale = optional_number(scale, "scale")
     q_len, k_len = int(q.shape[ax]), int(k.shape[ax])
 
     # positions of q and k tokens (host int64, (Bp, S[, n_axes])), per sequence for packed input

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..frontend.rotate import (_namespace, canonical_shape, normalize_positions, normalize_seq_axis, resolve_spec,
-    rotate_arrays)
+from ..frontend.normalize import canonical_shape, namespace, normalize_positions, normalize_seq_axis, resolve_spec
+from ..frontend.rotate import rotate_arrays
 from ..spec.rope_spec import RopeSpec
 
 
@@ -40,7 +40,7 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
     out : array, optional
         Where to write; ``out=k`` for in place.
     """
-    xp = _namespace([k], ["k"])
+    xp = namespace([k], ["k"])
     ax = normalize_seq_axis(seq_axis, k.ndim, "k")
     spec = resolve_spec(spec, spec_kwargs, int(k.shape[-1]), "k")
     if to_spec is None:
