@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--path", choices=["tiles", "array-api"], default="tiles")
     args = ap.parse_args()
-    from rotary.attention import softmax as _attention
+    from rotary.attn import softmax as _attention
 
     _attention._NUMPY_TILES = args.path == "tiles"
     a = np.ones((2048, 2048), dtype=np.float32)

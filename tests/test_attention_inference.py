@@ -8,7 +8,7 @@ import pytest
 
 import rotary
 from rotary import RopeSpec, testing
-from rotary.attention import softmax as _attention
+from rotary.attn import softmax as _attention
 
 from .conftest import backend_params
 
@@ -237,7 +237,7 @@ def test_mrope_packed_equals_each_sequence_alone(blocks, rng):
 def test_heads_over_threads_and_serial_fallback(blas_per_thread, monkeypatch, rng):
     """The k/v heads shared out over threads (single-threaded BLAS each) or, where the BLAS cannot be set
     per thread, one serial loop: both match the oracle."""
-    from rotary.attention import blas as _blas
+    from rotary.attn import blas as _blas
 
     if blas_per_thread and _blas.single_thread_blas() is None:
         pytest.skip("no OpenBLAS with openblas_set_num_threads_local in this process")

@@ -13,7 +13,8 @@ pytest.importorskip("numba")
 import rotary  # noqa: E402
 from rotary.spec import tables as _tables
 from rotary import testing  # noqa: E402
-from rotary.backends.numba_kernels import rotation as kernels  # noqa: E402
+from rotary.backends.numba_kernels import common, rotation, simd  # noqa: E402
+from rotary.backends.numba_kernels import linear_attention as la_kernels  # noqa: E402
 from rotary.backends import numba as nb  # noqa: E402
 
 DTYPES = [np.float16, np.float32, np.float64]
@@ -190,8 +191,8 @@ def test_element_offset_is_int64():
     args = (5, 3 * 2**31 + 1, 2**33 + 7, 2**32 - 1, 3, 2**20, 1000)
     expected = 5 + 3 * (3 * 2**31 + 1) + 2**20 * (2**33 + 7) + 1000 * (2**32 - 1)
     assert expected > 2**53 // 1024 and expected < 2**63
-    assert jitted(kernels.element_offset)(*args) == expected
-    assert kernels.element_offset.py_func(*args) == expected
+    assert jitted(common.element_offset)(*args) == expected
+    assert common.element_offset.py_func(*args) == expected
 
 
 def test_strides_beyond_int32_on_a_sparse_file(rng, tmp_path):
@@ -309,12 +310,12 @@ def test_linear_attention_frontend_uses_numba(rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_register_tiles_match_numpy(rng, dtype):
     """madd_tile / matmul_tiles / dot_f64 (compiled, and their Python bodies) against NumPy products."""
-    w = jitted(kernels.tile_width)(np.empty(1, dtype))
+    w = jitted(la_kernels.tile_width)(np.empty(1, dtype))
     a = rng.standard_normal((8, 13)).astype(dtype)
     b = rng.standard_normal((13, 2 * w)).astype(dtype)
     c = rng.standard_normal((8, 2 * w)).astype(dtype)
     tol = 1e-5 if dtype == np.float32 else 1e-13
-    for madd_tile in (jitted(kernels.madd_tile), kernels.madd_tile.py_func):
+    for madd_tile in (jitted(la_kernels.madd_tile), la_kernels.madd_tile.py_func):
         got = c.copy()
         madd_tile(a, b, got, 4, w, 13, True)           # rows 4..7, second tile of columns, accumulate
         expected = c.astype(np.float64)
@@ -326,10 +327,10 @@ def test_register_tiles_match_numpy(rng, dtype):
         expected[:4, :w] = a[:4, :5].astype(np.float64) @ b[:5, :w]
         assert _rel(got, expected) <= tol
     got = np.full_like(c, np.nan)
-    jitted(kernels.matmul_tiles)(a, b, got, 8, 13, 2 * w)
+    jitted(la_kernels.matmul_tiles)(a, b, got, 8, 13, 2 * w)
     assert _rel(got, a.astype(np.float64) @ b) <= tol
-    x, y = rng.standard_normal((2, 3 * kernels.lanes(np.empty(1, np.float64))))
-    for dot_f64 in (jitted(kernels.dot_f64), kernels.dot_f64.py_func):
+    x, y = rng.standard_normal((2, 3 * simd.lanes(np.empty(1, np.float64))))
+    for dot_f64 in (jitted(la_kernels.dot_f64), la_kernels.dot_f64.py_func):
         assert abs(dot_f64(x, y) - x @ y) <= 1e-13 * np.abs(x * y).sum()
 
 
@@ -345,11 +346,11 @@ def test_vector_feature_maps_equal_the_scalar_ones(dtype):
     @njit
     def both(x, feature_map):
         vector, scalar = np.empty_like(x), np.empty_like(x)
-        width = kernels.lanes(x)
+        width = simd.lanes(x)
         for j in range(0, x.shape[0], width):
-            kernels.vstore(vector, j, vfeature(kernels.vload(x, j), feature_map))
+            simd.vstore(vector, j, vfeature(simd.vload(x, j), feature_map))
         for j in range(x.shape[0]):
-            scalar[j] = kernels.feature(x[j], feature_map)
+            scalar[j] = la_kernels.feature(x[j], feature_map)
         return vector, scalar, vfeature_covers(x, feature_map)
 
     special = [0.0, -0.0, 1e-30, -1e-30, -86.9, -87.0, -87.5, -100.0, 87.9, 88.0, 88.5, 1e30, -1e30,
@@ -371,12 +372,13 @@ def test_vector_feature_maps_equal_the_scalar_ones(dtype):
 # -- the kernels' bodies as plain Python (small inputs; coverage sees these lines) ----------------
 @pytest.fixture
 def pure_python(monkeypatch):
-    """Swap every compiled kernel of the module for its Python function while the test runs."""
-    for name in dir(kernels):
-        obj = getattr(kernels, name)
-        if hasattr(obj, "py_func") and hasattr(obj, "signatures"):
-            monkeypatch.setattr(kernels, name, obj.py_func)
-    return kernels
+    """Swap every compiled kernel of the kernel modules (and every module's name for one) for its Python
+    function while the test runs."""
+    for module in (common, rotation, la_kernels, simd):
+        for name in dir(module):
+            obj = getattr(module, name)
+            if hasattr(obj, "py_func") and hasattr(obj, "signatures"):
+                monkeypatch.setattr(module, name, obj.py_func)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -411,8 +413,8 @@ def test_module_surface():
     assert nb.accepts(np.zeros(3, np.float16)) and nb.accepts(np.zeros(3, np.float64))
     assert not nb.accepts(np.zeros(3, np.int32)) and not nb.accepts([1.0, 2.0])
     assert rotary.backends.get("numba") is nb
-    for kernel in (kernels.rotate_qk_parallel, kernels.rotate_qk_serial, kernels.linear_attention_tasks,
-                   kernels.linear_attention_step):
+    for kernel in (rotation.rotate_qk_parallel, rotation.rotate_qk_serial, la_kernels.linear_attention_tasks,
+                   la_kernels.linear_attention_step):
         assert kernel.targetoptions.get("cache") is not False and kernel._cache.__class__.__name__ != "NullCache"
         assert not kernel.targetoptions.get("fastmath")
 
@@ -436,8 +438,8 @@ def test_linear_attention_on_narrower_vector_targets(cpu, tmp_path):
     code = f"""
 import numpy as np, rotary
 from rotary import testing
-from rotary.backends import _numba_kernels as kernels
-assert kernels.VECTOR_BYTES == {16 if cpu == "generic" else 32}, kernels.VECTOR_BYTES
+from rotary.backends.numba_kernels import simd
+assert simd.VECTOR_BYTES == {16 if cpu == "generic" else 32}, simd.VECTOR_BYTES
 rng = np.random.default_rng(5)
 for dtype, tol in ((np.float32, 3e-5), (np.float64, 1e-10)):
     q, k = (rng.standard_normal((2, 3, 45, 11)).astype(dtype) for _ in range(2))
@@ -515,7 +517,7 @@ def test_linear_attention_task_range_equals_single_tasks(rng, causal, groups, de
             tail = (groups, powers, decayed, True)
             ranges = [(0, B * Hk)] if one_range else [(t, t + 1) for t in reversed(range(B * Hk))]
             for first, last in ranges:
-                kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail,
+                la_kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail,
                                                np.zeros(0, np.int64), first, last)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
@@ -542,3 +544,25 @@ def test_linear_attention_thread_split_is_bit_identical(rng):
         numba.set_num_threads(saved)
     for x, y in zip((one[0], *one[1]), (many[0], *many[1])):
         np.testing.assert_array_equal(x, y)
+
+
+def test_kernel_cache_is_keyed_on_every_kernel_source():
+    """Numba's cache entry of a kernel is invalidated by an edit to any kernel source (a SIMD helper it
+    inlines included), not only by an edit to the kernel's own file: its source stamp covers them all."""
+    import os
+
+    from rotary.backends.numba_kernels import cache
+
+    for kernel in (rotation.rotate_qk_serial, rotation.rotate_qk_parallel, la_kernels.linear_attention_tasks,
+                   la_kernels.linear_attention_step, common.element_offset):
+        assert isinstance(kernel._cache._impl._locator, cache.KernelSetLocator)
+    locator = rotation.rotate_qk_serial._cache._impl._locator
+    before = locator.get_source_stamp()
+    assert os.path.abspath(simd.__file__) in cache.kernel_sources()
+    st = os.stat(simd.__file__)
+    try:
+        os.utime(simd.__file__, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # "an edit" to simd.py
+        assert locator.get_source_stamp() != before
+    finally:
+        os.utime(simd.__file__, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert locator.get_source_stamp() == before

@@ -15,7 +15,8 @@ import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
 
 from . import OUTSIDE_TABLE
-from .numba_kernels import rotation as kernels
+from .numba_kernels import common, rotation
+from .numba_kernels import linear_attention as la_kernels
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -106,11 +107,11 @@ def _readonly_c(a):
 def _geometry_row(x, out):
     """(x_buf, out_buf, geo values as a list) of flat-viewable x and writable out; ``out is x``: in place."""
     xf, of = flat_view(x), flat_view(out)
-    row = [0] * kernels.GEO_COLUMNS
-    row[kernels.GEO_HEADS] = x.shape[2]
-    row[kernels.GEO_X:kernels.GEO_X + 5] = (xf[1], *xf[2])
-    row[kernels.GEO_OUT:kernels.GEO_OUT + 5] = (of[1], *of[2])
-    row[kernels.GEO_COPY_TAIL] = int(out is not x)
+    row = [0] * common.GEO_COLUMNS
+    row[common.GEO_HEADS] = x.shape[2]
+    row[common.GEO_X:common.GEO_X + 5] = (xf[1], *xf[2])
+    row[common.GEO_OUT:common.GEO_OUT + 5] = (of[1], *of[2])
+    row[common.GEO_COPY_TAIL] = int(out is not x)
     return _readonly(xf[0]), of[0], row
 
 
@@ -158,7 +159,7 @@ def _group_geometry(group):
         geo_rows = [_geometry_row(x, t)[2] for x, t, _, _ in group]
         if len(geo_rows) == 1:   # the second item: the same arrays with zero heads
             geo_rows.append(list(geo_rows[0]))
-            geo_rows[1][kernels.GEO_HEADS] = 0
+            geo_rows[1][common.GEO_HEADS] = 0
         geo = np.array(geo_rows, dtype=np.int64)
         if len(_geo_cache) >= _GEO_CACHE_MAX:
             _geo_cache.clear()
@@ -253,7 +254,7 @@ def rotate_kernel(elements: int, n_batch: int, seq_len: int):
     """The rotation kernel for a call of this size (see PARALLEL_MIN_ELEMENTS); serial in a forked child."""
     parallel = (elements >= (PARALLEL_MIN_ELEMENTS if seq_len > 1 else DECODE_PARALLEL_MIN_ELEMENTS)
                 and n_batch * seq_len >= PARALLEL_MIN_TOKENS and not _in_forked_child)
-    return kernels.rotate_qk_parallel if parallel else kernels.rotate_qk_serial
+    return rotation.rotate_qk_parallel if parallel else rotation.rotate_qk_serial
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
@@ -261,7 +262,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract.
 
     One task per (batch, k/v head) running its q heads, ranges of tasks on ``numba.get_num_threads()``
-    threads; a one-token call (decode) runs :func:`kernels.linear_attention_step` on the calling
+    threads; a one-token call (decode) runs :func:`la_kernels.linear_attention_step` on the calling
     thread (no thread hand-off, one pass over S). ``cu_seqlens`` (N + 1 int64 offsets, q of batch 1):
     a packed batch in one pass, one task per (sequence, k/v head), states (N, Hk, ...).
     """
@@ -279,8 +280,8 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     cos = _readonly_c(cos if cos.dtype == work else cos.astype(work))
     sin = _readonly_c(sin if sin.dtype == work else sin.astype(work))
     rows = _readonly_c(rows if rows.dtype == np.int64 else rows.astype(np.int64))
-    if feature_map not in kernels.FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {tuple(kernels.FEATURE_MAPS)}, got {feature_map!r}")
+    if feature_map not in la_kernels.FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {tuple(la_kernels.FEATURE_MAPS)}, got {feature_map!r}")
     n_states = B
     if cu_seqlens is not None:
         cu_seqlens = _readonly_c(np.asarray(cu_seqlens, dtype=np.int64))
@@ -305,16 +306,16 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
             view = flat_view(np.ascontiguousarray(a))
         geo[i] = (view[1], *view[2])
         bufs.append(view[0] if i == 3 else _readonly(view[0]))
-    interleaved, fmap = layout == "interleaved", kernels.FEATURE_MAPS[feature_map]
+    interleaved, fmap = layout == "interleaved", la_kernels.FEATURE_MAPS[feature_map]
     if S == 1 and cu_seqlens is None:
-        kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s,
+        la_kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s,
                                       new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps), groups,
                                       powers, decayed, bool(normalize))
     else:
         args = (*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s, new_z, S, rotary_dim // 2,
                 rotary_dim, interleaved, bool(causal), fmap, float(eps), chunk, groups, powers, decayed,
                 bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
-        _run_tasks(kernels.linear_attention_tasks, args, n_states * Hk)
+        _run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
 
 
@@ -330,7 +331,7 @@ def _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_
     dtype = q.dtype
     if (dtype == np.float16 or k.dtype != dtype or v.dtype != dtype or type(S0) is not np.ndarray
             or type(z0) is not np.ndarray or S0.dtype != dtype or z0.dtype != dtype or cos.dtype != dtype
-            or sin.dtype != dtype or rows.dtype != np.int64 or feature_map not in kernels.FEATURE_MAPS):
+            or sin.dtype != dtype or rows.dtype != np.int64 or feature_map not in la_kernels.FEATURE_MAPS):
         return None
     for a in (q, k, v, S0, z0, cos, sin, rows):
         if not a.flags.c_contiguous:
@@ -353,9 +354,9 @@ def _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_
     qb, kb, vb = q.reshape(-1), k.reshape(-1), v.reshape(-1)   # new view objects
     qb.flags.writeable = kb.flags.writeable = vb.flags.writeable = False
     S0, z0, cos, sin, rows = [_readonly(a) if a.flags.writeable else a for a in (S0, z0, cos, sin, rows)]
-    kernels.linear_attention_step(qb, kb, vb, o.reshape(-1), geo, cos, sin, rows, S0, z0, new_s, new_z,
+    la_kernels.linear_attention_step(qb, kb, vb, o.reshape(-1), geo, cos, sin, rows, S0, z0, new_s, new_z,
                                   rotary_dim // 2, rotary_dim, layout == "interleaved",
-                                  kernels.FEATURE_MAPS[feature_map], float(eps), H // Hk, _NO_POWERS, False,
+                                  la_kernels.FEATURE_MAPS[feature_map], float(eps), H // Hk, _NO_POWERS, False,
                                   bool(normalize))
     return o, (new_s, new_z)
 

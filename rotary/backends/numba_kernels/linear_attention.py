@@ -1,0 +1,620 @@
+"""Linear-attention kernels of the ``numba`` backend (the counterpart of ``cuda_kernels/linear_attention.cu``).
+
+Linear attention (RoFormer eq. 19, a = phi(q), b = phi(k), hats = rotated)::
+
+    o_t = (a_hat_t . (S0 + sum_s b_hat_s v_s^T)) / (a_t . (z0 + sum_s b_s) + eps)
+
+with s <= t (causal) or all s. The causal form runs in chunks of C tokens: per chunk
+``N = A_hat S + tril(A_hat B_hat^T) V``, ``D = A z + rowsum(A * cumsum(B))``, then
+``S += B_hat^T V``, ``z += sum B``. The chunk products are register-tiled matrix products written
+here (:func:`madd_tile` on :class:`Vec` values, one SIMD register each; no BLAS call from inside the
+parallel loop, whose own threads would oversubscribe the cores), with fused multiply-adds where the
+CPU has FMA (:func:`vmadd`; the rotation above stays unfused). Chunk products sum in the work
+dtype; the carried S, z and the denominators are float64.
+
+Buffers, offsets and float16 bits as in :mod:`.common`; feature rows are rotated by the rotation
+kernel's :func:`.rotation.rotate_pairs_simd`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core.imputils import lower_builtin
+from numba.extending import intrinsic, overload, type_callable
+
+from .common import borrowed, element_offset, load, store
+from .rotation import rotate_pairs_simd
+from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
+                   vload, vmadd, vsplat, vstore, vsum, vzeros, _vload_flat)
+
+FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
+
+
+# -- linear attention ----------------------------------------------------------------------------
+@intrinsic
+def _pow2_f32(typingctx, exponent):
+    """2**exponent as float32 for -126 <= exponent <= 127: the bits (exponent + 127) << 23."""
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
+        return builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+def exp_work(x):
+    """exp(x) in x's precision (float64: libm; float32 compiled: see the overload)."""
+    return np.exp(x)
+
+
+@overload(exp_work, jit_options=OVERLOAD_JIT)
+def _exp_work_impl(x):
+    if x != types.float32:
+        return lambda x: np.exp(x)
+
+    def impl(x):
+        """float32 exp that LLVM can vectorise (Cephes expf): x = n ln2 + r, |r| <= ln2/2,
+        exp(r) by a degree-7 polynomial, times 2**n; within 2 ulp on [-87, 88] (x clamped there)."""
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = (p * (r * r) + r) + np.float32(1.0)
+        return p * _pow2_f32(np.int32(n))
+    return impl
+
+
+@njit(**HELPER_JIT)
+def feature(x, feature_map):
+    """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
+    if feature_map == 1:
+        return x + 1 if x > 0 else exp_work(x)
+    if feature_map == 2:
+        return x if x > 0 else x * 0
+    return x
+
+
+#: rows of one register tile of :func:`madd_tile`; its width is two vectors (:func:`tile_width`)
+TILE_ROWS = 4
+
+
+# -- linear attention: chunk products and the chunk loop ---------------------------------------------
+def keep_alive(arrays):
+    """A use of each array of the tuple ``arrays``: Numba releases a variable after its last use, so a call
+    at the end of a kernel keeps the owners of borrowed views alive until then. Compiled, it is typed and
+    lowered in place (nothing to compile of its own), like :func:`borrowed`."""
+    return len(arrays)
+
+
+@type_callable(keep_alive)
+def _type_keep_alive(context):
+    def typer(arrays):
+        if isinstance(arrays, types.BaseTuple):
+            return types.intp
+    return typer
+
+
+@lower_builtin(keep_alive, types.BaseTuple)
+def _lower_keep_alive(context, builder, signature, args):
+    return context.get_constant(types.intp, len(signature.args[0]))
+
+
+@njit(**HELPER_JIT)
+def padded(n, multiple):
+    """n rounded up to a multiple of ``multiple``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+@njit(**HELPER_JIT)
+def tile_width(row):
+    """Columns of one register tile of :func:`madd_tile`: two vectors (32 float32 / 16 float64 with AVX-512)."""
+    return 2 * lanes(row)
+
+
+@njit(**HELPER_JIT)
+def madd_tile(a, b, c, i0, j0, depth, accumulate):
+    """One register tile of a matrix product, TILE_ROWS = 4 rows by two vectors (w = 2 * lanes)::
+
+        c[i0+r, j0:j0+w] = (c[i0+r, j0:j0+w] if accumulate else 0) + sum_{k < depth} a[i0+r, k] b[k, j0:j0+w]
+
+    for r < 4. The eight vector accumulators stay in registers through the loop over k: each vector
+    loaded from b serves four rows, each broadcast of a[., k] two vectors. The sum runs in k order
+    in the work dtype, one multiply and one add per term. a, b, c: 2-D C-contiguous; the caller
+    keeps rows i0..i0+3 of a and c and columns j0..j0+w of b and c inside the (padded) buffers.
+    """
+    half = lanes(c)
+    c0, c1, c2, c3 = c[i0], c[i0 + 1], c[i0 + 2], c[i0 + 3]
+    if accumulate:
+        s00, s01, s10, s11 = vload(c0, j0), vload(c0, j0 + half), vload(c1, j0), vload(c1, j0 + half)
+        s20, s21, s30, s31 = vload(c2, j0), vload(c2, j0 + half), vload(c3, j0), vload(c3, j0 + half)
+    else:
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c0)
+    a0, a1, a2, a3 = a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3]
+    for k in range(depth):
+        b_row = b[k]
+        b0 = vload(b_row, j0)
+        b1 = vload(b_row, j0 + half)
+        x = vsplat(a0[k])
+        s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
+        x = vsplat(a1[k])
+        s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
+        x = vsplat(a2[k])
+        s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
+        x = vsplat(a3[k])
+        s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
+    vstore(c0, j0, s00)
+    vstore(c0, j0 + half, s01)
+    vstore(c1, j0, s10)
+    vstore(c1, j0 + half, s11)
+    vstore(c2, j0, s20)
+    vstore(c2, j0 + half, s21)
+    vstore(c3, j0, s30)
+    vstore(c3, j0 + half, s31)
+
+
+@njit(**HELPER_JIT)
+def matmul_tiles(a, b, c, rows, depth, cols):
+    """c[:rows, :cols] = a[:rows, :depth] @ b[:depth, :cols] by :func:`madd_tile` (rows and cols rounded up
+    to whole tiles: the buffers are padded for that)."""
+    width = tile_width(c[0])
+    for i0 in range(0, rows, TILE_ROWS):
+        for j0 in range(0, cols, width):
+            madd_tile(a, b, c, i0, j0, depth, np.bool_(False))   # a run-time bool: no literal version
+
+
+@njit(**HELPER_JIT)
+def dot_f64(x, y):
+    """sum_j x[j] y[j] in float64 (lanes-wide partial sums, then across lanes); x, y: float64, a whole
+    number of vectors long (zero padded)."""
+    acc = vzeros(x)
+    for j in range(0, x.shape[0], lanes(x)):
+        acc = vmadd(acc, vload(x, j), vload(y, j))
+    return vsum(acc)
+
+
+@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
+def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
+    """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
+    pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half) or (2p, 2p + 1)),
+    y_j = x_j from rotary_dim on."""
+    if interleaved:
+        for p in range(first, half):
+            c, s = cos_row[p], sin_row[p]
+            xa, xb = x[2 * p], x[2 * p + 1]
+            y[2 * p] = xa * c - xb * s
+            y[2 * p + 1] = xb * c + xa * s
+    else:
+        for p in range(first, half):
+            c, s = cos_row[p], sin_row[p]
+            xa, xb = x[p], x[p + half]
+            y[p] = xa * c - xb * s
+            y[p + half] = xb * c + xa * s
+    for j in range(rotary_dim, m):
+        y[j] = x[j]
+
+
+#: rows the linear-attention row loops fetch ahead of use. One head's rows are H*d elements apart, a
+#: stride the hardware prefetcher does not follow, and a row's work leaves no room in the reorder
+#: buffer for the next row's loads: without it each row waited out a memory latency.
+PREFETCH_ROWS = 4
+
+
+def prefetch_row(x, g, b, t, h, length, write):
+    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x), for writing if ``write``;
+    a hint, never a fault (nothing in pure Python). A separate compiled function per array type."""
+
+
+@overload(prefetch_row, jit_options=OVERLOAD_JIT)
+def _prefetch_row_impl(x, g, b, t, h, length, write):
+    step = 64 // (x.dtype.bitwidth // 8)          # elements per 64-byte cache line
+
+    def impl(x, g, b, t, h, length, write):
+        base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
+        span = (length - 1) * g[4] + 1              # elements from the first to the last (none if strides < 0)
+        if write:
+            for j in range(0, span, step):
+                prefetch_write(x, base + j)
+        else:
+            for j in range(0, span, step):
+                prefetch_read(x, base + j)
+    return impl
+
+
+@njit(**HELPER_JIT)
+def widen_rows(src, dest, n):
+    """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
+    m = src.shape[1]
+    for i in range(n):
+        src_row, dest_row = src[i], dest[i]
+        for j in range(m):
+            dest_row[j] = src_row[j]
+
+
+@njit(**HELPER_JIT)
+def transpose_rows(src, dest, n):
+    """dest[j, i] = src[i, j] for i < n, j < src.shape[1], in blocks of 8 rows (each dest line written
+    8 values at a time)."""
+    m = src.shape[1]
+    for i0 in range(0, n, 8):
+        end = min(i0 + 8, n)
+        for j in range(m):
+            dest_row = dest[j]
+            for i in range(i0, end):
+                dest_row[i] = src[i, j]
+
+
+@njit(**HELPER_JIT)
+def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
+                  rotated, transpose):
+    """phi(x[b, t0+i, h, :]) for i < n to plain[i, :m] (float64) and its rotation R_{p(t0+i)} phi(...) to
+    rotated[i, :m] or, with ``transpose``, to rotated[:m, i]; phi: (>= n, m) work-dtype scratch rows.
+
+    Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
+    forms; rows ahead are prefetched. g: (offset, sB, sS, sH, sD) of x.
+    """
+    m = phi.shape[1]
+    width = lanes(phi[0])
+    vector_end = m - m % width if g[4] == 1 and vfeature_covers(phi, feature_map) else 0
+    for i in range(min(n, PREFETCH_ROWS)):
+        prefetch_row(x, g, b, t0 + i, h, m, False)
+    for i in range(n):
+        if i + PREFETCH_ROWS < n:
+            prefetch_row(x, g, b, t0 + i + PREFETCH_ROWS, h, m, False)
+        base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        phi_row = phi[i]
+        for j in range(0, vector_end, width):
+            vstore(phi_row, j, vfeature(_vload_flat(x, base + j), feature_map))
+        for j in range(vector_end, m):
+            phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
+    widen_rows(phi, plain, n)
+    for i in range(n):
+        row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
+        phi_row = phi[i]
+        out_row = phi_row if transpose else rotated[i]        # in place, then transposed below
+        done = rotate_pairs_simd(phi_row, 0, out_row, 0, cos, sin, row, half, interleaved, False)
+        rotate_features(phi_row, out_row, cos[row], sin[row], done, half, rotary_dim, m, interleaved)
+    if transpose:
+        transpose_rows(phi, rotated, n)
+
+
+@njit(**HELPER_JIT)
+def load_values(x, g, b, h, t0, n, dest, dv):
+    """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
+    load_features: a row's copy is short)."""
+    ahead = 4 * PREFETCH_ROWS
+    for i in range(min(n, ahead)):
+        prefetch_row(x, g, b, t0 + i, h, dv, False)
+    for i in range(n):
+        if i + ahead < n:
+            prefetch_row(x, g, b, t0 + i + ahead, h, dv, False)
+        base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        row = dest[i]
+        if g[4] == 1:
+            x_row = x[base:base + dv]
+            for j in range(dv):
+                row[j] = load(x_row, j)
+        else:
+            for j in range(dv):
+                row[j] = load(x, base + j * g[4])
+
+
+@njit(**HELPER_JIT)
+def store_row(o, g, b, t, h, acc, dv, scale):
+    """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype."""
+    base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
+    if g[4] == 1:
+        o_row = o[base:base + dv]
+        for j in range(dv):
+            store(o_row, j, acc[j] * scale)
+    else:
+        for j in range(dv):
+            store(o, base + j * g[4], acc[j] * scale)
+
+
+@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
+def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
+    """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
+    s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied)."""
+    for r in range(m):
+        carried_row, work_row, chunk_row = carried_s[r], s_work[r], s_chunk[r]
+        if decayed:
+            for j in range(dv):
+                carried_row[j] = carried_row[j] * factor + chunk_row[j]
+                work_row[j] = carried_row[j]
+        else:
+            for j in range(dv):
+                carried_row[j] += chunk_row[j]
+                work_row[j] = carried_row[j]
+
+
+@njit(nogil=True, cache=True)
+def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
+                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
+                           normalize, cu_seqlens, first, last):
+    """Linear attention of tasks first..last-1 (task = b * Hk + hk: one batch row, one k/v head and its
+    ``groups`` q heads hk*G .. hk*G+G-1), in chunks of ``chunk`` tokens, (S, z) carried in float64; without
+    the GIL (the glue runs ranges of tasks on a few Python threads: no parfor, whose compilation took most
+    of the first-call time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o.
+
+    Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`; gamma^j =
+    powers[b, hk, j], all ones without decay and then not applied)::
+
+        z_i = gamma z_(i-1) + b_i                               (float64 recurrence over the chunk's rows)
+        for each q head:
+            P = tril(A_hat B_hat^T) * gamma^(i-j)               (row block i: only columns j < i + 4 formed)
+            N = gamma^(i+1) A_hat S + P V                       (one accumulator tile, in that order)
+            o_i = N_i / (a_i . z_i + eps)                       (float64 denominator; N_i alone without normalize)
+        S = gamma^n S + (B_hat * gamma^(n-1-j))^T V              (chunk product in the work dtype, carried in float64)
+
+    Every power has an exponent in 0..n: exact for gamma near 0 and 1. Non-causal (no decay): (S, z) over all
+    chunks first, then ``o_i = (A_hat S)_i / (a_i . z + eps)`` per q head. Buffers are padded to whole
+    register tiles with zeros (columns) so every tile is full width; no task writes a padding column, so
+    the buffers serve every task of the range. A packed batch (cu_seqlens of N + 1 offsets, else empty):
+    task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 of batch row 0, with
+    state n (sb below; sb = b unpacked).
+
+    One function, not a per-task helper: inlining a helper this size copied its IR block by block (~1.7 s
+    of the first call) and a separate helper is optimised by LLVM again in its caller's module.
+    """
+    n_heads = state_s.shape[1]
+    keep = (q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z)
+    # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
+    # incref/decref; the caller's references keep the arrays alive for the whole call
+    q, k, v, o, geo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
+    cos, sin, rows, powers = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
+    state_s, state_z, new_s, new_z = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
+    packed = cu_seqlens.shape[0] > 0
+    m = state_z.shape[2]
+    dv = state_s.shape[3]
+    work = cos.dtype
+    width = tile_width(cos[0])
+    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
+    m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
+    # every buffer 2-D from np.zeros in the work dtype or float64: two compiled versions of NumPy's
+    # allocation, where mixed shapes and dtypes had compiled eleven (~0.6 s)
+    a_plain_own = np.zeros((cp, m_f64), np.float64)
+    a_plain = borrowed(a_plain_own)
+    k_plain_own = np.zeros((cp, m_f64), np.float64)
+    k_plain = borrowed(k_plain_own)
+    z_rows_own = np.zeros((cp, m_f64), np.float64)   # z after each row of the chunk (causal)
+    z_rows = borrowed(z_rows_own)
+    a_hat_own = np.zeros((cp, m), work)
+    a_hat = borrowed(a_hat_own)
+    phi_own = np.zeros((cp, m), work)           # phi(q) or phi(k) of the chunk's rows, work dtype
+    phi = borrowed(phi_own)
+    k_hat_t_own = np.zeros((mp, cp), work)
+    k_hat_t = borrowed(k_hat_t_own)
+    values_own = np.zeros((cp, dvp), work)
+    values = borrowed(values_own)
+    scores_own = np.zeros((cp, cp), work)
+    scores = borrowed(scores_own)
+    num_own = np.zeros((cp, dvp), work)
+    num = borrowed(num_own)
+    s_chunk_own = np.zeros((mp, dvp), work)
+    s_chunk = borrowed(s_chunk_own)
+    s_work_own = np.zeros((m, dvp), work)
+    s_work = borrowed(s_work_own)
+    carried_s_own = np.zeros((m, dv), np.float64)
+    carried_s = borrowed(carried_s_own)
+    carried_z_own = np.zeros((1, m_f64), np.float64)
+    carried_z = borrowed(carried_z_own)[0]
+    pw_own = np.zeros((1, chunk + 1), np.float64)   # gamma^j, float64
+    pw = borrowed(pw_own)[0]
+    pw_work_own = np.zeros((1, chunk + 1), work)
+    pw_work = borrowed(pw_work_own)[0]
+    out_geo = geo[3]
+    # run-time bools, not literal constants: one compiled madd_tile and load_features serve every call site
+    fresh, accumulate = np.bool_(False), np.bool_(True)
+    as_rows, as_columns = np.bool_(False), np.bool_(True)
+    for task in range(first, last):
+        sb = task // n_heads
+        hk = task - sb * n_heads
+        b, t_first, length = sb, 0, seq_len
+        if packed:
+            b, t_first, length = 0, cu_seqlens[sb], cu_seqlens[sb + 1] - cu_seqlens[sb]
+        for j in range(chunk + 1):
+            pw[j] = powers[sb, hk, j] if decayed else 1.0
+            pw_work[j] = pw[j]
+        gamma = pw[1]
+        for j in range(m):
+            carried_z[j] = state_z[sb, hk, j]
+            for c in range(dv):
+                carried_s[j, c] = state_s[sb, hk, j, c]
+                s_work[j, c] = carried_s[j, c]
+        for t0 in range(0, length, chunk):
+            n = min(chunk, length - t0)
+            load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                          feature_map, phi, k_plain, k_hat_t, as_columns)
+            load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
+            for i in range(n):
+                k_row = k_plain[i]
+                if decayed:
+                    for j in range(m):
+                        carried_z[j] = carried_z[j] * gamma + k_row[j]
+                else:
+                    for j in range(m):
+                        carried_z[j] += k_row[j]
+                if causal and normalize:
+                    z_row = z_rows[i]
+                    for j in range(m):
+                        z_row[j] = carried_z[j]
+            for g in range(groups if causal else 0):
+                h = hk * groups + g
+                load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain, a_hat, as_rows)
+                for i0 in range(0, n, TILE_ROWS):
+                    end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
+                    for i in range(end, min(end + TILE_ROWS, n)):   # the next block's output rows
+                        prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
+                    for j0 in range(0, end, width):
+                        madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
+                    for i in range(i0, end):
+                        for j in range(i + 1, end):
+                            scores[i, j] = 0
+                        if decayed:
+                            for j in range(i + 1):
+                                scores[i, j] *= pw_work[i - j]
+                    for j0 in range(0, dv, width):
+                        madd_tile(a_hat, s_work, num, i0, j0, m, fresh)
+                        if decayed:
+                            for i in range(i0, end):
+                                num_row = num[i]
+                                for j in range(j0, j0 + width):
+                                    num_row[j] *= pw_work[i + 1]
+                        madd_tile(scores, values, num, i0, j0, end, accumulate)
+                    for i in range(i0, end):
+                        scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
+                        store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+            if decayed:
+                for r in range(m):
+                    kt_row = k_hat_t[r]
+                    for j in range(n):
+                        kt_row[j] *= pw_work[n - 1 - j]
+            matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
+            add_state(carried_s, s_work, s_chunk, m, dv, pw[n], decayed)
+        for g in range(0 if causal else groups):
+            h = hk * groups + g
+            for t0 in range(0, length, chunk):
+                n = min(chunk, length - t0)
+                load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain, a_hat, as_rows)
+                matmul_tiles(a_hat, s_work, num, n, m, dv)
+                for i in range(n):
+                    if i + PREFETCH_ROWS < n:
+                        prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
+                    scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
+                    store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+        # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
+        # error message (f-strings, str, join: ~8 s of the first call's compile time)
+        for j in range(m):
+            new_z[sb, hk, j] = carried_z[j]
+            for c in range(dv):
+                new_s[sb, hk, j, c] = carried_s[j, c]
+    keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
+                s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own, keep))
+
+
+@njit(**HELPER_JIT)
+def step_state_update(old, new, b_hat, v_row, a_hat, acc, gamma, decayed):
+    """new = gamma old + b_hat v^T (gamma not applied without decay) and acc[g] += sum_j a_hat[g, j] new[j]
+    for an (m, dv) state, one pass over it.
+
+    Row by row, a vector of columns at a time: each row of S is read once, its update written to S' and
+    added into the (L1-resident) accumulators while in registers. Per element the scalar form's operations
+    in its order: ``new[j, c] = old[j, c] * gamma + b_j v_c`` (as ``b_j v_c + old gamma``: the same two
+    products, one add), ``acc[g, c] += a[g, j] new[j, c]`` for j ascending; the columns past the last whole
+    vector run that scalar form.
+    """
+    m, dv = old.shape
+    groups = a_hat.shape[0]
+    # meminfo-less views (the caller holds the arrays): the per-row views below cost no atomic refcounts
+    old, new, b_hat, v_row, a_hat, acc = (borrowed(old), borrowed(new), borrowed(b_hat), borrowed(v_row),
+                                          borrowed(a_hat), borrowed(acc))
+    width = lanes(v_row)
+    full = dv - dv % width
+    gv = vsplat(gamma)
+    zero = vzeros(v_row)
+    for j in range(m):
+        old_row, new_row = old[j], new[j]
+        bj = vsplat(b_hat[j])
+        if groups == 1:   # the common case as its own loop: LLVM keeps everything but the vectors out of it
+            acc_g, aj = acc[0], vsplat(a_hat[0, j])
+            if decayed:
+                for c in range(0, full, width):
+                    x = vmadd(vmadd(zero, bj, vload(v_row, c)), vload(old_row, c), gv)
+                    vstore(new_row, c, x)
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, x))
+            else:
+                for c in range(0, full, width):
+                    x = vmadd(vload(old_row, c), bj, vload(v_row, c))
+                    vstore(new_row, c, x)
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, x))
+        else:
+            for c in range(0, full, width):
+                if decayed:
+                    x = vmadd(vmadd(zero, bj, vload(v_row, c)), vload(old_row, c), gv)
+                else:
+                    x = vmadd(vload(old_row, c), bj, vload(v_row, c))
+                vstore(new_row, c, x)
+            for g in range(groups):
+                acc_g, aj = acc[g], vsplat(a_hat[g, j])
+                for c in range(0, full, width):
+                    vstore(acc_g, c, vmadd(vload(acc_g, c), aj, vload(new_row, c)))
+        bs = b_hat[j]
+        for c in range(full, dv):
+            new_row[c] = old_row[c] * gamma + bs * v_row[c] if decayed else old_row[c] + bs * v_row[c]
+        for g in range(groups):
+            aj, acc_g = a_hat[g, j], acc[g]
+            for c in range(full, dv):
+                acc_g[c] += aj * new_row[c]
+
+
+@njit(cache=True)
+def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, half, rotary_dim,
+                          interleaved, feature_map, eps, groups, powers, decayed, normalize):
+    """One token per sequence (decode), on the calling thread: per (batch, k/v head), one pass over S::
+
+        S' = gamma S + b_hat v^T,  z' = gamma z + b,  o_h = (a_hat_h . S') / (a_h . z' + eps)  (h in the group)
+
+    Row j of S is read, updated, written to S' and added into the group's outputs while it is in L1
+    (work dtype throughout, unit-stride loops LLVM vectorises; no float64 copy of the state).
+    """
+    n_batch, n_kv, m, dv = state_s.shape
+    work = cos.dtype
+    keep = (q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, powers)
+    # borrowed (meminfo-less) arguments: the per-head views and helper calls cost no atomic refcounts
+    q, k, v, o, geo, cos, sin, rows = (borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo),
+                                       borrowed(cos), borrowed(sin), borrowed(rows))
+    state_s, state_z, new_s, new_z, powers = (borrowed(state_s), borrowed(state_z), borrowed(new_s),
+                                              borrowed(new_z), borrowed(powers))
+    b_plain_own = np.zeros((1, m), np.float64)
+    b_plain = borrowed(b_plain_own)
+    b_hat_own = np.zeros((1, m), work)
+    b_hat = borrowed(b_hat_own)
+    a_plain_own = np.zeros((groups, m), np.float64)
+    a_plain = borrowed(a_plain_own)
+    a_hat_own = np.zeros((groups, m), work)
+    a_hat = borrowed(a_hat_own)
+    vals_own = np.zeros((1, dv), work)
+    vals = borrowed(vals_own)
+    acc_own = np.zeros((groups, dv), work)
+    acc = borrowed(acc_own)
+    phi_own = np.zeros((1, m), work)
+    phi = borrowed(phi_own)
+    # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
+    # the chunk kernel compiled (a literal argument would compile a version of each of its own)
+    t0, one = np.int64(0), np.int64(1)
+    as_rows = np.bool_(False)
+    for b in range(n_batch):
+        for hk in range(n_kv):
+            gamma = powers[b, hk, 1] if decayed else 1.0
+            phi[0, 0] = gamma
+            gw = phi[0, 0]                              # gamma in the work dtype
+            load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
+                          b_plain, b_hat, as_rows)
+            load_values(v, geo[2], b, hk, t0, one, vals, dv)
+            for g in range(groups):
+                load_features(q, geo[0], b, hk * groups + g, t0, one, cos, sin, rows, half, rotary_dim, interleaved,
+                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], as_rows)
+                acc_row = acc[g]
+                for c in range(dv):
+                    acc_row[c] = 0
+            step_state_update(state_s[b, hk], new_s[b, hk], b_hat[0], vals[0], a_hat, acc, gw, decayed)
+            for j in range(m):
+                new_z[b, hk, j] = state_z[b, hk, j] * gamma + b_plain[0, j] if decayed else \
+                    state_z[b, hk, j] + b_plain[0, j]
+            for g in range(groups):
+                scale = 1.0
+                if normalize:
+                    den = 0.0
+                    for j in range(m):
+                        den += a_plain[g, j] * np.float64(new_z[b, hk, j])
+                    scale = 1.0 / (den + eps)
+                store_row(o, geo[3], b, t0, hk * groups + g, acc[g], dv, scale)
+    keep_alive((b_plain_own, b_hat_own, a_plain_own, a_hat_own, vals_own, acc_own, phi_own, keep[0], keep[3],
+                keep[8], keep[10]))
