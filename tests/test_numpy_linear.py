@@ -199,7 +199,7 @@ def _assert_packed_matches_oracle(o, q, k, v, lengths, spec, *, causal, decay=No
         assert _rel_rms(o[s0:s1], np.moveaxis(ref, 1, 0)) <= tol, n
 
 
-def namespace(name):
+def _namespace(name):
     if name == "numpy":
         return np.asarray
     if name == "torch":
@@ -219,7 +219,7 @@ def test_packed_batch_is_one_pass(namespace, causal, decay, monkeypatch):
     calls = []
     real = nl._batched
     monkeypatch.setattr(nl, "_batched", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    to = namespace(namespace)
+    to = _namespace(namespace)
     spec = rotary.RopeSpec(6, base=100.0)
     o = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]),
                                 causal=causal, decay=decay, spec=spec, seq_axis=0, chunk=4, backend="numpy")
@@ -238,7 +238,7 @@ def test_a_long_sequence_among_short_ones_gets_its_own_pass(namespace, monkeypat
     calls = []
     real = nl._batched
     monkeypatch.setattr(nl, "_batched", lambda *a, **kw: calls.append(a[0].shape[:2]) or real(*a, **kw))
-    to = namespace(namespace)
+    to = _namespace(namespace)
     spec = rotary.RopeSpec(6, base=1000.0)
     o, st = rotary.linear_attention(to(q), to(k), to(v), cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]),
                                     causal=True, decay=0.9, spec=spec, seq_axis=0, chunk=16, return_state=True,

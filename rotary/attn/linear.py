@@ -17,235 +17,20 @@ primitive is ``linear_attention`` of ``rotary.backends`` (contract in ``rotary.b
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 from array_api_compat import device as xp_device
 
 from ..frontend import dispatch as _adapters
-from ..spec import tables as _tables
 from ..frontend.normalize import (canonical, canonical_axes, canonical_shape, check_float, from_canonical, namespace,
                                   next_position, normalize_positions, normalize_seq_axis, packed_positions,
                                   pick_backend, resolve_spec, start_positions, table_converter, to_numpy)
+from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
-from ..spec.validators import as_bool
-
-FEATURE_MAPS = ("elu", "relu", "identity")
-_INT64_MAX = 2**63 - 1
-
-
-class LinearAttentionState:
-    """The carried sums of linear attention after some tokens; immutable.
-
-    Attributes
-    ----------
-    S : array (..., m, dv)
-        ``sum_s gamma^(T-1-s) (R_{p_s} phi(k_s)) v_s^T``; ``...`` are k's axes other than the sequence
-        and last axes: the state is kept per k/v head (with GQA, H_kv heads, not q's H).
-    z : array (..., m) or None
-        ``sum_s gamma^(T-1-s) phi(k_s)`` (unrotated); None when ``normalize=False``.
-    next_position : int or int64 ndarray (batch,)
-        The position the next token gets when a call passes ``positions=None``.
-    spec : RopeSpec
-    feature_map : str or callable
-    decay : float64 ndarray of k's head axes (read-only), or None
-        gamma per k/v head, as broadcast by the call that made the state (None: no decay).
-    normalize : bool
-    groups : int
-        q heads per k/v head (1 without GQA).
-
-    S and z are float32 (float64 for float64 inputs; never float16), of the inputs' array type and
-    device. A state only continues calls with the same spec, feature map, decay, normalize, groups
-    and shapes (ValueError).
-    """
-
-    __slots__ = ("S", "z", "next_position", "spec", "feature_map", "decay", "normalize", "groups", "_step")
-
-    def __init__(self, S, z, next_position, *, spec, feature_map="elu", decay=None, normalize=True, groups=1):
-        if not isinstance(spec, RopeSpec):
-            raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
-        if not isinstance(normalize, (bool, np.bool_)):
-            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-        if isinstance(groups, (bool, np.bool_)) or not isinstance(groups, numbers.Integral) or groups < 1:
-            raise ValueError(f"groups must be an integer >= 1 (q heads per k/v head), got {groups!r}")
-        _check_feature_map(feature_map)
-        for name, value in (("S", S), ("z", z)):
-            if value is not None and (isinstance(value, (list, tuple)) or not hasattr(value, "shape")
-                                      or getattr(value.dtype, "kind", "f") not in "f"):
-                raise TypeError(f"state {name} must be a real floating array (NumPy, CuPy, torch, ...), got "
-                                f"{type(value).__name__}{' of dtype ' + str(value.dtype) if hasattr(value, 'dtype') else ''}")
-        if len(S.shape) < 2:
-            raise ValueError(f"state S must be (..., m, dv), got S {tuple(S.shape)}")
-        if z is None:
-            if normalize:
-                raise ValueError("state z is None, which only a normalize=False state may be")
-        elif tuple(z.shape) != tuple(S.shape[:-1]):
-            raise ValueError(f"state S must be (..., m, dv) and z (..., m); got S {tuple(S.shape)}, z {tuple(z.shape)}")
-        if decay is not None:
-            decay = np.array(decay, dtype=np.float64, copy=True)
-            if decay.shape != tuple(S.shape[:-2]) or not np.all((decay > 0) & (decay <= 1)):
-                raise ValueError(f"state decay must be None or values in (0, 1] of shape {tuple(S.shape[:-2])}, "
-                                 f"got {decay!r}")
-            decay.setflags(write=False)
-        if S.shape[-2] != spec.head_dim:
-            raise ValueError(f"state S has feature dim {S.shape[-2]}, spec.head_dim is {spec.head_dim}")
-        if isinstance(next_position, (bool, np.bool_)):
-            raise TypeError("next_position must be an int or an integer array, got a bool")
-        if isinstance(next_position, numbers.Integral):
-            next_position = int(next_position)
-        else:
-            next_position = np.array(next_position, copy=True)
-            if next_position.dtype.kind not in "iu" or next_position.ndim != 1:
-                raise TypeError(f"next_position must be an int or a 1-D integer array, got {next_position!r}")
-            next_position = next_position.astype(np.int64)
-            next_position.setflags(write=False)
-        for name, value in (("S", S), ("z", z), ("next_position", next_position), ("spec", spec),
-                            ("feature_map", feature_map), ("decay", decay), ("normalize", bool(normalize)),
-                            ("groups", int(groups)), ("_step", None)):
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def _trusted(cls, S, z, next_position, spec, feature_map, decay, normalize, groups, step=None):
-        """A state from fields the frontend has already checked (decay read-only float64 or None,
-        next_position an int or a read-only int64 array): no validation, for the per-token decode path.
-        ``step``: the prepared decode step (:class:`_DecodeStep`) the next call may reuse."""
-        self = object.__new__(cls)
-        for name, value in (("S", S), ("z", z), ("next_position", next_position), ("spec", spec),
-                            ("feature_map", feature_map), ("decay", decay), ("normalize", normalize),
-                            ("groups", groups), ("_step", step)):
-            object.__setattr__(self, name, value)
-        return self
-
-    def __setattr__(self, name, value):
-        raise AttributeError("LinearAttentionState is immutable")
-
-    def __reduce__(self):
-        return (_rebuild_state, (self.S, self.z, self.next_position, self.spec, self.feature_map, self.decay,
-                                 self.normalize, self.groups))
-
-    def __repr__(self):
-        z = None if self.z is None else tuple(self.z.shape)
-        return (f"LinearAttentionState(S{tuple(self.S.shape)} {self.S.dtype}, z={z}, "
-                f"next_position={self.next_position!r}, spec={self.spec!r}, feature_map={self.feature_map!r}, "
-                f"decay={self.decay!r}, normalize={self.normalize}, groups={self.groups})")
+from .linear_args import check_decay, check_scalars, check_shapes
+from .linear_decode import decode_step
+from .linear_state import FEATURE_MAPS, LinearAttentionState, check_feature_map, check_state  # noqa: F401  (FEATURE_MAPS: the names linear_attention takes)
 
 
-def _rebuild_state(S, z, next_position, spec, feature_map, decay=None, normalize=True, groups=1):
-    return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map, decay=decay,
-                                normalize=normalize, groups=groups)
-
-
-# -- validation --------------------------------------------------------------------------------
-def _check_feature_map(feature_map):
-    if callable(feature_map):
-        return
-    if not isinstance(feature_map, str) or feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {FEATURE_MAPS} or a callable, got {feature_map!r}")
-
-
-def _plain_scalars(causal, eps, chunk, return_state, normalize) -> bool:
-    """The common, valid case of the scalar arguments, in a few type checks (a decode step runs this per token)."""
-    return (type(causal) is bool and type(return_state) is bool and type(normalize) is bool and type(eps) is float
-            and 0 <= eps < math.inf and type(chunk) is int and chunk >= 1)
-
-
-def _check_scalars(causal, eps, chunk, return_state, normalize):
-    if _plain_scalars(causal, eps, chunk, return_state, normalize):
-        return
-    for name, value in (("causal", causal), ("return_state", return_state), ("normalize", normalize)):
-        as_bool(value, name)
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, numbers.Integral):
-        raise TypeError(f"chunk must be an integer, got {type(chunk).__name__}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-
-
-def _check_shapes(q, k, v, ax):
-    """The GQA axis of q (None without GQA) and the group size G = q heads per k/v head.
-
-    k and v have q's shape (v with its own last dim) except, with GQA, in one axis other than the
-    batch (first), sequence and last axes, where q's size is a multiple of theirs.
-    """
-    if k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
-    if k.shape[ax] != q.shape[ax] or v.shape[ax] != q.shape[ax]:
-        raise ValueError(f"q, k, v must have the same sequence length (axis {ax}), got "
-                         f"{q.shape[ax]}, {k.shape[ax]}, {v.shape[ax]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k's last dim ({k.shape[-1]}) must equal q's ({q.shape[-1]})")
-    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        raise ValueError(f"v of shape {tuple(v.shape)} must match k {tuple(k.shape)} except in the last axis")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    differ = [i for i in range(q.ndim - 1) if q.shape[i] != k.shape[i]]
-    if not differ:
-        return None, 1
-    gax = differ[0]
-    if len(differ) > 1 or gax == 0 or k.shape[gax] == 0 or q.shape[gax] % k.shape[gax]:
-        raise ValueError(f"k of shape {tuple(k.shape)} must have q's shape {tuple(q.shape)}, or (GQA) differ in "
-                         f"one head axis (not the first, batch axis) where q's size is a multiple of k's")
-    return gax, q.shape[gax] // k.shape[gax]
-
-
-def _check_decay(decay, k_heads, causal):
-    """decay as a float64 array of k's head axes ``k_heads`` (None: no decay)."""
-    if decay is None:
-        return None
-    if isinstance(decay, (bool, np.bool_)):
-        raise TypeError("decay must be None, a number or an array of numbers in (0, 1], got a bool")
-    try:
-        d = np.asarray(to_numpy(decay, "decay"))
-    except Exception:
-        raise TypeError(f"decay must be None, a number or an array of numbers in (0, 1], got "
-                        f"{type(decay).__name__}") from None
-    if d.dtype.kind not in "iuf":
-        raise TypeError(f"decay must be real numbers in (0, 1], got dtype {d.dtype}")
-    d = d.astype(np.float64)
-    if d.ndim > len(k_heads) or any(n not in (1, h) for n, h in zip(d.shape[::-1], k_heads[::-1])):
-        raise ValueError(f"decay of shape {d.shape} must be a scalar or one value per k/v head: a shape that "
-                         f"broadcasts to k's axes other than the sequence and last axes {tuple(k_heads)}")
-    if not np.all((d > 0) & (d <= 1)):
-        bad = d[~((d > 0) & (d <= 1))]
-        raise ValueError(f"decay must be in (0, 1] (gamma of S_t = gamma S_(t-1) + ...), got {bad.ravel()[:4]}")
-    full = np.array(np.broadcast_to(d, k_heads), dtype=np.float64)
-    if not causal and np.any(full != 1):
-        raise ValueError("decay < 1 needs causal=True: a decayed state has a direction (gamma^(t-s), s <= t); "
-                         "bidirectional retention (gamma^|t-s|) is two causal calls, see docs/linear_attention.md")
-    full.setflags(write=False)
-    return full
-
-
-def _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups):
-    if not isinstance(state, LinearAttentionState):
-        raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
-    if not (type(q) is type(state.S) is np.ndarray and (state.z is None or type(state.z) is np.ndarray)):
-        namespace([q, state.S] + ([state.z] if state.z is not None else []), ["q", "state.S", "state.z"][:2 + (
-            state.z is not None)])
-    expected = (*kv_other, m, dv)
-    if tuple(state.S.shape) != expected:
-        raise ValueError(f"state belongs to inputs with S of shape {tuple(state.S.shape)}; this call needs "
-                         f"{expected} (k's axes other than seq and last, then m, dv)")
-    if state.spec is not spec and state.spec != spec:
-        raise ValueError(f"state was made with {state.spec!r}, this call uses {spec!r}")
-    if state.feature_map is not feature_map and state.feature_map != feature_map:
-        raise ValueError(f"state was made with feature_map={state.feature_map!r}, this call uses {feature_map!r}")
-    same_decay = (state.decay is None and decay is None) or (
-        state.decay is not None and decay is not None and np.array_equal(state.decay, decay))
-    if not same_decay:
-        raise ValueError(f"state was made with decay={state.decay!r}, this call uses decay={decay!r}")
-    if state.normalize != normalize:
-        raise ValueError(f"state was made with normalize={state.normalize}, this call uses normalize={normalize}")
-    if state.groups != groups:
-        raise ValueError(f"state was made with {state.groups} q heads per k/v head (GQA groups), this call has "
-                         f"{groups}")
-
-
-# -- helpers -----------------------------------------------------------------------------------
 # -- public ------------------------------------------------------------------------------------
 def _gqa_permutation(ndim, ax, gax):
     """Axis order that makes the GQA axis the innermost canonical head axis (None: already is)."""
@@ -332,7 +117,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     """
     if (state is not None and positions is None and spec is None and decay is None and cu_seqlens is None
             and seqlen_offsets is None and not spec_kwargs):
-        result = _decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state,
+        result = decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state,
                               backend)
         if result is not None:
             return result
@@ -340,7 +125,7 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
-    gax, groups = _check_shapes(q, k, v, ax)
+    gax, groups = check_shapes(q, k, v, ax)
     if cu_seqlens is not None or seqlen_offsets is not None:
         return _packed(xp, q, k, v, positions, ax, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
                        state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
@@ -351,97 +136,17 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
                              decay=decay, normalize=normalize, spec_kwargs=spec_kwargs)
 
 
-_DECODE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-class _DecodeStep:
-    """What a one-token decode step continuing a state needs besides its arrays, checked once: the shapes,
-    dtype and call options it was checked for, the backend module, and the cos/sin table rows
-    ``base .. end - 1`` (positions) it reads. A state made by the step carries it to the next call."""
-
-    __slots__ = ("shapes", "dtype", "backend", "feature_map", "normalize", "module", "cos", "sin", "base", "end")
-
-    def takes(self, q, k, v, feature_map, normalize, backend, pos):
-        return (q.shape == self.shapes[0] and k.shape == self.shapes[1] and v.shape == self.shapes[2]
-                and q.dtype == self.dtype and k.dtype == self.dtype and v.dtype == self.dtype
-                and feature_map == self.feature_map and normalize is self.normalize and backend == self.backend
-                and self.base <= pos < self.end)
-
-
-def _decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state, backend):
-    """The one-token decode step, (B, 1, H, d) NumPy arrays continuing a 1-D ``state`` at its next position,
-    straight to the backend: the general path's result bit for bit, without its per-call checks (every
-    field below is compared with what the state was made for; after the first step the comparisons are
-    those of the :class:`_DecodeStep` the state carries). None: not that case (the general path takes the
-    call and does the full checks)."""
-    if type(state) is not LinearAttentionState or type(q) is not np.ndarray or type(k) is not np.ndarray \
-            or type(v) is not np.ndarray or type(seq_axis) is not int or seq_axis not in (1, -3) or q.ndim != 4:
-        return None
-    if causal is not True or not _plain_scalars(causal, eps, chunk, return_state, normalize):
-        return None
-    pos = state.next_position
-    step = state._step
-    if step is None or type(pos) is not int or not step.takes(q, k, v, feature_map, normalize, backend, pos):
-        step = _prepare_decode_step(q, k, v, state, feature_map, normalize, backend)
-        if step is None:
-            return None
-    S, z = state.S, state.z
-    rows = np.array([[pos - step.base]], dtype=np.int64)
-    o, (S_new, z_new) = step.module.linear_attention(
-        q, k, v, step.cos, step.sin, rows, rotary_dim=state.spec.rotary_dim, layout=state.spec.layout, causal=True,
-        feature_map=feature_map, eps=eps, chunk=chunk, state=(S, z), decay=None, normalize=normalize)
-    if o.dtype != step.dtype:
-        o = o.astype(step.dtype)
-    if not return_state:
-        return o
-    return o, LinearAttentionState._trusted(S_new, z_new if normalize else None, pos + 1, state.spec, feature_map,
-                                            None, normalize, state.groups, step)
-
-
-def _prepare_decode_step(q, k, v, state, feature_map, normalize, backend):
-    """The checks of a decode step (see :func:`_decode_step`) and its :class:`_DecodeStep`, or None."""
-    dtype = q.dtype
-    if dtype not in _DECODE_DTYPES or k.dtype != dtype or v.dtype != dtype or k.ndim != 4 or v.ndim != 4:
-        return None
-    B, S1, H, m = q.shape
-    Hk, dv = k.shape[2], v.shape[3]
-    if S1 != 1 or k.shape != (B, 1, Hk, m) or v.shape[:3] != (B, 1, Hk) or Hk == 0 or H % Hk or dv == 0 or B == 0:
-        return None
-    spec, pos, S, z = state.spec, state.next_position, state.S, state.z
-    if (spec.multi_axis or spec.rotary_offset or spec.depends_on_seq_len or spec.float_positions
-            or spec.head_dim != m or state.decay is not None or state.groups != H // Hk
-            or type(pos) is not int or not 0 <= pos < _INT64_MAX):
-        return None
-    if type(feature_map) is not str or feature_map != state.feature_map or normalize != state.normalize:
-        return None
-    if type(S) is not np.ndarray or S.shape != (B, Hk, m, dv) or S.dtype != dtype:
-        return None
-    if normalize and (type(z) is not np.ndarray or z.shape != (B, Hk, m) or z.dtype != dtype):
-        return None
-    module = pick_backend([q, k, v], backend, capability=None) if type(backend) is str else None
-    if module is None or not hasattr(module, "linear_attention") or hasattr(module, "table_converter"):
-        return None
-    cos, sin, rows = _tables.lookup(spec, np.array([[pos]], dtype=np.int64), dtype=dtype, device_key="numpy")
-    step = _DecodeStep()
-    step.shapes, step.dtype, step.backend, step.module = (q.shape, k.shape, v.shape), dtype, backend, module
-    step.feature_map, step.normalize = state.feature_map, state.normalize   # the state's own objects
-    step.cos, step.sin = cos, sin
-    step.base = pos - int(rows[0, 0])   # row r of the table holds position base + r
-    step.end = step.base + cos.shape[0]
-    return step
-
-
 def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, feature_map, eps, spec, state, return_state,
                       backend, chunk, decay, normalize, spec_kwargs, varlen=None):
     """The body of :func:`linear_attention` after the array checks. ``varlen = (cu_seqlens, next_positions)``:
     a ragged packed batch of N sequences in one backend call: q, k, v are (1, T, ...) (ax = 1), positions
     per token (1, T, ...), state and decay per sequence (N, ...), cu_seqlens int64 (N + 1,)."""
-    _check_scalars(causal, eps, chunk, return_state, normalize)
-    _check_feature_map(feature_map)
+    check_scalars(causal, eps, chunk, return_state, normalize)
+    check_feature_map(feature_map)
     kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
     if varlen is not None:
         kv_other = (int(varlen[0].shape[0]) - 1,) + kv_other[1:]   # the state's batch: one per sequence
-    decay = _check_decay(decay, kv_other, causal)
+    decay = check_decay(decay, kv_other, causal)
 
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
     if callable(feature_map):
@@ -466,7 +171,7 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         spec = state.spec
     spec = resolve_spec(spec, spec_kwargs, m, "phi(q)" if callable(feature_map) else "q")
     if state is not None:
-        _check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups)
+        check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups)
         if positions is None:
             positions = start_positions(state, lead_shape, seq_len)
 
@@ -581,7 +286,7 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
     """
     if cu_seqlens is None:
         raise ValueError("seqlen_offsets needs cu_seqlens (one offset per packed sequence)")
-    _check_scalars(causal, eps, chunk, return_state, normalize)
+    check_scalars(causal, eps, chunk, return_state, normalize)
     if state is not None and not isinstance(state, LinearAttentionState):
         raise TypeError(f"state must be a rotary.LinearAttentionState or None, got {type(state).__name__}")
     if state is not None and spec is None and not spec_kwargs:
@@ -604,7 +309,7 @@ def _packed(xp, q, k, v, positions, ax, *, causal, feature_map, eps, spec, state
     N = packed.n_seqs
     rest_q, rest_k, rest_v = tuple(q.shape[ax + 1:]), tuple(k.shape[ax + 1:]), tuple(v.shape[ax + 1:])
     heads_k = (N,) + tuple(k.shape[ax + 1:-1])
-    decay_full = _check_decay(decay, heads_k, causal)
+    decay_full = check_decay(decay, heads_k, causal)
     kw = dict(causal=causal, feature_map=feature_map, eps=eps, spec=spec, seq_axis=1, backend=backend, chunk=chunk,
               normalize=normalize, return_state=True, **spec_kwargs)
     lengths = packed.lengths
@@ -658,7 +363,7 @@ def _ragged(xp, q, k, v, positions, ax, packed, *, causal, feature_map, eps, spe
     its offset)."""
     T = int(q.shape[ax])
     q1, k1, v1 = (xp.reshape(a, (1, T) + tuple(a.shape[ax + 1:])) for a in (q, k, v))
-    gax, groups = _check_shapes(q1, k1, v1, 1)
+    gax, groups = check_shapes(q1, k1, v1, 1)
     cu = np.ascontiguousarray(packed.cu_seqlens, dtype=np.int64)
     nxt = np.array(packed.offsets, dtype=np.int64).reshape(-1)
     for n in range(packed.n_seqs):
