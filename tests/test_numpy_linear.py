@@ -1,9 +1,9 @@
-"""The NumPy backend's chunkwise-parallel linear attention (rotary/backends/_numpy_linear.py).
+"""The NumPy backend's chunkwise-parallel linear attention (rotary/backends/numpy_linear.py).
 
 Groups of chunks for all (batch, head) at once, chunk states as an exclusive prefix sum on top of a float64
 carry. Checked against the quadratic float64 oracle ``rotary.testing.linear_attention_quadratic`` with small
 group caps so that sequences span several groups, partial last chunks and group edges. Packed batches
-(``cu_seqlens``): padded batches of sequences (``_padded_batch``), one batched call for a small ragged
+(``cu_seqlens``): padded batches of sequences (``padded_batch``), one batched call for a small ragged
 batch, a long sequence in a batch of its own, cache-sized blocks, the bucket plan's invariants.
 """
 

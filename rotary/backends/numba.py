@@ -1,4 +1,4 @@
-"""Numba CPU backend: compiled loops, one parallel pass over q and k (see ``_numba_kernels``).
+"""Numba CPU backend: compiled loops, one parallel pass over q and k (see ``numba_kernels``).
 
 The glue here turns each canonical view into a flat buffer with int64 element offset and strides
 (no copy of a strided input; ``out is x`` works in place), picks the parallel or the serial kernel

@@ -127,7 +127,7 @@ _ZERO_FEATURE_INPUT = {"elu": -float("inf"), "relu": 0.0, "identity": 0.0}
 
 
 def _packed_sequences(q, k, v, cos, sin, rows, cu_seqlens, state, decay, kw):
-    """A packed batch as padded (nb, W, ...) batches (``_padded_batch``), the per-sequence states and decay
+    """A packed batch as padded (nb, W, ...) batches (``padded_batch``), the per-sequence states and decay
     rows as their batch, one ``_batched`` call each; outputs back in packed order, states stacked (N, ...).
 
     torch, JAX, array-api-strict arrays: one padded batch of all sequences. NumPy arrays: the sequences

@@ -225,6 +225,14 @@ def _prefetch_row_impl(x, g, b, t, h, length, write):
     return impl
 
 
+@njit(inline="always", **HELPER_JIT)   # a few instructions in the row loops: inlined, no compile of its own
+def prefetch_ahead(x, g, b, t0, i, n, h, length, ahead):
+    """In a row loop ``for i in range(-ahead, n)``: prefetch row t0 + i + ahead of x when it is one of the
+    n rows (the first ``ahead`` iterations, i < 0, only prefetch)."""
+    if 0 <= i + ahead < n:
+        prefetch_row(x, g, b, t0 + i + ahead, h, length, False)
+
+
 @njit(**HELPER_JIT)
 def widen_rows(src, dest, n):
     """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
@@ -260,11 +268,10 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
     m = phi.shape[1]
     width = lanes(phi[0])
     vector_end = m - m % width if g[4] == 1 and vfeature_covers(phi, feature_map) else 0
-    for i in range(min(n, PREFETCH_ROWS)):
-        prefetch_row(x, g, b, t0 + i, h, m, False)
-    for i in range(n):
-        if i + PREFETCH_ROWS < n:
-            prefetch_row(x, g, b, t0 + i + PREFETCH_ROWS, h, m, False)
+    for i in range(-PREFETCH_ROWS, n):
+        prefetch_ahead(x, g, b, t0, i, n, h, m, PREFETCH_ROWS)
+        if i < 0:
+            continue
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         phi_row = phi[i]
         for j in range(0, vector_end, width):
@@ -287,11 +294,10 @@ def load_values(x, g, b, h, t0, n, dest, dv):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
     load_features: a row's copy is short)."""
     ahead = 4 * PREFETCH_ROWS
-    for i in range(min(n, ahead)):
-        prefetch_row(x, g, b, t0 + i, h, dv, False)
-    for i in range(n):
-        if i + ahead < n:
-            prefetch_row(x, g, b, t0 + i + ahead, h, dv, False)
+    for i in range(-ahead, n):
+        prefetch_ahead(x, g, b, t0, i, n, h, dv, ahead)
+        if i < 0:
+            continue
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         row = dest[i]
         if g[4] == 1:

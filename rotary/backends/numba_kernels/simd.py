@@ -1,4 +1,4 @@
-"""SIMD building blocks of the Numba kernels (imported by ``_numba_kernels`` only).
+"""SIMD building blocks of the Numba kernels (imported by the kernel modules of this package only).
 
 :class:`Vec` is an LLVM vector of one register (``VECTOR_BYTES``: 64 with AVX-512, 32 with AVX,
 else 16) of float32 or float64, with loads/stores from contiguous rows (:func:`vload`,
@@ -21,7 +21,7 @@ from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, models, overload, register_model, type_callable
 
 
-#: jit options of an @overload implementation here and in ``_numba_kernels``: no C-callable wrapper (an
+#: jit options of an @overload implementation here and in the kernel modules: no C-callable wrapper (an
 #: overload has no Python one already). A wrapper is more code for LLVM to optimise and generate, with the
 #: function, in every caller's module; together ~1.7 s of linear attention's first call.
 OVERLOAD_JIT = {"no_cfunc_wrapper": True}
