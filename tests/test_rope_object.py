@@ -266,3 +266,85 @@ def test_rope_numba_positions_checked_by_the_kernel(dtype, rng):
         with pytest.raises(got.type) as want:
             rotary.apply_qk(q2, k2, pos, spec=spec, seq_axis=1, backend="numba")
         assert str(got.value) == str(want.value)
+
+
+def _count_general_calls(monkeypatch):
+    """A list that gets one entry per call of the general path (rotate_arrays) made by Rope."""
+    import rotary.frontend.rope as rope_module
+
+    calls, general = [], rope_module.rotate_arrays
+    monkeypatch.setattr(rope_module, "rotate_arrays", lambda *a, **kw: calls.append(1) or general(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("spec", [SPEC, OFFSET_SPEC], ids=["plain", "offset"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_rope_separate_out_buffers_take_the_prepared_path(spec, dtype, rng, monkeypatch):
+    """out=(q_out, k_out) with separate preallocated buffers (a flash-attn user's habit): after the first
+    call, every call takes the prepared path, writes into the buffers and returns them, equal to the
+    float64 oracle and to apply_qk bit for bit; the inputs are not modified."""
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype)
+    q, k = _qk(rng, dtype, B=4, S=1, Hq=8, Hk=2, D=spec.head_dim)
+    q0, k0 = q.copy(), k.copy()
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    calls = _count_general_calls(monkeypatch)
+    for step in range(4):
+        pos = rng.integers(0, 3000, size=(4, 1))   # past the first table on some steps: it grows
+        got = rope(q, k, pos, seq_axis=1, out=(q_out, k_out))
+        assert got[0] is q_out and got[1] is k_out
+        want = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")
+        np.testing.assert_array_equal(q_out, want[0])
+        np.testing.assert_array_equal(k_out, want[1])
+        for x, y in ((q, q_out), (k, k_out)):
+            oracle = np.swapaxes(testing.rope_2x2(np.swapaxes(x[..., spec.rotary_offset:], 1, 2), pos[:, None, :],
+                                                  spec.inv_freq(), layout=spec.layout), 1, 2)
+            testing.assert_close(y[..., spec.rotary_offset:], oracle, like=x)
+            np.testing.assert_array_equal(y[..., :spec.rotary_offset], x[..., :spec.rotary_offset])
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+    assert len(calls) == 1, f"the general path ran {len(calls)} times (only the first call should)"
+
+
+def test_rope_separate_out_buffers_keep_the_overlap_rules(rng, monkeypatch):
+    """Buffers that alias an input or each other, or that the prepared path cannot write, are refused with
+    the general path's errors after a geometry was prepared (no silent fast path)."""
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    rope = rotary.Rope(SPEC, backend="numba", dtype=np.float32)
+    q, k = _qk(rng, np.float32, B=4, S=1, Hq=2, Hk=2)
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    rope(q, k, 5, seq_axis=1, out=(q_out, k_out))   # prepares the geometry
+    with pytest.raises(ValueError, match="overlaps"):
+        rope(q, k, 5, seq_axis=1, out=(k, q))            # each out is the other input
+    with pytest.raises(ValueError, match="overlap"):
+        rope(q, k, 5, seq_axis=1, out=(q_out, q_out))    # one buffer for both
+    both = np.empty((2,) + q.shape, np.float32)
+    rope(q, k, 5, seq_axis=1, out=(both[0], both[1]))    # disjoint views of one buffer are fine
+    want = rotary.apply_qk(q, k, 5, spec=SPEC, seq_axis=1)
+    np.testing.assert_array_equal(both[0], want[0])
+    np.testing.assert_array_equal(both[1], want[1])
+    with pytest.raises(ValueError, match="dtype"):
+        rope(q, k, 5, seq_axis=1, out=(q_out.astype(np.float64), k_out))
+    read_only = np.empty_like(q)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        rope(q, k, 5, seq_axis=1, out=(read_only, k_out))
+    strided = np.empty(q.shape[:-1] + (2 * q.shape[-1],), np.float32)[..., ::2]   # not contiguous: general path
+    got = rope(q, k, 5, seq_axis=1, out=(strided, k_out))
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_rope_separate_out_buffers_through_the_cuda_host_shim(kernels, rng):  # noqa: F811
+    """The CuPy prepared launch with separate out buffers (host shim): equal to the oracle, into the buffers."""
+    rope, q, k, hooks = _shim_rope(kernels, rng)
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    for step in range(3):
+        pos = rng.integers(0, 3000, size=(5, 1))
+        got = rope(q, k, pos, seq_axis=1, out=(q_out, k_out))
+        assert got[0] is q_out and got[1] is k_out
+        testing.assert_close(q_out, np.swapaxes(testing.rope_2x2(np.swapaxes(q, 1, 2), pos[:, None, :],
+                                                                 SPEC.inv_freq()), 1, 2), like=q)
+        testing.assert_close(k_out, np.swapaxes(testing.rope_2x2(np.swapaxes(k, 1, 2), pos[:, None, :],
+                                                                 SPEC.inv_freq()), 1, 2), like=k)

@@ -34,7 +34,7 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     A rotation prepared for one geometry (``rotary.Rope``'s decode path): ``views`` are canonical views
     of the inputs from ``offset`` on, ``out_views`` those of outputs like the ones a call makes (the view
     itself: in place). ``prepared.run(xs, outs, rows, start, table)`` rotates C-contiguous ``xs`` into
-    new arrays (``outs[i] is None``) or in place (``outs[i] is xs[i]``), token (b, s) at position
+    new arrays (``outs[i] is None``), into separate C-contiguous outs, or in place (``outs[i] is xs[i]``), token (b, s) at position
     ``rows[b or 0, s] + start``, with ``table = (base, end, cos, sin, on_device)`` holding positions
     ``base .. end-1`` in rows 0.. (``on_device(to_device)`` gives the cos/sin on a device, cached). It
     returns the outputs; :data:`OUTSIDE_TABLE` when a position falls outside the table and nothing was

@@ -525,7 +525,7 @@ class PreparedRotation:
         address, offset = self.address, self.offset
         arrays, results = [], []
         for x, o in zip(xs, outs):
-            y = x if o is not None else self.empty(x.shape, x.dtype)
+            y = o if o is not None else self.empty(x.shape, x.dtype)
             results.append(y)
             if offset:   # the kernel's pointers start at the offset (strides come from the plan)
                 if y is not x:

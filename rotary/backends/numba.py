@@ -211,12 +211,12 @@ class PreparedRotation:
         self.offset, self.f16 = offset, f16
 
     def run(self, xs, outs, rows, start, table):
-        """Rotate ``xs`` (C-contiguous, this geometry) into new arrays or in place (``outs[i] is xs[i]``);
+        """Rotate ``xs`` (C-contiguous, this geometry) into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``);
         token (b, s) at position ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``."""
         bufs, results = [], []
         offset = self.offset
         for x, o in zip(xs, outs):
-            y = x if o is not None else np.empty(x.shape, x.dtype)
+            y = o if o is not None else np.empty(x.shape, x.dtype)
             xb, yb = x.reshape(-1), y.reshape(-1)
             if self.f16:
                 xb, yb = xb.view(np.uint16), yb.view(np.uint16)

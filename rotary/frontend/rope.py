@@ -19,12 +19,14 @@ On CuPy, device (CuPy) int64 positions are used as table rows without a host rou
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from .. import backends as _backends
 from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
-from .normalize import canonical_view, packed_positions, pick_backend, prepared_rows
+from .normalize import canonical_view, overlaps, packed_positions, pick_backend, prepared_rows
 from .rotate import rotate_arrays
 
 _FLOAT_DTYPES = ("float16", "float32", "float64")
@@ -71,6 +73,7 @@ class Rope:
         self._rotary_dim = spec.rotary_dim
         self._plans: dict = {}
         self._table = None   # a _HeldTable: host rows 0.. hold positions base..end-1
+        self._apart = None   # weak references to the arrays of the last call whose outs were checked apart
         if max_positions is not None and self._fast_ok:
             self._grow(0, int(max_positions) - 1)
 
@@ -128,17 +131,42 @@ class Rope:
                 return None
             if not x.flags.c_contiguous:
                 return None
-            if o is None:
-                key.append((t, x.shape, 0))
-            elif o is x:
+            if o is x:
                 key.append((t, x.shape, 1))
+            elif o is None or _fresh_like(o, x):   # a separate out= buffer: the geometry of a new output
+                key.append((t, x.shape, 0))
             else:
-                return None   # a separate out buffer: the general path checks overlaps
+                return None   # the general path says what is wrong with it
         if len(xs) == 2 and (outs[0] is None) != (outs[1] is None):
             return None
         if type(seq_axis) is not int or type(inverse) is not bool:
             return None
+        if not self._outs_apart(xs, outs):
+            return None
         return tuple(key)
+
+    def _outs_apart(self, xs, outs) -> bool:
+        """True when every separate out shares no memory with an input or another out. The arrays of the
+        last call that passed are remembered (weakly): a decode loop that passes the same buffers every
+        step checks them once (the memory of a live NumPy/CuPy array never moves)."""
+        separate = [i for i, (x, o) in enumerate(zip(xs, outs)) if o is not None and o is not x]
+        if not separate:
+            return True
+        arrays = (*xs, *outs)
+        last = self._apart
+        if last is not None and len(last) == len(arrays) and all(r() is a for r, a in zip(last, arrays)):
+            return True
+        for i in separate:
+            o = outs[i]
+            if any(a is o or overlaps(o, a) for a in xs):
+                return False
+            if any(b is not None and (b is o or overlaps(o, b)) for j, b in enumerate(outs) if j != i):
+                return False
+        try:
+            self._apart = tuple(weakref.ref(a) for a in arrays)
+        except TypeError:   # an array type without weak references: checked every call
+            self._apart = None
+        return True
 
     def _grow(self, lo, hi):
         """Hold a host table covering positions lo..hi: the shared dense table near 0, else a cached
@@ -184,10 +212,10 @@ class Rope:
             output is a transposed view, whose strides the geometry must have), from the offset on."""
             return canonical_view(empty(tuple(x.shape), x.dtype), ax)
 
-        out_views = [v if o is not None else fresh_view(x) for x, o, v in zip(xs, outs, views)]
+        out_views = [v if o is x else fresh_view(x) for x, o, v in zip(xs, outs, views)]
         if offset:   # the kernels rotate the heads from the offset on (as the frontend does)
             views, out_views = [v[..., offset:] for v in views], [v[..., offset:] for v in out_views]
-        out_views = [v if o is not None else ov for v, o, ov in zip(views, outs, out_views)]
+        out_views = [v if o is x else ov for x, v, o, ov in zip(xs, views, outs, out_views)]
         prepared = prepare(views, out_views, seq_len=x0.shape[ax], rotary_dim=self._rotary_dim,
                            layout=self.spec.layout, inverse=inverse, offset=offset, dtype=self.dtype,
                            table=self._table, **({"hooks": hooks} if hooks else {}))
@@ -223,6 +251,14 @@ class Rope:
             if result is _backends.OUTSIDE_TABLE:
                 return None
         return result
+
+
+def _fresh_like(out, x) -> bool:
+    """True when ``out`` can stand where a new output of x would: x's type, shape and dtype, C-contiguous,
+    writable (the prepared path writes it as it writes a new output)."""
+    flags = out.flags
+    return (type(out) is type(x) and out.shape == x.shape and out.dtype == x.dtype and flags.c_contiguous
+            and getattr(flags, "writeable", True))
 
 
 class _HeldTable(tuple):
