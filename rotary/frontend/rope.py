@@ -125,6 +125,7 @@ class Rope:
         """Geometry key of a call the fast path can take, else None."""
         key = [seq_axis, inverse]
         dtype = self.dtype
+        separate = False
         for x, o in zip(xs, outs):
             t = type(x)
             if x.dtype != dtype or not (t is np.ndarray or t.__module__.startswith("cupy")):
@@ -133,15 +134,18 @@ class Rope:
                 return None
             if o is x:
                 key.append((t, x.shape, 1))
-            elif o is None or _fresh_like(o, x):   # a separate out= buffer: the geometry of a new output
+            elif o is None:
                 key.append((t, x.shape, 0))
+            elif _fresh_like(o, x):   # a separate out= buffer: the geometry of a new output
+                key.append((t, x.shape, 0))
+                separate = True
             else:
                 return None   # the general path says what is wrong with it
         if len(xs) == 2 and (outs[0] is None) != (outs[1] is None):
             return None
         if type(seq_axis) is not int or type(inverse) is not bool:
             return None
-        if not self._outs_apart(xs, outs):
+        if separate and not self._outs_apart(xs, outs):
             return None
         return tuple(key)
 
@@ -150,8 +154,6 @@ class Rope:
         last call that passed are remembered (weakly): a decode loop that passes the same buffers every
         step checks them once (the memory of a live NumPy/CuPy array never moves)."""
         separate = [i for i, (x, o) in enumerate(zip(xs, outs)) if o is not None and o is not x]
-        if not separate:
-            return True
         arrays = (*xs, *outs)
         last = self._apart
         if last is not None and len(last) == len(arrays) and all(r() is a for r, a in zip(last, arrays)):
@@ -238,8 +240,7 @@ class Rope:
 
     def _run(self, plan, xs, outs, positions):
         """A call on the prepared path; None when the general path must take it."""
-        given = prepared_rows(positions, plan.seq_len, plan.lead0, plan.batch_rep, plan.default_rows,
-                              getattr(plan.prepared, "device_rows", False))
+        given = prepared_rows(positions, plan.seq_len, plan.lead0, plan.batch_rep, plan.default_rows, plan.device_rows)
         if given is None:
             return None
         rows, start = given
@@ -280,9 +281,10 @@ class _HeldTable(tuple):
 class _Plan:
     """One geometry's prepared rotation and what its positions are parsed against (see :class:`Rope`)."""
 
-    __slots__ = ("prepared", "seq_len", "lead0", "batch_rep", "default_rows")
+    __slots__ = ("prepared", "seq_len", "lead0", "batch_rep", "default_rows", "device_rows")
 
     def __init__(self, prepared, *, seq_len, lead0, batch_rep):
         self.prepared, self.seq_len, self.lead0, self.batch_rep = prepared, seq_len, lead0, batch_rep
         self.default_rows = np.arange(seq_len, dtype=np.int64).reshape(1, seq_len)
         self.default_rows.flags.writeable = False
+        self.device_rows = getattr(prepared, "device_rows", False)   # rows may be device arrays
