@@ -289,12 +289,12 @@ def test_rope_separate_out_buffers_take_the_prepared_path(spec, dtype, rng, monk
     q, k = _qk(rng, dtype, B=4, S=1, Hq=8, Hk=2, D=spec.head_dim)
     q0, k0 = q.copy(), k.copy()
     q_out, k_out = np.empty_like(q), np.empty_like(k)
+    steps = [rng.integers(0, 3000, size=(4, 1)) for _ in range(4)]   # past the first table on some: it grows
+    wants = [rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba") for pos in steps]
     calls = _count_general_calls(monkeypatch)
-    for step in range(4):
-        pos = rng.integers(0, 3000, size=(4, 1))   # past the first table on some steps: it grows
+    for pos, want in zip(steps, wants):
         got = rope(q, k, pos, seq_axis=1, out=(q_out, k_out))
         assert got[0] is q_out and got[1] is k_out
-        want = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")
         np.testing.assert_array_equal(q_out, want[0])
         np.testing.assert_array_equal(k_out, want[1])
         for x, y in ((q, q_out), (k, k_out)):
@@ -327,6 +327,8 @@ def test_rope_separate_out_buffers_keep_the_overlap_rules(rng, monkeypatch):
     np.testing.assert_array_equal(both[1], want[1])
     with pytest.raises(ValueError, match="dtype"):
         rope(q, k, 5, seq_axis=1, out=(q_out.astype(np.float64), k_out))
+    with pytest.raises(TypeError, match="out"):
+        rope(q, k, 5, seq_axis=1, out=(q_out.tolist(), k_out))   # not an array
     read_only = np.empty_like(q)
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):

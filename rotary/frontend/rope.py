@@ -257,9 +257,9 @@ class Rope:
 def _fresh_like(out, x) -> bool:
     """True when ``out`` can stand where a new output of x would: x's type, shape and dtype, C-contiguous,
     writable (the prepared path writes it as it writes a new output)."""
-    flags = out.flags
-    return (type(out) is type(x) and out.shape == x.shape and out.dtype == x.dtype and flags.c_contiguous
-            and getattr(flags, "writeable", True))
+    if type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype:
+        return False
+    return out.flags.c_contiguous and getattr(out.flags, "writeable", True)
 
 
 class _HeldTable(tuple):
