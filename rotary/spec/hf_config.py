@@ -31,6 +31,7 @@ What is read, in HF's order of precedence:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 
@@ -176,10 +177,16 @@ def _has_rope(reader: _Reader) -> bool:
 
 
 def text_reader(config) -> _Reader:
-    """The reader of the config level that holds the RoPE parameters (a multimodal config's text model)."""
+    """The reader of the config level that holds the RoPE parameters (a multimodal config's text model),
+    a config.json level rewritten as the family's HF config class reads it (:func:`as_hf_class_reads`)."""
+    return as_hf_class_reads(_text_level(config))
+
+
+def _text_level(config) -> _Reader:
     reader = _Reader(config)
     if _has_rope(reader):
         return reader
+    first = None
     for key in TEXT_CONFIG_KEYS:
         sub = reader.sub(key)
         if sub is not None:
@@ -191,6 +198,11 @@ def text_reader(config) -> _Reader:
                 if sub2 is not None and _has_rope(sub2):
                     sub2.model_type = sub2.model_type or sub.model_type
                     return sub2
+            first = first or sub
+    # no level names RoPE parameters: the text model's (a sparse Gemma 3 text_config relies on the class's
+    # defaults), else the top
+    if first is not None and reader.is_dict and reader.get("head_dim") is None and reader.get("hidden_size") is None:
+        return first
     return reader
 
 
@@ -212,6 +224,232 @@ def _family(reader: _Reader) -> str | None:
             if mt.endswith(suffix):
                 mt, stripped = mt[: -len(suffix)], True
     return mt
+
+
+# -- config.json levels read as HF's config classes read them ------------------------------------------
+# HF's config classes rewrite the RoPE fields of a config.json before any model code sees them (each
+# family's ``convert_rope_params_to_dict`` / ``__post_init__``). A dict level is read through a rewritten
+# copy (the caller's dict is never modified); a PretrainedConfig has been rewritten by HF already.
+
+def _scaling_or_params(c: dict):
+    """The key HF reads the flat RoPE dict from (``rope_scaling`` wins, as in HF) and its value, or (None, None)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(c.get(key), Mapping) and c[key]:
+            return key, dict(c[key])
+    return None, None
+
+
+def _mrope_is_default(c: dict) -> dict:
+    """Qwen2-VL / Qwen2.5-VL: ``{"type": "mrope", "mrope_section": [...]}`` is default frequencies + the section."""
+    key, params = _scaling_or_params(c)
+    if params is not None and params.get("rope_type", params.get("type")) == "mrope":
+        params.pop("type", None)
+        c[key] = {**params, "rope_type": "default"}
+    return c
+
+
+def _longrope_aliases(c: dict) -> dict:
+    """Phi-3 / Phi-4-multimodal: the first checkpoints' "su" and "yarn" are LongRoPE."""
+    key, params = _scaling_or_params(c)
+    if params is not None and params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params.pop("type", None)
+        c[key] = {**params, "rope_type": "longrope"}
+    return c
+
+
+def _pattern_types(c: dict, every, full_when, default_layers):
+    """``layer_types`` as the family's config class derives it when the config.json has none."""
+    if c.get("layer_types") is None:
+        n = c.get("num_hidden_layers", default_layers)
+        n = _integer(n, "config['num_hidden_layers']")
+        c["layer_types"] = ["full_attention" if full_when(i, every) else "sliding_attention" for i in range(n)]
+    return c
+
+
+def _local_global(c: dict, *, global_theta_key: str, local_theta_key, default_theta: dict,
+                  scaling_on_sliding: bool) -> dict:
+    """Gemma 3 / Gemma 3n / ModernBERT / OLMo 3: a config.json without ``rope_parameters`` gives
+    {"full_attention": {rope_scaling, theta = rope_theta}, "sliding_attention": {theta = the local key}}
+    (HF's ``convert_rope_params_to_dict`` of these families; rope_scaling on full layers only, ModernBERT's
+    on both)."""
+    params = c.get("rope_parameters")
+    if params is not None and not (isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())):
+        return c   # a flat rope_parameters: read as given
+    params = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (params or {
+        "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}).items()}
+    scaling = c.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        params["full_attention"] = {**(params.get("full_attention") or {"rope_type": "default"}), **scaling}
+        if scaling_on_sliding:
+            params["sliding_attention"] = {**(params.get("sliding_attention") or {"rope_type": "default"}),
+                                           **scaling}
+    full = params.get("full_attention") or {"rope_type": "default"}
+    full.setdefault("rope_theta", c.get(global_theta_key, default_theta["global"]))
+    sliding = params.get("sliding_attention") or {"rope_type": "default"}
+    local = None if local_theta_key is None else c.get(local_theta_key)
+    sliding.setdefault("rope_theta", default_theta["local"] if local is None else local)
+    params["full_attention"], params["sliding_attention"] = full, sliding
+    c = {k: v for k, v in c.items() if k not in ("rope_scaling", global_theta_key, local_theta_key)}
+    c["rope_parameters"] = params
+    return c
+
+
+def _gemma3(c: dict) -> dict:
+    c = _pattern_types(c, c.get("sliding_window_pattern", 6), lambda i, k: not (i + 1) % k, 26)
+    return _local_global(c, global_theta_key="rope_theta", local_theta_key="rope_local_base_freq",
+                         default_theta={"global": 1e6, "local": 1e4}, scaling_on_sliding=False)
+
+
+def _gemma3n(c: dict) -> dict:
+    c = _pattern_types(c, 5, lambda i, k: not (i + 1) % k, 35)
+    return _local_global(c, global_theta_key="rope_theta", local_theta_key="rope_local_base_freq",
+                         default_theta={"global": 1e6, "local": 1e4}, scaling_on_sliding=False)
+
+
+def _modernbert(c: dict) -> dict:
+    c = _pattern_types(c, c.get("global_attn_every_n_layers", 3), lambda i, k: not i % k, 22)
+    return _local_global(c, global_theta_key="global_rope_theta", local_theta_key="local_rope_theta",
+                         default_theta={"global": 160_000.0, "local": 10_000.0}, scaling_on_sliding=True)
+
+
+def _olmo3(c: dict) -> dict:
+    # HF pops rope_theta for the full layers; the sliding layers then get the class default 5e5 (HF's code)
+    c = _pattern_types(c, 4, lambda i, k: not (i + 1) % k, 32)
+    return _local_global(c, global_theta_key="rope_theta", local_theta_key=None,
+                         default_theta={"global": 500_000.0, "local": 500_000.0}, scaling_on_sliding=False)
+
+
+def _every_second(c: dict) -> dict:   # Gemma 2
+    return _pattern_types(c, 2, lambda i, k: not (i + 1) % k, 26)
+
+
+def _cohere2(c: dict) -> dict:
+    return _pattern_types(c, c.get("sliding_window_pattern", 4), lambda i, k: not (i + 1) % k, 40)
+
+
+def _gpt_neox(c: dict) -> dict:
+    """GPT-NeoX's class defaults: rotary_pct 0.25, rotary_emb_base 10000."""
+    if c.get("partial_rotary_factor") is None and c.get("rotary_pct") is None:
+        c["rotary_pct"] = 0.25
+    return c
+
+
+def _minimax_m2(c: dict) -> dict:
+    """MiniMax-M2's checkpoints give partial RoPE as ``rotary_dim``: partial_rotary_factor = rotary_dim / head_dim."""
+    if c.get("rotary_dim") is not None and c.get("partial_rotary_factor") is None and c.get("head_dim"):
+        c["partial_rotary_factor"] = _integer(c["rotary_dim"], "config['rotary_dim']") / _integer(
+            c["head_dim"], "config['head_dim']")
+    return c
+
+
+def _hunyuan_vl(c: dict) -> dict:
+    """HunYuan-VL: ``xdrope_section`` is ``mrope_section``, rope type "xdrope" is "dynamic"."""
+    key, params = _scaling_or_params(c)
+    if params is None:
+        return c
+    if "xdrope_section" in params:
+        legacy = params.pop("xdrope_section")
+        if params.get("mrope_section") is not None and [float(v) for v in params["mrope_section"]] != \
+                [float(v) for v in legacy]:
+            raise ConfigError(f"config[{key!r}] has both mrope_section {params['mrope_section']} and xdrope_section "
+                              f"{legacy}, and they differ")
+        params.setdefault("mrope_section", legacy)
+    if params.get("rope_type", params.get("type")) == "xdrope":
+        params.pop("type", None)
+        params["rope_type"] = "dynamic"
+    c[key] = params
+    return c
+
+
+def _drop_dangling_flat_keys(c: dict) -> dict:
+    """Cohere Compass / ZAYA hub configs: rope_parameters per layer type plus dangling flat rope_theta /
+    rope_type keys, which HF's config class drops."""
+    params = c.get("rope_parameters")
+    types = c.get("layer_types") or ()
+    if isinstance(params, Mapping) and set(params) & set(types):
+        c["rope_parameters"] = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
+    return c
+
+
+def _nope_every(c: dict, interval=None) -> dict:
+    """Llama 4 / SmolLM3 / Mistral-Large-4: ``no_rope_layers`` (1 = the layer uses RoPE, 0 = NoPE), by
+    default a NoPE layer every ``no_rope_layer_interval`` (4) layers, as HF's class derives it."""
+    if not c.get("no_rope_layers"):
+        n = _integer(c.get("num_hidden_layers"), "config['num_hidden_layers']")
+        k = _integer(c.get("no_rope_layer_interval", 4) if interval is None else interval,
+                     "config['no_rope_layer_interval']")
+        c["no_rope_layers"] = [int((i + 1) % k != 0) for i in range(n)]
+    return c
+
+
+def _llama4(c: dict) -> dict:
+    c = _nope_every(c, c.get("no_rope_layer_interval", 4))
+    if c.get("layer_types") is None:
+        chunked = c.get("attention_chunk_size") is not None
+        c["layer_types"] = ["chunked_attention" if rope and chunked else "full_attention" for rope in c["no_rope_layers"]]
+    return c
+
+
+def _smollm3(c: dict) -> dict:
+    c = _nope_every(c)
+    if c.get("layer_types") is None:
+        sliding = c.get("use_sliding_window") and c.get("sliding_window") is not None
+        c["layer_types"] = ["sliding_attention" if sliding and not rope else "full_attention"
+                            for rope in c["no_rope_layers"]]
+    return c
+
+
+#: family -> how its HF config class rewrites a config.json level (see each function)
+CLASS_READS = {
+    "qwen2_vl": _mrope_is_default, "qwen2_5_vl": _mrope_is_default,
+    "phi3": _longrope_aliases, "phi4_multimodal": _longrope_aliases,
+    "gemma3": _gemma3, "gemma3n": _gemma3n, "modernbert": _modernbert, "olmo3": _olmo3,
+    "gemma2": _every_second, "cohere2": _cohere2,
+    "gpt_neox": _gpt_neox, "minimax_m2": _minimax_m2, "hunyuan_vl": _hunyuan_vl,
+    "cohere_compass": _drop_dangling_flat_keys, "zaya": _drop_dangling_flat_keys,
+    "llama4": _llama4, "llama4_text": _llama4, "smollm3": _smollm3, "mistral_large4": _nope_every,
+}
+
+#: families whose attention skips RoPE on the layers where ``no_rope_layers[i] == 0`` (NoPE layers)
+NOPE_LAYER_FAMILIES = frozenset({"llama4", "llama4_text", "smollm3", "mistral_large4"})
+
+
+def _class_defaults(reader: _Reader) -> dict:
+    """What HF's config class of this level's model type fills in for the fields the dict leaves out (the
+    generated :mod:`rotary._hf_defaults` table; a composite model type stands for its text model), skipping
+    a field when the dict has any of its aliases."""
+    from . import _hf_defaults
+
+    mt = reader.model_type
+    if not isinstance(mt, str):
+        return {}
+    defaults = _hf_defaults.DEFAULTS.get(_hf_defaults.TEXT_MODEL_TYPES.get(mt, mt)) or {}
+    out = {}
+    for name, value in defaults.items():
+        names = {name}
+        for group in (ALIASES, MODEL_ALIASES.get(mt, {}), MODEL_ALIASES.get(_family(reader), {})):
+            for key, aliases in group.items():
+                if name == key or name in aliases:
+                    names |= {key, *aliases}
+        if not any(n in reader.config for n in names):
+            out[name] = value
+    return out
+
+
+def as_hf_class_reads(reader: _Reader) -> _Reader:
+    """``reader`` over a copy of its config.json level as the family's HF config class reads it: the class's
+    defaults for left-out fields (:func:`_class_defaults`), then the family's rewrites (:data:`CLASS_READS`).
+    A PretrainedConfig (HF has done both) as is; the caller's dict is never modified."""
+    if not reader.is_dict:
+        return reader
+    defaults = _class_defaults(reader)
+    rewrite = CLASS_READS.get(_family(reader))
+    if rewrite is None and not defaults:
+        return reader
+    config = {**copy.deepcopy(dict(reader.config)), **defaults}
+    if rewrite is not None:
+        config = rewrite(config)
+    return _Reader(config, reader.where, reader.model_type)
 
 
 def _rope_labels(reader: _Reader) -> tuple:
@@ -512,25 +750,41 @@ def per_layer_kwargs(config) -> dict:
     flat, nested = rope_dicts(reader)
     if nested is not None:
         return {lt: spec_kwargs(config, lt, _reader=reader) for lt, v in nested.items() if v is not None}
-    types = list(dict.fromkeys(reader.get("layer_types") or []))
-    if not types:
+    all_types = list(reader.get("layer_types") or [])
+    nope = _nope_layers(reader)
+    # a layer type whose layers are all NoPE (Llama 4's full_attention layers) has no RoPE
+    types = list(dict.fromkeys(lt for i, lt in enumerate(all_types) if not (i < len(nope) and nope[i])))
+    if not all_types:
         return {"default": spec_kwargs(config, None, _reader=reader)}
     return {lt: spec_kwargs(config, lt, _reader=reader) for lt in types}
 
 
+def _nope_layers(reader: _Reader) -> list:
+    """Per layer index, True where the family's attention skips RoPE (``no_rope_layers[i] == 0``)."""
+    if _family(reader) not in NOPE_LAYER_FAMILIES:
+        return []
+    flags = reader.get("no_rope_layers")
+    if flags is None:
+        return []
+    return [not bool(f) for f in flags]
+
+
 def layer_kwargs(config) -> list:
-    """Spec kwargs of each layer index (``config.layer_types``), None for a layer type without RoPE."""
+    """Spec kwargs of each layer index (``config.layer_types``), None for a layer without RoPE (a layer type
+    whose rope_parameters entry is null, or a NoPE layer of Llama 4 / SmolLM3 / Mistral-Large-4)."""
     reader = text_reader(config)
     _, nested = rope_dicts(reader)
     types = reader.get("layer_types")
+    nope = _nope_layers(reader)
     if not types:
         n = reader.get("num_hidden_layers")
         if n is None:
             raise ConfigError(f"{reader.where} has neither 'layer_types' nor 'num_hidden_layers'")
-        return [spec_kwargs(config, None, _reader=reader)] * _integer(n, reader.name("num_hidden_layers"))
+        kw = spec_kwargs(config, None, _reader=reader)
+        return [None if i < len(nope) and nope[i] else kw for i in range(_integer(n, reader.name("num_hidden_layers")))]
     out = []
     for index, lt in enumerate(types):
-        if nested is not None and nested.get(lt) is None:
+        if (nested is not None and nested.get(lt) is None) or (index < len(nope) and nope[index]):
             out.append(None)
             continue
         flat, _ = rope_dicts(reader)
