@@ -248,3 +248,24 @@ def test_class_derived_rope_families_need_per_layer_rope_parameters(family):
     except (ValueError, KeyError) as exc:   # an older transformers without this family
         pytest.skip(f"transformers {transformers.__version__} has no {family}: {exc}")
     assert RopeSpec.per_layer_from_hf_config(config.to_dict()) == RopeSpec.per_layer_from_hf_config(config)
+
+
+def test_inspect_prints_which_coordinate_each_pair_reads():
+    """`python -m rotary inspect`: the complete pair -> coordinate assignment of every multi-axis spec, checked
+    against the spec's own pair_axes() (runs for chunked sections, one letter per pair otherwise)."""
+    from rotary._cli_inspect import inspect_config
+
+    qwen2vl = {"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
+               "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+    out = inspect_config(qwen2vl)
+    assert "sections (t, h, w) [16, 24, 24], assignment chunked" in out
+    assert "pairs read         0-15 t, 16-39 h, 40-63 w" in out
+    qwen3vl = {"model_type": "qwen3_vl", "text_config": {"head_dim": 128, "rope_theta": 5e6,
+                                                         "rope_scaling": {"rope_type": "default"}}}
+    out = inspect_config(qwen3vl)
+    letters = "".join(part for line in out.splitlines() if "pairs read" in line or "(from pair" in line
+                      for part in [line.replace("pairs read", "").split()[0]])
+    axes = RopeSpec.from_hf_config(qwen3vl).pair_axes()
+    assert letters == "".join("thw"[a] for a in axes) and letters.startswith("thwthw") and letters.endswith("tttt")
+    out = inspect_config({"model_type": "neomme", "head_dim": 64, "hidden_size": 1024, "num_attention_heads": 16})
+    assert "pairs read         0101" in out and "coordinate index" in out

@@ -184,6 +184,8 @@ CORPUS = [
     ("minimax-m2-rotary-dim", {"model_type": "minimax_m2", "head_dim": 128, "rotary_dim": 64, "hidden_size": 3072,
                                "num_attention_heads": 48, "num_hidden_layers": 62, "num_key_value_heads": 8,
                                "max_position_embeddings": 196608, "rope_theta": 5000000}, "MiniMaxM2RotaryEmbedding"),
+    ("neomme-class-defaults", {"model_type": "neomme", "hidden_size": 1024, "num_attention_heads": 16,
+                               "num_hidden_layers": 17, "num_key_value_heads": 4}, "NeoMMERotaryEmbedding"),
     ("cohere2-pattern", {"model_type": "cohere2", "hidden_size": 4096, "num_attention_heads": 32,
                          "num_hidden_layers": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
                          "rope_theta": 50000, "sliding_window": 4096, "sliding_window_pattern": 4},

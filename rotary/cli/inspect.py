@@ -31,12 +31,41 @@ def describe(spec) -> list[str]:
     if spec.mrope_section is not None:
         lines.append(f"M-RoPE             sections (t, h, w) {list(spec.mrope_section)}, assignment {spec.mrope_layout}")
     elif spec.multi_axis:
-        lines.append(f"axes               {spec.n_axes}, pair i reads {_short(spec.pair_axes().tolist())}")
+        lines.append(f"axes               {spec.n_axes} coordinates per token")
+    if spec.multi_axis:
+        lines += pair_assignment(spec)
     if spec.max_position_embeddings is not None:
         lines.append(f"max positions      {spec.max_position_embeddings}")
     lines.append(f"attention factor   {spec.attention_scaling:.9g} (multiplies cos and sin)")
     lines.append(f"softmax factor     {spec.softmax_scale_factor:.9g} (multiplies the softmax scale)")
     return lines
+
+
+#: coordinate names of M-RoPE positions (t, h, w); other multi-axis specs print the coordinate index
+MROPE_AXES = "thw"
+
+
+def pair_assignment(spec) -> list[str]:
+    """Which coordinate each rotated pair reads, complete: runs of pairs ("pairs 0-15 t, 16-39 h, 40-63 w")
+    when there are few, else one letter per pair in rows of 32 (an interleaved M-RoPE: "thwthw...")."""
+    axes = spec.pair_axes().tolist()
+    names = MROPE_AXES if spec.mrope_section is not None and spec.n_axes <= 3 else "0123456789"
+    if spec.n_axes > len(names):
+        return [f"pairs read         {axes}"]
+    runs, start = [], 0
+    for i in range(1, len(axes) + 1):
+        if i == len(axes) or axes[i] != axes[start]:
+            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            runs.append(f"{span} {names[axes[start]]}")
+            start = i
+    legend = "" if names == MROPE_AXES else " (coordinate index of the position's trailing axis)"
+    if len(runs) <= 8:
+        return [f"pairs read         {', '.join(runs)}{legend}"]
+    letters = "".join(names[a] for a in axes)
+    rows = [letters[i:i + 32] for i in range(0, len(letters), 32)]
+    out = [f"pairs read         {rows[0]}  (pair 0 first, one letter per pair){legend}"]
+    out += [f"                   {row}  (from pair {32 * (k + 1)})" for k, row in enumerate(rows[1:])]
+    return out
 
 
 def _short(value) -> str:

@@ -399,6 +399,28 @@ def _smollm3(c: dict) -> dict:
     return c
 
 
+def _neomme(c: dict) -> dict:
+    """NeoMME: layer types full every 6th layer and the last; per layer type rope_theta (top-level
+    rope_theta, else 1e6 full / 1e4 sliding) and partial_rotary_factor (0.25 full / 1.0 sliding)."""
+    if c.get("layer_types") is None:
+        n = _integer(c.get("num_hidden_layers", 17), "config['num_hidden_layers']")
+        c["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention"
+                            for i in range(n)]
+    params = c.get("rope_parameters")
+    params = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (params or {}).items()}
+    theta = c.pop("rope_theta", None)
+    for lt in dict.fromkeys(c["layer_types"]):
+        layer = params.setdefault(lt, {})
+        layer.setdefault("rope_type", "default")
+        layer.setdefault("rope_theta", theta if theta is not None else
+                         {"full_attention": 1e6, "sliding_attention": 1e4}.get(lt))
+        factor = {"full_attention": 0.25, "sliding_attention": 1.0}.get(lt)
+        if factor is not None:
+            layer.setdefault("partial_rotary_factor", factor)
+    c["rope_parameters"] = params
+    return c
+
+
 #: family -> how its HF config class rewrites a config.json level (see each function)
 CLASS_READS = {
     "qwen2_vl": _mrope_is_default, "qwen2_5_vl": _mrope_is_default,
@@ -407,7 +429,7 @@ CLASS_READS = {
     "gemma2": _every_second, "cohere2": _cohere2,
     "gpt_neox": _gpt_neox, "minimax_m2": _minimax_m2, "hunyuan_vl": _hunyuan_vl,
     "cohere_compass": _drop_dangling_flat_keys, "zaya": _drop_dangling_flat_keys,
-    "llama4": _llama4, "llama4_text": _llama4, "smollm3": _smollm3, "mistral_large4": _nope_every,
+    "neomme": _neomme, "llama4": _llama4, "llama4_text": _llama4, "smollm3": _smollm3, "mistral_large4": _nope_every,
 }
 
 #: families whose attention skips RoPE on the layers where ``no_rope_layers[i] == 0`` (NoPE layers)
