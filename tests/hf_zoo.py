@@ -20,10 +20,9 @@ import numpy as np
 
 #: classes whose HF module is broken with its default config, with the reason (skipped and listed)
 EXCEPTIONS: dict[str, str] = {
-    "CohereCompassRotaryEmbedding": "HF's __init__ raises KeyError 'full_attention': the default text config's "
-                                    "rope_parameters has no per-layer-type entries for its layer_types",
     "HunYuanVLRotaryEmbedding": "HF's forward needs rope_parameters['mrope_section'], which the default config lacks "
-                                "(no default in the module)",
+                                "(no default in the module); with a section its XD-RoPE is not a rotation on image "
+                                "tokens (tests/test_hf_broken_defaults.py shows both, and rotary's errors)",
 }
 
 
@@ -44,9 +43,18 @@ def _set_attr(**changes):
     return fix
 
 
+def _rope_per_layer_type(**params):
+    def fix(config):
+        config.rope_parameters = {lt: {"rope_type": "default", **params} for lt in sorted(set(config.layer_types))}
+    return fix
+
+
 #: default configs HF's own module cannot run (or that give a head HF's attention cannot rotate), made
 #: consistent with the released checkpoints: (what is changed and why, fix(config))
 CONFIG_FIXES = {
+    "CohereCompassRotaryEmbedding": ("rope_parameters per layer type (default, theta 10000): the default text config's "
+                                     "rope_parameters is empty and HF's __init__ raises KeyError 'full_attention'",
+                                     _rope_per_layer_type(rope_theta=10000.0)),
     "Glm4vTextRotaryEmbedding": ("partial_rotary_factor 0.5 (GLM-4.1V): the default mrope_section [8, 12, 12] sums "
                                  "to 32 pairs, the default head 64 pairs, and HF's forward raises",
                                  _set_rope(partial_rotary_factor=0.5)),

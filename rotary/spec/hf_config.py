@@ -90,6 +90,10 @@ MROPE_DEFAULTS = {
     "ernie4_5_vl_moe": ((22, 22, 20), "ernie"),
 }
 
+#: HunYuan-VL's XD-RoPE: the sections split the doubled cos/sin row cat(f, f), coordinate chunk j reading
+#: axis j, so the two coordinates (i, i + d/2) of a half-split pair read different axes
+XD_ROPE_FAMILIES = frozenset({"hunyuan_vl"})
+
 #: two-axis (row, col) text RoPE: pair i reads coordinate i % 2 (NeoMME)
 TWO_AXIS_FAMILIES = frozenset({"neomme"})
 
@@ -675,6 +679,15 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
         rotary_dim = _integer(reader.get("rotary_dim"), reader.name("rotary_dim"))
     else:
         rotary_dim = head_dim - head_dim % 2   # HF rotates the whole head (minimax_m3_vl's rotary_dim unused)
+        if head_dim % 2 and rope_type != "proportional":
+            # HF's arange(0, d, 2) / d gives (d + 1) / 2 pairs, cos/sin one coordinate wider than the head
+            source = (reader.name("head_dim") if reader.get("head_dim") is not None else
+                      f"{reader.name('hidden_size')} // {reader.name('num_attention_heads')}")
+            raise ConfigError(f"{source} gives an odd head_dim {head_dim} rotated whole: HF's rotary module builds "
+                              f"{(head_dim + 1) // 2} pairs ({head_dim + 1} coordinates of cos/sin) and its attention "
+                              f"cannot apply them to a {head_dim}-wide head (HF's own config check refuses an odd "
+                              "fully rotated head_dim > 4); set head_dim (or partial_rotary_factor) as the released "
+                              "checkpoint does")
     if frequency_dim is not None and frequency_dim == rotary_dim:
         frequency_dim = None
     if frequency_dim is not None:
@@ -697,6 +710,8 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
     if max_pos is not None:
         max_pos = _integer(max_pos, reader.name("max_position_embeddings"))
 
+    if family in XD_ROPE_FAMILIES:
+        _refuse_xd_rope(reader, where, mrope_section, head_dim, base, scaling)
     if mrope_section is not None or family in MROPE_DEFAULTS:
         default_section, mrope_layout = MROPE_DEFAULTS.get(family, (None, "chunked"))
         if mrope_section is None:
@@ -710,6 +725,17 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
             out["mrope_section"] = tuple(_integer(v, f"{where}['mrope_section'][{i}]")
                                          for i, v in enumerate(mrope_section))
             out["mrope_layout"] = mrope_layout
+            pairs = rotary_dim // 2
+            if mrope_layout == "chunked" and sum(out["mrope_section"]) != pairs:
+                need = 2 * sum(out["mrope_section"])
+                factor = 1.0 if partial is None else partial
+                fix = (f"partial_rotary_factor {need / head_dim:g} (rotary_dim {need} of head_dim {head_dim})"
+                       if need <= head_dim and partial is None else f"head_dim {need / factor:g}")
+                raise ConfigError(
+                    f"{where}['mrope_section'] {list(out['mrope_section'])} covers {sum(out['mrope_section'])} pairs, "
+                    f"but head_dim {head_dim} x partial_rotary_factor {partial if partial is not None else 1:g} "
+                    f"rotates {pairs}: HF's rotary module splits cos/sin by the section and raises on this config "
+                    f"too (split_with_sizes); the released checkpoints set {fix}")
     elif family in TWO_AXIS_FAMILIES:
         out["pair_axes"] = tuple(i % 2 for i in range(rotary_dim // 2))
         out["n_axes"] = 2
@@ -725,6 +751,30 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
     out.update(head_dim=head_dim, rotary_dim=rotary_dim, base=base, scaling=scaling, max_position_embeddings=max_pos,
                layout=layout, where=where)
     return out
+
+
+def _refuse_xd_rope(reader, where, section, head_dim, base, scaling):
+    """HunYuan-VL: no spec reproduces XD-RoPE on image tokens (see :data:`XD_ROPE_FAMILIES`); say why and
+    what does hold (every axis equal: plain 1-D RoPE)."""
+    if scaling and scaling.get("alpha") and scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        # HF's HunYuan-VL module: "dynamic" with a fixed alpha is static NTK-alpha, base * alpha**(d/(d-2))
+        alpha = _number(scaling["alpha"], f"{where}['alpha']")
+        base, scaling = base * alpha ** (head_dim / (head_dim - 2)), None
+    plain = f"RopeSpec({head_dim}, base={base!r}" + (f", scaling={scaling!r})" if scaling else ")")
+    if section is None:
+        raise ConfigError(f"{where} has no mrope_section (or xdrope_section): HF's HunYuan-VL rotary module needs one "
+                          "and its forward raises TypeError (len(None)) on this config. Token positions where every "
+                          f"axis carries the same value (text, decoding) rotate as the 1-D {plain}")
+    d = 2 * sum(int(v) for v in section)
+    chunks, start = [], 0
+    for j, v in enumerate(section):
+        chunks.append(f"{start}-{start + 2 * int(v) - 1} axis {j}")
+        start += 2 * int(v)
+    raise ConfigError(f"{where}['mrope_section'] {list(section)}: HunYuan-VL's XD-RoPE splits the doubled cos/sin row "
+                      f"cat(f, f) of width {d} into coordinate chunks ({', '.join(chunks)}), so coordinates i and "
+                      f"i + {d // 2} of a rotate_half pair take angles from different axes: not a rotation on image "
+                      "tokens, and no rotary spec reproduces it. Where every axis carries the same position (text "
+                      f"tokens, decoding) it is the 1-D {plain}")
 
 
 HEADS = ("rope", "qk", "indexer")
