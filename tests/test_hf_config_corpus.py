@@ -8,6 +8,10 @@ factor and its own apply function against the spec (tests/hf_zoo.py ``compare`` 
 the per-layer map (``layers_from_hf_config``) against HF's ``layer_types`` and NoPE layers; and the dict
 read against the config object HF builds from it. The generated class-defaults table
 (rotary/_hf_defaults.py) is checked against the installed transformers.
+
+Backends: every spec read here uses existing spec features (base/scaling, partial rotary dims, per-layer
+types, mrope_section chunked/interleaved), which tests/test_conformance.py and tests/test_multi_axis.py
+run on NumPy, Numba and the CUDA host shim; the reading adds no new rotation form.
 """
 
 import copy
