@@ -1,4 +1,4 @@
-"""Generate rotary/_hf_defaults.py: the RoPE-relevant defaults of every HF config class.
+"""Generate rotary/spec/hf_defaults.py: the RoPE-relevant defaults of every HF config class.
 
 A config.json leaves out what equals its config class's default (HF writes a diff against the class);
 HF's class fills it back in. ``RopeSpec.from_hf_config`` on a dict does the same from this table, which
@@ -12,7 +12,7 @@ import dataclasses
 import math
 import warnings
 
-#: the config fields the reader looks at (rotary/_hf_config.py: ALIASES, MODEL_ALIASES, _kwargs_from)
+#: the config fields the reader looks at (rotary/spec/hf_config.py: ALIASES, MODEL_ALIASES, _kwargs_from)
 FIELDS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "hidden_size", "n_embd", "d_model", "embed_dim",
           "emb_dim", "num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_num_attention_heads",
           "attention_heads", "max_position_embeddings", "n_positions", "max_seq_len", "model_max_length",
@@ -20,7 +20,7 @@ FIELDS = ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "hidden_size"
           "rotary_dim", "qk_rope_head_dim", "qk_nope_head_dim", "index_head_dim", "rope_interleave",
           "original_max_position_embeddings")
 
-#: sub-config keys a composite config keeps its text model under (rotary/_hf_config.py: TEXT_CONFIG_KEYS)
+#: sub-config keys a composite config keeps its text model under (rotary/spec/hf_config.py: TEXT_CONFIG_KEYS)
 TEXT_KEYS = ("text_config", "llm_config", "language_config", "thinker_config", "decoder")
 
 
@@ -98,6 +98,6 @@ if __name__ == "__main__":
 
     import transformers
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "rotary" / "_hf_defaults.py"
+    path = pathlib.Path(__file__).resolve().parent.parent / "rotary" / "spec" / "hf_defaults.py"
     path.write_text(source(transformers.__version__), encoding="utf-8")
     print(f"wrote {path}")

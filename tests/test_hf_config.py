@@ -253,7 +253,7 @@ def test_class_derived_rope_families_need_per_layer_rope_parameters(family):
 def test_inspect_prints_which_coordinate_each_pair_reads():
     """`python -m rotary inspect`: the complete pair -> coordinate assignment of every multi-axis spec, checked
     against the spec's own pair_axes() (runs for chunked sections, one letter per pair otherwise)."""
-    from rotary._cli_inspect import inspect_config
+    from rotary.cli.inspect import inspect_config
 
     qwen2vl = {"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
                "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}

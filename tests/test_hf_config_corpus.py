@@ -7,7 +7,7 @@ For every corpus entry and every RoPE layer type: HF's cos/sin, inv_freq, attent
 factor and its own apply function against the spec (tests/hf_zoo.py ``compare`` / ``compare_rotation``);
 the per-layer map (``layers_from_hf_config``) against HF's ``layer_types`` and NoPE layers; and the dict
 read against the config object HF builds from it. The generated class-defaults table
-(rotary/_hf_defaults.py) is checked against the installed transformers.
+(rotary/spec/hf_defaults.py) is checked against the installed transformers.
 
 Backends: every spec read here uses existing spec features (base/scaling, partial rotary dims, per-layer
 types, mrope_section chunked/interleaved), which tests/test_conformance.py and tests/test_multi_axis.py
@@ -59,7 +59,8 @@ GEMMA3_4B = {   # google/gemma-3-4b-it: a sparse text_config (head_dim, heads, t
     "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                     "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
                     "sliding_window": 1024},
-    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model",
                       "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False},
 }
 
@@ -68,7 +69,8 @@ CORPUS = [
     ("llama2-no-theta", {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
                          "num_key_value_heads": 32, "max_position_embeddings": 4096, "rope_scaling": None},
      "LlamaRotaryEmbedding"),
-    ("llama-type-linear", {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 40, "num_hidden_layers": 40,
+    ("llama-type-linear", {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 40,
+                           "num_hidden_layers": 40,
                            "max_position_embeddings": 16384, "rope_scaling": {"type": "linear", "factor": 8.0}},
      "LlamaRotaryEmbedding"),
     ("llama-type-dynamic", {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
@@ -100,7 +102,8 @@ CORPUS = [
     ("qwen2.5-vl-top-mrope", {**QWEN2_VL_TOP, "model_type": "qwen2_5_vl",
                               "architectures": ["Qwen2_5_VLForConditionalGeneration"],
                               "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584,
-                                                "num_heads": 16, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}},
+                                                "num_heads": 16, "window_size": 112,
+                                                "fullatt_block_indexes": [7, 15, 23, 31]}},
      "Qwen2_5_VLRotaryEmbedding"),
     ("qwen2.5-vl-text-config", {"model_type": "qwen2_5_vl", "text_config": {
         "model_type": "qwen2_5_vl_text", "hidden_size": 2048, "num_attention_heads": 16, "num_hidden_layers": 36,
@@ -135,11 +138,13 @@ CORPUS = [
         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
         "rope_local_base_freq": 20000.0, "sliding_window_pattern": 4}}, "Gemma3RotaryEmbedding"),
     ("deepseek-v3", {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
-                     "num_hidden_layers": 61, "num_key_value_heads": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "num_hidden_layers": 61, "num_key_value_heads": 128, "qk_nope_head_dim": 128,
+                     "qk_rope_head_dim": 64,
                      "v_head_dim": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "max_position_embeddings": 163840,
                      "rope_theta": 10000,
-                     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                      "original_max_position_embeddings": 4096, "type": "yarn"}},
+                     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                      "type": "yarn"}},
      "DeepseekV3RotaryEmbedding"),
     ("deepseek-v2-lite", {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
                           "num_hidden_layers": 27, "num_key_value_heads": 16, "qk_nope_head_dim": 128,
@@ -291,11 +296,11 @@ def test_hf_rewrites_nested_rope_scaling_in_place():
 
 
 def test_class_defaults_table_is_generated_from_transformers():
-    from rotary import _hf_defaults
+    from rotary.spec import hf_defaults as _hf_defaults
     from tests import hf_class_defaults
 
     if _hf_defaults.TRANSFORMERS_VERSION != transformers.__version__:
-        pytest.skip(f"rotary/_hf_defaults.py was generated with transformers {_hf_defaults.TRANSFORMERS_VERSION}")
+        pytest.skip(f"rotary/spec/hf_defaults.py was generated with transformers {_hf_defaults.TRANSFORMERS_VERSION}")
     defaults, text_types = hf_class_defaults.generate()
     assert _hf_defaults.DEFAULTS == defaults and _hf_defaults.TEXT_MODEL_TYPES == text_types, \
-        "rotary/_hf_defaults.py is stale: run python -m tests.hf_class_defaults"
+        "rotary/spec/hf_defaults.py is stale: run python -m tests.hf_class_defaults"

@@ -277,7 +277,8 @@ def _local_global(c: dict, *, global_theta_key: str, local_theta_key, default_th
     (HF's ``convert_rope_params_to_dict`` of these families; rope_scaling on full layers only, ModernBERT's
     on both)."""
     params = c.get("rope_parameters")
-    if params is not None and not (isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())):
+    nested = isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())
+    if params is not None and not nested:
         return c   # a flat rope_parameters: read as given
     params = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (params or {
         "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}).items()}
@@ -390,7 +391,8 @@ def _llama4(c: dict) -> dict:
     c = _nope_every(c, c.get("no_rope_layer_interval", 4))
     if c.get("layer_types") is None:
         chunked = c.get("attention_chunk_size") is not None
-        c["layer_types"] = ["chunked_attention" if rope and chunked else "full_attention" for rope in c["no_rope_layers"]]
+        c["layer_types"] = ["chunked_attention" if rope and chunked else "full_attention"
+                            for rope in c["no_rope_layers"]]
     return c
 
 
@@ -442,9 +444,9 @@ NOPE_LAYER_FAMILIES = frozenset({"llama4", "llama4_text", "smollm3", "mistral_la
 
 def _class_defaults(reader: _Reader) -> dict:
     """What HF's config class of this level's model type fills in for the fields the dict leaves out (the
-    generated :mod:`rotary._hf_defaults` table; a composite model type stands for its text model), skipping
+    generated :mod:`rotary.spec.hf_defaults` table; a composite model type stands for its text model), skipping
     a field when the dict has any of its aliases."""
-    from . import _hf_defaults
+    from . import hf_defaults as _hf_defaults
 
     mt = reader.model_type
     if not isinstance(mt, str):
