@@ -1,0 +1,194 @@
+"""HF's vision rotary classes not covered by tests/test_peers_multi_axis.py, each against rotary through
+the public API: the model's own rotary module and the apply function its attention calls, on the
+positions the model's own code builds (``transformers.vision_utils.get_vision_position_ids``, the
+model's ``precompute_positions`` / inline grids), matched token for token by ``rotary.grid_positions``.
+
+SAM 2 video memory attention (x-first interleaved pairs; cross-attention keys of several memory frames
+repeat the query grid, object-pointer keys unrotated), EfficientLoFTR (partial_rotary_factor 4: the whole
+hidden rotated before the head split, row/col alternating pair by pair, 1-based grid), MLCD (CLS token
+turned by learned angles), PaddleOCR-VL, Step3p7 (w before h), LFM3-VL and MiniMax-M3-VL (3 axes t/h/w,
+78 of 80 dims). Configs are HF's defaults; no weights.
+
+Backends: every spec here is an existing spec form (axial frequencies and pair axes, interleaved or
+half pairs, a partial rotary dim, caller-supplied frequencies), which tests/test_multi_axis.py and
+tests/test_conformance.py run on NumPy, Numba and the CUDA host shim; these tests use the default backend.
+"""
+
+import importlib
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import rotary
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.peer, pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                                   reason="needs transformers >= 5 (rope_parameters)")]
+
+
+def _module(name):
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _config(module, cls_name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return getattr(module, cls_name)() if hasattr(module, cls_name) else getattr(transformers, cls_name)()
+
+
+def _close(ours, hf, x, max_coordinate, spec):
+    """fp32: HF's angles float(p) * inv_freq_fp32 carry ~p * max(freq) * 6e-7 rad; 1e-5 of |x| besides."""
+    bound = max_coordinate * float(np.max(np.abs(spec.inv_freq()))) * 6e-7 + 1e-5
+    np.testing.assert_allclose(ours, hf.double().numpy(), rtol=0, atol=float(np.max(np.abs(x))) * math.sqrt(2) * bound)
+
+
+def _grid_thw(*shapes):
+    return torch.tensor(shapes, dtype=torch.long)
+
+
+def _hf_vision_positions(grid_thw, merge, include_temporal=False):
+    from transformers.vision_utils import get_vision_position_ids
+
+    return get_vision_position_ids(grid_thw, merge, include_temporal=include_temporal)
+
+
+# -- Qwen-style towers: get_vision_position_ids + apply_rotary_pos_emb_vision ------------------------------
+#: model: (package, rotary class, vision config class, merge size of the positions HF builds, axes, axis_order)
+QWEN_STYLE = {
+    "paddleocr_vl": ("paddleocr_vl", "PaddleOCRVisionRotaryEmbedding", "PaddleOCRVisionConfig", 1, 2, (0, 1)),
+    "step3p7": ("step3p7", "Step3p7VisionRotaryEmbedding", "Step3p7VisionConfig", 1, 2, (1, 0)),
+    "lfm3_vl": ("lfm3_vl", "Lfm3VlVisionRotaryEmbedding", "Lfm3VlVisionConfig", 2, 2, (0, 1)),
+    "minimax_m3_vl": ("minimax_m3_vl", "MiniMaxM3VLVisionRotaryEmbedding", "MiniMaxM3VLVisionConfig", 2, 3, (0, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("model", sorted(QWEN_STYLE))
+def test_qwen_style_vision_tower_matches_hf(model):
+    package, cls_name, config_cls, merge, axes, order = QWEN_STYLE[model]
+    mod = _module(package)
+    config = _config(importlib.import_module(f"transformers.models.{package}.configuration_{package}"), config_cls)
+    head_dim = config.hidden_size // config.num_attention_heads
+    base = config.rope_parameters["rope_theta"]
+    # MiniMax-M3-VL: each of t, h, w gets 2 * ((head_dim // 3) // 2) dims, the rest passes through
+    rotary_dim = axes * 2 * ((head_dim // axes) // 2)
+    spec = rotary.RopeSpec.axial(head_dim, axes=axes, base=base, rotary_dim=rotary_dim, axis_order=order)
+    grid = _grid_thw((1, 6, 8), (2, 4, 4), (1, 2, 10))      # an image, a 2-frame video, a wide image
+    hf_pos = _hf_vision_positions(grid, merge, include_temporal=axes == 3)
+    # rotary's helper gives HF's ids token for token
+    ours_pos = np.concatenate([rotary.grid_positions(h, w, t if axes == 3 else None, spatial_merge_size=merge)
+                               if axes == 3 else np.tile(rotary.grid_positions(h, w, spatial_merge_size=merge), (t, 1))
+                               for t, h, w in grid.tolist()])
+    np.testing.assert_array_equal(ours_pos, hf_pos.numpy())
+    rope = getattr(mod, cls_name)(config)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((len(ours_pos), 2, head_dim)).astype(np.float32)        # (seq, heads, dim)
+    k = rng.standard_normal(q.shape).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = rope(torch.from_numpy(q), hf_pos)
+        hf_q, hf_k = mod.apply_rotary_pos_emb_vision(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
+    assert cos.shape[-1] == rotary_dim
+    ours_q, ours_k = rotary.apply_qk(q, k, ours_pos, spec=spec, seq_axis=-3)
+    _close(ours_q, hf_q, q, ours_pos.max(), spec)
+    _close(ours_k, hf_k, k, ours_pos.max(), spec)
+    if axes == 2 and order == (1, 0):   # Step3p7: w before h is what makes it match; (h, w) does not
+        wrong = rotary.apply(q, ours_pos, spec=spec.replace(pair_axes=tuple(1 - a for a in spec.pair_axes())),
+                             seq_axis=-3)
+        assert np.max(np.abs(wrong - hf_q.numpy())) > 0.1
+
+
+def test_mlcd_matches_hf_with_its_learned_cls_angles():
+    """MLCD: patches on the row-major grid, axial (h, w) half-split; the CLS token (prepended) turns by the
+    learned class_pos_emb angles: a spec of those angles as frequencies at position 1."""
+    mod = _module("mlcd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.MLCDVisionConfig(num_hidden_layers=1, intermediate_size=64)   # default heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    model = mod.MLCDVisionModel(config).eval()
+    h, w = 3, 5
+    hpos = torch.arange(h).unsqueeze(1).expand(-1, w)
+    wpos = torch.arange(w).unsqueeze(0).expand(h, -1)
+    hf_pos = torch.stack([hpos.flatten(), wpos.flatten()], dim=-1)    # MLCDVisionModel.forward's own grid
+    np.testing.assert_array_equal(rotary.grid_positions(h, w), hf_pos.numpy())
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 1 + h * w, 2, head_dim)).astype(np.float32)          # (batch, seq, heads, dim)
+    k = rng.standard_normal(q.shape).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = model.vision_rotary_embedding(torch.zeros(1), hf_pos)
+        cls = torch.cat([model.class_pos_emb, model.class_pos_emb], dim=-1)
+        cos, sin = torch.cat([cls.cos(), cos], dim=0), torch.cat([cls.sin(), sin], dim=0)
+        hf_q, hf_k = mod.apply_rotary_pos_emb_vision(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
+    spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"])
+    ours_q, ours_k = rotary.apply_qk(q[:, 1:], k[:, 1:], rotary.grid_positions(h, w), spec=spec, seq_axis=-3)
+    _close(ours_q, hf_q[:, 1:], q[:, 1:], max(h, w), spec)
+    _close(ours_k, hf_k[:, 1:], k[:, 1:], max(h, w), spec)
+    cls_spec = rotary.RopeSpec.from_inv_freq(model.class_pos_emb.detach().double().numpy()[0], head_dim=head_dim)
+    cq = rotary.apply(q[:, :1], np.ones(1, dtype=np.int64), spec=cls_spec, seq_axis=-3)
+    _close(cq, hf_q[:, :1], q[:, :1], 1, cls_spec)
+
+
+def test_efficientloftr_matches_hf():
+    """EfficientLoFTR: partial_rotary_factor 4 of head_dim 32 gives 64 frequencies base**(-2j/128); HF rotates
+    the whole hidden (256) before splitting heads, pair m = (2m, 2m+1) reading the row if m is even and the
+    column if odd, both with frequency j = m // 2; the grid is 1-based (cumsum of ones)."""
+    mod = _module("efficientloftr")
+    config = _config(transformers, "EfficientLoFTRConfig")
+    rope = mod.EfficientLoFTRRotaryEmbedding(config)
+    feats = torch.zeros(1, config.hidden_size, 4 * 6 + 3, 4 * 5 + 1)       # a coarse feature map (h, w)
+    with torch.no_grad():
+        cos, sin = rope(feats)
+    eh = (feats.shape[-2] - config.q_aggregation_kernel_size) // config.q_aggregation_stride + 1
+    ew = (feats.shape[-1] - config.q_aggregation_kernel_size) // config.q_aggregation_stride + 1
+    assert cos.shape == (1, eh, ew, config.hidden_size)
+    head_dim = config.hidden_size // config.num_attention_heads
+    d = int(head_dim * config.rope_parameters["partial_rotary_factor"])          # 128
+    phi = config.rope_parameters["rope_theta"] ** (-np.arange(0, d, 2) / d)       # 64 frequencies
+    spec = rotary.RopeSpec(config.hidden_size, base=config.rope_parameters["rope_theta"], layout="interleaved",
+                           frequencies=tuple(np.repeat(phi, 2).tolist()),
+                           pair_axes=tuple(i % 2 for i in range(config.hidden_size // 2)), n_axes=2)
+    pos = rotary.grid_positions(eh, ew) + 1
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, eh * ew, config.hidden_size)).astype(np.float32)   # (batch, seq, hidden)
+    y = rng.standard_normal(x.shape).astype(np.float32)
+    tx, ty = torch.from_numpy(x)[:, :, None, :], torch.from_numpy(y)[:, :, None, :]   # HF's view (b, s, 1, hidden)
+    with torch.no_grad():
+        hq, hk = mod.apply_rotary_pos_emb(tx, ty, cos.reshape(1, eh * ew, -1), sin.reshape(1, eh * ew, -1),
+                                          unsqueeze_dim=2)
+    oq, ok = rotary.apply_qk(x, y, pos, spec=spec, seq_axis=-2)
+    _close(oq, hq[:, :, 0], x, pos.max(), spec)
+    _close(ok, hk[:, :, 0], y, pos.max(), spec)
+
+
+@pytest.mark.parametrize("frames, pointers", [(1, 0), (3, 4)])
+def test_sam2_video_memory_attention_matches_hf(frames, pointers):
+    """SAM 2 video memory attention: positions stored (x, y) = (col, row); cat(freq_x, freq_y) repeat_interleave'd:
+    interleaved pairs, the first half reading the column. Cross-attention keys hold ``frames`` memory frames
+    (the query grid repeated, HF's repeat_freqs_k) and ``pointers`` object-pointer tokens left unrotated."""
+    mod = _module("sam2_video")
+    config = _config(transformers, "Sam2VideoConfig")
+    hf_pos = mod.Sam2VideoMemoryAttention.precompute_positions(config)
+    fw, fh = config.memory_attention_rope_feat_sizes
+    pos = rotary.grid_positions(fh, fw)
+    np.testing.assert_array_equal(pos[:, ::-1], hf_pos.numpy())
+    head_dim = config.memory_attention_hidden_size // (config.memory_attention_downsample_rate
+                                                       * config.memory_attention_num_attention_heads)
+    spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"], layout="interleaved",
+                                 axis_order=(1, 0))
+    rope = mod.Sam2VideoVisionRotaryEmbedding(config)
+    rng = np.random.default_rng(3)
+    n = len(pos)
+    q = rng.standard_normal((1, 1, n, head_dim)).astype(np.float32)              # (batch, heads, seq, dim)
+    k = rng.standard_normal((1, 1, frames * n + pointers, head_dim)).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1), hf_pos)
+        hf_q, hf_k = mod.apply_rotary_pos_emb_2d(torch.from_numpy(q), torch.from_numpy(k), cos, sin,
+                                                 num_k_exclude_rope=pointers, repeat_freqs_k=frames > 1)
+    ours_q = rotary.apply(q, pos, spec=spec, seq_axis=-2)
+    ours_k = rotary.apply(k[..., : frames * n, :], np.tile(pos, (frames, 1)), spec=spec, seq_axis=-2)
+    _close(ours_q, hf_q, q, pos.max(), spec)
+    _close(ours_k, hf_k[..., : frames * n, :], k[..., : frames * n, :], pos.max(), spec)
+    np.testing.assert_array_equal(hf_k[..., frames * n:, :].numpy(), k[..., frames * n:, :])
