@@ -488,9 +488,40 @@ def models_markdown(rows, skipped, version: str) -> str:
             axes = "1-D"
         out.append(f"| {family} | `{cls_name}` | {layer_type or ''} | {spec.rope_type} | {spec.layout} | {dims} | "
                    f"{axes} | {note} |")
+    out += vision_markdown()
     out += ["", "## Not covered", "", "HF's own module cannot run with its default config:", ""]
     out += [f"- `{cls_name}` ({family}): {reason}" for family, cls_name, reason in skipped]
     return "\n".join(out) + "\n"
+
+
+def vision_markdown() -> list[str]:
+    """The vision section of docs/models.md: rotary's vision table (rotary/spec/hf_vision.py), each tower's
+    spec read from HF's default config by ``RopeSpec.from_hf_vision_config``; every row is checked against
+    HF's module and apply function by tests/test_peers_vision_towers.py (which fails on an unchecked row)."""
+    import transformers
+
+    import rotary
+    from rotary.cli.inspect import pair_assignment
+    from rotary.spec.hf_vision import VISION_TOWERS
+
+    out = ["", "## Vision towers", "",
+           "`RopeSpec.from_hf_vision_config(config)` (the vision tower of a composite config, or a vision config",
+           "itself), from each tower's HF default config; `python -m rotary inspect config.json` prints the same.",
+           "Coordinates: r = row, c = col (t = frame) of `rotary.grid_positions`.", "",
+           "| tower | HF class | rotary / head dims | layout | pairs read | positions (as HF builds them) |",
+           "|---|---|---|---|---|---|"]
+    for model_type, (family, cls_name, _, positions) in VISION_TOWERS.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec = rotary.RopeSpec.from_hf_vision_config(transformers.AutoConfig.for_model(model_type))
+        names = {2: "rc", 3: "trc"}[spec.n_axes]
+        reads = pair_assignment(spec, names)
+        reads = reads[0].replace("pairs read", "").strip() if len(reads) == 1 else \
+            "alternating " + "/".join(names) + " pair by pair"
+        extra = "" if spec.float_positions is False else ", float coordinates"
+        out.append(f"| {family} (`{model_type}`) | `{cls_name}` | {spec.rotary_dim} / {spec.head_dim} | "
+                   f"{spec.layout}{extra} | {reads} | {positions} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -269,3 +269,24 @@ def test_inspect_prints_which_coordinate_each_pair_reads():
     assert letters == "".join("thw"[a] for a in axes) and letters.startswith("thwthw") and letters.endswith("tttt")
     out = inspect_config({"model_type": "neomme", "head_dim": 64, "hidden_size": 1024, "num_attention_heads": 16})
     assert "pairs read         0101" in out and "coordinate index" in out
+
+
+def test_inspect_prints_the_vision_tower():
+    """A composite config.json: the text spec, then the vision tower's (RopeSpec.from_hf_vision_config) with
+    its pair -> (row, col) assignment and the positions HF builds; a vision tower's own config: only that.
+    (tests/test_peers_vision_towers.py checks each tower of the table against HF.)"""
+    from rotary.cli.inspect import inspect_config
+
+    qwen2vl = {"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
+               "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+               "vision_config": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "hidden_size": 3584}}
+    out = inspect_config(qwen2vl)
+    text, vision = out.split("[vision: Qwen2-VL, HF Qwen2VLVisionRotaryEmbedding]")
+    assert "pairs read         0-15 t, 16-39 h, 40-63 w" in text
+    assert "head / rotary dims 80 / 80 (40 pairs)" in vision and "pairs read         0-19 r, 20-39 c" in vision
+    assert "spatial_merge_size=2" in vision
+    assert RopeSpec.from_hf_vision_config(qwen2vl) == RopeSpec.axial(80, axes=2)
+    step = inspect_config({"model_type": "step3p5_vision", "hidden_size": 1536, "num_attention_heads": 16})
+    assert step.startswith("[vision: Step3p7") and "pairs read         0-23 c, 24-47 r" in step
+    with pytest.raises(ValueError, match="no vision tower with RoPE"):
+        RopeSpec.from_hf_vision_config({"model_type": "llama", "head_dim": 64})

@@ -171,6 +171,7 @@ def test_qwen2_vl_vision_matches_hf():
     head_dim = config.embed_dim // config.num_attention_heads                     # 80
     rope = mod.Qwen2VLVisionRotaryEmbedding(config)
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"])
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
     m = config.spatial_merge_size
     # two images and a 2-frame video, patches in the vision tower's merge-block order
     pos = np.concatenate([rotary.grid_positions(6, 8, spatial_merge_size=m),
@@ -194,6 +195,7 @@ def test_pixtral_vision_matches_hf():
     rope = mod.PixtralVisionRotaryEmbedding(config)
     spec = rotary.RopeSpec.axial(config.head_dim, axes=2, base=config.rope_parameters["rope_theta"],
                                  frequencies="strided")
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
     pos = np.concatenate([rotary.grid_positions(5, 7), rotary.grid_positions(3, 2)])   # two images, row-major
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, config.num_attention_heads, len(pos), config.head_dim)).astype(np.float32)
@@ -225,6 +227,8 @@ def test_sam3_vision_matches_hf(window):
     scale = config.window_size / w
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"], layout="interleaved",
                                  axis_order=(1, 0), frequency_scale=scale)
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec.replace(     # the table: windowed layers
+        frequencies=tuple(np.asarray(spec.frequencies) / scale))
     pos = rotary.grid_positions(h, w)                                            # integer (row, col)
     np.testing.assert_allclose(pos[:, ::-1] * scale, hf_pos.double().numpy(), rtol=1e-6)
     rope = mod.Sam3ViTRotaryEmbedding(config)
@@ -262,6 +266,7 @@ def test_dinov3_matches_hf():
         hf_q, hf_k = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_theta, frequency_scale=2 * math.pi,
                                  float_positions=True)
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
     pos = rotary.grid_positions(h, w, normalized=True)
     ours_q, ours_k = rotary.apply_qk(q[..., prefix:, :], k[..., prefix:, :], pos, spec=spec, seq_axis=-2)
     bound = _angle_bound(spec, 1.0)

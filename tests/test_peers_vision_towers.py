@@ -57,44 +57,66 @@ def _hf_vision_positions(grid_thw, merge, include_temporal=False):
 
 
 # -- Qwen-style towers: get_vision_position_ids + apply_rotary_pos_emb_vision ------------------------------
-#: model: (package, rotary class, vision config class, merge size of the positions HF builds, axes, axis_order)
+#: family: (package, merge size HF's tower passes to get_vision_position_ids: "config" = spatial_merge_size,
+#: whether it asks for the temporal column, the spec spelled out as docs/multi-axis.md shows it)
 QWEN_STYLE = {
-    "paddleocr_vl": ("paddleocr_vl", "PaddleOCRVisionRotaryEmbedding", "PaddleOCRVisionConfig", 1, 2, (0, 1)),
-    "step3p7": ("step3p7", "Step3p7VisionRotaryEmbedding", "Step3p7VisionConfig", 1, 2, (1, 0)),
-    "lfm3_vl": ("lfm3_vl", "Lfm3VlVisionRotaryEmbedding", "Lfm3VlVisionConfig", 2, 2, (0, 1)),
-    "minimax_m3_vl": ("minimax_m3_vl", "MiniMaxM3VLVisionRotaryEmbedding", "MiniMaxM3VLVisionConfig", 2, 3, (0, 1, 2)),
+    "qwen2_vl": ("qwen2_vl", "config", False, lambda c: rotary.RopeSpec.axial(c.embed_dim // c.num_heads, axes=2)),
+    "qwen2_5_vl": ("qwen2_5_vl", "config", False,
+                   lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "qwen3_vl": ("qwen3_vl", "config", False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "config", False,
+                     lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "glm4v": ("glm4v", "config", False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "glm4v_moe": ("glm4v_moe", "config", False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "glm_ocr": ("glm_ocr", "config", False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_heads, axes=2)),
+    "paddleocr_vl": ("paddleocr_vl", 1, False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_attention_heads,
+                                                                              axes=2)),
+    "step3p7": ("step3p7", 1, False, lambda c: rotary.RopeSpec.axial(c.hidden_size // c.num_attention_heads, axes=2,
+                                                                     axis_order=(1, 0))),
+    "lfm3_vl": ("lfm3_vl", "config", False, lambda c: rotary.RopeSpec.axial(
+        c.hidden_size // c.num_attention_heads, axes=2, base=c.rope_parameters["rope_theta"])),
+    "minimax_m3_vl": ("minimax_m3_vl", "config", True, lambda c: rotary.RopeSpec.axial(
+        c.hidden_size // c.num_attention_heads, axes=3, rotary_dim=78)),
 }
 
 
-@pytest.mark.parametrize("model", sorted(QWEN_STYLE))
-def test_qwen_style_vision_tower_matches_hf(model):
-    package, cls_name, config_cls, merge, axes, order = QWEN_STYLE[model]
+def _vision_config(family):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        top = transformers.AutoConfig.for_model(family)
+    return top, top.vision_config
+
+
+@pytest.mark.parametrize("family", sorted(QWEN_STYLE))
+def test_qwen_style_vision_tower_matches_hf(family):
+    from rotary.spec.hf_vision import VISION_TOWERS
+
+    package, merge, temporal, spelled = QWEN_STYLE[family]
     mod = _module(package)
-    config = _config(importlib.import_module(f"transformers.models.{package}.configuration_{package}"), config_cls)
-    head_dim = config.hidden_size // config.num_attention_heads
-    base = config.rope_parameters["rope_theta"]
-    # MiniMax-M3-VL: each of t, h, w gets 2 * ((head_dim // 3) // 2) dims, the rest passes through
-    rotary_dim = axes * 2 * ((head_dim // axes) // 2)
-    spec = rotary.RopeSpec.axial(head_dim, axes=axes, base=base, rotary_dim=rotary_dim, axis_order=order)
+    top, config = _vision_config(family)
+    spec = rotary.RopeSpec.from_hf_vision_config(top)
+    assert spec == spelled(config) == rotary.RopeSpec.from_hf_vision_config(top.to_dict())
+    merge = config.spatial_merge_size if merge == "config" else merge
+    head_dim = spec.head_dim
     grid = _grid_thw((1, 6, 8), (2, 4, 4), (1, 2, 10))      # an image, a 2-frame video, a wide image
-    hf_pos = _hf_vision_positions(grid, merge, include_temporal=axes == 3)
+    hf_pos = _hf_vision_positions(grid, merge, include_temporal=temporal)
     # rotary's helper gives HF's ids token for token
-    ours_pos = np.concatenate([rotary.grid_positions(h, w, t if axes == 3 else None, spatial_merge_size=merge)
-                               if axes == 3 else np.tile(rotary.grid_positions(h, w, spatial_merge_size=merge), (t, 1))
+    ours_pos = np.concatenate([rotary.grid_positions(h, w, t, spatial_merge_size=merge) if temporal
+                               else np.tile(rotary.grid_positions(h, w, spatial_merge_size=merge), (t, 1))
                                for t, h, w in grid.tolist()])
     np.testing.assert_array_equal(ours_pos, hf_pos.numpy())
-    rope = getattr(mod, cls_name)(config)
+    rope = getattr(mod, VISION_TOWERS[config.model_type][1])(config)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((len(ours_pos), 2, head_dim)).astype(np.float32)        # (seq, heads, dim)
     k = rng.standard_normal(q.shape).astype(np.float32)
     with torch.no_grad():
         cos, sin = rope(torch.from_numpy(q), hf_pos)
         hf_q, hf_k = mod.apply_rotary_pos_emb_vision(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
-    assert cos.shape[-1] == rotary_dim
+    assert cos.shape[-1] == spec.rotary_dim
     ours_q, ours_k = rotary.apply_qk(q, k, ours_pos, spec=spec, seq_axis=-3)
     _close(ours_q, hf_q, q, ours_pos.max(), spec)
     _close(ours_k, hf_k, k, ours_pos.max(), spec)
-    if axes == 2 and order == (1, 0):   # Step3p7: w before h is what makes it match; (h, w) does not
+    if spec.n_axes == 2:   # the coordinate assignment is what makes it match: the other one does not
         wrong = rotary.apply(q, ours_pos, spec=spec.replace(pair_axes=tuple(1 - a for a in spec.pair_axes())),
                              seq_axis=-3)
         assert np.max(np.abs(wrong - hf_q.numpy())) > 0.1
@@ -123,6 +145,7 @@ def test_mlcd_matches_hf_with_its_learned_cls_angles():
         cos, sin = torch.cat([cls.cos(), cos], dim=0), torch.cat([cls.sin(), sin], dim=0)
         hf_q, hf_k = mod.apply_rotary_pos_emb_vision(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"])
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
     ours_q, ours_k = rotary.apply_qk(q[:, 1:], k[:, 1:], rotary.grid_positions(h, w), spec=spec, seq_axis=-3)
     _close(ours_q, hf_q[:, 1:], q[:, 1:], max(h, w), spec)
     _close(ours_k, hf_k[:, 1:], k[:, 1:], max(h, w), spec)
@@ -150,6 +173,9 @@ def test_efficientloftr_matches_hf():
     spec = rotary.RopeSpec(config.hidden_size, base=config.rope_parameters["rope_theta"], layout="interleaved",
                            frequencies=tuple(np.repeat(phi, 2).tolist()),
                            pair_axes=tuple(i % 2 for i in range(config.hidden_size // 2)), n_axes=2)
+    table = rotary.RopeSpec.from_hf_vision_config(config)
+    np.testing.assert_allclose(table.inv_freq(), spec.inv_freq(), rtol=1e-15, atol=0)
+    assert table.replace(frequencies=spec.frequencies) == spec
     pos = rotary.grid_positions(eh, ew) + 1
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, eh * ew, config.hidden_size)).astype(np.float32)   # (batch, seq, hidden)
@@ -178,6 +204,7 @@ def test_sam2_video_memory_attention_matches_hf(frames, pointers):
                                                        * config.memory_attention_num_attention_heads)
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"], layout="interleaved",
                                  axis_order=(1, 0))
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
     rope = mod.Sam2VideoVisionRotaryEmbedding(config)
     rng = np.random.default_rng(3)
     n = len(pos)
@@ -192,3 +219,23 @@ def test_sam2_video_memory_attention_matches_hf(frames, pointers):
     _close(ours_q, hf_q, q, pos.max(), spec)
     _close(ours_k, hf_k[..., : frames * n, :], k[..., : frames * n, :], pos.max(), spec)
     np.testing.assert_array_equal(hf_k[..., frames * n:, :].numpy(), k[..., frames * n:, :])
+
+
+#: every tower of rotary's vision table and the test here or in tests/test_peers_multi_axis.py that checks it
+COVERED = {**{_vision_config(f)[1].model_type: "test_qwen_style_vision_tower_matches_hf" for f in QWEN_STYLE},
+           "mlcd_vision_model": "test_mlcd_matches_hf_with_its_learned_cls_angles",
+           "efficientloftr": "test_efficientloftr_matches_hf",
+           "sam2_video": "test_sam2_video_memory_attention_matches_hf",
+           "pixtral": "test_peers_multi_axis.test_pixtral_vision_matches_hf",
+           "sam3_vit_model": "test_peers_multi_axis.test_sam3_vision_matches_hf",
+           "dinov3_vit": "test_peers_multi_axis.test_dinov3_matches_hf"}
+
+
+def test_every_vision_tower_of_the_table_is_checked_against_hf():
+    from rotary.spec.hf_vision import VISION_TOWERS
+    from tests import test_peers_multi_axis
+
+    assert set(VISION_TOWERS) == set(COVERED)
+    for name in COVERED.values():
+        module, _, fn = name.rpartition(".")
+        assert callable(getattr(test_peers_multi_axis, fn, None) if module else globals().get(fn)), name

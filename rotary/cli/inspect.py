@@ -15,7 +15,7 @@ import sys
 HELP = "print the RoPE spec(s) rotary reads from an HF config.json"
 
 
-def describe(spec) -> list[str]:
+def describe(spec, axis_names=None) -> list[str]:
     """Lines describing one spec (what a user checks against the model card)."""
     lines = [f"rope type          {spec.rope_type}"]
     if spec.scaling is not None:
@@ -33,7 +33,7 @@ def describe(spec) -> list[str]:
     elif spec.multi_axis:
         lines.append(f"axes               {spec.n_axes} coordinates per token")
     if spec.multi_axis:
-        lines += pair_assignment(spec)
+        lines += pair_assignment(spec, axis_names)
     if spec.max_position_embeddings is not None:
         lines.append(f"max positions      {spec.max_position_embeddings}")
     lines.append(f"attention factor   {spec.attention_scaling:.9g} (multiplies cos and sin)")
@@ -45,11 +45,13 @@ def describe(spec) -> list[str]:
 MROPE_AXES = "thw"
 
 
-def pair_assignment(spec) -> list[str]:
+def pair_assignment(spec, names=None) -> list[str]:
     """Which coordinate each rotated pair reads, complete: runs of pairs ("pairs 0-15 t, 16-39 h, 40-63 w")
-    when there are few, else one letter per pair in rows of 32 (an interleaved M-RoPE: "thwthw...")."""
+    when there are few, else one letter per pair in rows of 32 (an interleaved M-RoPE: "thwthw...").
+    ``names``: one letter per coordinate (default t/h/w for M-RoPE, the coordinate index otherwise)."""
     axes = spec.pair_axes().tolist()
-    names = MROPE_AXES if spec.mrope_section is not None and spec.n_axes <= 3 else "0123456789"
+    if names is None:
+        names = MROPE_AXES if spec.mrope_section is not None and spec.n_axes <= 3 else "0123456789"
     if spec.n_axes > len(names):
         return [f"pairs read         {axes}"]
     runs, start = [], 0
@@ -58,7 +60,7 @@ def pair_assignment(spec) -> list[str]:
             span = str(start) if i - 1 == start else f"{start}-{i - 1}"
             runs.append(f"{span} {names[axes[start]]}")
             start = i
-    legend = "" if names == MROPE_AXES else " (coordinate index of the position's trailing axis)"
+    legend = "" if not names[0].isdigit() else " (coordinate index of the position's trailing axis)"
     if len(runs) <= 8:
         return [f"pairs read         {', '.join(runs)}{legend}"]
     letters = "".join(names[a] for a in axes)
@@ -90,8 +92,12 @@ def inspect_config(config, layer_type=None, head="rope") -> str:
     """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig); ``head`` as in
     ``RopeSpec.from_hf_config`` (MLA: "qk" for the whole [nope | rope] head, "indexer" for DSA's indexer)."""
     from ..spec import hf_config as _hf_config
+    from ..spec import hf_vision
     from ..spec.rope_spec import RopeSpec
 
+    vision = hf_vision.vision_reader(config)
+    if vision is not None and vision.where == "config":   # the config is a vision tower's own
+        return "\n".join(_vision_lines(config))
     if layer_type is not None:
         specs = {layer_type: RopeSpec.from_hf_config(config, layer_type=layer_type, head=head)}
     else:
@@ -104,7 +110,27 @@ def inspect_config(config, layer_type=None, head="rope") -> str:
     types = reader.get("layer_types")
     if types and layer_type is None:
         out.append(f"layers             {_runs(list(types))}")
+    if vision is not None and layer_type is None:
+        out += _vision_lines(config)
     return "\n".join(out)
+
+
+def _vision_lines(config) -> list[str]:
+    """The vision tower's section: its spec (RopeSpec.from_hf_vision_config), pair assignment and the
+    positions HF builds for it."""
+    from ..spec import hf_vision
+
+    spec, family, cls_name, positions = hf_vision.vision_spec(config)
+    # grid_positions' coordinates: (row, col), or (frame, row, col)
+    names = {2: "rc", 3: "trc"}.get(spec.n_axes)
+    out = [f"[vision: {family}, HF {cls_name}]"]
+    out += ["  " + line for line in describe(spec, names)]
+    if names:
+        words = ("frame", "row", "col")[-len(names):]
+        out.append("  coordinates        " + " ".join(f"{n}={w}" for n, w in zip(names, words))
+                   + " (grid_positions' trailing axis)")
+    out.append(f"  positions          {positions}")
+    return out
 
 
 def run_cli(args) -> int:

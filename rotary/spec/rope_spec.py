@@ -357,6 +357,17 @@ class RopeSpec:
         return cls._from_hf_kwargs(kwargs, layout)
 
     @classmethod
+    def from_hf_vision_config(cls, config) -> "RopeSpec":
+        """The axial spec of the vision tower in an HF config (dict or PretrainedConfig: the config itself,
+        its ``vision_config``, SAM 3's ``backbone_config``), as the tower's HF rotary module builds it:
+        which coordinate each pair reads, the per-axis frequencies, the pair layout (see
+        ``rotary.spec.hf_vision.VISION_TOWERS`` and docs/models.md for the towers and the positions HF
+        builds for them)."""
+        from . import hf_vision
+
+        return hf_vision.vision_spec(config)[0]
+
+    @classmethod
     def per_layer_from_hf_config(cls, config, *, layout: str | None = None, head: str = "rope") -> dict:
         """{layer type: spec} of a config: one entry per RoPE layer type of a per-layer-type config,
         one per ``layer_types`` entry of a flat config (all equal), ``{"default": spec}`` otherwise.

@@ -1,0 +1,144 @@
+"""HF vision-tower configs -> the axial RoPE spec the tower's HF rotary module builds.
+
+One table (:data:`VISION_TOWERS`, keyed by the vision config's ``model_type``) says, per tower, how HF's
+module turns the config into frequencies and which coordinate each rotated pair reads; the specs are
+checked against HF's own modules and apply functions in tests/test_peers_vision_towers.py and
+tests/test_peers_multi_axis.py, and docs/models.md lists the table. Every tower here is an existing
+spec form (``RopeSpec.axial`` or frequencies + pair axes), so every backend runs it.
+
+Generic axial tower (Qwen2-VL and most others): ``dim = head_dim or hidden_size // num_attention_heads``,
+each axis a set of ``dim / 4`` frequencies ``base**(-arange(0, dim/2, 2) / (dim/2))``, the pairs of the
+first half reading the first coordinate of HF's position ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from . import hf_config as _hf
+
+#: vision model_type -> (family shown in docs, HF rotary class, what differs from the generic tower,
+#: the positions HF builds, spelled with rotary's helpers)
+VISION_TOWERS = {
+    "qwen2_vl_vision": ("Qwen2-VL", "Qwen2VLVisionRotaryEmbedding", {"dim_key": "embed_dim"},
+                        "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "qwen2_5_vl_vision": ("Qwen2.5-VL", "Qwen2_5_VLVisionRotaryEmbedding", {},
+                          "grid_positions(h, w, spatial_merge_size=2) per frame, then permuted by HF's window index "
+                          "(get_vision_window_index), as the tokens are"),
+    "qwen3_vl_vision": ("Qwen3-VL", "Qwen3VLVisionRotaryEmbedding", {},
+                        "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "qwen3_vl_moe_vision": ("Qwen3-VL-MoE", "Qwen3VLMoeVisionRotaryEmbedding", {},
+                            "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "glm4v_vision": ("GLM-4V", "Glm4vVisionRotaryEmbedding", {},
+                     "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "glm4v_moe_vision": ("GLM-4V-MoE", "Glm4vMoeVisionRotaryEmbedding", {},
+                         "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "glm_ocr_vision": ("GLM-OCR", "GlmOcrVisionRotaryEmbedding", {},
+                       "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "paddleocr_vl_vision": ("PaddleOCR-VL", "PaddleOCRVisionRotaryEmbedding", {},
+                            "grid_positions(h, w) per frame"),
+    "lfm3_vl_vision": ("LFM3-VL", "Lfm3VlVisionRotaryEmbedding", {},
+                       "grid_positions(h, w, spatial_merge_size=2) per frame"),
+    "mlcd_vision_model": ("MLCD", "MLCDRotaryEmbedding", {},
+                          "grid_positions(h, w); the CLS token turns by the learned class_pos_emb angles "
+                          "(RopeSpec.from_inv_freq(class_pos_emb) at position 1)"),
+    "step3p5_vision": ("Step3p7", "Step3p7VisionRotaryEmbedding", {"axis_order": (1, 0)},
+                       "grid_positions(h, w) per frame; pairs read w before h"),
+    "minimax_m3_vl_vision": ("MiniMax-M3-VL", "MiniMaxM3VLVisionRotaryEmbedding", {"axes": 3},
+                             "grid_positions(h, w, t, spatial_merge_size=2) (t, h, w)"),
+    "pixtral": ("Pixtral", "PixtralVisionRotaryEmbedding", {"frequencies": "strided"},
+                "grid_positions(h, w) per image; frequencies strided (rows the even, columns the odd of the 1-D set)"),
+    "sam3_vit_model": ("SAM 3 ViT", "Sam3ViTRotaryEmbedding", {"layout": "interleaved", "axis_order": (1, 0)},
+                       "grid_positions(window, window) on windowed layers; global layers: grid_positions(h, w) "
+                       "with frequency_scale=window_size / w"),
+    "sam2_video": ("SAM 2 video memory attention", "Sam2VideoVisionRotaryEmbedding",
+                   {"layout": "interleaved", "axis_order": (1, 0), "dims": "sam2_memory"},
+                   "grid_positions(*reversed(memory_attention_rope_feat_sizes)), np.tile'd over memory frames; "
+                   "object-pointer keys unrotated"),
+    "dinov3_vit": ("DINOv3", "DINOv3ViTRopePositionEmbedding",
+                   {"frequency_scale": 2 * math.pi, "float_positions": True, "base_key": "rope_theta"},
+                   "grid_positions(h, w, normalized=True) on the patch tokens; cls and register tokens unrotated"),
+    "efficientloftr": ("EfficientLoFTR", "EfficientLoFTRRotaryEmbedding", {"dims": "efficientloftr"},
+                       "grid_positions(h', w') + 1 over the aggregated coarse grid; the whole hidden rotated "
+                       "before the head split"),
+}
+
+
+def _levels(reader, depth=0):
+    yield reader
+    if depth >= 3 or not reader.is_dict and not hasattr(reader.config, "to_dict"):
+        return
+    for key in ("vision_config", "backbone_config", "vision_tower_config"):
+        sub = reader.sub(key)
+        if sub is not None:
+            if not isinstance(sub.model_type, str) and isinstance(reader.model_type, str):
+                sub.model_type = f"{reader.model_type}_vision"   # an old config.json's vision_config
+            yield from _levels(sub, depth + 1)
+
+
+def vision_reader(config):
+    """The reader of a config's vision tower level with RoPE (the config itself, its ``vision_config``,
+    SAM 3's ``vision_config.backbone_config``), or None."""
+    for reader in _levels(_hf._Reader(config)):
+        if reader.model_type in VISION_TOWERS:
+            return _hf.as_hf_class_reads(reader)
+    return None
+
+
+def _base(reader, key):
+    params = reader.get("rope_parameters")
+    if key is None and isinstance(params, Mapping) and params.get("rope_theta") is not None:
+        return _hf._number(params["rope_theta"], f"{reader.name('rope_parameters')}['rope_theta']")
+    value = reader.get(key or "rope_theta")
+    return 10000.0 if value is None else _hf._number(value, reader.name(key or "rope_theta"))
+
+
+def vision_spec(config):
+    """(spec, family, HF class, positions) of the vision tower in ``config``; ValueError when there is none."""
+    from .rope_spec import RopeSpec
+
+    reader = vision_reader(config)
+    if reader is None:
+        raise _hf.ConfigError(f"config has no vision tower with RoPE that rotary knows (model types "
+                              f"{', '.join(sorted(VISION_TOWERS))})")
+    family, cls_name, rule, positions = VISION_TOWERS[reader.model_type]
+    base = _base(reader, rule.get("base_key"))
+    dims = rule.get("dims")
+    if dims == "sam2_memory":
+        hidden = _hf._integer(reader.get("memory_attention_hidden_size"), reader.name("memory_attention_hidden_size"))
+        rate = _hf._integer(reader.get("memory_attention_downsample_rate"),
+                            reader.name("memory_attention_downsample_rate"))
+        heads = _hf._integer(reader.get("memory_attention_num_attention_heads"),
+                             reader.name("memory_attention_num_attention_heads"))
+        dim = hidden // (rate * heads)
+    elif reader.get("head_dim") is not None and rule.get("dim_key") is None:
+        dim = _hf._integer(reader.get("head_dim"), reader.name("head_dim"))
+    else:
+        key = rule.get("dim_key", "hidden_size")
+        hidden, heads = reader.get(key), reader.get("num_attention_heads")
+        if hidden is None or heads is None:
+            raise _hf.ConfigError(f"{reader.where} needs '{key}' and 'num_attention_heads' (or 'head_dim')")
+        dim = _hf._integer(hidden, reader.name(key)) // _hf._integer(heads, reader.name("num_attention_heads"))
+    if dims == "efficientloftr":
+        # HF: frequencies of d = int(head_dim * partial_rotary_factor), laid on the whole hidden, pair m
+        # reading the row (m even) or the column (m odd) with frequency m // 2
+        params = reader.get("rope_parameters") or {}
+        factor = _hf._number(params.get("partial_rotary_factor", 1.0), "partial_rotary_factor")
+        hidden = _hf._integer(reader.get("hidden_size"), reader.name("hidden_size"))
+        d = int(dim * factor)
+        phi = [base ** (-i / d) for i in range(0, d, 2)]
+        pairs = hidden // 2
+        if pairs != 2 * len(phi):
+            raise _hf.ConfigError(f"{reader.where}: EfficientLoFTR's {len(phi)} frequencies do not fill the "
+                                  f"{pairs} pairs of hidden_size {hidden} twice (HF's emb would not fit)")
+        spec = RopeSpec(hidden, base=base, layout="interleaved", frequencies=tuple(f for f in phi for _ in (0, 1)),
+                        pair_axes=tuple(m % 2 for m in range(pairs)), n_axes=2)
+        return spec, family, cls_name, positions
+    axes = rule.get("axes", 2)
+    rotary_dim = axes * 2 * ((dim // axes) // 2) if axes != 2 else None
+    spec = RopeSpec.axial(dim, axes=axes, base=base, layout=rule.get("layout", "half"), rotary_dim=rotary_dim,
+                          frequencies=rule.get("frequencies", "per_axis"), axis_order=rule.get("axis_order"),
+                          frequency_scale=rule.get("frequency_scale", 1.0),
+                          float_positions=rule.get("float_positions", False))
+    return spec, family, cls_name, positions
