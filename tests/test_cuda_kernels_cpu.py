@@ -19,6 +19,7 @@ from rotary import RopeSpec
 from rotary.conformance import cases as conformance
 from rotary import backends as registry
 from rotary.backends import cupy as cb
+from rotary.spec import hf_vision
 from rotary.testing import rope_complex, tolerance
 
 from .cuda_shim import host
@@ -738,3 +739,37 @@ def test_linear_attention_ragged_packed_batch(use_backend, threads, causal, deca
     monkeypatch.setattr(cb, "plan_linear_attention", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
     ragged_against_oracle(name, causal, normalize, dtype, decay)
     assert len(launches) == 1 and launches[0]["cu_seqlens"] is not None
+
+
+# -- the HF vision towers' specs (rotary/spec/hf_vision.py) on every backend ---------------------------
+#: minimal config.json dicts: the class-defaults table (rotary/spec/hf_defaults.py) fills in the heads
+VISION_DICTS = {
+    "sam2_video": {"model_type": "sam2_video", "memory_attention_hidden_size": 256,
+                   "memory_attention_downsample_rate": 1, "memory_attention_num_attention_heads": 1},
+    "efficientloftr": {"model_type": "efficientloftr", "hidden_size": 256, "num_attention_heads": 8,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 4.0}},
+    "dinov3_vit": {"model_type": "dinov3_vit", "hidden_size": 384, "num_attention_heads": 6, "rope_theta": 100.0},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_vision.VISION_TOWERS))
+def test_hf_vision_tower_specs_on_every_backend(model_type, use_backend, rng):
+    """Each vision tower's spec (axial sections, x-first or alternating pair axes, a partial rotary dim, float
+    coordinates) through NumPy, Numba and the CUDA kernels on the host shim, against the float64 complex
+    oracle. tests/test_peers_vision_towers.py checks the same specs against HF."""
+    spec = RopeSpec.from_hf_vision_config(VISION_DICTS.get(model_type, {"model_type": model_type}))
+    h, w = 4, 6
+    if spec.float_positions:
+        pos = rotary.grid_positions(h, w, normalized=True)
+    elif spec.n_axes == 3:
+        pos = rotary.grid_positions(h, w, 2)
+    else:
+        pos = rotary.grid_positions(h, w) + 7
+    x = rng.standard_normal((1, len(pos), 2, spec.head_dim)).astype(np.float32)
+    want = rope_complex(x, pos[None, :, None, :], spec.inv_freq(), layout=spec.layout,
+                        pair_axes=spec.pair_axes())
+    backends = ["numpy", use_backend()] + (["numba"] if registry.available_backends()["numba"][0] else [])
+    rtol, atol = tolerance(np.float32)
+    for backend in backends:
+        got = rotary.apply(x, pos, spec=spec, seq_axis=-3, backend=backend)
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * 10, err_msg=f"{model_type} on {backend}")
