@@ -136,8 +136,10 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     if n_axes:
         if p.ndim == 0 or p.shape[-1] != n_axes:
             raise ValueError(f"{name} of shape {p.shape} must carry the spec's {n_axes} coordinates on a trailing "
-                             f"axis: ({seq_len}, {n_axes}) or (batch, {seq_len}, {n_axes}) (HF's M-RoPE "
-                             "position_ids (3, batch, seq) become np.moveaxis(position_ids, 0, -1))")
+                             f"axis: ({seq_len}, {n_axes}) or (batch, {seq_len}, {n_axes}) (HF's multi-axis "
+                             f"position_ids ({n_axes}, batch, seq) become np.moveaxis(position_ids, 0, -1); 1-D ids, "
+                             "which HF's text models expand to every axis, become "
+                             f"np.repeat(ids[..., None], {n_axes}, axis=-1))")
         core = p.shape[:-1]
     else:
         core = p.shape

@@ -1,0 +1,83 @@
+"""Two text towers whose HF code builds positions or pairs in its own way, through the model's own rotary
+module and the apply function its attention calls (the zoo, tests/test_hf_zoo.py, checks their cos/sin).
+
+- NeoMME: two-axis (row, col) text RoPE; ``NeoMMEModel.forward`` expands 1-D ``position_ids`` (batch, seq)
+  to (2, batch, seq), image tokens carry their own (2, batch, seq) ids. rotary takes (batch, seq, 2):
+  ``np.moveaxis(ids, 0, -1)``, or ``np.repeat(ids[..., None], 2, -1)`` for 1-D ids.
+- NanoChat: its ``rotate_half`` returns (x2, -x1), so its attention turns every pair by -theta
+  (Karpathy's nanochat: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos); ``from_hf_config`` gives the
+  negated frequencies, which equals rotary's inverse rotation of the plain spec.
+"""
+
+import importlib
+import warnings
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary import RopeSpec
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.peer, pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                                                   reason="needs transformers >= 5 (rope_parameters)")]
+
+
+def _setup(model_type):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.AutoConfig.for_model(model_type)
+    return config, importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+@pytest.mark.parametrize("layer_type", ["full_attention", "sliding_attention"])
+def test_neomme_positions_as_the_model_builds_them(layer_type):
+    config, mod = _setup("neomme")
+    rope = mod.NeoMMERotaryEmbedding(config)
+    spec = RopeSpec.from_hf_config(config.to_dict(), layer_type=layer_type)
+    assert spec == RopeSpec.from_hf_config(config, layer_type=layer_type) and spec.n_axes == 2
+    rng = np.random.default_rng(0)
+    B, S = 2, 9
+    q = rng.standard_normal((B, 2, S, config.head_dim)).astype(np.float32)        # (batch, heads, seq, dim)
+    k = rng.standard_normal(q.shape).astype(np.float32)
+    ids = torch.arange(S).expand(B, -1) + torch.tensor([[0], [40]])
+    hf_ids = ids.unsqueeze(0).expand(2, -1, -1)               # NeoMMEModel.forward: (batch, seq) -> (2, batch, seq)
+    image = hf_ids.clone()
+    image[:, 1, 3:7] = torch.tensor([[44, 44, 45, 45], [3, 4, 3, 4]])   # a 2 x 2 image block: (row, col)
+    for position_ids in (hf_ids, image):
+        with torch.no_grad():
+            cos, sin = rope(torch.zeros(1), position_ids, layer_type)
+            hq, hk = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
+        pos = np.moveaxis(position_ids.numpy(), 0, -1)        # (batch, seq, 2)
+        oq, ok = rotary.apply_qk(q, k, pos, spec=spec)
+        np.testing.assert_allclose(oq, hq.numpy(), rtol=0, atol=2e-5 * np.abs(q).max())
+        np.testing.assert_allclose(ok, hk.numpy(), rtol=0, atol=2e-5 * np.abs(k).max())
+    # 1-D ids: repeated onto both axes, as HF expands them; passed bare they are a clear error
+    oq = rotary.apply(q, np.repeat(ids.numpy()[..., None], 2, axis=-1), spec=spec)
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1), hf_ids, layer_type)
+        hq, _ = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
+    np.testing.assert_allclose(oq, hq.numpy(), rtol=0, atol=2e-5 * np.abs(q).max())
+    with pytest.raises(ValueError, match=r"np.repeat\(ids\[\.\.\., None\], 2, axis=-1\)"):
+        rotary.apply(q, ids.numpy(), spec=spec)
+
+
+def test_nanochat_turns_pairs_by_minus_theta():
+    config, mod = _setup("nanochat")
+    rope = mod.NanoChatRotaryEmbedding(config)
+    head_dim = config.hidden_size // config.num_attention_heads
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 12, head_dim)).astype(np.float32)
+    pos = np.arange(12) + 100
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1), torch.from_numpy(pos)[None])
+        hq, _ = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(q), cos, sin)
+    hq = hq.numpy()
+    tol = 1e-4 * np.abs(q).max()   # HF's float32 angles at positions ~111
+    spec = RopeSpec.from_hf_config(config)
+    np.testing.assert_allclose(rotary.apply(q, pos, spec=spec), hq, rtol=0, atol=tol)
+    plain = RopeSpec(head_dim, base=spec.base)
+    np.testing.assert_allclose(rotary.apply(q, pos, spec=plain, inverse=True), hq, rtol=0, atol=tol)
+    assert np.max(np.abs(rotary.apply(q, pos, spec=plain) - hq)) > 0.5   # the plain half-split spec disagrees
