@@ -1,4 +1,4 @@
-"""Two text towers whose HF code builds positions or pairs in its own way, through the model's own rotary
+"""Towers whose HF code builds positions or pairs in its own way, through the model's own rotary
 module and the apply function its attention calls (the zoo, tests/test_hf_zoo.py, checks their cos/sin).
 
 - NeoMME: two-axis (row, col) text RoPE; ``NeoMMEModel.forward`` expands 1-D ``position_ids`` (batch, seq)
@@ -7,6 +7,8 @@ module and the apply function its attention calls (the zoo, tests/test_hf_zoo.py
 - NanoChat: its ``rotate_half`` returns (x2, -x1), so its attention turns every pair by -theta
   (Karpathy's nanochat: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos); ``from_hf_config`` gives the
   negated frequencies, which equals rotary's inverse rotation of the plain spec.
+- MusicFlamingo's audio rotary time embedding: a two-axis (window, time) spec with float coordinates
+  scaled by the token's timestamp (see the test).
 """
 
 import importlib
@@ -81,3 +83,43 @@ def test_nanochat_turns_pairs_by_minus_theta():
     plain = RopeSpec(head_dim, base=spec.base)
     np.testing.assert_allclose(rotary.apply(q, pos, spec=plain, inverse=True), hq, rtol=0, atol=tol)
     assert np.max(np.abs(rotary.apply(q, pos, spec=plain) - hq)) > 0.5   # the plain half-split spec disagrees
+
+
+def test_musicflamingo_audio_time_rope_fits_the_multi_axis_contract():
+    """MusicFlamingo's rotary time embedding: 2 x 128 interleaved pairs of the first 512 of 1280 features,
+    the first 128 reading the window axis and the next 128 the time axis, both with base**(-j/128). HF's
+    angle of pair j is (w_b * omega_j) * (-2 pi t) and (2 pi s / L * omega_j) * (-2 pi t): a two-axis spec
+    with float coordinates c0 = -2 pi t w_b, c1 = -2 pi t (2 pi s / L), where t is the token's timestamp
+    (seconds, HF's ``_build_audio_timestamps``), s its frame in the window, w_b = round(t_b0 / window) / L."""
+    import math
+    import types
+
+    config, mod = _setup("musicflamingo")
+    rope = mod.MusicFlamingoRotaryEmbedding(config)
+    seq_len, step = 50, config.audio_frame_step * 4
+    post_lengths = torch.tensor([seq_len, seq_len, seq_len])            # three 50-frame windows, two samples
+    input_ids = torch.full((1, 3 * seq_len + 4), 7)
+    input_ids[0, 1:1 + 2 * seq_len] = config.audio_token_id              # sample 1: two windows
+    input_ids[0, 3 + 2 * seq_len:3 + 3 * seq_len] = config.audio_token_id  # sample 2: one window
+    fake = types.SimpleNamespace(config=config)
+    timestamps = mod.MusicFlamingoModel._build_audio_timestamps(fake, input_ids, post_lengths, seq_len)
+    assert timestamps.shape == (3, seq_len)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, seq_len, config.head_dim)).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = rope(timestamps, seq_len=seq_len)
+        hf = mod.apply_rotary_time_emb(torch.from_numpy(x), cos, sin).double().numpy()
+    L = float(config.max_position_embeddings)
+    t = timestamps.double().numpy()
+    w = np.round(t[:, :1] / (step * seq_len)) / L                          # (windows, 1)
+    s = np.arange(seq_len) / L * 2 * math.pi
+    coords = np.stack(np.broadcast_arrays(-2 * math.pi * t * w, -2 * math.pi * t * s), axis=-1)   # (3, 50, 2)
+    d = int(config.head_dim * config.rope_parameters["partial_rotary_factor"])
+    spec = RopeSpec.axial(config.head_dim, axes=2, rotary_dim=2 * d, base=config.rope_parameters["rope_theta"],
+                          layout="interleaved", float_positions=True)
+    np.testing.assert_allclose(spec.inv_freq()[: d // 2], rope.inv_freq.double().numpy(), rtol=2e-6)
+    ours = rotary.apply(x, coords, spec=spec)
+    # HF forms the angles in float32: |angle| <= max|c| * max(omega), error ~ 1e-7 of that
+    bound = float(np.max(np.abs(coords))) * 2e-7 + 1e-6
+    np.testing.assert_allclose(ours, hf, rtol=0, atol=float(np.abs(x).max()) * math.sqrt(2) * bound)
+    np.testing.assert_array_equal(ours[..., 2 * d:], x[..., 2 * d:])
