@@ -221,11 +221,38 @@ def test_sam2_video_memory_attention_matches_hf(frames, pointers):
     np.testing.assert_array_equal(hf_k[..., frames * n:, :].numpy(), k[..., frames * n:, :])
 
 
+def test_llama4_vision_matches_hf():
+    """Llama 4's vision encoder: complex (interleaved) pairs, the first half reading x = col + 1 and the
+    second y = row + 1 (1-based, row-major patches); the CLS token is appended last with angle 0 (rotary:
+    coordinates (0, 0))."""
+    mod = _module("llama4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.Llama4VisionConfig(image_size=70, patch_size=14)    # a 5 x 5 patch grid
+    n = config.image_size // config.patch_size
+    head_dim = config.hidden_size // config.num_attention_heads
+    spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"], layout="interleaved",
+                                 axis_order=(1, 0))
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
+    pos = np.concatenate([rotary.grid_positions(n, n) + 1, [[0, 0]]])
+    freqs_ci = mod.Llama4VisionRotaryEmbedding(config).freqs_ci
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, len(pos), 3, head_dim)).astype(np.float32)         # (batch, seq, heads, dim)
+    k = rng.standard_normal(q.shape).astype(np.float32)
+    with torch.no_grad():
+        hf_q, hf_k = mod.vision_apply_rotary_emb(torch.from_numpy(q), torch.from_numpy(k), freqs_ci)
+    ours_q, ours_k = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=-3)
+    _close(ours_q, hf_q, q, pos.max(), spec)
+    _close(ours_k, hf_k, k, pos.max(), spec)
+    np.testing.assert_allclose(ours_q[:, -1], q[:, -1], rtol=0, atol=0)
+
+
 #: every tower of rotary's vision table and the test here or in tests/test_peers_multi_axis.py that checks it
 COVERED = {**{_vision_config(f)[1].model_type: "test_qwen_style_vision_tower_matches_hf" for f in QWEN_STYLE},
            "mlcd_vision_model": "test_mlcd_matches_hf_with_its_learned_cls_angles",
            "efficientloftr": "test_efficientloftr_matches_hf",
            "sam2_video": "test_sam2_video_memory_attention_matches_hf",
+           "llama4_vision_model": "test_llama4_vision_matches_hf",
            "pixtral": "test_peers_multi_axis.test_pixtral_vision_matches_hf",
            "sam3_vit_model": "test_peers_multi_axis.test_sam3_vision_matches_hf",
            "dinov3_vit": "test_peers_multi_axis.test_dinov3_matches_hf"}

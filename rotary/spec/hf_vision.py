@@ -56,6 +56,10 @@ VISION_TOWERS = {
                    {"layout": "interleaved", "axis_order": (1, 0), "dims": "sam2_memory"},
                    "grid_positions(*reversed(memory_attention_rope_feat_sizes)), np.tile'd over memory frames; "
                    "object-pointer keys unrotated"),
+    "llama4_vision_model": ("Llama 4 vision", "Llama4VisionRotaryEmbedding",
+                            {"layout": "interleaved", "axis_order": (1, 0)},
+                            "np.concatenate([grid_positions(n, n) + 1, [[0, 0]]]) (n = image_size // patch_size, "
+                            "1-based; the CLS token last, at (0, 0): unrotated)"),
     "dinov3_vit": ("DINOv3", "DINOv3ViTRopePositionEmbedding",
                    {"frequency_scale": 2 * math.pi, "float_positions": True, "base_key": "rope_theta"},
                    "grid_positions(h, w, normalized=True) on the patch tokens; cls and register tokens unrotated"),
