@@ -80,7 +80,51 @@ QWEN_STYLE = {
 }
 
 
+def _axial(c, **kw):
+    heads = getattr(c, "num_attention_heads", None) or c.num_heads
+    return rotary.RopeSpec.axial(c.hidden_size // heads, axes=2, base=c.rope_parameters["rope_theta"], **kw)
+
+
+def _alternating(c):   # Kimi-K2.5: pair m reads w (m even) or h (m odd), frequency m // 2 of the per-axis set
+    half = _axial(c).frequencies[: c.hidden_size // c.num_attention_heads // 4]
+    return rotary.RopeSpec(c.hidden_size // c.num_attention_heads, frequencies=tuple(np.repeat(half, 2).tolist()),
+                           pair_axes=(1, 0) * len(half), n_axes=2)
+
+
+#: towers whose model type AutoConfig builds directly (no composite config): (package, vision model type, ...)
+QWEN_STYLE.update({
+    "cohere_compass": ("cohere_compass", "config", False, _axial),
+    "dots3_note": ("dots3_note", "config", False, _axial),
+    "ernie4_5_vl_moe": ("ernie4_5_vl_moe", "config", False, _axial),
+    "exaone4_5": ("exaone4_5", "config", False, _axial),
+    "glm5_next": ("glm5_next", "config", False, _axial),
+    "muse_glimmer": ("muse_glimmer", 1, False, _axial),
+    "muse_spark": ("muse_spark", 1, False, _axial),
+    "qwen2_5_omni": ("qwen2_5_omni", "config", False, _axial),
+    "qwen3_omni_moe": ("qwen3_omni_moe", "config", False, _axial),
+    "qwen3_5": ("qwen3_5", "config", False, _axial),
+    "qwen3_5_moe": ("qwen3_5_moe", "config", False, _axial),
+    "qwen4_exp": ("qwen4_exp", "config", False, _axial),
+    "video_llama_3": ("video_llama_3", 1, False, _axial),
+    "inkling2": ("inkling2", "config", False, lambda c: _axial(c, layout="interleaved", axis_order=(1, 0))),
+    "kimi_k25": ("kimi_k25", 1, False, _alternating),
+})
+
+#: the vision model type of each package's default config (composites: their vision_config)
+VISION_TYPES = {"cohere_compass": "cohere_compass_vision", "dots3_note": "dots3_note_vision_encoder",
+                "ernie4_5_vl_moe": "ernie4_5_vl_moe_vision", "exaone4_5": "exaone4_5_vision",
+                "glm5_next": "glm5_next_vision", "muse_glimmer": "muse_glimmer_vision", "muse_spark": "muse_spark_vision",
+                "qwen2_5_omni": "qwen2_5_omni_vision_encoder", "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
+                "qwen3_5": "qwen3_5_vision", "qwen3_5_moe": "qwen3_5_moe_vision", "qwen4_exp": "qwen4_exp_vision",
+                "video_llama_3": "video_llama_3_vision", "inkling2": "inkling2_vision", "kimi_k25": "kimi_k25_vision"}
+
+
 def _vision_config(family):
+    if family in VISION_TYPES:   # the vision config itself (some composites nest it deeper than vision_config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = transformers.AutoConfig.for_model(VISION_TYPES[family])
+        return config, config
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         top = transformers.AutoConfig.for_model(family)
@@ -96,7 +140,7 @@ def test_qwen_style_vision_tower_matches_hf(family):
     top, config = _vision_config(family)
     spec = rotary.RopeSpec.from_hf_vision_config(top)
     assert spec == spelled(config) == rotary.RopeSpec.from_hf_vision_config(top.to_dict())
-    merge = config.spatial_merge_size if merge == "config" else merge
+    merge = getattr(config, "spatial_merge_size", 1) if merge == "config" else merge
     head_dim = spec.head_dim
     grid = _grid_thw((1, 6, 8), (2, 4, 4), (1, 2, 10))      # an image, a 2-frame video, a wide image
     hf_pos = _hf_vision_positions(grid, merge, include_temporal=temporal)

@@ -18,6 +18,9 @@ from collections.abc import Mapping
 
 from . import hf_config as _hf
 
+#: the positions of towers that call HF's ``get_vision_position_ids(grid_thw, merge)``
+QWEN_POSITIONS = "grid_positions(h, w, spatial_merge_size=the tower's merge size) per frame"
+
 #: vision model_type -> (family shown in docs, HF rotary class, what differs from the generic tower,
 #: the positions HF builds, spelled with rotary's helpers)
 VISION_TOWERS = {
@@ -47,6 +50,24 @@ VISION_TOWERS = {
                        "grid_positions(h, w) per frame; pairs read w before h"),
     "minimax_m3_vl_vision": ("MiniMax-M3-VL", "MiniMaxM3VLVisionRotaryEmbedding", {"axes": 3},
                              "grid_positions(h, w, t, spatial_merge_size=2) (t, h, w)"),
+    **{mt: (family, cls_name, {}, QWEN_POSITIONS) for mt, family, cls_name in (
+        ("cohere_compass_vision", "Cohere Compass", "CohereCompassVisionRotaryEmbedding"),
+        ("dots3_note_vision_encoder", "dots3_note", "Dots3NoteVisionRotaryEmbedding"),
+        ("ernie4_5_vl_moe_vision", "ERNIE-4.5-VL", "Ernie4_5_VLMoeVisionRotaryEmbedding"),
+        ("exaone4_5_vision", "EXAONE 4.5", "Exaone4_5_VisionRotaryEmbedding"),
+        ("glm5_next_vision", "GLM-5-Next", "Glm5NextVisionRotaryEmbedding"),
+        ("muse_glimmer_vision", "Muse Glimmer", "MuseGlimmerVisionRotaryEmbedding"),
+        ("muse_spark_vision", "Muse Spark", "MuseSparkVisionRotaryEmbedding"),
+        ("qwen2_5_omni_vision_encoder", "Qwen2.5-Omni", "Qwen2_5OmniVisionRotaryEmbedding"),
+        ("qwen3_omni_moe_vision_encoder", "Qwen3-Omni", "Qwen3OmniMoeVisionRotaryEmbedding"),
+        ("qwen3_5_vision", "Qwen3.5", "Qwen3_5VisionRotaryEmbedding"),
+        ("qwen3_5_moe_vision", "Qwen3.5-MoE", "Qwen3_5MoeVisionRotaryEmbedding"),
+        ("qwen4_exp_vision", "Qwen4-Exp", "Qwen4ExpVisionRotaryEmbedding"),
+        ("video_llama_3_vision", "VideoLLaMA3", "VideoLlama3VisionRotaryEmbedding"))},
+    "inkling2_vision": ("Inkling2", "Inkling2VisionRotaryEmbedding", {"layout": "interleaved", "axis_order": (1, 0)},
+                        QWEN_POSITIONS),
+    "kimi_k25_vision": ("Kimi-K2.5", "Kimi_K25VisionRotaryEmbedding", {"alternate": (1, 0)},
+                        "grid_positions(h, w) per frame; pairs alternate w, h with frequency j = pair // 2"),
     "pixtral": ("Pixtral", "PixtralVisionRotaryEmbedding", {"frequencies": "strided"},
                 "grid_positions(h, w) per image; frequencies strided (rows the even, columns the odd of the 1-D set)"),
     "sam3_vit_model": ("SAM 3 ViT", "Sam3ViTRotaryEmbedding", {"layout": "interleaved", "axis_order": (1, 0)},
@@ -138,6 +159,14 @@ def vision_spec(config):
                                   f"{pairs} pairs of hidden_size {hidden} twice (HF's emb would not fit)")
         spec = RopeSpec(hidden, base=base, layout="interleaved", frequencies=tuple(f for f in phi for _ in (0, 1)),
                         pair_axes=tuple(m % 2 for m in range(pairs)), n_axes=2)
+        return spec, family, cls_name, positions
+    if rule.get("alternate"):
+        # pairs alternate between the axes, each frequency of the per-axis set used by both (Kimi-K2.5)
+        group = RopeSpec.axial(dim, axes=2, base=base).frequencies[: dim // 4]
+        order = rule["alternate"]
+        spec = RopeSpec(dim, base=base, layout=rule.get("layout", "half"),
+                        frequencies=tuple(f for f in group for _ in (0, 1)),
+                        pair_axes=tuple(order[m % 2] for m in range(2 * len(group))), n_axes=2)
         return spec, family, cls_name, positions
     axes = rule.get("axes", 2)
     rotary_dim = axes * 2 * ((dim // axes) // 2) if axes != 2 else None
