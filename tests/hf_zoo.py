@@ -502,7 +502,7 @@ def vision_markdown() -> list[str]:
 
     import rotary
     from rotary.cli.inspect import pair_assignment
-    from rotary.spec.hf_vision import VISION_TOWERS
+    from rotary.spec.hf_vision import SPLIT_TOWERS, VISION_TOWERS
 
     out = ["", "## Vision towers", "",
            "`RopeSpec.from_hf_vision_config(config)` (the vision tower of a composite config, or a vision config",
@@ -521,6 +521,9 @@ def vision_markdown() -> list[str]:
         extra = "" if spec.float_positions is False else ", float coordinates"
         out.append(f"| {family} (`{model_type}`) | `{cls_name}` | {spec.rotary_dim} / {spec.head_dim} | "
                    f"{spec.layout}{extra} | {reads} | {positions} |")
+    out += ["", "Not one spec (`from_hf_vision_config` raises and names what reproduces it):", ""]
+    out += [f"- {family} (`{model_type}`, `{cls_name}`): {why}" for model_type, (family, cls_name, why)
+            in SPLIT_TOWERS.items()]
     return out
 
 

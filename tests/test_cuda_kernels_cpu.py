@@ -744,8 +744,9 @@ def test_linear_attention_ragged_packed_batch(use_backend, threads, causal, deca
 # -- the HF vision towers' specs (rotary/spec/hf_vision.py) on every backend ---------------------------
 #: minimal config.json dicts: the class-defaults table (rotary/spec/hf_defaults.py) fills in the heads
 VISION_DICTS = {
-    "sam2_video": {"model_type": "sam2_video", "memory_attention_hidden_size": 256,
-                   "memory_attention_downsample_rate": 1, "memory_attention_num_attention_heads": 1},
+    **{mt: {"model_type": mt, "memory_attention_hidden_size": 256, "memory_attention_downsample_rate": 1,
+            "memory_attention_num_attention_heads": 1} for mt in ("sam2_video", "sam3_tracker_video", "edgetam_video")},
+    "sapiens2": {"model_type": "sapiens2", "hidden_size": 1024, "num_attention_heads": 16, "rope_theta": 100.0},
     "efficientloftr": {"model_type": "efficientloftr", "hidden_size": 256, "num_attention_heads": 8,
                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 4.0}},
     "dinov3_vit": {"model_type": "dinov3_vit", "hidden_size": 384, "num_attention_heads": 6, "rope_theta": 100.0},

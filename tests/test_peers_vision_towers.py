@@ -233,14 +233,15 @@ def test_efficientloftr_matches_hf():
     _close(ok, hk[:, :, 0], y, pos.max(), spec)
 
 
+@pytest.mark.parametrize("package, prefix", [("sam2_video", "Sam2Video"), ("sam3_tracker_video", "Sam3TrackerVideo")])
 @pytest.mark.parametrize("frames, pointers", [(1, 0), (3, 4)])
-def test_sam2_video_memory_attention_matches_hf(frames, pointers):
+def test_sam2_video_memory_attention_matches_hf(package, prefix, frames, pointers):
     """SAM 2 video memory attention: positions stored (x, y) = (col, row); cat(freq_x, freq_y) repeat_interleave'd:
     interleaved pairs, the first half reading the column. Cross-attention keys hold ``frames`` memory frames
     (the query grid repeated, HF's repeat_freqs_k) and ``pointers`` object-pointer tokens left unrotated."""
-    mod = _module("sam2_video")
-    config = _config(transformers, "Sam2VideoConfig")
-    hf_pos = mod.Sam2VideoMemoryAttention.precompute_positions(config)
+    mod = _module(package)
+    config = _config(transformers, f"{prefix}Config")
+    hf_pos = getattr(mod, f"{prefix}MemoryAttention").precompute_positions(config)
     fw, fh = config.memory_attention_rope_feat_sizes
     pos = rotary.grid_positions(fh, fw)
     np.testing.assert_array_equal(pos[:, ::-1], hf_pos.numpy())
@@ -249,7 +250,7 @@ def test_sam2_video_memory_attention_matches_hf(frames, pointers):
     spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_parameters["rope_theta"], layout="interleaved",
                                  axis_order=(1, 0))
     assert rotary.RopeSpec.from_hf_vision_config(config) == spec
-    rope = mod.Sam2VideoVisionRotaryEmbedding(config)
+    rope = getattr(mod, f"{prefix}VisionRotaryEmbedding")(config)
     rng = np.random.default_rng(3)
     n = len(pos)
     q = rng.standard_normal((1, 1, n, head_dim)).astype(np.float32)              # (batch, heads, seq, dim)
@@ -263,6 +264,95 @@ def test_sam2_video_memory_attention_matches_hf(frames, pointers):
     _close(ours_q, hf_q, q, pos.max(), spec)
     _close(ours_k, hf_k[..., : frames * n, :], k[..., : frames * n, :], pos.max(), spec)
     np.testing.assert_array_equal(hf_k[..., frames * n:, :].numpy(), k[..., frames * n:, :])
+
+
+@pytest.mark.parametrize("frames, temporal, pointers", [(1, 0, 0), (2, 3, 4)])
+def test_edgetam_video_memory_attention_matches_hf(frames, temporal, pointers):
+    """EdgeTAM video: the SAM 2 form, with the keys on their own (smaller) grid: each memory frame holds
+    ``temporal`` unrotated tokens, then the spatial tokens of memory_attention_rope_k_sizes; object pointers
+    at the end stay unrotated (HF's apply_rotary_pos_emb_2d_cross_attn)."""
+    mod = _module("edgetam_video")
+    config = _config(transformers, "EdgeTamVideoConfig")
+    spec = rotary.RopeSpec.from_hf_vision_config(config)
+    assert spec == rotary.RopeSpec.axial(256, axes=2, layout="interleaved", axis_order=(1, 0))
+    q_hf = mod.EdgeTamVideoMemoryAttention.precompute_positions(config)
+    k_hf = mod.EdgeTamVideoMemoryAttention.precompute_positions(config, is_key=True)
+    q_pos = rotary.grid_positions(*reversed(config.memory_attention_rope_feat_sizes))
+    k_pos = rotary.grid_positions(*reversed(config.memory_attention_rope_k_sizes))
+    np.testing.assert_array_equal(q_pos[:, ::-1], q_hf.numpy())
+    np.testing.assert_array_equal(k_pos[:, ::-1], k_hf.numpy())
+    rope = mod.EdgeTamVideoVisionRotaryEmbedding(config)
+    rng = np.random.default_rng(5)
+    group = temporal + len(k_pos)
+    q = rng.standard_normal((1, 1, len(q_pos), spec.head_dim)).astype(np.float32)
+    k = rng.standard_normal((1, 1, frames * group + pointers, spec.head_dim)).astype(np.float32)
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1), q_hf)
+        cos_k, sin_k = rope(torch.zeros(1), k_hf)
+        hf_q, hf_k = mod.apply_rotary_pos_emb_2d_cross_attn(torch.from_numpy(q), torch.from_numpy(k), cos, sin, cos_k,
+                                                            sin_k, num_k_exclude_rope=pointers, repeat_freqs_k=frames)
+    _close(rotary.apply(q, q_pos, spec=spec, seq_axis=-2), hf_q, q, q_pos.max(), spec)
+    grouped = k[..., : frames * group, :].reshape(1, 1, frames, group, spec.head_dim)
+    spatial = grouped[..., temporal:, :].reshape(1, 1, -1, spec.head_dim)
+    ours = rotary.apply(spatial, np.tile(k_pos, (frames, 1)), spec=spec, seq_axis=-2)
+    hf_grouped = hf_k[..., : frames * group, :].reshape(1, 1, frames, group, spec.head_dim)
+    _close(ours, hf_grouped[..., temporal:, :].reshape(1, 1, -1, spec.head_dim), spatial, k_pos.max(), spec)
+    np.testing.assert_array_equal(hf_grouped[..., :temporal, :].numpy(), grouped[..., :temporal, :])
+    np.testing.assert_array_equal(hf_k[..., frames * group:, :].numpy(), k[..., frames * group:, :])
+
+
+def test_sapiens2_matches_hf():
+    """Sapiens2: DINOv3's form (patch centres in [-1, 1], 2 pi * coordinate * base**(-4j/d), prefix tokens
+    unrotated) on a 1024-wide, 16-head ViT with 8 register tokens."""
+    mod = _module("sapiens2")
+    config = _config(transformers, "Sapiens2Config")
+    head_dim = config.hidden_size // config.num_attention_heads
+    spec = rotary.RopeSpec.axial(head_dim, axes=2, base=config.rope_theta, frequency_scale=2 * math.pi,
+                                 float_positions=True)
+    assert rotary.RopeSpec.from_hf_vision_config(config) == spec
+    rope = mod.Sapiens2RopePositionEmbedding(config).eval()
+    h, w = 3, 5
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1, 3, h * config.patch_size, w * config.patch_size))
+    prefix = 1 + config.num_register_tokens
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 2, prefix + h * w, head_dim)).astype(np.float32)
+    with torch.no_grad():
+        hq, _ = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(q), cos, sin)
+    pos = rotary.grid_positions(h, w, normalized=True)
+    ours = rotary.apply(q[..., prefix:, :], pos, spec=spec, seq_axis=-2)
+    _close(ours, hq[..., prefix:, :], q[..., prefix:, :], 1.0, spec)
+    np.testing.assert_array_equal(hq[..., :prefix, :].numpy(), q[..., :prefix, :])
+
+
+def test_gemma4_vision_is_two_half_split_blocks():
+    """Gemma 4's vision attention rotates each half of the head half-split within itself (x on the first, y on
+    the second): no single spec, two applied one after the other (rotary_offset for the second) match HF;
+    from_hf_vision_config says so."""
+    mod = _module("gemma4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.AutoConfig.for_model("gemma4_vision")
+    d, base = config.head_dim, config.rope_parameters["rope_theta"]
+    with pytest.raises(ValueError, match=r"not one spec: .*rotary_offset=d // 2"):
+        rotary.RopeSpec.from_hf_vision_config(config)
+    h, w = 4, 6
+    pos = rotary.grid_positions(h, w)
+    pixel_position_ids = torch.from_numpy(pos[:, ::-1].copy())[None]            # (batch, patches, 2) = (x, y)
+    rope = mod.Gemma4VisionRotaryEmbedding(config)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, h * w, 2, d)).astype(np.float32)                 # (batch, seq, heads, dim)
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1), pixel_position_ids)
+        hq = mod.apply_multidimensional_rope(torch.from_numpy(q), cos, sin, pixel_position_ids)
+    f = tuple((base ** (-np.arange(0, d // 2, 2) / (d // 2))).tolist())          # base**(-4j/d), j < d/4
+    first = rotary.RopeSpec(d, rotary_dim=d // 2, frequencies=f, pair_axes=(0,) * (d // 4), n_axes=2)
+    second = first.replace(rotary_offset=d // 2, pair_axes=(1,) * (d // 4))
+    xy = pos[:, ::-1]
+    ours = rotary.apply(rotary.apply(q, xy, spec=first, seq_axis=-3), xy, spec=second, seq_axis=-3)
+    _close(ours, hq, q, pos.max(), first)
+    one = rotary.apply(q, xy, spec=rotary.RopeSpec.axial(d, axes=2, base=base), seq_axis=-3)
+    assert np.max(np.abs(one - hq.numpy())) > 0.1                                 # the one-block axial spec differs
 
 
 def test_llama4_vision_matches_hf():
@@ -297,6 +387,9 @@ COVERED = {**{_vision_config(f)[1].model_type: "test_qwen_style_vision_tower_mat
            "efficientloftr": "test_efficientloftr_matches_hf",
            "sam2_video": "test_sam2_video_memory_attention_matches_hf",
            "llama4_vision_model": "test_llama4_vision_matches_hf",
+           "sam3_tracker_video": "test_sam2_video_memory_attention_matches_hf",
+           "edgetam_video": "test_edgetam_video_memory_attention_matches_hf",
+           "sapiens2": "test_sapiens2_matches_hf",
            "pixtral": "test_peers_multi_axis.test_pixtral_vision_matches_hf",
            "sam3_vit_model": "test_peers_multi_axis.test_sam3_vision_matches_hf",
            "dinov3_vit": "test_peers_multi_axis.test_dinov3_matches_hf"}

@@ -120,7 +120,10 @@ def _vision_lines(config) -> list[str]:
     positions HF builds for it."""
     from ..spec import hf_vision
 
-    spec, family, cls_name, positions = hf_vision.vision_spec(config)
+    try:
+        spec, family, cls_name, positions = hf_vision.vision_spec(config)
+    except ValueError as exc:   # a tower no single spec reproduces (Gemma 4): say what does
+        return ["[vision]", f"  {exc}"]
     # grid_positions' coordinates: (row, col), or (frame, row, col)
     names = {2: "rc", 3: "trc"}.get(spec.n_axes)
     out = [f"[vision: {family}, HF {cls_name}]"]

@@ -81,12 +81,35 @@ VISION_TOWERS = {
                             {"layout": "interleaved", "axis_order": (1, 0)},
                             "np.concatenate([grid_positions(n, n) + 1, [[0, 0]]]) (n = image_size // patch_size, "
                             "1-based; the CLS token last, at (0, 0): unrotated)"),
+    "sam3_tracker_video": ("SAM 3 tracker video memory attention", "Sam3TrackerVideoVisionRotaryEmbedding",
+                           {"layout": "interleaved", "axis_order": (1, 0), "dims": "sam2_memory"},
+                           "as SAM 2 video's"),
+    "edgetam_video": ("EdgeTAM video memory attention", "EdgeTamVideoVisionRotaryEmbedding",
+                      {"layout": "interleaved", "axis_order": (1, 0), "dims": "sam2_memory"},
+                      "queries: grid_positions(*reversed(memory_attention_rope_feat_sizes)); keys per memory frame: "
+                      "temporal tokens unrotated, then grid_positions(*reversed(memory_attention_rope_k_sizes)); "
+                      "object-pointer keys unrotated"),
     "dinov3_vit": ("DINOv3", "DINOv3ViTRopePositionEmbedding",
                    {"frequency_scale": 2 * math.pi, "float_positions": True, "base_key": "rope_theta"},
                    "grid_positions(h, w, normalized=True) on the patch tokens; cls and register tokens unrotated"),
+    "sapiens2": ("Sapiens2", "Sapiens2RopePositionEmbedding",
+                 {"frequency_scale": 2 * math.pi, "float_positions": True, "base_key": "rope_theta"},
+                 "grid_positions(h, w, normalized=True) on the patch tokens (DINOv3's form); cls and register "
+                 "tokens unrotated"),
     "efficientloftr": ("EfficientLoFTR", "EfficientLoFTRRotaryEmbedding", {"dims": "efficientloftr"},
                        "grid_positions(h', w') + 1 over the aggregated coarse grid; the whole hidden rotated "
                        "before the head split"),
+}
+
+
+#: towers no single spec reproduces, with what does (the specs to apply one after the other)
+SPLIT_TOWERS = {
+    "gemma4_vision": ("Gemma 4 vision", "Gemma4VisionRotaryEmbedding",
+                      "apply_multidimensional_rope splits the head into two halves, each rotated half-split within "
+                      "itself (pairs (i, i + d/4) by x, (d/2 + i, 3d/4 + i) by y): two blocks, not one pair layout. "
+                      "Apply RopeSpec(d, rotary_dim=d // 2, frequencies=f, pair_axes=(0,) * (d // 4), n_axes=2) and "
+                      "then the same with rotary_offset=d // 2 and pair_axes=(1,) * (d // 4), f = base**(-4j/d) "
+                      "(j < d/4), at HF's pixel_position_ids (x, y) = grid_positions(h, w)[:, ::-1]"),
 }
 
 
@@ -106,7 +129,7 @@ def vision_reader(config):
     """The reader of a config's vision tower level with RoPE (the config itself, its ``vision_config``,
     SAM 3's ``vision_config.backbone_config``), or None."""
     for reader in _levels(_hf._Reader(config)):
-        if reader.model_type in VISION_TOWERS:
+        if reader.model_type in VISION_TOWERS or reader.model_type in SPLIT_TOWERS:
             return _hf.as_hf_class_reads(reader)
     return None
 
@@ -127,6 +150,9 @@ def vision_spec(config):
     if reader is None:
         raise _hf.ConfigError(f"config has no vision tower with RoPE that rotary knows (model types "
                               f"{', '.join(sorted(VISION_TOWERS))})")
+    if reader.model_type in SPLIT_TOWERS:
+        family, cls_name, why = SPLIT_TOWERS[reader.model_type]
+        raise _hf.ConfigError(f"{reader.where}: {family} ({cls_name}) is not one spec: {why}")
     family, cls_name, rule, positions = VISION_TOWERS[reader.model_type]
     base = _base(reader, rule.get("base_key"))
     dims = rule.get("dims")
