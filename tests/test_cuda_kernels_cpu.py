@@ -748,7 +748,8 @@ VISION_DICTS = {
             "memory_attention_num_attention_heads": 1} for mt in ("sam2_video", "sam3_tracker_video", "edgetam_video")},
     "sapiens2": {"model_type": "sapiens2", "hidden_size": 1024, "num_attention_heads": 16, "rope_theta": 100.0},
     "efficientloftr": {"model_type": "efficientloftr", "hidden_size": 256, "num_attention_heads": 8,
-                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 4.0}},
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 4.0}},
     "dinov3_vit": {"model_type": "dinov3_vit", "hidden_size": 384, "num_attention_heads": 6, "rope_theta": 100.0},
 }
 

@@ -113,7 +113,8 @@ QWEN_STYLE.update({
 #: the vision model type of each package's default config (composites: their vision_config)
 VISION_TYPES = {"cohere_compass": "cohere_compass_vision", "dots3_note": "dots3_note_vision_encoder",
                 "ernie4_5_vl_moe": "ernie4_5_vl_moe_vision", "exaone4_5": "exaone4_5_vision",
-                "glm5_next": "glm5_next_vision", "muse_glimmer": "muse_glimmer_vision", "muse_spark": "muse_spark_vision",
+                "glm5_next": "glm5_next_vision", "muse_glimmer": "muse_glimmer_vision",
+                "muse_spark": "muse_spark_vision",
                 "qwen2_5_omni": "qwen2_5_omni_vision_encoder", "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
                 "qwen3_5": "qwen3_5_vision", "qwen3_5_moe": "qwen3_5_moe_vision", "qwen4_exp": "qwen4_exp_vision",
                 "video_llama_3": "video_llama_3_vision", "inkling2": "inkling2_vision", "kimi_k25": "kimi_k25_vision"}
