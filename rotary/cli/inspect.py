@@ -54,12 +54,7 @@ def pair_assignment(spec, names=None) -> list[str]:
         names = MROPE_AXES if spec.mrope_section is not None and spec.n_axes <= 3 else "0123456789"
     if spec.n_axes > len(names):
         return [f"pairs read         {axes}"]
-    runs, start = [], 0
-    for i in range(1, len(axes) + 1):
-        if i == len(axes) or axes[i] != axes[start]:
-            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            runs.append(f"{span} {names[axes[start]]}")
-            start = i
+    runs = _runs([names[a] for a in axes])
     legend = "" if not names[0].isdigit() else " (coordinate index of the position's trailing axis)"
     if len(runs) <= 8:
         return [f"pairs read         {', '.join(runs)}{legend}"]
@@ -77,15 +72,15 @@ def _short(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def _runs(types) -> str:
-    """'0-4 sliding_attention, 5 full_attention, ...' (consecutive layers grouped)."""
+def _runs(labels) -> list[str]:
+    """['0-4 sliding_attention', '5 full_attention', ...]: consecutive equal labels grouped by index."""
     out, start = [], 0
-    for i in range(1, len(types) + 1):
-        if i == len(types) or types[i] != types[start]:
+    for i in range(1, len(labels) + 1):
+        if i == len(labels) or labels[i] != labels[start]:
             span = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            out.append(f"{span} {types[start]}")
+            out.append(f"{span} {labels[start]}")
             start = i
-    return ", ".join(out)
+    return out
 
 
 def inspect_config(config, layer_type=None, head="rope") -> str:
@@ -109,7 +104,7 @@ def inspect_config(config, layer_type=None, head="rope") -> str:
     reader = _hf_config.text_reader(config)
     types = reader.get("layer_types")
     if types and layer_type is None:
-        out.append(f"layers             {_runs(list(types))}")
+        out.append(f"layers             {', '.join(_runs(list(types)))}")
     if vision is not None and layer_type is None:
         out += _vision_lines(config)
     return "\n".join(out)
