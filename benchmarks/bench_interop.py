@@ -71,7 +71,6 @@ def bench_torch(args):
 
 
 def bench_dask(args):
-    import dask
     import dask.array as da
     import numpy as np
     from distributed import Client, LocalCluster, wait
@@ -82,11 +81,11 @@ def bench_dask(args):
     shape = (1, T, 2, 32)
     chunks = (1, T // n, 2, 32)
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
-    rotary.linear_attention(q[:, :256], k[:, :256], v[:, :256], causal=True, seq_axis=-3, backend="numba")
-    t_single = _best(lambda: rotary.linear_attention(q, k, v, causal=True, seq_axis=-3, backend="numba"), 2,
+    host = [rng.standard_normal(shape, dtype=np.float32) for _ in range(3)]
+    rotary.linear_attention(*(a[:, :256] for a in host), causal=True, seq_axis=-3, backend="numba")
+    t_single = _best(lambda: rotary.linear_attention(*host, causal=True, seq_axis=-3, backend="numba"), 2,
                      min_time=0)
-    del q, k, v
+    host.clear()   # free the host copies before the cluster starts
     result = {"tokens": T, "chunks": n, "shape": shape, "single_process_numba_s": t_single}
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:

@@ -83,8 +83,6 @@ def prefill(rounds: int):
     import numba
     from numba import njit, prange
 
-    from rotary.backends import numba as nb
-
     @njit(parallel=True, cache=True)
     def copy_pair(a, b, out_a, out_b):
         for i in prange(a.shape[0]):

@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 
-import rotary
 from rotary.backends import available_backends
 
 AVAILABLE = [name for name, (ok, _) in available_backends().items() if ok]

@@ -213,8 +213,6 @@ def hf_cos_sin(case: Case, layer_type, positions):
 def hf_inv_freq(case: Case, layer_type):
     """HF's per-pair frequencies and attention factor; M-RoPE modules' buffers are mapped through their
     own ``recomposition_frequencies`` (ERNIE-4.5-VL stores them permuted)."""
-    import torch
-
     name = "inv_freq" if layer_type is None else f"{layer_type}_inv_freq"
     buf = dict(case.module.named_buffers()).get(name)
     scale = getattr(case.module, "attention_scaling" if layer_type is None else f"{layer_type}_attention_scaling", 1.0)
@@ -528,8 +526,6 @@ def vision_markdown() -> list[str]:
 
 
 if __name__ == "__main__":
-    import transformers
-
     rows, failures, unbuildable, skipped = run_zoo()
     print(f"{len(rows)} reproduced, {len(failures)} failures, {len(unbuildable)} unbuildable, {len(skipped)} skipped")
     for line in failures + [f"cannot build {f}.{c}: {e}" for f, c, e in unbuildable]:

@@ -106,7 +106,7 @@ def test_apply_packed_in_place_and_explicit_positions(backend, rng):
     np.testing.assert_array_equal(rotary.apply(q, pos, spec=SPEC, seq_axis=0, cu_seqlens=cu, backend=backend), x)
 
 
-def test_apply_packed_cuda_kernels_through_host_shim(use_backend, rng):
+def test_apply_packed_cuda_kernels_through_host_shim(use_backend, rng):  # noqa: F811 (the fixture)
     name = use_backend(threads=32, max_tokens_per_block=3)
     for dtype in (np.float32, np.float64):
         cu, q, k, offsets = _packed_case(rng, dtype)

@@ -218,7 +218,6 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     spec = template.spec
     seq = q.shape[ax]
     bounds = np.cumsum((0,) + q.chunks[ax])
-    lead = tuple(q.shape[:ax])
 
     # per-block positions (ints, host slices or Dask blocks) and the next position after the call
     from_state = positions is None and state is not None

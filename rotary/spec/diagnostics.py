@@ -49,7 +49,6 @@ def layout_permutation(rotary_dim: int, *, to: str = "half") -> np.ndarray:
         raise ValueError(f"rotary_dim must be an even integer >= 2, got {r}")
     if to not in LAYOUTS:
         raise ValueError(f"to must be one of {LAYOUTS}, got {to!r}")
-    half = r // 2
     to_half = np.concatenate([np.arange(0, r, 2), np.arange(1, r, 2)])
     if to == "half":
         return to_half
