@@ -2,8 +2,10 @@
 
     PYTHONPATH=. python benchmarks/bench_rope.py [--rounds 7]
 
-Numba: per-call time of ``rope(q, k, positions)`` (new outputs and in place) next to ``rotary.apply_qk`` and
-the compiled kernel alone with prepared arguments (the floor). CUDA launch path: the host time per call
+Numba: per-call time of ``rope(q, k, positions)`` (new outputs, separate ``out=`` buffers and in place) next
+to ``rotary.apply_qk``, the compiled kernel alone with prepared arguments (the floor) and ``q.copy(), k.copy()``
+of the same inputs; the candidates are timed interleaved (round by round), and the ratios of issue 23
+(Rope / copy, Rope out= / Rope, apply_qk / Rope) are printed from the same rounds. CUDA launch path: the host time per call
 of the same object's CuPy path with the launch mocked (NumPy arrays stand in for device arrays, the
 launch is a no-op), i.e. everything Rope does on the host besides the launch itself.
 """
@@ -31,6 +33,21 @@ def best_us(fn, calls, rounds):
     return best * 1e6
 
 
+def interleaved_us(cands, calls, rounds):
+    """{name: best us per call}, the candidates timed round by round (each round times every candidate once),
+    so a load that comes and goes falls on all of them alike."""
+    for fn in cands.values():
+        fn()
+    best = dict.fromkeys(cands, float("inf"))
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / calls)
+    return {name: b * 1e6 for name, b in best.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
@@ -54,18 +71,28 @@ def main():
     kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), 0, B, 1,
              D // 2, D, D, False, False)
     kernel = nb.rotate_kernel(q.size + k.size, B, 1)   # the kernel a call of this size runs
+    qo, ko = np.empty_like(q), np.empty_like(k)
+    copy, new, sep = "q.copy(), k.copy() (the same inputs)", "Rope numba: rope(q, k, positions)", \
+        "Rope numba, separate out=: rope(q, k, positions, out=(q_out, k_out))"
+    qk = "rotary.apply_qk numba"
     cands = {
+        copy: lambda: (q.copy(), k.copy()),
         "compiled kernel alone (prepared arguments)": lambda: kernel(*kargs),
-        "Rope numba: rope(q, k, positions)": lambda: rope(q, k, positions, seq_axis=1),
+        new: lambda: rope(q, k, positions, seq_axis=1),
+        sep: lambda: rope(q, k, positions, seq_axis=1, out=(qo, ko)),
         "Rope numba, in place: rope(q, k, positions, out=(q, k))": lambda: rope(qi, ki, positions, seq_axis=1,
                                                                                  out=(qi, ki)),
-        "rotary.apply_qk numba": lambda: rotary.apply_qk(q, k, positions, spec=spec, seq_axis=1, backend="numba"),
+        qk: lambda: rotary.apply_qk(q, k, positions, spec=spec, seq_axis=1, backend="numba"),
     }
-    print(f"decode q {q.shape} k {k.shape} fp32, best of {args.rounds} x {args.calls} calls, "
+    print(f"decode q {q.shape} k {k.shape} fp32, best of {args.rounds} x {args.calls} calls (interleaved), "
           f"numba threads {__import__('numba').get_num_threads()}")
     print("| call | us per call |\n|---|---|")
-    for name, fn in cands.items():
-        print(f"| {name} | {best_us(fn, args.calls, args.rounds):.1f} |")
+    times = interleaved_us(cands, args.calls, args.rounds)
+    for name, t in times.items():
+        print(f"| {name} | {t:.1f} |")
+    print(f"ratios (issue 23 targets): Rope new / copy {times[new] / times[copy]:.2f} (<= 1.5), "
+          f"Rope out= / copy {times[sep] / times[copy]:.2f} (<= 1.5), Rope out= / Rope new "
+          f"{times[sep] / times[new]:.2f} (<= 1.1), apply_qk / Rope new {times[qk] / times[new]:.2f} (<= 1.5)")
 
     # Rope's own Python work per Numba call: the prepared plan with the kernel replaced by a no-op
     plan = next(iter(rope._plans.values()))

@@ -204,3 +204,57 @@ def test_bad_decode_inputs_raise_the_same_errors(rng, backend):
         rotary.apply_qk(q, k, spec=rotary.RopeSpec(8), seq_axis=ax, backend=backend)
     with pytest.raises(ValueError, match="seq_axis"):
         rotary.apply_qk(q, k, spec=spec, seq_axis=3, backend=backend)
+
+
+# -- the plans of plain NumPy calls (a geometry validated once) --------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_validated_geometry_keeps_every_check(rng, backend, monkeypatch):
+    """After a call has validated a geometry (its plan is kept), calls with the same shapes, strides and
+    dtype still get the general path's errors for what a plan cannot prove: positions, read-only or
+    overlapping outs, another spec; and its results match the oracle with the general path not run."""
+    from rotary.frontend import rotate as _rotate
+
+    monkeypatch.setattr(_rotate, "_plans", {})   # room for this test's plans (the cache holds 64)
+    spec = rotary.RopeSpec(16, base=500.0)
+    q, k, ax = _decode_inputs(rng, np.float32, Hq=2, Hk=2)   # q and k of one shape: outs can be swapped
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    pos = rng.integers(0, 3000, size=(4, 1))
+    for out in (None, (q_out, k_out)):
+        rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=out)   # validates, keeps a plan
+    general = []
+    monkeypatch.setattr(_rotate, "normalize_positions", lambda *a, **kw: general.append(1) or
+                        normalize_positions(*a, **kw))
+    for positions in (pos, 7, None, np.array([11], np.int64)):
+        for out in (None, (q_out, k_out)):
+            got = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend=backend, out=out)
+            for x, y in zip((q, k), got):
+                np.testing.assert_allclose(y, _oracle(x, positions, spec, ax), rtol=2e-5, atol=2e-5)
+            if out is not None:
+                assert got[0] is q_out and got[1] is k_out
+    assert not general, "a call of a validated geometry ran the general path"
+    with pytest.raises(ValueError, match=r"positions of shape \(4, 2\)"):
+        rotary.apply_qk(q, k, np.zeros((4, 2), np.int64), spec=spec, seq_axis=ax, backend=backend)
+    with pytest.raises(TypeError, match="positions must have an integer dtype"):
+        rotary.apply_qk(q, k, np.zeros((4, 1)), spec=spec, seq_axis=ax, backend=backend)
+    with pytest.raises(ValueError, match="outside int64"):
+        rotary.apply_qk(q, k, 2**63, spec=spec, seq_axis=ax, backend=backend)
+    with pytest.raises(ValueError, match=r"spec.head_dim \(8\)"):
+        rotary.apply_qk(q, k, pos, spec=rotary.RopeSpec(8), seq_axis=ax, backend=backend)
+    ro = np.empty_like(k)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="out for k is read-only"):
+        rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=(q_out, ro))
+    with pytest.raises(ValueError, match="overlaps"):
+        rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=(k, q))   # each the other input
+    with pytest.raises(ValueError, match="overlap"):
+        rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=(q_out, q_out))
+    both = np.empty((2,) + q.shape, np.float32)   # disjoint views of one buffer: fine (general path)
+    rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=(both[0], both[1]))
+    np.testing.assert_allclose(both[0], _oracle(q, pos, spec, ax), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(both[1], _oracle(k, pos, spec, ax), rtol=2e-5, atol=2e-5)
+    q0 = q.copy()
+    rotary.apply_qk(q, k, pos, spec=spec, seq_axis=ax, backend=backend, out=(q_out, k_out))
+    np.testing.assert_array_equal(q, q0)   # inputs never written by a separate-out call
+
+
+from rotary.frontend.normalize import normalize_positions  # noqa: E402  (the real one, for the counting stand-in)

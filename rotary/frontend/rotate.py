@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 
+from .. import backends as _backends
 from ..spec import tables as _tables
 from . import dispatch as _adapters
-from .normalize import (canonical_axes, canonical_shape, canonical_view, check_cross_overlap, check_float, check_out,
-                        from_canonical, namespace, normalize_positions, normalize_seq_axis, packed_positions,
-                        pick_backend, resolve_spec, same_view, table_converter, to_canonical)
+from .normalize import (canonical_axes, canonical_layout, canonical_shape, canonical_view, check_cross_overlap,
+                        check_float, check_out, from_canonical, namespace, normalize_positions, normalize_seq_axis,
+                        packed_positions, pick_backend, prepared_rows, resolve_spec, same_view, table_converter,
+                        to_canonical)
 
 # -- rotation ------------------------------------------------------------------------------------
 @_adapters.dispatch("rotate", 1)   # torch, JAX, Dask arrays: rotary/_torch.py, _jax.py, _dask.py
@@ -23,6 +25,16 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
 
     ``tables(spec, pos, dtype, device_key, convert) -> (cos, sin, rows)`` replaces the table lookup of the
     normalized positions ``pos`` (rerotate gives table rows of angle differences)."""
+    key = None
+    if tables is None and type(xs[0]) is np.ndarray:   # plain NumPy: a geometry validated before runs its plan
+        key = _plan_key(xs, outs, spec, seq_axis, inverse, backend, spec_kwargs)
+        if key is not None:
+            plan = _plans.get(key)
+            if plan is not None:
+                result = plan.run(xs, outs, positions)
+                if result is not None:
+                    return result
+                key = None   # the general path takes this call (and says what is wrong, if anything)
     xp = namespace(xs, names)
     for x, name in zip(xs, names):
         check_float(x, name, xp)
@@ -95,7 +107,129 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
             out[...] = y
             y = out
         outputs.append(y)
+    if key is not None:
+        _remember(key, _Plan.make(xs, outs, ax, spec, inverse, module, device_key, convert, works, offset))
     return outputs
+
+
+# -- plans of plain NumPy calls ----------------------------------------------------------------------
+#: validated geometries of plain NumPy calls (see :class:`_Plan`), by :func:`_plan_key`
+_plans: dict = {}
+_PLANS_MAX = 64
+
+
+def _plan_key(xs, outs, spec, seq_axis, inverse, backend, spec_kwargs):
+    """The key of a call whose validation a plan can stand for, else None: every array exactly
+    ``np.ndarray`` of one dtype, outs None, the input itself or a separate array of the input's shape,
+    dtype and type; seq_axis an int, inverse a bool, backend a string, hashable spec keywords. What the
+    general path checks of a call depends on these (and on memory overlap, checked per call by the plan)."""
+    if type(seq_axis) is not int or type(inverse) is not bool or type(backend) is not str:
+        return None
+    dtype = xs[0].dtype
+    parts = []
+    for x, o in zip(xs, outs):
+        if type(x) is not np.ndarray or x.dtype is not dtype:
+            return None
+        if o is None:
+            parts.append((x.shape, x.strides, 0))
+        elif o is x:
+            parts.append((x.shape, x.strides, 1))
+        else:
+            parts.append((x.shape, x.strides, o.strides if type(o) is np.ndarray else None))
+    key = (dtype, seq_axis, inverse, backend, None if spec is None else id(spec), *parts)
+    if spec_kwargs:
+        key += tuple(spec_kwargs.items())
+        try:
+            hash(key)
+        except TypeError:
+            return None
+    return key
+
+
+def _remember(key, plan):
+    if plan is None:
+        return
+    if len(_plans) >= _PLANS_MAX:
+        _plans.clear()
+    _plans[key] = plan
+
+
+class _Plan:
+    """What the general path proved of a plain NumPy call's geometry (shapes, strides, dtype, seq_axis,
+    spec, backend): the canonical shape, the backend module and its table converter. A call with the same
+    key only parses its positions (:func:`prepared_rows`), checks separate outs (writable, sharing no
+    memory with another array of the call), looks up the tables (the table cache as on the general path)
+    and calls the backend's ``rotate``. Made only for C-contiguous inputs whose canonical view is a
+    reshape (no transposition), without a rotary offset, of a 1-D spec with integer positions."""
+
+    __slots__ = ("spec", "module", "name", "device_key", "convert", "work", "cshape", "seq_len", "lead0",
+                 "batch_rep", "default_rows", "geometry", "separate")
+
+    @classmethod
+    def make(cls, xs, outs, ax, spec, inverse, module, device_key, convert, works, offset):
+        if offset or spec.multi_axis or spec.float_positions or len(set(works)) != 1:
+            return None
+        x0 = xs[0]
+        perm = canonical_layout(x0.ndim, ax)[2]
+        if perm != tuple(range(x0.ndim)) or not all(x.flags.c_contiguous for x in xs):
+            return None
+        for x, o in zip(xs, outs):
+            if o is not None and o is not x and not (o.flags.c_contiguous and o.shape == x.shape):
+                return None
+        name = getattr(module, "NAME", None)
+        if name is None or _backends._loaded.get(name) is not module:
+            return None
+        plan = cls()
+        plan.spec, plan.module, plan.name, plan.device_key, plan.convert = spec, module, name, device_key, convert
+        plan.work = works[0]
+        plan.cshape = [canonical_shape(tuple(x.shape), ax) for x in xs]
+        plan.seq_len = x0.shape[ax]
+        plan.lead0 = x0.shape[0] if ax > 0 else 1
+        plan.batch_rep = plan.cshape[0][0] // max(1, plan.lead0) if ax > 0 else plan.cshape[0][0]
+        plan.default_rows = np.arange(plan.seq_len, dtype=np.int64).reshape(1, plan.seq_len)
+        plan.default_rows.flags.writeable = False
+        plan.geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=bool(inverse))
+        plan.separate = any(o is not None and o is not x for x, o in zip(xs, outs))
+        return plan
+
+    def run(self, xs, outs, positions):
+        """The outputs of this call, or None when the general path must take it."""
+        if _backends._loaded.get(self.name) is not self.module:   # the registry changed (tests)
+            return None
+        if self.separate and not _outs_apart(xs, outs):
+            return None
+        given = prepared_rows(positions, self.seq_len, self.lead0, self.batch_rep, self.default_rows)
+        if given is None:
+            return None
+        rows, start = given
+        if start:
+            rows = rows + np.int64(start)
+        cos, sin, rows = _tables.lookup(self.spec, rows, dtype=self.work, device_key=self.device_key,
+                                        convert=self.convert)
+        items = []
+        for x, o, shape in zip(xs, outs, self.cshape):
+            xv = x.reshape(shape)
+            items.append((xv, None if o is None else xv if o is x else o.reshape(shape)))
+        results = self.module.rotate(items, cos, sin, rows, **self.geometry)
+        return [res.reshape(x.shape) if o is None else o for x, o, res in zip(xs, outs, results)]
+
+
+def _outs_apart(xs, outs) -> bool:
+    """True when each separate out is a writable NumPy array of its input's shape and dtype whose memory
+    bounds meet no other array of the call (else the general path's exact checks decide: in place
+    through a view, disjoint slices of one buffer, errors). Its strides are part of the plan's key."""
+    for i, (o, x) in enumerate(zip(outs, xs)):
+        if o is None or o is x:
+            continue
+        if type(o) is not np.ndarray or o.shape != x.shape or o.dtype != x.dtype or not o.flags.writeable:
+            return False
+        for a in xs:
+            if a is o or np.may_share_memory(o, a):
+                return False
+        for j, b in enumerate(outs):
+            if j != i and b is not None and (b is o or np.may_share_memory(o, b)):
+                return False
+    return True
 
 
 def _offset_views(xv, ov, offset, xp):
