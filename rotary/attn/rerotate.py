@@ -69,7 +69,7 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
         if n_rows == 0:
             empty = np.zeros((1, spec.rotary_dim // 2), dtype)
             return convert(empty), convert(empty), convert(np.zeros(src.shape[:2], np.int64))
-        if to_spec == spec and seq_len == to_seq_len and not spec.float_positions:
+        if to_spec == spec and seq_len == to_seq_len and not spec.float_positions and _small_offsets(src, dst):
             theta = spec.angles(dst - src, seq_len)                   # the exact integer offset
         else:
             theta = to_spec.angles(dst, to_seq_len) - spec.angles(src, seq_len)
@@ -83,3 +83,13 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
     del xp
     return rotate_arrays([k], [out], ["k"], from_positions, spec=spec, seq_axis=ax, inverse=False, backend=backend,
                          spec_kwargs={}, tables=tables)[0]
+
+
+def _small_offsets(src, dst) -> bool:
+    """Whether every ``dst - src`` is an int64 below 2**53 in magnitude (exact in float64, no wrap-around:
+    int64 positions near +-2**62 used to wrap to a wrong offset)."""
+    if src.size == 0 or dst.size == 0:
+        return True
+    lo = min(int(src.min()), int(dst.min()))
+    hi = max(int(src.max()), int(dst.max()))
+    return hi - lo < 2**53

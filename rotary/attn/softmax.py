@@ -21,7 +21,14 @@ The computation is blocked (flash-attention's online softmax) over a block-spars
 (q block x ``block_size`` keys, :func:`_tiles`): tiles the mask hides entirely are skipped, tiles it
 shows entirely run without a mask, and only the rest (the causal diagonal, the window's edge,
 packed sequence boundaries) get a per-token mask; a packed batch is one sweep over all its tokens.
-Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
+Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len).
+
+Non-finite data: a NaN/inf in a visible key, value or query propagates to the outputs that see it; a
+masked key contributes exactly nothing, whatever its values (0 * NaN never reaches the product). A
+query the mask hides every key from gets 0 (flash-attn's convention), and so does a query whose
+visible scores are all -inf (infinite q/k data), as torch's ``scaled_dot_product_attention`` gives
+(HF's default attention); a +inf or NaN score gives NaN. An -inf score in one key block and finite
+ones in another give the softmax of the finite ones, whatever the block size. On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
 to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
 in each, see :mod:`rotary.attn.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
@@ -41,6 +48,7 @@ from array_api_compat import device as xp_device, is_cupy_array, is_numpy_array
 from ..frontend.normalize import (check_float, namespace, normalize_positions, normalize_seq_axis, resolve_spec)
 from ..frontend.rotate import apply, apply_qk
 from ..spec.validators import optional_number
+from ..backends.array_api import visible_matmul
 from .blas import single_thread_blas
 from ..spec.packing import pack
 
@@ -364,7 +372,7 @@ def _numpy_attention(qf, kf, vf, out, mask, fold, softcap, block_size, work):
 
     Per tile, the g heads of a k/v head are one (g*Bq, d) @ (d, Bk) matmul; the scores stay in a
     reused (g*Bq, Bk) buffer (about ``_SCORE_BLOCK_ELEMENTS``: cache-sized) through the cap, mask,
-    max, exp and sum, all in place. Rows that see no key give 0. The k/v heads are shared out over
+    max, exp and sum, all in place. Rows that see no key (or only -inf scores) give 0. The k/v heads are shared out over
     one thread per core, each with single-threaded BLAS (many small matmuls from one thread and a
     multi-threaded BLAS lose several-fold as soon as anything else runs); serial, with BLAS's own
     threads, where the BLAS cannot be set per thread.
@@ -432,8 +440,9 @@ def _attend_unit(qu, ku_in, vu, ou, mask, b, schedule, fold, softcap, work, buff
             if hidden is not None:
                 np.copyto(s.reshape(g, bq, k1 - k0), neg_inf, where=hidden[b])
             m_new = np.maximum(m, s.max(axis=1, keepdims=True))
-            # a row that has seen no key yet keeps max -inf: subtract 0 there (its exps are 0)
-            m_safe = np.where(m_new == neg_inf, 0.0, m_new) if hidden is not None else m_new
+            # a row whose scores so far are all -inf (no visible key, or -inf data) keeps max -inf: subtract 0
+            # there (its exps are 0), so a later finite score still gives it a finite result
+            m_safe = np.where(m_new == neg_inf, 0.0, m_new)
             s -= m_safe
             np.exp(s, out=s)
             alpha = np.exp(m - m_safe)
@@ -442,9 +451,12 @@ def _attend_unit(qu, ku_in, vu, ou, mask, b, schedule, fold, softcap, work, buff
             acc *= alpha
             pv = pv_buf[:r * dv].reshape(r, dv)
             np.matmul(s, vu[k0:k1], out=pv)
+            if hidden is not None and not np.isfinite(pv).all():   # a masked key's NaN must not leak in
+                visible = ~np.broadcast_to(hidden[b], (g,) + hidden[b].shape).reshape(r, k1 - k0)
+                pv = visible_matmul(np, s, vu[k0:k1], visible, product=pv)
             acc += pv
             m = m_new
-        l[l == 0] = 1.0
+        l[l == 0] = 1.0   # no visible key, or visible scores all -inf: 0 (torch's scaled_dot_product_attention)
         np.divide(acc.reshape(g, bq, dv), l.reshape(g, bq, 1), out=ou[:, q0:q1, :], casting="same_kind")
 
 
@@ -458,7 +470,7 @@ def _array_api_attention(xp, qf, kf, vf, mask, softcap, block_size):
     """Online-softmax attention of scaled q (lead..., Sq, d) against k (lead..., Sk, d), v (lead..., Sk, dv)
     (lead axes broadcast) for any array-API namespace (CuPy, torch, ...): each tile spans every head
     (one batched matmul), sized for a device (``_SCORE_BLOCK_ELEMENTS * 32`` scores). Returns
-    (lead..., Sq, dv) in q's work dtype; rows that see no key are 0."""
+    (lead..., Sq, dv) in q's work dtype; rows that see no key (or only -inf scores) are 0."""
     lead = tuple(max(a, b) for a, b in zip(qf.shape[:-2], kf.shape[:-2]))
     sq = qf.shape[-2]
     sk, dv = kf.shape[-2], vf.shape[-1]
@@ -502,7 +514,10 @@ def _array_api_attention(xp, qf, kf, vf, mask, softcap, block_size):
                 p = xp.exp(s - m_safe)
             alpha = xp.exp(m - m_safe)
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
-            acc = acc * alpha + xp.matmul(p, vf[..., k0:k1, :])
+            pv = xp.matmul(p, vf[..., k0:k1, :])
+            if hidden is not None:   # a masked key's NaN must not leak in
+                pv = visible_matmul(xp, p, vf[..., k0:k1, :], xp.logical_not(hidden), product=pv)
+            acc = acc * alpha + pv
             m = m_new
         res = acc / xp.where(l > 0, l, xp.asarray(1.0, dtype=dtype, device=dev))
         if inplace:
@@ -510,3 +525,4 @@ def _array_api_attention(xp, qf, kf, vf, mask, softcap, block_size):
         else:
             parts.append(res)
     return out if inplace else xp.concat(parts, axis=-2)
+

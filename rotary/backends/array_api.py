@@ -46,3 +46,31 @@ def gather_rows(xp, cos, sin, rows, work_dtype, inverse):
     if inverse:
         sin_tok = -sin_tok
     return cos_tok, sin_tok
+
+
+def visible_matmul(xp, w, x, visible, product=None):
+    """``w @ x`` where the entries of ``w`` that ``visible`` (a bool array broadcasting against w) marks
+    False contribute exactly nothing (a causal or attention mask; those weights are 0).
+
+    The plain product leaks: 0 * NaN is NaN, so a NaN/inf value in a masked row of x (a later token, a
+    hidden key) reached every output row. An entry of the plain product (``product``, computed when None)
+    that came out non-finite although no visible row of x is non-finite in its column is replaced by the
+    product with x's non-finite values zeroed: exact, since masked weights are 0 and visible values are
+    unchanged; every visible NaN/inf still propagates. NumPy arrays take it only when the product has a
+    non-finite entry; other arrays (devices, JAX traces) branch-free.
+    """
+    import numpy as np
+    from array_api_compat import device as xp_device, is_numpy_array
+
+    if product is None:
+        product = xp.matmul(w, x)
+    host = is_numpy_array(product)
+    if host and np.isfinite(product).all():
+        return product
+    bad = xp.logical_not(xp.isfinite(x))
+    clean = xp.where(bad, xp.zeros((), dtype=x.dtype, device=xp_device(x)), x)
+    if not host and is_numpy_array(visible):
+        visible = xp.asarray(visible, device=xp_device(x))
+    reached = xp.matmul(xp.astype(visible, x.dtype), xp.astype(bad, x.dtype))   # visible non-finite values
+    leaked = xp.logical_and(xp.logical_not(xp.isfinite(product)), reached == 0)
+    return xp.where(leaked, xp.matmul(w, clean), product)

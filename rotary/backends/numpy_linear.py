@@ -31,7 +31,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device as xp_device, is_numpy_array
 
 from .padded_batch import gather_padded, merge_sequences, merge_tokens, plan_buckets
-from .array_api import _compute_dtype, _rotate_xp, gather_rows
+from .array_api import _compute_dtype, _rotate_xp, gather_rows, visible_matmul
 
 FEATURE_MAPS = ("elu", "relu", "identity")
 
@@ -263,16 +263,17 @@ def _linear_attention_xp(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal,
             n = s1 - s0
             (ac, ahat), (bc, bhat), vc = features(q, s0, s1), features(k, s0, s1), values(s0, s1)
             scores = xp.where(tril[:n, :n], xp.matmul(ahat, xp.matrix_transpose(bhat)), zero)
+            causal_mask = tril[:n, :n]   # a later token's NaN/inf must not reach earlier rows (0 * NaN)
             if decay is None:
-                num = xp.matmul(ahat, S) + xp.matmul(scores, vc)
+                num = xp.matmul(ahat, S) + visible_matmul(xp, scores, vc, causal_mask)
                 z_rows = z[:, :, None, :] + xp.cumulative_sum(bc, axis=-2)            # z after each row
                 S = S + xp.matmul(xp.matrix_transpose(bhat), vc)
                 z_next = z_rows[:, :, -1, :]
             else:
                 d = dmask[:, :, :n, :n]                                              # gamma^(i-j), j <= i
                 inter = pw[:, :, 1:n + 1, None]                                      # gamma^(i+1)
-                num = xp.matmul(ahat, S) * inter + xp.matmul(scores * d, vc)
-                z_rows = z[:, :, None, :] * inter + xp.matmul(d, bc)
+                num = xp.matmul(ahat, S) * inter + visible_matmul(xp, scores * d, vc, causal_mask)
+                z_rows = z[:, :, None, :] * inter + visible_matmul(xp, d, bc, causal_mask)
                 if lengths is None:
                     tail = rev[:, :, n_max - n + 1:n_max + 1, None]                  # gamma^(n-1-j)
                     keep = pw[:, :, n:n + 1]                                         # gamma^n
@@ -511,6 +512,8 @@ def _linear_attention_numpy(q, k, v, cos, sin, rows, *, rotary_dim, layout, caus
             scores = np.matmul(ahat3, bhat3.transpose(0, 2, 1), out=buf("scores", (bh * g, n, n)))
             np.copyto(scores, 0, where=upper[:n, :n])
             num = np.matmul(scores, v3, out=buf("num", (bh * g, n, dv)))               # intra-chunk
+            if not np.isfinite(num).all():   # a later token's NaN/inf must not reach earlier rows (0 * NaN)
+                np.copyto(num, visible_matmul(np, scores, v3, ~upper[:n, :n], product=num))
             dS = _outer_sum(keys_t(bhat, n), v3, buf("dS", (bh * g, m, dv))).reshape(bh, g, m, dv)   # increments
             if g == 1 and carry == work:                          # the state itself is S before the chunk
                 num += np.matmul(ahat3, S, out=buf("inter", num.shape))

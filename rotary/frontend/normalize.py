@@ -120,6 +120,8 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     if isinstance(positions, float):
         raise TypeError(f"{name} must be None, an integer offset or an integer array, got float {positions!r}")
     p = to_numpy(positions, name)
+    if p.size == 0 and p.dtype.kind not in "iu" and not (float_ok and p.dtype.kind == "f"):
+        p = p.astype(np.int64)   # an empty list ([] is float64 to NumPy): no values, so no wrong dtype
     if p.dtype.kind not in ("iuf" if float_ok else "iu"):
         if p.dtype.kind == "f":
             raise TypeError(f"{name} must have an integer dtype, got {p.dtype} (real-valued coordinates need a spec "

@@ -116,6 +116,10 @@ def rotate(core, xs, outs, names, positions, **kwargs):
     block_kwargs = dict(kwargs, spec=spec, spec_kwargs={})
     if kwargs.get("tables") is not None:   # per-token tables made by the caller (rerotate): rows become positions
         positions, block_kwargs["tables"] = _fixed_tables(kwargs["tables"], spec, xs, ax)
+    elif spec.depends_on_seq_len and not spec.float_positions:
+        # a length-dependent rule (dynamic NTK, LongRoPE) takes its frequencies from the whole call's max
+        # position + 1, not each block's: every block rotates with the frequencies of the whole call
+        block_kwargs["spec"] = _at_seq_len(spec, _max_position(positions, x0, ax))
     results = []
     for x, name in zip(xs, names):
         if x.ndim != x0.ndim or x.shape[ax] != x0.shape[ax] or x.shape[-1] != x0.shape[-1]:
@@ -126,6 +130,28 @@ def rotate(core, xs, outs, names, positions, **kwargs):
         results.append(da.blockwise(_rotate_block, index, x, index, p, p_index, dtype=x.dtype, meta=x._meta,
                                     concatenate=True, kwargs=block_kwargs, label=name))
     return results
+
+
+def _max_position(positions, x, ax):
+    """The largest position (any coordinate) of a rotation of x along axis ax, or None when it has none."""
+    seq = x.shape[ax]
+    if positions is None or isinstance(positions, (numbers.Integral, np.integer)) and not isinstance(positions, bool):
+        return (0 if positions is None else int(positions)) + seq - 1 if seq else None
+    p = positions if _is_dask(positions) else np.asarray(_host(positions, "positions"))
+    if p.size == 0:
+        return None
+    hi = p.max()
+    return int(hi.compute() if _is_dask(hi) else hi)
+
+
+def _at_seq_len(spec, hi):
+    """``spec`` with the frequencies and attention factor a length-dependent rule gives at max position
+    ``hi`` (seq_len = hi + 1, as :func:`rotary.spec.tables.lookup` takes it for one call), fixed."""
+    if hi is None or hi < 0:
+        return spec
+    seq_len = int(hi) + 1
+    return spec.replace(scaling=None, frequencies=tuple(spec.inv_freq(seq_len).tolist()),
+                        attention_factor=spec.attention_scaling_at(seq_len))
 
 
 def _table_rows(cos, sin, _spec, pos, *, dtype, device_key=None, convert=None):

@@ -463,6 +463,8 @@ class RopeSpec:
         ``float_positions`` spec) and, for a multi-axis spec, a trailing axis of n_axes coordinates."""
         positions = np.asarray(positions)
         kinds = "iuf" if self.float_positions else "iu"
+        if positions.size == 0 and positions.dtype.kind not in kinds:
+            positions = positions.astype(np.int64)   # an empty list: no values, so no wrong dtype
         if positions.dtype.kind not in kinds:
             what = "real numbers" if self.float_positions else "integers (this spec has float_positions=False)"
             raise TypeError(f"{name} must be {what}, got dtype {positions.dtype}")

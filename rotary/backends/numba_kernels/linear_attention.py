@@ -177,6 +177,31 @@ def dot_f64(x, y):
     return vsum(acc)
 
 
+@njit(**HELPER_JIT)
+def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
+    """Row i of the causal chunk product again, tokens j <= i only, when the tiled product gave it a
+    non-finite entry: the tile also multiplies row i's zero weights of tokens j > i (its block's later
+    rows) into their values, and 0 * NaN = NaN leaked a later token's NaN/inf into earlier outputs.
+    ``inter`` is the decay factor of the carried state's term (1 without decay)."""
+    for c in range(dv):
+        acc = 0.0
+        for r in range(m):
+            acc += a_row[r] * s_work[r, c]
+        acc *= inter
+        for j in range(i + 1):
+            acc += scores_row[j] * values[j, c]
+        num_row[c] = acc
+
+
+@njit(inline="always", **HELPER_JIT)
+def row_finite(row, n):
+    """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x)."""
+    total = 0.0
+    for c in range(n):
+        total += row[c] - row[c]
+    return total == 0.0
+
+
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
 def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
     """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
@@ -474,6 +499,9 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                                     num_row[j] *= pw_work[i + 1]
                         madd_tile(scores, values, num, i0, j0, end, accumulate)
                     for i in range(i0, end):
+                        if not row_finite(num[i], dv):   # a later token's NaN/inf must not reach row i
+                            causal_row(num[i], a_hat[i], s_work, scores[i], values, pw_work[i + 1] if decayed else 1.0,
+                                       i, m, dv)
                         scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
                         store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
             if decayed:
