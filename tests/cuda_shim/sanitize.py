@@ -1,0 +1,248 @@
+"""Run the CUDA kernels through the host shim under AddressSanitizer + UBSan or ThreadSanitizer.
+
+A sanitized library loads only into a process whose sanitizer runtime was loaded first, so each run is
+a child Python with the runtime in LD_PRELOAD (:func:`command` builds it; :func:`run` runs it):
+
+    python -m tests.cuda_shim.sanitize MODE WHAT [--slots N] [--guard] [--compare] [--dir DIR]
+
+MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance cases through the
+frontend at two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches:
+partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
+decay, cu_seqlens with an empty sequence), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
+the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
+``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
+shared-memory poisons; ``--slots``: concurrent blocks. Prints one line per case and ``OK <n> launches``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIMES = {"address": "libasan.so", "thread": "libtsan.so"}
+ENV = {
+    "address": {"ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86",
+                "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=87"},
+    "thread": {"TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0"},
+}
+
+
+def runtime(mode: str, cxx: str | None = None) -> str | None:
+    """Path of the sanitizer runtime the host compiler links against (None if it is not installed)."""
+    from . import host
+
+    cxx = cxx or host.compiler()
+    if cxx is None:
+        return None
+    try:
+        out = subprocess.run([cxx, f"-print-file-name={RUNTIMES[mode]}"], capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = Path(out)
+    if not path.is_absolute() or not path.exists():
+        return None
+    return str(path.resolve())
+
+
+def missing(mode: str) -> str | None:
+    """Why ``mode`` cannot run here (None if it can)."""
+    from . import host
+
+    if host.compiler() is None:
+        return "no host C++ compiler (g++/clang++)"
+    if runtime(mode) is None:
+        pkg = {"address": "libasan8 libubsan1", "thread": "libtsan2"}[mode]
+        return f"the {mode} sanitizer runtime ({RUNTIMES[mode]}) is not installed (apt-get install {pkg})"
+    return None
+
+
+def command(mode: str, what: str, *, slots: int = 1, guard: bool = False, compare: bool = False,
+            directory: str | None = None):
+    """(argv, env) of a child run."""
+    env = dict(os.environ)
+    env.update(ENV[mode])
+    env["LD_PRELOAD"] = runtime(mode)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    # the oracles' BLAS threads are not instrumented: TSan would report their memsets against the main thread
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "tests.cuda_shim.sanitize", mode, what, f"--slots={slots}"]
+    argv += ["--guard"] * guard + ["--compare"] * compare
+    if directory:
+        argv.append(f"--dir={directory}")
+    return argv, env
+
+
+def run(mode: str, what: str, *, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    argv, env = command(mode, what, **kw)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def build(directory: str | None = None):
+    """Build (or reuse) the sanitized libraries of both modes in the parent (no runtime needed to compile)."""
+    from . import host
+
+    d = Path(directory or default_dir())
+    return {mode: host.build(d, sanitize=mode, planted=True, load=False) for mode in RUNTIMES}
+
+
+def default_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"rotary-cuda-sanitize-{os.getuid()}"
+
+
+# -- the child side ------------------------------------------------------------------------------------
+def _register(kernels, **geometry):
+    from rotary import backends as registry
+    from tests.test_cuda_kernels_cpu import shim_backend
+
+    registry._MODULES["cuda-shim"] = "tests.cuda_shim"
+    registry._loaded["cuda-shim"] = shim_backend(kernels, **geometry)
+    return "cuda-shim"
+
+
+def run_conformance(kernels) -> int:
+    from rotary.conformance import cases as conformance
+
+    failures = 0
+    for label, geometry in (("small", dict(threads=32, max_tokens_per_block=3)),
+                            ("tiny", dict(threads=5, max_tokens_per_block=1))):
+        name = _register(kernels, **geometry)
+        for case in conformance.cases():
+            if label != "small" and case.scaling is not None:
+                continue
+            result = conformance.run_case(case, name)
+            failures += not result.passed
+            print(f"{'ok' if result.passed else 'FAIL'} rotate {label} {case.name} {result.max_error:.2g}", flush=True)
+    name = _register(kernels, threads=32)
+    for case in conformance.linear_cases():
+        result = conformance.run_linear_case(case, name)
+        failures += not result.passed
+        print(f"{'ok' if result.passed else 'FAIL'} linear {case.name} {result.max_error:.2g}", flush=True)
+    return failures
+
+
+def run_direct(kernels) -> int:
+    """Direct launches with the shapes the conformance suite does not reach, against float64 oracles."""
+    from rotary import RopeSpec
+    from tests.test_cuda_kernels_cpu import _oracle, _rel, _tables, la_oracle, run_linear_attention
+    from rotary.backends import cupy as cb
+    from rotary.testing import tolerance
+    from . import host
+
+    rng = np.random.default_rng(25)
+    failures = 0
+    for head_dim, rotary_dim, dtype, layout, inplace in ((24, 12, "float16", "half", False),
+                                                        (19, 18, "float32", "interleaved", True),
+                                                        (40, 6, "float64", "half", False),
+                                                        (64, 64, "float16", "interleaved", True)):
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+        work = np.float64 if dtype == "float64" else np.float32
+        positions = rng.integers(0, 50, size=(2, 5))
+        cos, sin = _tables(spec, np.arange(50), work)
+        q = rng.standard_normal((2, 5, 3, head_dim)).astype(dtype)
+        k = rng.standard_normal((2, 5, 1, head_dim)).astype(dtype)
+        q0, k0 = q.copy(), k.copy()
+        items = [(q, q), (k, k)] if inplace else [(q, np.empty_like(q)), (k, np.empty_like(k))]
+        plan = cb.plan_rotate(items, cos, sin, positions.astype(np.int64), dtype_name=dtype, rotary_dim=rotary_dim,
+                              layout=layout, inverse=False, address=host.address, threads=7, max_tokens_per_block=2)
+        kernels.launch(plan)
+        rtol, atol = tolerance(dtype)
+        ok = all(np.allclose(y.astype(np.float64), _oracle(x0, positions, spec), rtol=rtol, atol=atol)
+                 for (_, y), x0 in zip(items, (q0, k0)))
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} rotate d={head_dim} r={rotary_dim} {dtype} {layout} inplace={inplace}")
+    for B, T, H, m, dv, r, layout, chunk, threads, limit, causal in (
+            (1, 21, 2, 13, 10, 8, "interleaved", 8, 32, cb.SHARED_MEM_LIMIT, True),
+            (1, 40, 1, 16, 70, 12, "half", 16, 64, cb.SHARED_MEM_LIMIT, False),
+            (1, 29, 2, 24, 20, 24, "half", 64, 8, 4096, True),
+            (2, 9, 1, 8, 4, 8, "half", 64, 16, cb.SHARED_MEM_LIMIT, False)):
+        spec = RopeSpec(m, rotary_dim=r, layout=layout)
+        positions = rng.integers(0, 100, size=(B, T))
+        cos, sin = _tables(spec, np.arange(100))
+        q, k = (rng.standard_normal((B, T, H, m)).astype(np.float32) for _ in range(2))
+        v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+        state = (rng.standard_normal((B, H, m, dv)).astype(np.float32), rng.random((B, H, m)).astype(np.float32))
+        o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
+                                         layout=layout, causal=causal, feature_map="elu", eps=1e-3, chunk=chunk,
+                                         state=state, threads=threads, shared_mem_limit=limit)
+        ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3,
+                                        state=state)
+        ok = _rel(o, ref) < 2e-5 and _rel(S, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} linear m={m} dv={dv} chunk={chunk} threads={threads} causal={causal}")
+    # decay + cu_seqlens (one empty sequence) + normalize=False through the frontend
+    from tests.test_linear_attention_variants import ragged_against_oracle
+
+    name = _register(kernels, threads=32)
+    for causal, decay, normalize in ((True, [0.8, 0.99], False), (False, None, True), (True, [0.7, 1.0], True)):
+        try:
+            ragged_against_oracle(name, causal, normalize, np.float32, decay)
+            ok = True
+        except AssertionError as exc:
+            print(exc)
+            ok = False
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} linear ragged causal={causal} decay={decay} normalize={normalize}")
+    return failures
+
+
+def run_planted(kernels, name: str) -> None:
+    from rotary.backends.cupy import Launch
+
+    n = 8
+    x = np.arange(n, dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    plans = {
+        "planted_race": Launch("planted", name, 1, n, 4 * n, (out, np.int32(n))),
+        "planted_oob_read": Launch("planted", name, 1, n, 0, (x, out, np.int32(n))),
+        "planted_unwritten_shared": Launch("planted", name, 1, n, 4 * (n + 1), (x, out, np.int32(n))),
+        "planted_divergent_barrier": Launch("planted", name, 1, n, 0, (out, np.int32(n))),
+        "planted_block_race": Launch("planted", name, 4, 2, 0, (out, np.int32(n))),
+        "planted_int_overflow": Launch("planted", name, 1, n, 0, (out, np.int32(1 << 30))),
+    }
+    if name == "rope_short_table":  # a real kernel reading past its cos/sin table (a row index out of range)
+        from rotary import RopeSpec
+        from rotary.backends import cupy as cb
+        from . import host
+
+        spec = RopeSpec(16)
+        cos, sin = (np.ascontiguousarray(a) for a in spec.cos_sin(np.arange(6), dtype=np.float32))
+        x = np.ones((1, 8, 2, 16), np.float32)
+        rows = np.arange(8, dtype=np.int64)[None]   # rows 6 and 7 are past the 6-row table
+        plans[name] = cb.plan_rotate([(x, np.empty_like(x))], cos, sin, rows, dtype_name="float32", rotary_dim=16,
+                                     layout="half", inverse=False, address=host.address, threads=32)
+    for _ in range(3):  # a race need not show on the first run
+        kernels.launch(plans[name])
+    print("planted kernel ran without an error", out)
+
+
+def main(argv=None) -> int:
+    from . import host
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=sorted(RUNTIMES))
+    ap.add_argument("what")
+    ap.add_argument("--slots", type=int, default=1)
+    ap.add_argument("--guard", action="store_true")
+    ap.add_argument("--compare", action="store_true")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    kernels = host.build(Path(args.dir or default_dir()), sanitize=args.mode, planted=True, slots=args.slots,
+                         guard=args.guard, compare=args.compare)
+    if args.what.startswith("planted:"):
+        run_planted(kernels, args.what.split(":", 1)[1])
+        return 0
+    failures = {"conformance": run_conformance, "direct": run_direct}[args.what](kernels)
+    print(f"{'OK' if not failures else 'FAILED'} {kernels.launches} launches, {failures} failures", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
