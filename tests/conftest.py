@@ -38,3 +38,21 @@ def run_in_threads(work, n_threads, timeout=240):
     for t in threads:
         t.join(timeout=timeout)
     return errors
+
+
+# -- hypothesis profiles (issue 25): "ci" by default (bounded, derandomized: reproducible in CI), "thorough"
+# by hand: HYPOTHESIS_PROFILE=thorough python -m pytest tests/test_properties*.py (20x the examples, random)
+def _hypothesis_profiles():
+    import os
+
+    from hypothesis import HealthCheck, settings
+
+    quiet = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large,
+             HealthCheck.filter_too_much]
+    settings.register_profile("ci", deadline=None, derandomize=True, database=None, suppress_health_check=quiet,
+                              print_blob=True)
+    settings.register_profile("thorough", deadline=None, suppress_health_check=quiet, print_blob=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_hypothesis_profiles()
