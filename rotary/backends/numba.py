@@ -205,7 +205,7 @@ class PreparedRotation:
         group = [(v, o, None, False) for v, o in zip(views, out_views)]
         self.geo = _group_geometry(group)
         self.batch, self.seq_len = views[0].shape[0], seq_len
-        self.kernel = rotate_kernel(sum(v.size for v in views), self.batch, seq_len)
+        self.elements = sum(v.size for v in views)   # the kernel is picked per call (rotate_kernel's knobs)
         self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
                        layout == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
@@ -231,7 +231,7 @@ class PreparedRotation:
             bufs += bufs
         if not (bufs[0].size and self.batch * self.seq_len):
             return results
-        kernel = self.kernel if not _in_forked_child else rotate_kernel(0, 0, 0)   # serial
+        kernel = rotate_kernel(self.elements, self.batch, self.seq_len)   # serial in a forked child
         if kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows, start - table[0],
                   *self.consts):
             return results

@@ -163,7 +163,7 @@ class _Plan:
     reshape (no transposition), without a rotary offset, of a 1-D spec with integer positions."""
 
     __slots__ = ("spec", "module", "name", "device_key", "convert", "work", "cshape", "seq_len", "lead0",
-                 "batch_rep", "default_rows", "geometry", "separate")
+                 "batch_rep", "default_rows", "geometry", "separate", "prepared")
 
     @classmethod
     def make(cls, xs, outs, ax, spec, inverse, module, device_key, convert, works, offset):
@@ -190,6 +190,15 @@ class _Plan:
         plan.default_rows.flags.writeable = False
         plan.geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=bool(inverse))
         plan.separate = any(o is not None and o is not x for x, o in zip(xs, outs))
+        plan.prepared = None
+        prepare = getattr(module, "prepare_rotation", None)   # host tables: the backend's prepared rotation
+        empty = getattr(module, "empty", None)
+        if prepare is not None and empty is not None and type(empty((0,), x0.dtype)) is np.ndarray:
+            views = [x.reshape(shape) for x, shape in zip(xs, plan.cshape)]
+            out_views = [v if o is x else np.empty(x.shape, x.dtype).reshape(shape)
+                         for x, o, v, shape in zip(xs, outs, views, plan.cshape)]
+            plan.prepared = prepare(views, out_views, seq_len=plan.seq_len, rotary_dim=spec.rotary_dim,
+                                    layout=spec.layout, inverse=bool(inverse), offset=0, dtype=x0.dtype, table=None)
         return plan
 
     def run(self, xs, outs, positions):
@@ -206,12 +215,24 @@ class _Plan:
             rows = rows + np.int64(start)
         cos, sin, rows = _tables.lookup(self.spec, rows, dtype=self.work, device_key=self.device_key,
                                         convert=self.convert)
+        prepared = self.prepared
+        if prepared is not None and cos.flags.c_contiguous and sin.flags.c_contiguous and rows.flags.c_contiguous:
+            result = prepared.run(xs, outs, _readonly(rows), 0, (0, cos.shape[0], _readonly(cos), _readonly(sin)))
+            return None if result is _backends.OUTSIDE_TABLE else result
         items = []
         for x, o, shape in zip(xs, outs, self.cshape):
             xv = x.reshape(shape)
             items.append((xv, None if o is None else xv if o is x else o.reshape(shape)))
         results = self.module.rotate(items, cos, sin, rows, **self.geometry)
         return [res.reshape(x.shape) if o is None else o for x, o, res in zip(xs, outs, results)]
+
+
+def _readonly(a):
+    """a, or a read-only view of it (the backend's kernels take read-only tables and rows)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 def _outs_apart(xs, outs) -> bool:
