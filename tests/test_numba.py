@@ -566,3 +566,41 @@ def test_kernel_cache_is_keyed_on_every_kernel_source():
     finally:
         os.utime(simd.__file__, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert locator.get_source_stamp() == before
+
+
+# -- linear attention: large outputs written by non-temporal stores -----------------------------------
+@pytest.mark.parametrize("dtype,causal", [(np.float32, True), (np.float32, False), (np.float64, True)])
+def test_linear_attention_streamed_output_equals_cached_stores(rng, dtype, causal):
+    """An output of >= STREAM_MIN_BYTES is written by non-temporal stores (store_row's stream path): the same
+    bits as the ordinary stores of a smaller call. Causal: the first 256 tokens of a 4 MiB call against a
+    call on those tokens alone (nothing later reaches them); non-causal: the kernel called directly on o
+    at an aligned and a misaligned address (one element off: the ordinary stores), the same bits."""
+    H, m, dv = 8, 16, 16
+    T = la_kernels.STREAM_MIN_BYTES // (H * dv * np.dtype(dtype).itemsize)
+    q, k, v = (rng.standard_normal((1, T, H, d)).astype(dtype) for d in (m, m, dv))
+    spec = rotary.RopeSpec(m)
+    if causal:
+        o_big, (s_big, z_big) = _run_linear(q, k, v, spec, np.arange(T)[None], causal=True, chunk=64)
+        assert o_big.ctypes.data % simd.VECTOR_BYTES == 0   # the backend allocates o aligned
+        n = 256
+        o_small, _ = _run_linear(q[:, :n], k[:, :n], v[:, :n], spec, np.arange(n)[None], causal=True, chunk=64)
+        np.testing.assert_array_equal(o_big[:, :n], o_small)
+        assert np.isfinite(o_big).all() and np.abs(o_big[:, -1]).sum() > 0
+        return
+    cos, sin, rows = _tables.lookup(spec, np.arange(T)[None], dtype=dtype)
+    cos, sin, rows = (np.ascontiguousarray(a) for a in (cos, sin, rows.astype(np.int64)))
+    geo = np.array([[0, T * H * d, H * d, d, 1] for d in (m, m, dv, dv)], np.int64)
+    outs = []
+    for shift in (0, 1):
+        raw = nb._aligned_empty((T * H * dv + 1,), dtype)
+        o = raw[shift:shift + T * H * dv]
+        ss, sz = np.zeros((1, H, m, dv), dtype), np.zeros((1, H, m), dtype)
+        ns, nz = np.empty_like(ss), np.empty_like(sz)
+        la_kernels.linear_attention_tasks(q.ravel(), k.ravel(), v.ravel(), o, geo, cos, sin, rows, ss, sz, ns, nz, T,
+                                          m // 2, m, False, False, 1, 1e-6, 64, 1, np.ones((1, 1, 1)), False, True,
+                                          np.zeros(0, np.int64), 0, H)
+        outs.append(o.copy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    expected, _ = nb.linear_attention(q, k, v, cos, sin, rows, rotary_dim=m, layout="half", causal=False,
+                                      feature_map="elu", eps=1e-6, chunk=64, state=None)
+    np.testing.assert_array_equal(outs[0].reshape(expected.shape), expected)

@@ -292,7 +292,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         state_s = np.ascontiguousarray(state[0], dtype=work)
         state_z = (np.zeros((n_states, Hk, m), work) if state[1] is None
                    else np.ascontiguousarray(state[1], dtype=work))
-    o = np.empty((B, S, H, dv), dtype=q.dtype)
+    o = _aligned_empty((B, S, H, dv), q.dtype)   # aligned rows: the kernel streams a large o (non-temporal stores)
     new_s, new_z = np.empty((n_states, Hk, m, dv), work), np.empty((n_states, Hk, m), work)
     if n_states * Hk == 0:
         return o, (new_s, new_z)
@@ -317,6 +317,15 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                 bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
         _run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
+
+
+def _aligned_empty(shape, dtype, align=64):
+    """np.empty(shape, dtype) whose data starts at a multiple of ``align`` bytes (NumPy's own alignment is 16)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 #: (q, k, v shapes) -> the (4, 5) geometry of C-contiguous q, k, v and o (see _one_token_step)

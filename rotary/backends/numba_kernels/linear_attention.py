@@ -27,7 +27,8 @@ from numba.extending import intrinsic, overload, type_callable
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
 from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
-                   vload, vmadd, vsplat, vstore, vsum, vzeros, _vload_flat)
+                   vload, vmadd, vsplat, vstore, vsum, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
+                   _vsub)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
 
@@ -195,11 +196,18 @@ def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
 
 @njit(inline="always", **HELPER_JIT)
 def row_finite(row, n):
-    """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x)."""
-    total = 0.0
-    for c in range(n):
+    """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x; lanes-wide partial sums, the
+    columns past the last whole vector one by one). row: contiguous, float32 or float64."""
+    width = lanes(row)
+    full = n - n % width
+    acc = vzeros(row)
+    for c in range(0, full, width):
+        x = vload(row, c)
+        acc = _vadd(acc, _vsub(x, x))
+    total = vsum(acc)
+    for c in range(full, n):
         total += row[c] - row[c]
-    return total == 0.0
+    return total == 0
 
 
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
@@ -335,16 +343,44 @@ def load_values(x, g, b, h, t0, n, dest, dv):
 
 
 @njit(**HELPER_JIT)
-def store_row(o, g, b, t, h, acc, dv, scale):
-    """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype."""
+def store_row(o, g, b, t, h, acc, dv, scale, stream):
+    """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype. With ``stream`` (o in the work dtype, a unit-stride
+    row of whole vectors at an aligned address), acc is scaled in place (the same rounding: one product,
+    rounded to o's dtype) and written by non-temporal stores: no read of o's lines before they are written.
+    """
     base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
-    if g[4] == 1:
+    width = lanes(acc)
+    if stream and g[4] == 1 and dv % width == 0 and is_aligned(o, base):
+        for j in range(dv):
+            acc[j] = acc[j] * scale
+        for j in range(0, dv, width):
+            vstore_stream(o, base + j, vload(acc, j))
+    elif g[4] == 1:
         o_row = o[base:base + dv]
         for j in range(dv):
             store(o_row, j, acc[j] * scale)
     else:
         for j in range(dv):
             store(o, base + j * g[4], acc[j] * scale)
+
+
+def streams(o, acc):
+    """Whether the kernels write o by non-temporal stores (:func:`store_row`): o in the work dtype of acc
+    (not float16 bits) and at least ``STREAM_MIN_BYTES`` (a result much larger than the caches, read back
+    later, if at all). Compiled: a constant per type combined with the size test."""
+    return o.dtype == acc.dtype and o.size * o.itemsize >= STREAM_MIN_BYTES
+
+
+#: outputs from this size on are written by non-temporal stores (see :func:`store_row`)
+STREAM_MIN_BYTES = 1 << 22
+
+
+@overload(streams, jit_options=OVERLOAD_JIT)
+def _streams_impl(o, acc):
+    if o.dtype != acc.dtype:
+        return lambda o, acc: False
+    item = o.dtype.bitwidth // 8
+    return lambda o, acc: o.shape[0] * item >= STREAM_MIN_BYTES
 
 
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
@@ -443,6 +479,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     pw_work_own = np.zeros((span, chunk + 1), work)
     pw_work_all = borrowed(pw_work_own)
     out_geo = geo[3]
+    stream = streams(o, num[0])   # a large output: written by non-temporal stores (store_row)
     # run-time bools, not literal constants: one compiled madd_tile and load_features serve every call site
     fresh, accumulate = np.bool_(False), np.bool_(True)
     as_rows, as_columns = np.bool_(False), np.bool_(True)
@@ -497,7 +534,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                                   interleaved, feature_map, phi, a_plain, a_hat, as_rows)
                     for i0 in range(0, n, TILE_ROWS):
                         end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
-                        for i in range(end, min(end + TILE_ROWS, n)):   # the next block's output rows
+                        for i in range(end, min(end + TILE_ROWS, n) if not stream else 0):   # next block's rows
                             prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
                         for j0 in range(0, end, width):
                             madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
@@ -520,7 +557,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                                 causal_row(num[i], a_hat[i], s_work, scores[i], values,
                                            pw_work[i + 1] if decayed else 1.0, i, m, dv)
                             scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
-                            store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+                            store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale, stream)
                 if decayed:
                     for rr in range(m):
                         kt_row = k_hat_t[rr]
@@ -538,10 +575,10 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                                   interleaved, feature_map, phi, a_plain, a_hat, as_rows)
                     matmul_tiles(a_hat, s_work, num, n, m, dv)
                     for i in range(n):
-                        if i + PREFETCH_ROWS < n:
+                        if i + PREFETCH_ROWS < n and not stream:
                             prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
                         scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
-                        store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale)
+                        store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale, stream)
         # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
         # error message (f-strings, str, join: ~8 s of the first call's compile time)
         for r in range(heads):
@@ -549,6 +586,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 new_z[sb, hk0 + r, j] = carried_z_all[r, j]
                 for c in range(dv):
                     new_s[sb, hk0 + r, j, c] = carried_s_all[r * m + j, c]
+    store_fence()   # the non-temporal stores ordered before whatever the caller does next
     keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
                 s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own, keep))
 
@@ -669,6 +707,6 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                     for j in range(m):
                         den += a_plain[g, j] * np.float64(new_z[b, hk, j])
                     scale = 1.0 / (den + eps)
-                store_row(o, geo[3], b, t0, hk * groups + g, acc[g], dv, scale)
+                store_row(o, geo[3], b, t0, hk * groups + g, acc[g], dv, scale, as_rows)   # as_rows: False
     keep_alive((b_plain_own, b_hat_own, a_plain_own, a_hat_own, vals_own, acc_own, phi_own, keep[0], keep[3],
                 keep[8], keep[10]))

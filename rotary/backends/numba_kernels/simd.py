@@ -413,3 +413,60 @@ def _prefetch_intrinsic(write):
 #: in (``llvm.prefetch``, a hint that never faults), for reading / for writing (exclusive state). Intrinsics:
 #: compiled code only (callers wrap them in a function with a pure-Python form, see ``prefetch_row``).
 prefetch_read, prefetch_write = _prefetch_intrinsic(write=False), _prefetch_intrinsic(write=True)
+
+
+# -- non-temporal (streaming) stores ------------------------------------------------------------------
+def _vstore_stream_definition(typingctx, buf, i, value):
+    """buf.flat[i : i + lanes] = value by a non-temporal store (``!nontemporal``: written around the caches,
+    no read for ownership of the line). The address must be aligned to the vector's size (see
+    :func:`is_aligned`); the stores are weakly ordered until :func:`store_fence`."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        store = builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=VECTOR_BYTES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.none(buf, i, value), codegen
+
+
+def _is_aligned_definition(typingctx, buf, i):
+    """Whether the address of buf.flat[i] is a multiple of VECTOR_BYTES."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        address = builder.ptrtoint(ptr, ir.IntType(64))
+        low = builder.and_(address, ir.Constant(ir.IntType(64), VECTOR_BYTES - 1))
+        return builder.icmp_unsigned("==", low, ir.Constant(ir.IntType(64), 0))
+
+    return types.boolean(buf, i), codegen
+
+
+def _store_fence_definition(typingctx):
+    """``sfence`` on x86 (orders the non-temporal stores before every later store), a full fence elsewhere."""
+    def codegen(context, builder, signature, args):
+        if "x86" in (ll.get_process_triple() or ""):
+            fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", (), ir.FunctionType(ir.VoidType(), []))
+            builder.call(fn, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+def vstore_stream(buf, i, value):
+    """buf.flat[i : i + lanes] = value, compiled as a non-temporal store (see ``_vstore_stream_definition``)."""
+    buf.reshape(-1)[i:i + value.shape[0]] = value
+
+
+def is_aligned(buf, i):
+    """Whether the address of buf.flat[i] is a multiple of VECTOR_BYTES."""
+    return (buf.ctypes.data + i * buf.itemsize) % VECTOR_BYTES == 0
+
+
+def store_fence():
+    """Orders the non-temporal stores before every later store (nothing to do in pure Python)."""
+
+
+lowered_in_place(vstore_stream, _vstore_stream_definition)
+lowered_in_place(is_aligned, _is_aligned_definition)
+lowered_in_place(store_fence, _store_fence_definition)
