@@ -139,7 +139,8 @@ def assert_matches(got, want, dtype, err_msg=""):
 def softmax_attention_oracle(q, k, v, visible, scale, softcap=None):
     """q (..., Sq, d), k (..., Sk, d), v (..., Sk, dv) (k/v heads already repeated), visible (Bp?, Sq, Sk)
     broadcasting: the float64 softmax over the visible keys only (max-subtracted); a query with no
-    visible key, or whose visible scores are all -inf, gives 0 (torch's SDPA)."""
+    visible key, or whose visible scores are all -inf, gives 0 (torch's SDPA; a visible key's NaN value
+    still reaches it through its zero weight, as in torch)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     q, k, v = (np.broadcast_to(a, lead + a.shape[-2:]) for a in (q, k, v))
@@ -154,7 +155,8 @@ def softmax_attention_oracle(q, k, v, visible, scale, softcap=None):
                 sc = (k[idx][keys] @ q[idx][t]) * scale
                 if softcap:
                     sc = softcap * np.tanh(sc / softcap)
-                if (sc == -np.inf).all():
+                if (sc == -np.inf).all():   # weights 0, a visible NaN value still propagates (as in torch)
+                    out[idx + (t,)] = np.zeros(keys.size) @ v[idx][keys]
                     continue
                 w = np.exp(sc - sc.max())
                 out[idx + (t,)] = (w / w.sum()) @ v[idx][keys]

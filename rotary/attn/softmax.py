@@ -27,7 +27,8 @@ Non-finite data: a NaN/inf in a visible key, value or query propagates to the ou
 masked key contributes exactly nothing, whatever its values (0 * NaN never reaches the product). A
 query the mask hides every key from gets 0 (flash-attn's convention), and so does a query whose
 visible scores are all -inf (infinite q/k data), as torch's ``scaled_dot_product_attention`` gives
-(HF's default attention); a +inf or NaN score gives NaN. An -inf score in one key block and finite
+(HF's default attention; a visible key's NaN value still reaches it through its zero weight,
+as in torch); a +inf or NaN score gives NaN. An -inf score in one key block and finite
 ones in another give the softmax of the finite ones, whatever the block size. On NumPy a tile is
 one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
 to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
