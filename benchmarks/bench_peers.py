@@ -34,7 +34,8 @@ last bit), so their tolerance grows with the largest position; the others use ro
 Timing: every contender runs once (warm-up, compile), then rounds: each round times every
 contender in turn (``calls`` calls each, sized to ~``--round-ms``), best per-call time of the rounds
 reported (median kept in the JSON). Threads: ``--threads`` (default 2) for BLAS/OpenMP/Numba/torch,
-set before those are imported; JAX and MLX use their own pools (reported). Writes
+set before those are imported, with ``OMP_WAIT_POLICY=PASSIVE`` unless set (spinning OpenMP threads of
+one library would take the cores from the next contender); JAX and MLX use their own pools. Writes
 benchmarks/results/peers.json and peers.png and says what it skipped.
 """
 
@@ -77,6 +78,9 @@ def _parse(argv):
 def _set_threads(n: int) -> None:
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ[var] = str(n)
+    # OpenMP threads that spin after a parallel region (the default) take the cores from the next
+    # contender of an interleaved run: torch's decode calls measured 28-57 ms instead of ~0.5 ms that way
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 if __name__ == "__main__":
@@ -520,14 +524,25 @@ def main(args):
         else:
             tol_of = (lambda c, m=max_pos: tol_fp32_angles(m) if c.fp32_angles else TOL_EXACT)
         results[case] = run_case(case, cands, want, tol_of, rounds, round_s, skipped, rejected)
-    meta = dict(threads=args.threads, quick=quick, rounds=rounds, round_ms=round_s * 1e3, prefill_T=prefill_T,
+    meta = dict(threads=args.threads, omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), quick=quick, rounds=rounds, round_ms=round_s * 1e3, prefill_T=prefill_T,
                 linear_T=linear_T, numba_threads=__import__("numba").get_num_threads(),
-                loadavg_before=load_before, loadavg_after=os.getloadavg(), cpu=platform.processor() or platform.machine(),
+                loadavg_before=load_before, loadavg_after=os.getloadavg(), cpu=_cpu_model(),
                 logical_cores=os.cpu_count(), python=platform.python_version(), numpy=np.__version__,
                 wall_s=time.perf_counter() - t_start,
                 tolerances=dict(exact=TOL_EXACT, linear=TOL_LINEAR,
                                 fp32_angles="TOL_EXACT + 2 * max_position * 2**-23"))
     return dict(meta=meta, cases=results, skipped=skipped, rejected=rejected)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 SHAPES = {"prefill": "q (1, {T}, 32, 128), k (1, {T}, 8, 128), positions 0..{T1}",
@@ -558,7 +573,8 @@ def report(res) -> str:
     if res["rejected"]:
         lines.append("\nrejected (disagree with rotary, not timed): " +
                      "; ".join(f"{k}: {v}" for k, v in res["rejected"].items()))
-    lines.append(f"\nload average before {tuple(round(x, 2) for x in meta['loadavg_before'])}, after "
+    lines.append(f"\n{meta['cpu']}, {meta['logical_cores']} logical cores, OMP_WAIT_POLICY={meta['omp_wait_policy']}")
+    lines.append(f"load average before {tuple(round(x, 2) for x in meta['loadavg_before'])}, after "
                  f"{tuple(round(x, 2) for x in meta['loadavg_after'])}; {meta['wall_s']:.0f} s")
     return "\n".join(lines)
 
