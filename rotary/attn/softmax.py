@@ -21,7 +21,11 @@ The computation is blocked (flash-attention's online softmax) over a block-spars
 (q block x ``block_size`` keys, :func:`_tiles`): tiles the mask hides entirely are skipped, tiles it
 shows entirely run without a mask, and only the rest (the causal diagonal, the window's edge,
 packed sequence boundaries) get a per-token mask; a packed batch is one sweep over all its tokens.
-Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len).
+Per row a running max and sum; memory O(q_len x block), not O(q_len x k_len). On NumPy a tile is
+one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
+to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
+in each, see :mod:`rotary.attn.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
+tile spans every head. Scores and softmax are float32 (float64 for float64 inputs).
 
 Non-finite data: a NaN/inf in a visible key, value or query propagates to the outputs that see it; a
 masked key contributes exactly nothing, whatever its values (0 * NaN never reaches the product). A
@@ -29,11 +33,7 @@ query the mask hides every key from gets 0 (flash-attn's convention), and so doe
 visible scores are all -inf (infinite q/k data), as torch's ``scaled_dot_product_attention`` gives
 (HF's default attention; a visible key's NaN value still reaches it through its zero weight,
 as in torch); a +inf or NaN score gives NaN. An -inf score in one key block and finite
-ones in another give the softmax of the finite ones, whatever the block size. On NumPy a tile is
-one k/v head with the q heads that share it (GQA: one (g x q block, d) @ (d, block) matmul), sized
-to stay in cache, and the k/v heads are shared out over one thread per core (single-threaded BLAS
-in each, see :mod:`rotary.attn.blas`); on CuPy/torch, and for small NumPy calls (a decode step), a
-tile spans every head. Scores and softmax are float32 (float64 for float64 inputs).
+ones in another give the softmax of the finite ones, whatever the block size.
 """
 
 from __future__ import annotations
