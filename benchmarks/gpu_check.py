@@ -15,6 +15,8 @@
    the device's SM count and clock (goal >= 0.4). Also RetNet retention against it (goal <= 1.2x), and a
    ragged packed batch (64 sequences of 1..1024 tokens, cu_seqlens) in one launch against one launch per
    sequence (time ratio and the largest output/state difference, expected ~0).
+5. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
+   copy bandwidth and FLOP over the FP32 peak, both of this device), as the fraction estimate / measured.
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
 """
 
@@ -30,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))   # benchmarks/cuda_resources.py (roofline)
 
 import numpy as np  # noqa: E402
 
@@ -230,6 +233,28 @@ def linear_attention_ragged(cupy, cb, heads=16, d=64, n_seqs=64, max_len=1024) -
             t_loop * 1e3, "speedup_vs_loop": t_loop / t_packed, "max_rel_diff_o": diff, "max_rel_diff_S": diff_s}
 
 
+def roofline(results: dict) -> dict:
+    """Measured kernel times against the roofline of benchmarks/cuda_resources.py (docs/cuda.md), with this
+    device's measured copy bandwidth and computed FP32 peak in place of the H200's published figures:
+    fraction = estimate / measured (1 = at the roof)."""
+    import cuda_resources as cr
+
+    bw = results["copy"]["GBps"] * 1e9
+    peak = results["device"]["GFLOPs"] * 1e9
+    out = {}
+    for (label, plan, nbytes, flop), key in zip(cr.rotation_workloads(), ("prefill_fp16", "prefill_fp32", "decode_fp16")):
+        measured = results[key].get("kernel_us", results[key].get("gpu_us_per_launch"))
+        est = max(nbytes / bw, flop / peak) * 1e6
+        out[label] = {"estimate_us": est, "measured_us": measured, "fraction": est / measured if measured else None}
+    best = results["linear_attention_causal_fp32"]
+    for label, g, b_l2, _, flop, _ in cr.linear_workloads():
+        if g["chunk"] == best.get("chunk") and g["dv_tile"] == best.get("dv_tile"):
+            est = max(b_l2 / bw, flop / peak) * 1e3
+            out[f"causal linear attention {label}"] = {"estimate_ms": est, "measured_ms": best["ms"],
+                                                       "fraction": est / best["ms"]}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).with_name("results")))
@@ -280,6 +305,8 @@ def main(argv=None) -> int:
     plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))
     results["linear_attention_retention_fp32"]["ms_over_plain"] = (
         results["linear_attention_retention_fp32"].get("ms", float("nan")) / plain_ms)
+    if not args.quick:   # the roofline is for the full shapes
+        step("roofline", lambda: roofline(results))
 
     def goal(value, target, above=True):
         if not isinstance(value, (int, float)) or math.isnan(value):

@@ -2,8 +2,11 @@
 # One prepared GPU check for the CuPy backend (installs nothing, downloads nothing).
 #   bash benchmarks/gpu_check.sh            # tests + measurements, results in $OUT or benchmarks/results
 #   QUICK=1 bash benchmarks/gpu_check.sh    # smaller sizes
-# Steps: environment report, the CuPy/GPU tests, then benchmarks/gpu_check.py (see its docstring).
+#   BUDGET=300 bash benchmarks/gpu_check.sh # a tighter overall limit in seconds (default 470: under 8 minutes)
+# Steps: environment report, the CuPy/GPU tests, then benchmarks/gpu_check.py (see its docstring), which also
+# holds the measured times against the roofline estimates of benchmarks/cuda_resources.py (docs/cuda.md).
 set -u
+START=$SECONDS
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -20,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 if [ -z "$PY" ]; then
   echo "no python with CuPy found (set PYTHON=/path/to/python); nothing run"; exit 2
 fi
-"$PY" - <<'PYEOF'
+timeout 60 "$PY" - <<'PYEOF'
 import sys, cupy
 print("python", sys.version.split()[0], "cupy", cupy.__version__)
 try:
@@ -31,26 +34,40 @@ except Exception as e:
     print("environment problem:", type(e).__name__, e)
 PYEOF
 export PYTHONDONTWRITEBYTECODE=1
+# The whole check fits in 8 minutes: every step gets at most its cap and never more than what is left of
+# BUDGET seconds (default 470), so a hung or slow step cannot push the later ones past the limit.
+BUDGET="${BUDGET:-470}"
 status=0
+step() {  # step CAP_SECONDS LABEL COMMAND...: run with timeout min(CAP, time left - reserve for measurements)
+  local cap=$1 label=$2; shift 2
+  local left=$(( BUDGET - (SECONDS - START) - RESERVE ))
+  [ "$left" -lt "$cap" ] && cap=$left
+  if [ "$cap" -lt 10 ]; then echo "== $label: skipped (time budget spent)"; status=1; return; fi
+  echo "== $label (at most ${cap}s; $(( SECONDS - START ))s elapsed) =="
+  timeout -k 10 "$cap" "$@"
+  local rc=$?
+  [ $rc -eq 124 ] && echo "== $label: TIMED OUT after ${cap}s"
+  [ $rc -ne 0 ] && status=1
+  return 0
+}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --maxfail=5)
+QUICK_ARG=""
+[ -n "${QUICK:-}" ] && QUICK_ARG="--quick"
+RESERVE=$(( BUDGET * 3 / 10 ))   # kept back for the measurements while the tests run
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  echo "== tests (CuPy on the GPU) =="
-  timeout 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_cupy.py || status=1
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_conformance.py tests/test_rotation.py \
-    tests/test_linear_attention.py tests/test_linear_attention_variants.py tests/test_attention_softmax.py tests/test_multi_axis.py -k cupy || status=1
-  echo "== inference: packed batches, KV-cache attention, rerotate, Rope on CuPy =="
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_packing.py tests/test_attention_inference.py \
-    tests/test_rerotate.py tests/test_rope_object.py -k cupy || status=1
-  echo "== interop on the GPU: torch CUDA tensors (DLPack, out=, autograd), Dask CuPy chunks =="
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_torch_adapter.py tests/test_dask_adapter.py \
-    tests/test_interop_matrix.py || status=1
-  echo "== python -m rotary conformance --backend cupy (rotation and linear attention) =="
-  timeout 120 "$PY" -m rotary conformance --backend cupy --failures-only || status=1
+  step 150 "tests (CuPy on the GPU): tests/test_cupy.py" "${PYTEST[@]}" -rs tests/test_cupy.py
+  step 90 "CuPy rows of the conformance, rotation and linear-attention tests" "${PYTEST[@]}" \
+    tests/test_conformance.py tests/test_rotation.py tests/test_linear_attention.py \
+    tests/test_linear_attention_variants.py tests/test_attention_softmax.py tests/test_multi_axis.py -k cupy
+  step 60 "inference on CuPy: packed batches, KV-cache attention, rerotate, Rope" "${PYTEST[@]}" \
+    tests/test_packing.py tests/test_attention_inference.py tests/test_rerotate.py tests/test_rope_object.py -k cupy
+  step 60 "interop on the GPU: torch CUDA tensors (DLPack, out=, autograd), Dask CuPy chunks" "${PYTEST[@]}" -rs \
+    -m gpu tests/test_torch_adapter.py tests/test_dask_adapter.py tests/test_interop_matrix.py
+  step 40 "python -m rotary conformance --backend cupy" "$PY" -m rotary conformance --backend cupy --failures-only
 else
   echo "pytest not installed: tests skipped"
 fi
-echo "== measurements =="
-QUICK_ARG=""
-[ -n "${QUICK:-}" ] && QUICK_ARG="--quick"
-timeout 420 "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" $QUICK_ARG || status=1
-echo "== done (status $status); results in $OUT_DIR =="
+RESERVE=0
+step 200 "measurements: benchmarks/gpu_check.py" "$PY" benchmarks/gpu_check.py --out "$OUT_DIR" $QUICK_ARG
+echo "== done (status $status) in $(( SECONDS - START ))s; results in $OUT_DIR =="
 exit $status

@@ -775,3 +775,24 @@ def test_hf_vision_tower_specs_on_every_backend(model_type, use_backend, rng):
     for backend in backends:
         got = rotary.apply(x, pos, spec=spec, seq_axis=-3, backend=backend)
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * 10, err_msg=f"{model_type} on {backend}")
+
+
+# -- benchmarks/cuda_resources.py: the occupancy arithmetic of docs/cuda.md --------------------------
+def test_occupancy_arithmetic_matches_cuda_rules():
+    """Registers rounded to 8 per thread and 256 per warp, 1 KiB reserved per block, 64 warps per SM."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_resources.py"
+    spec = importlib.util.spec_from_file_location("cuda_resources", path)
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    assert cr.blocks_per_sm("sm_90", 32, 256, 2176)[0] == 8             # full: 64 warps
+    assert cr.blocks_per_sm("sm_90", 40, 256, 2176) == (6, "registers")   # 1280 regs/warp -> 51 warps
+    assert cr.blocks_per_sm("sm_90", 255, 256, 0) == (1, "registers")
+    assert cr.blocks_per_sm("sm_90", 167, 128, 45508) == (3, "registers")  # 168 * 32 = 5376 -> 12 warps
+    assert cr.blocks_per_sm("sm_90", 64, 128, 166660) == (1, "shared memory")
+    assert cr.blocks_per_sm("sm_80", 64, 128, 96132) == (1, "shared memory")
+    assert cr.occupancy("sm_90", 167, 128, 45508)[0] == pytest.approx(12 / 64)
+    grids = {label: g["grid"] for label, g, *_ in cr.linear_workloads(1, 8)}
+    assert grids == {"48 KiB": 32, "100 KiB": 16, "227 KiB": 16}
