@@ -2,6 +2,8 @@
 
     python benchmarks/bench_numba.py                      # print the tables
     python benchmarks/bench_numba.py --markdown docs/benchmarks.md   # also replace its "Numba CPU backend" section
+    python benchmarks/bench_numba.py --linear-vs-sgemm [--rounds 9]    # linear attention / sgemm, same rounds
+    python benchmarks/bench_numba.py --first-call [--pairs 3]          # JIT compile time, fresh processes
 
 - apply_qk, Llama-3-8B prefill (q (1, 4096, 32, 128), k (1, 4096, 8, 128), float32, BSHD): the time of
   a Numba ``prange`` copy of q and k into output buffers (the memory-bandwidth limit: RoPE reads and
@@ -32,6 +34,8 @@ import time
 THREADS = int(os.environ.get("BENCH_THREADS", os.cpu_count() or 1))
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, str(THREADS))
+# idle OpenMP threads (torch's) sleep instead of spinning on the cores the next candidate needs
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
@@ -256,6 +260,135 @@ def linear(rounds: int, lengths):
     return table, curve_table, sgemm
 
 
+# -- linear attention against sgemm, in the same rounds -----------------------------------------------
+def linear_vs_sgemm(rounds: int, gap: float = 0.3):
+    """Causal linear attention (H=8, T=8192, d=dv=64, C=64, elu, fp32) against NumPy's sgemm (2048^3) in
+    the same interleaved rounds: each round times every candidate once, sgemm included, with a pause of
+    ``gap`` s before each (BLAS's and torch's idle threads stop spinning). FLOPs counted as issue 23 does,
+    H (2 T C (d + dv) + 4 T d dv) with H the q heads, for every linear candidate. Reported per candidate:
+    best and median wall time, best GFLOP/s over best sgemm GFLOP/s, the median over rounds of the
+    same-round ratio, and the ratio of process CPU-time rates (robust to other processes' load: the
+    time the process's threads ran, not the time they waited for a core). One more candidate runs
+    straight after sgemm with no pause, to show what a harness without one measures."""
+    from rotary.backends import numba as nb
+
+    H, d, C, T = 8, 64, 64, 8192
+    spec = rotary.RopeSpec(d)
+    q, k, v = _linear_inputs(T, H, d)
+    cos, sin, rows = _tables.lookup(spec, np.arange(T)[None], dtype=np.float32)
+    n = 2048
+    a = np.random.default_rng(3).standard_normal((n, n), dtype=np.float32)
+    c = np.empty_like(a)
+    flop = H * (2 * T * C * (d + d) + 4 * T * d * d)
+    gammas = (1 - 2.0 ** (-5 - np.arange(2)))[None]
+
+    def primitive(kk=k, vv=v, **kw):
+        base = dict(rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=C, state=None)
+        base.update(kw)
+        return lambda: nb.linear_attention(q, kk, vv, cos, sin, rows, **base)
+
+    cands = {
+        "sgemm np.dot 2048^3": lambda: np.dot(a, a, out=c),
+        "rotary.linear_attention numba causal, elu": lambda: rotary.linear_attention(
+            q, k, v, causal=True, seq_axis=1, chunk=C, backend="numba"),
+        "numba primitive causal, elu": primitive(),
+        "numba primitive non-causal, elu": primitive(causal=False),
+        "numba primitive causal, elu, GQA (2 k/v heads)": primitive(kk=k[:, :, :2], vv=v[:, :, :2]),
+        "numba primitive causal, elu, GQA 2 + decay": primitive(kk=k[:, :, :2], vv=v[:, :, :2], decay=gammas),
+    }
+    notes = []
+    try:
+        import torch
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_peers import exact_tables, rel_error, torch_linear
+
+        torch.set_num_threads(THREADS)
+        cos_t, sin_t = exact_tables(spec, T - 1)
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(np.swapaxes(x[0], 0, 1))) for x in (q, k, v))
+        tc, ts = torch.from_numpy(np.array(cos_t)), torch.from_numpy(np.array(sin_t))   # writable copies
+        want = rotary.linear_attention(q, k, v, causal=True, seq_axis=1, chunk=C, backend="numba", spec=spec)
+        got = np.swapaxes(torch_linear(tq, tk, tv, tc, ts, C, 1e-6).numpy(), 0, 1)[None]
+        err = rel_error(got, want)
+        notes.append(f"torch eager chunked form (bench_peers.torch_linear, heads-first inputs prepared outside the "
+                     f"timing, torch {torch.__version__}): relative error {err:.1e} against rotary")
+        if err < 1e-4:
+            cands["torch eager chunked (bench_peers.torch_linear)"] = lambda: torch_linear(tq, tk, tv, tc, ts, C, 1e-6)
+        else:
+            notes.append("torch chunked form rejected: it disagrees with rotary")
+    except ImportError as exc:
+        notes.append(f"torch contender skipped: {exc}")
+    straight = "numba primitive causal, elu, straight after sgemm (no pause)"
+    for fn in cands.values():
+        fn()
+    wall = {name: [] for name in [*cands, straight]}
+    cpu = {name: [] for name in wall}
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            settle(gap)
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            if name.startswith("sgemm"):   # the same kernel again with no pause after BLAS
+                t0, c0 = time.perf_counter(), time.process_time()
+                cands["numba primitive causal, elu"]()
+                wall[straight].append(time.perf_counter() - t0)
+                cpu[straight].append(time.process_time() - c0)
+    sg_flop = 2 * n**3
+    sg_wall, sg_cpu = np.array(wall["sgemm np.dot 2048^3"]), np.array(cpu["sgemm np.dot 2048^3"])
+    out = []
+    for name in wall:
+        w, cp = np.array(wall[name]), np.array(cpu[name])
+        work = sg_flop if name.startswith("sgemm") else flop
+        per_round = (work / w) / (sg_flop / sg_wall)
+        out.append((name, f"{w.min() * 1e3:.1f}", f"{np.median(w) * 1e3:.1f}", f"{work / w.min() / 1e9:.0f}",
+                    f"{(work / w.min()) / (sg_flop / sg_wall.min()):.2f}", f"{np.median(per_round):.2f}",
+                    f"{(work / cp.min()) / (sg_flop / sg_cpu.min()):.2f}"))
+    table = _table(["candidate", "best ms", "median ms", "GFLOP/s (best)", "x sgemm (best / best)",
+                    "x sgemm (median of same-round ratios)", "x sgemm (CPU-time rates)"], out)
+    eager = "torch eager chunked (bench_peers.torch_linear)"
+    if eager in wall:
+        ours = np.array(wall["rotary.linear_attention numba causal, elu"])
+        notes.append(f"torch eager chunked / rotary.linear_attention: {min(wall[eager]) / ours.min():.2f}x (best), "
+                     f"{np.median(np.array(wall[eager]) / ours):.2f}x (median of same-round ratios)")
+    return table, notes
+
+
+# -- first call with an empty cache, A/B-able ---------------------------------------------------------------
+_FIRST_CALL_PROBE = """
+import sys, time
+t0 = time.perf_counter()
+import numpy as np, rotary
+q = np.ones((1, 4, 2, 64), np.float32); k = np.ones((1, 4, 1, 64), np.float32)
+t1 = time.perf_counter()
+if sys.argv[1] == "linear_attention":
+    rotary.linear_attention(q, q, q, causal=True, seq_axis=1, backend="numba")
+else:
+    rotary.apply_qk(q, k, seq_axis=1, backend="numba")
+print(time.perf_counter() - t1)
+"""
+
+
+def first_call(pairs: int, trees):
+    """Seconds of the first linear_attention and the first apply_qk call, each in a fresh process with an
+    empty NUMBA_CACHE_DIR (nothing compiled before it in that process), ``pairs`` times, alternating the
+    source trees given (an A/B of two checkouts in the same minutes)."""
+    rows = []
+    results = {(tree, what): [] for tree in trees for what in ("linear_attention", "apply_qk")}
+    for _ in range(pairs):
+        for what in ("linear_attention", "apply_qk"):
+            for tree in trees:
+                with tempfile.TemporaryDirectory() as cache:
+                    env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=tree)
+                    out = subprocess.run([sys.executable, "-c", _FIRST_CALL_PROBE, what], env=env, cwd=tree,
+                                         capture_output=True, text=True, check=True).stdout.split()
+                results[(tree, what)].append(float(out[-1]))
+    for (tree, what), ts in results.items():
+        rows.append((tree, what, " ".join(f"{t:.2f}" for t in ts), f"{np.median(ts):.2f}"))
+    return _table(["source tree", "first call", "seconds (fresh process each)", "median"], rows)
+
+
 # -- compile time ----------------------------------------------------------------------------------
 _COMPILE_PROBE = """
 import time, sys
@@ -341,7 +474,25 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536],
                         help="sequence lengths of the per-token linear-attention curve")
     parser.add_argument("--markdown", metavar="PATH", help="replace the 'Numba CPU backend' section of this file")
+    parser.add_argument("--linear-vs-sgemm", action="store_true",
+                        help="only causal linear attention (and its variants, torch eager) against sgemm, same rounds")
+    parser.add_argument("--first-call", action="store_true",
+                        help="only the first-call JIT compile times (fresh processes, empty NUMBA_CACHE_DIR)")
+    parser.add_argument("--pairs", type=int, default=3, help="--first-call: processes per tree and call")
+    parser.add_argument("--trees", nargs="+", default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")],
+                        help="--first-call: source trees to alternate (an A/B of two checkouts)")
     args = parser.parse_args(argv)
+    if args.linear_vs_sgemm or args.first_call:
+        print(f"Machine: {machine()}; load average before: {os.getloadavg()[0]:.2f}")
+        if args.linear_vs_sgemm:
+            table, notes = linear_vs_sgemm(args.rounds)
+            print(table)
+            for note in notes:
+                print(f"- {note}")
+        if args.first_call:
+            print(first_call(args.pairs, [os.path.abspath(t) for t in args.trees]))
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        return
     text = report(args)
     print(text)
     if args.markdown:
