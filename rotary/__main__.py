@@ -1,4 +1,4 @@
-"""Command line: ``python -m rotary info | demo | conformance | inspect``."""
+"""Command line: ``python -m rotary info | demo | conformance | inspect | warm``."""
 
 from __future__ import annotations
 
@@ -198,6 +198,9 @@ def _add_optional_commands(sub) -> None:
     from .cli import inspect as _cli_inspect
 
     _cli_inspect.add_parser(sub)
+    from .cli import warm as _cli_warm
+
+    _cli_warm.add_parser(sub)
 
 
 if __name__ == "__main__":

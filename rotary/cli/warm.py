@@ -1,0 +1,93 @@
+"""``python -m rotary warm``: compile the Numba backend's kernels into Numba's on-disk cache ahead of use.
+
+A kernel's first call in a process with an empty cache compiles it (seconds: linear attention most);
+every later process loads the cached machine code instead. This command makes those first calls now,
+on tiny inputs, for each dtype: the rotation kernels (serial and parallel, as ``apply_qk`` and a
+``Rope`` call them) and the linear-attention kernels (the chunked one, causal or not, with decay and
+packed sequences, and the one-token decode step). The cache lives where Numba puts it: next to the
+installed package (``__pycache__``) or under ``NUMBA_CACHE_DIR``, so run it as the user and with the
+environment of the programs that will use it. Running it again costs a cache load per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+HELP = "compile the Numba kernels into Numba's on-disk cache, so first calls load instead of compile"
+EPILOG = """examples:
+  python -m rotary warm                     # every kernel, float16 / float32 / float64 (a minute or two)
+  python -m rotary warm --dtypes float32    # only the float32 kernels
+  NUMBA_CACHE_DIR=/opt/cache python -m rotary warm   # the cache a service reads with the same setting
+"""
+DTYPES = ("float16", "float32", "float64")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``warm`` on the subparsers of ``python -m rotary``."""
+    parser = subparsers.add_parser("warm", help=HELP, description=HELP, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), metavar="DTYPE",
+                        help=f"the dtypes to compile for, from {', '.join(DTYPES)} (default: all)")
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def warm_calls(dtype):
+    """(label, call) pairs whose first calls compile every Numba kernel a call in ``dtype`` can reach."""
+    import rotary
+
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(0)
+
+    def arr(*shape):
+        return rng.standard_normal(shape).astype(dt)
+
+    spec = rotary.RopeSpec(64)
+    small_q, small_k = arr(1, 4, 2, 64), arr(1, 4, 1, 64)
+    big_q, big_k = arr(1, 512, 4, 64), arr(1, 512, 2, 64)     # above the parallel kernel's size threshold
+    q, k, v = arr(1, 6, 2, 64), arr(1, 6, 2, 64), arr(1, 6, 2, 64)
+    rope = rotary.Rope(spec, backend="numba", dtype=dt)
+
+    def linear(**kw):
+        return lambda: rotary.linear_attention(q, k, v, seq_axis=1, spec=spec, backend="numba", **kw)
+
+    def decode():
+        _, state = rotary.linear_attention(q, k, v, causal=True, seq_axis=1, spec=spec, backend="numba",
+                                           return_state=True)
+        rotary.linear_attention(q[:, :1], k[:, :1], v[:, :1], causal=True, seq_axis=1, spec=spec, backend="numba",
+                                state=state, positions=np.array([6]))
+
+    return [
+        ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1, backend="numba")),
+        ("apply_qk, parallel rotation kernel", lambda: rotary.apply_qk(big_q, big_k, seq_axis=1, backend="numba")),
+        ("Rope call (prepared rotation)", lambda: (rope(small_q, small_k, seq_axis=1), rope(big_q, big_k, seq_axis=1))),
+        ("linear_attention, causal and not", lambda: (linear(causal=True)(), linear(causal=False)())),
+        ("linear_attention with decay", linear(causal=True, decay=np.full((1, 2), 0.9))),
+        ("linear_attention, packed sequences", lambda: rotary.linear_attention(
+            q, k, v, seq_axis=1, spec=spec, backend="numba", causal=True, cu_seqlens=np.array([0, 2, 6]))),
+        ("linear_attention, one-token decode step", decode),
+    ]
+
+
+def run_cli(args) -> int:
+    from .. import backends
+
+    ok, reason = backends.available_backends().get("numba", (False, "unknown backend"))
+    if not ok:
+        print(f"the numba backend is unavailable here: {reason}")
+        return 2
+    import numba
+
+    total = time.perf_counter()
+    where = numba.config.CACHE_DIR or "unset: next to the package"
+    print(f"compiling into Numba's on-disk cache (NUMBA_CACHE_DIR={where}):")
+    for dtype in args.dtypes:
+        for label, call in warm_calls(dtype):
+            t0 = time.perf_counter()
+            call()
+            print(f"  {dtype:8s} {label:42s} {time.perf_counter() - t0:6.2f} s", flush=True)
+    print(f"done in {time.perf_counter() - total:.1f} s; first calls in new processes now load from the cache")
+    return 0
