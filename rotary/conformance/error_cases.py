@@ -229,10 +229,67 @@ def _cases() -> list:
         ErrorCase("linear_attention(decay=0)", lambda: _linear_decay(0.0), ValueError, ("decay", "(0, 1]")),
         ErrorCase("linear_attention(decay of 3 values, 2 k/v heads)", lambda: _linear_decay([0.5, 0.6, 0.7]),
                   ValueError, ("decay", "shape")),
+        # -- issue 25 (generated cases) ---------------------------------------------------------
+        ErrorCase("positions=[] for zero tokens (was 'float positions')", lambda: _apply(_x((0, 8)), []),
+                  check=lambda y: y.shape == (0, 8)),
+        ErrorCase("positions=[] for 4 tokens", lambda: _apply(_x(), []), ValueError, ("positions", "sequence length 4")),
+        ErrorCase("packed seqlen_offsets wrapping past int64", lambda: _apply(_x((7, 8)), seq_axis=0, cu_seqlens=[0, 3, 7],
+                                                                             seqlen_offsets=[big - 2, 0]),
+                  ValueError, ("seqlen_offsets[0]", "int64")),
+        ErrorCase("packed seqlen_offsets=2**63", lambda: _apply(_x((7, 8)), seq_axis=0, cu_seqlens=[0, 3, 7],
+                                                                 seqlen_offsets=big), ValueError, ("seqlen_offsets", "int64")),
+        ErrorCase("rerotate by int64 deltas past 2**63 (wrapped)", _rerotate_far, check=lambda err: err < 1e-9),
+        ErrorCase("causal linear attention: a later token's NaN in earlier outputs", _linear_later_nan,
+                  check=lambda ok: ok is True),
+        ErrorCase("softmax attention: a masked key's NaN in the outputs", _softmax_masked_nan, check=lambda ok: ok is True),
+        ErrorCase("mrope_section not summing to rotary_dim/2", lambda: _spec(8, mrope_section=[1, 1, 1]), ValueError,
+                  ("mrope_section", "rotary_dim/2")),
+        ErrorCase("cu_seqlens past the token count", lambda: _apply(_x((7, 8)), seq_axis=0, cu_seqlens=[0, 3, 8]),
+                  ValueError, ("cu_seqlens", "token count 7")),
         # -- documented mappings -----------------------------------------------------------------
         ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
                   check=lambda ok: ok is True),
     ]
+
+
+def _rerotate_far() -> float:
+    """max |rerotate(apply(k, src), src, dst) - apply(k, dst)| with dst - src wrapping int64."""
+    from .. import rerotate
+
+    k = _x((4, 8), np.float64)
+    src = np.array([2**62, 2**62 + 1, -(2**62), 5], np.int64)
+    dst = np.array([-(2**62), 2**62, 2**62, 2**61], np.int64)
+    return float(np.max(np.abs(rerotate(_apply(k, src), src, dst) - _apply(k, dst))))
+
+
+def _linear_later_nan() -> bool:
+    """A NaN in v at token 6: outputs before it stay finite, from it on NaN (chunk 64: one chunk)."""
+    import warnings
+
+    from .. import linear_attention
+
+    q = _x((1, 10, 2, 8))
+    v = q.copy()
+    v[0, 6, 0, 1] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = linear_attention(q, q, v, seq_axis=1, causal=True, backend="numpy")
+    return bool(np.isfinite(o[0, :6]).all() and np.isnan(o[0, 6:, 0, 1]).all())
+
+
+def _softmax_masked_nan() -> bool:
+    """A NaN in v of key 7: causal queries 0..6 never see it (exactly finite), 7.. do."""
+    import warnings
+
+    from .. import attention
+
+    q = _x((1, 10, 8))
+    v = q.copy()
+    v[0, 7, 0] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = attention(q, q, v, causal=True, block_size=4)
+    return bool(np.isfinite(o[0, :7]).all() and np.isnan(o[0, 7:, 0]).all())
 
 
 def _linear_state_call(positions, start=None):

@@ -83,13 +83,19 @@ def check_cu_seqlens(cu_seqlens, n_tokens: int, name: str = "cu_seqlens") -> np.
     return np.ascontiguousarray(cu)
 
 
+_INT64 = np.iinfo(np.int64)
+
+
 def check_offsets(seqlen_offsets, n_seqs: int, name: str = "seqlen_offsets") -> np.ndarray:
     """Per-sequence position offsets as int64 (N,): None -> zeros, an int -> that value for every
     sequence, else an integer array of shape (N,)."""
     if seqlen_offsets is None:
         return np.zeros(n_seqs, np.int64)
     if isinstance(seqlen_offsets, (int, np.integer)) and not isinstance(seqlen_offsets, (bool, np.bool_)):
-        return np.full(n_seqs, int(seqlen_offsets), np.int64)
+        value = int(seqlen_offsets)
+        if not _INT64.min <= value <= _INT64.max:
+            raise ValueError(f"{name} {value} is outside int64 [{_INT64.min}, {_INT64.max}]")
+        return np.full(n_seqs, value, np.int64)
     off = _host_int_array(seqlen_offsets, name)
     if off.shape != (n_seqs,):
         raise ValueError(f"{name} must have one offset per sequence, shape ({n_seqs},) (len(cu_seqlens) - 1), "
@@ -104,6 +110,12 @@ def pack(cu_seqlens, n_tokens: int, seqlen_offsets=None, *, name: str = "cu_seql
     starts = cu[:-1]
     lengths = np.diff(cu)
     offsets = check_offsets(seqlen_offsets, lengths.shape[0], offsets_name)
+    over = np.flatnonzero((lengths > 0) & (offsets > _INT64.max - np.maximum(lengths - 1, 0)))   # no int64 wrap
+    if over.size:
+        n = int(over[0])
+        raise ValueError(f"{offsets_name}[{n}] = {int(offsets[n])} with {int(lengths[n])} tokens gives positions up to "
+                         f"{int(offsets[n]) + int(lengths[n]) - 1}, outside int64 (max {_INT64.max}); they would wrap "
+                         "around")
     seq_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), lengths)
     positions = np.arange(n_tokens, dtype=np.int64) + np.repeat(offsets - starts, lengths)
     return Packed(cu, starts, lengths, offsets, positions, seq_ids)
