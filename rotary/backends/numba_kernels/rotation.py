@@ -18,7 +18,7 @@ from numba.extending import overload
 
 from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_X, borrowed, element_offset, load, store
 from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul,
-                   _vneg, _vstore_flat, _vsub, _work_dtype)
+                   _vneg, _vstore_flat, _vsub, _work_dtype, prefetch_write)
 
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
@@ -72,7 +72,10 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2], 0, b, s, 0)
     if xsd == 1 and osd == 1 and not copy_tail and simd_covers(x, o, cos, sin, half):
         # unit-stride heads whose pairs fill whole registers (the common case): all heads in one call
-        rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse)
+        # a separate output: its lines are asked for (for writing) PREFETCH_HEADS heads ahead; in place, they
+        # are the lines just read
+        ahead = PREFETCH_HEADS if geo[item, GEO_COPY_TAIL] != 0 else heads
+        rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead)
         return
     for h in range(heads):
         rotate_vector(x, xi + h * xsh, xsd, o, oi + h * osh, osd, cos, sin, row, half, rotary_dim, head_dim,
@@ -130,6 +133,8 @@ def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_l
 
 
 # -- SIMD rotation of unit-stride heads ------------------------------------------------------------
+#: how many heads ahead a separate output's lines are prefetched for writing (see rotate_heads_simd)
+PREFETCH_HEADS = 2
 def rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     """Rotate the first whole registers of pairs of the unit-stride vector x[xi:] into o[oi:], exactly
     as the scalar loop of :func:`rotate_vector` does (same products and sums, float16 via float32);
@@ -161,10 +166,15 @@ def _simd_covers_impl(x, o, cos, sin, half):
     return lambda x, o, cos, sin, half: half % n == 0
 
 
-def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead):
     """:func:`rotate_pairs_simd` on the ``heads`` unit-stride vectors x[xi + h*xsh:] into o[oi + h*osh:]
     (h < heads), all with table row ``row``, in one call (a compiled call per head, its arguments passed
-    on the stack, cost about as much as rotating a head of 128); returns the pairs done per head."""
+    on the stack, cost about as much as rotating a head of 128); returns the pairs done per head.
+
+    Before head h it prefetches (for writing) the output lines of head h + ``ahead`` (none when that is
+    past the last head): a separate output's lines are otherwise fetched one store miss at a time, and
+    at decode size (32 tokens x 40 heads x 128, fp32) that took the kernel from ~17 us in place to
+    28-31 us into separate outputs; 20-23 us with the prefetch two heads ahead (`q.copy(), k.copy()`: 14-15)."""
     return 0
 
 
@@ -198,13 +208,19 @@ def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inve
 
 
 @overload(rotate_heads_simd, jit_options=OVERLOAD_JIT)
-def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
-        return lambda x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse: 0
+        return lambda x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead: 0
 
-    def impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+    line = 64 // (o.dtype.bitwidth // 8)   # elements per (64-byte) cache line
+
+    def impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead):
         for h in range(heads):
+            if h + ahead < heads:
+                base = oi + (h + ahead) * osh
+                for j in range(0, 2 * half, line):
+                    prefetch_write(o, base + j)
             rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
         return half - half % n
     return impl
