@@ -152,17 +152,51 @@ def _demo_linear_attention(seq, rng) -> int:
     return failures
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rotary", description="Rotary Position Embedding toolkit")
+EPILOG = """examples:
+  python -m rotary info                       # version, backends and why any is unavailable
+  python -m rotary demo                       # every backend against the float64 oracle (Numba compiles once)
+  python -m rotary conformance --quick        # the cross-backend conformance suite, about a second per backend
+  python -m rotary inspect config.json        # the RoPE spec rotary reads from an HF config.json
+  python -m rotary VERB --help                # one verb's options and an example"""
+
+INFO_EPILOG = """example:
+  python -m rotary info
+  python -m rotary info | head -3             # version, CPU, GPU lines only"""
+
+DEMO_EPILOG = """examples:
+  python -m rotary demo                       # 512 tokens; the first run compiles the Numba kernels (cached on disk)
+  python -m rotary demo --tokens 64           # a shorter run"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m rotary`` with every verb registered (each verb's ``--help`` ends with
+    examples)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m rotary", description="Rotary Position Embedding toolkit",
+                                     epilog=EPILOG, formatter_class=fmt)
     parser.add_argument("--version", action="version", version=f"rotary {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="version, backends (and why unavailable), CPU/GPU found")
+    sub = parser.add_subparsers(dest="command", metavar="VERB")
+    p = sub.add_parser("info", help="version, backends (and why unavailable), CPU/GPU found",
+                       description="Print the version, the backends (and why any is unavailable), CPU and GPU.",
+                       epilog=INFO_EPILOG, formatter_class=fmt)
     p.set_defaults(func=cmd_info)
-    p = sub.add_parser("demo", help="a Llama-3.1-8B RoPE run through every available backend, errors and timings")
+    p = sub.add_parser("demo", help="a Llama-3.1-8B RoPE run through every available backend, errors and timings",
+                       description="Run a Llama-3.1-8B RoPE and causal linear attention with RoPE through every "
+                                   "available backend; print each one's error against the float64 oracle and its "
+                                   "time. Exit status 1 if any backend disagrees.",
+                       epilog=DEMO_EPILOG, formatter_class=fmt)
     p.add_argument("--tokens", type=_positive_int, default=512, help="sequence length >= 1 (default 512)")
     p.set_defaults(func=cmd_demo)
     _add_optional_commands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:     # ``python -m rotary`` alone: the help, not an error
+        parser.print_help()
+        return 0
     return args.func(args)
 
 

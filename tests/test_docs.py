@@ -1,13 +1,24 @@
-"""The docs' own numerical checks, the conformance CLI, and the helpers of the plot and benchmark scripts."""
+"""Every code block of README.md and docs/*.md run as shown, the commands the docs give, the CLI's help,
+the conformance CLI, and the helpers of the plot and benchmark scripts.
+
+A Python block runs on its own in a fresh interpreter (its imports are its own; nothing carries over
+from an earlier block), from an empty directory, with this checkout's ``rotary`` first on the path.
+A block that needs an optional package names it on its first line, ``# needs: torch`` (several:
+``# needs: torch, transformers``; ``gpu``: a usable CUDA device), and is skipped with that reason when
+one is missing. The blocks run in parallel, one interpreter per core.
+"""
 
 import argparse
+import ast
 import importlib.util
 import io
 import os
 import re
-import runpy
+import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +31,69 @@ from rotary.testing import rope_complex
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-#: pages whose ```python blocks are executed, in order, one namespace per page
-PAGES = ["decoding.md", "getting-started.md", "conventions.md", "length-extension.md", "theory.md", "porting.md",
-         "multi-axis.md"]
+#: every Markdown file whose code blocks are checked
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+PYTHON = {"python", "py", "python3"}
+SHELL = {"bash", "sh", "shell", "console"}
+#: top-level modules a block may import without a ``# needs:`` line (the core install)
+CORE_MODULES = {"numpy", "rotary"} | set(sys.stdlib_module_names)
+#: seconds one block may take (a first Numba compile of several kernels included)
+BLOCK_TIMEOUT = 600
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of a Markdown file, as written there."""
+
+    file: str        # path relative to the repository root
+    line: int        # 1-based line of the opening fence
+    lang: str        # the first word of the info string ("" when there is none)
+    indent: str      # the fence's indentation (a block inside a list item)
+    code: str        # the lines between the fences, unchanged
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """What the first line's ``# needs: a, b`` comment names (module names, or ``gpu``)."""
+        first = self.code.split("\n", 1)[0].strip()
+        m = re.fullmatch(r"#\s*needs:\s*(.+)", first)
+        return tuple(n for n in re.split(r"[,\s]+", m.group(1)) if n) if m else ()
+
+
+def code_blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of one Markdown file, read from the file itself."""
+    rel = path.relative_to(ROOT).as_posix()
+    lines = path.read_text(encoding="utf-8").split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence = m["fence"]
+        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        end = i + 1
+        while end < len(lines) and not close.match(lines[end]):
+            end += 1
+        assert end < len(lines), f"{rel}:{i + 1}: code block never closed"
+        lang = m["info"].split()[0].strip("{}.").lower() if m["info"].strip() else ""
+        blocks.append(Block(rel, i + 1, lang, m["indent"], "\n".join(lines[i + 1:end]) + "\n"))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [b for path in MARKDOWN for b in code_blocks(path)]
+PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.lang in PYTHON]
+SHELL_BLOCKS = [b for b in ALL_BLOCKS if b.lang in SHELL]
 
 
 def python_blocks(page: str) -> list[str]:
-    text = (DOCS / page).read_text(encoding="utf-8")
-    return [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if "--8<--" not in b]
+    """The Python blocks of ``docs/<page>`` (their code)."""
+    return [b.code for b in code_blocks(DOCS / page) if b.lang in PYTHON]
 
 
 def load_script(relpath: str):
@@ -38,29 +104,204 @@ def load_script(relpath: str):
     return module
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
-    blocks = python_blocks(page)
-    monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__docs__"}
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
+def _missing(block: Block) -> list[str]:
+    """The names of ``block.needs`` that this environment lacks."""
+    missing = []
+    for name in block.needs:
+        if name == "gpu":
+            if not rotary.available_backends()["cupy"][0]:
+                missing.append("gpu (a usable CUDA device)")
+        elif importlib.util.find_spec(name) is None:
+            missing.append(name)
+    return missing
 
 
-def test_pages_have_checks():
-    assert all(python_blocks(p) for p in PAGES if p != "theory.md")
-    assert "--8<-- \"docs/scripts/theory_checks.py:" in (DOCS / "theory.md").read_text()
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
 
 
-def test_theory_checks():
-    runpy.run_path(str(DOCS / "scripts" / "theory_checks.py"), run_name="__docs__")
+def _run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", block.code], cwd=cwd, env=_env(), capture_output=True, text=True,
+                          timeout=BLOCK_TIMEOUT)
 
 
-def test_theory_page_includes_every_section():
-    script = (DOCS / "scripts" / "theory_checks.py").read_text()
-    sections = re.findall(r"\[start:(\w+)\]", script)
-    page = (DOCS / "theory.md").read_text()
-    assert sections and all(f'theory_checks.py:{s}"' in page for s in sections)
+@pytest.fixture(scope="session")
+def block_runs(request, tmp_path_factory):
+    """Start every selected, runnable Python block at once (one interpreter per core); the tests then wait
+    for their own block's result."""
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_python_block" and hasattr(item, "callspec")]
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="docs-block") as pool:
+        futures = {b.id: pool.submit(_run_block, b, tmp_path_factory.mktemp("block"))
+                   for b in selected if not _missing(b)}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
+def _traceback_in_file(block: Block, text: str) -> str:
+    """The block's traceback with ``File "<string>", line N`` turned into the Markdown file's line."""
+    return re.sub(r'File "<string>", line (\d+)',
+                  lambda m: f'File "{block.file}", line {block.line + int(m.group(1))}', text)
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
+def test_python_block(block, block_runs):
+    missing = _missing(block)
+    if missing:
+        pytest.skip(f"{block.id} needs {', '.join(missing)} (not installed here)")
+    proc = block_runs[block.id].result()
+    assert proc.returncode == 0, (f"{block.id}: the block exits with status {proc.returncode} when run on its own\n"
+                                  + _traceback_in_file(block, proc.stderr[-6000:]))
+
+
+def test_every_file_is_found():
+    names = {b.file for b in PYTHON_BLOCKS}
+    assert {"README.md", "docs/getting-started.md", "docs/theory.md", "docs/decoding.md", "docs/interop.md",
+            "docs/dask.md", "docs/linear_attention.md"} <= names
+    assert len(PYTHON_BLOCKS) >= 40
+
+
+def test_blocks_are_written_to_paste():
+    """Every block names its language; a Python block starts at column 0 (not inside a list item, where
+    its indentation would not paste); no snippet include is left for mkdocs to expand."""
+    for b in ALL_BLOCKS:
+        assert b.lang, f"{b.id}: a code block without a language (```python, ```bash, ```text)"
+        if b.lang in PYTHON:
+            assert not b.indent, f"{b.id}: an indented Python block does not run when pasted"
+    for path in MARKDOWN:
+        text = path.read_text(encoding="utf-8")
+        assert "--8<--" not in text, f"{path.relative_to(ROOT)}: a snippet include, which only mkdocs expands"
+    assert "pymdownx.snippets" not in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+
+
+def test_blocks_declare_what_they_need():
+    """A block that imports a package beyond NumPy and rotary says so on its first line (``# needs: X``),
+    so that it is skipped with that reason where X is missing."""
+    for b in PYTHON_BLOCKS:
+        tree = ast.parse(b.code, filename=b.id)
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+        undeclared = imported - CORE_MODULES - set(b.needs)
+        assert not undeclared, f"{b.id}: imports {sorted(undeclared)}; first line: # needs: {', '.join(sorted(undeclared))}"
+        later = [line for line in b.code.split("\n")[1:] if re.match(r"\s*#\s*needs:", line)]
+        assert not later, f"{b.id}: '# needs:' belongs on the block's first line"
+
+
+def _shell_commands(block: Block):
+    """The commands of a shell block: comments and ``$ `` prompts dropped, split at ``&&``, ``;`` and ``|``."""
+    for line in block.code.split("\n"):
+        line = line.strip()
+        if block.lang == "console":
+            if not line.startswith("$ "):
+                continue                      # output lines
+            line = line[2:]
+        line = re.sub(r"(^|\s)#.*$", "", line).strip()
+        for part in re.split(r"&&|;|\|", line):
+            if part.strip():
+                yield part.strip()
+
+
+def _rotary_argv(command: str):
+    """``python -m rotary ...`` as its argument list after ``rotary``, else None."""
+    words = shlex.split(command)
+    for i in range(len(words) - 2):
+        if words[i].startswith("python") and words[i + 1:i + 3] == ["-m", "rotary"]:
+            return words[i + 3:]
+    return None
+
+
+def _parses(argv) -> bool:
+    from rotary.__main__ import build_parser
+
+    try:
+        with open(os.devnull, "w") as sink:
+            stdout, sys.stdout = sys.stdout, sink
+            try:
+                build_parser().parse_args(argv)
+            finally:
+                sys.stdout = stdout
+    except SystemExit as exc:
+        return exc.code == 0                 # --help / --version
+    return True
+
+
+def test_rotary_commands_in_the_docs_parse():
+    """Every ``python -m rotary ...`` a shell block shows is a command line this version accepts."""
+    seen = 0
+    for b in SHELL_BLOCKS:
+        for command in _shell_commands(b):
+            argv = _rotary_argv(command)
+            if argv is not None:
+                seen += 1
+                assert _parses(argv), f"{b.id}: {command!r} is not a valid command line"
+    assert seen >= 4
+
+
+def test_scripts_in_the_docs_exist():
+    """Every script a shell block runs (``python path.py``, ``bash path.sh``) is in the repository."""
+    seen = 0
+    for b in SHELL_BLOCKS:
+        for command in _shell_commands(b):
+            for script in re.findall(r"(?:^|\s)(?:python3?|bash)\s+(\S+\.(?:py|sh))\b", command):
+                seen += 1
+                assert (ROOT / script).is_file(), f"{b.id}: {command!r} runs {script}, which does not exist"
+    assert seen >= 5
+
+
+#: scripts a page gives as a command to run (in place of including them), run here as the page says
+RUN_SCRIPTS = {"docs/scripts/numpy_decoder.py": "docs/decoding.md"}
+
+
+@pytest.mark.parametrize("script", sorted(RUN_SCRIPTS))
+def test_documented_script_runs(script):
+    commands = [c for b in SHELL_BLOCKS if b.file == RUN_SCRIPTS[script] for c in _shell_commands(b)]
+    assert f"python {script}" in commands
+    proc = subprocess.run([sys.executable, script], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=BLOCK_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip()
+
+
+# -- the command line's help ------------------------------------------------------------------------
+def test_bare_command_prints_the_help():
+    proc = run_module()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m rotary") and not proc.stderr
+    for verb in ("info", "demo", "conformance", "inspect"):
+        assert f"python -m rotary {verb}" in proc.stdout          # each verb with an example
+
+
+def _verbs():
+    from rotary.__main__ import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, action.choices
+
+
+def test_every_verb_shows_an_example():
+    """``python -m rotary VERB --help`` ends with examples, and every example is a valid command line."""
+    parser, verbs = _verbs()
+    assert {"info", "demo", "conformance", "inspect"} <= set(verbs)
+    for verb, sub in [(None, parser), *verbs.items()]:
+        text = sub.format_help()
+        examples = [line.strip() for line in text.split("\n") if line.strip().startswith("python -m rotary")]
+        assert "example" in text and examples, f"{verb}: --help shows no example"
+        if verb is not None:
+            assert any(e.split()[3:4] == [verb] for e in examples), f"{verb}: no example runs {verb}"
+        for example in examples:
+            if "VERB" in example:
+                continue
+            command = re.split(r"\s#|\|", example)[0]
+            assert _parses(_rotary_argv(command)), f"{verb}: example {example!r} does not parse"
 
 
 # -- conformance CLI ---------------------------------------------------------------------------------

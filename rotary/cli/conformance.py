@@ -16,6 +16,10 @@ from ..conformance import cases as _conformance
 from ..backends import available_backends, names
 
 HELP = "run the cross-backend conformance suite against float64 oracles"
+EPILOG = """examples:
+  python -m rotary conformance --quick              # a representative subset on every available backend
+  python -m rotary conformance --backend numba      # every case on one backend (exit 1 on a failure, 2 if unavailable)
+  python -m rotary conformance --errors             # the bad-input catalogue: each case's error and message"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``conformance`` on the subparsers of ``python -m rotary``."""
-    parser = subparsers.add_parser("conformance", help=HELP, description=HELP)
+    parser = subparsers.add_parser("conformance", help=HELP, description=HELP, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.set_defaults(func=run_cli)
     return parser
@@ -96,7 +101,8 @@ def run_errors(args: argparse.Namespace, stdout) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rotary conformance", description=HELP)
+    parser = argparse.ArgumentParser(prog="python -m rotary conformance", description=HELP, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

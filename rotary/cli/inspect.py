@@ -13,6 +13,10 @@ import json
 import sys
 
 HELP = "print the RoPE spec(s) rotary reads from an HF config.json"
+EPILOG = """examples:
+  python -m rotary inspect config.json                                # every RoPE layer type of the config
+  python -m rotary inspect config.json --layer-type sliding_attention  # one layer type (Gemma 3 style)
+  python -m rotary inspect config.json --head qk                      # MLA models: the whole [nope | rope] head"""
 
 
 def describe(spec, axis_names=None) -> list[str]:
@@ -143,7 +147,8 @@ def run_cli(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("inspect", help=HELP, description=HELP)
+    parser = subparsers.add_parser("inspect", help=HELP, description=HELP, epilog=EPILOG,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="path to an HF config.json")
     parser.add_argument("--layer-type", default=None, help="only this layer type (e.g. full_attention)")
     parser.add_argument("--head", default="rope", choices=("rope", "qk", "indexer"),
