@@ -45,7 +45,7 @@ QUICK = (
 )
 
 #: marks that keep a test out of the quick selection even under a QUICK prefix
-FULL_ONLY_MARKS = ("slow", "peer", "nvrtc")
+FULL_ONLY_MARKS = ("slow", "peer", "nvrtc", "sanitizer")
 
 #: environment variable values that turn the full suite on (CI services set CI=true)
 _TRUE = {"1", "true", "yes"}
