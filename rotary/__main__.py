@@ -157,6 +157,7 @@ EPILOG = """examples:
   python -m rotary demo                       # every backend against the float64 oracle (Numba compiles once)
   python -m rotary conformance --quick        # the cross-backend conformance suite, about a second per backend
   python -m rotary inspect config.json        # the RoPE spec rotary reads from an HF config.json
+  python -m rotary warm                       # compile every Numba kernel into the on-disk cache ahead of use
   python -m rotary VERB --help                # one verb's options and an example"""
 
 INFO_EPILOG = """example:

@@ -275,7 +275,7 @@ def test_bare_command_prints_the_help():
     proc = run_module()
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m rotary") and not proc.stderr
-    for verb in ("info", "demo", "conformance", "inspect"):
+    for verb in ("info", "demo", "conformance", "inspect", "warm"):
         assert f"python -m rotary {verb}" in proc.stdout          # each verb with an example
 
 
