@@ -1,7 +1,7 @@
 """The CUDA kernels on the host shim under AddressSanitizer + UBSan and ThreadSanitizer (no GPU needed).
 
 Each sanitized run is a child Python with the sanitizer runtime preloaded (tests/cuda_shim/sanitize.py):
-the conformance cases and a set of direct launches run with every global buffer in an allocation of
+the conformance cases, a set of direct launches and random problems run with every global buffer in an allocation of
 exactly its extent (``guard``: an out-of-bounds access trips ASan), every launch twice under two
 shared-memory poisons (``compare``: a read of shared memory no thread wrote changes the output), blocks on
 concurrent thread sets (``slots``: TSan sees races between blocks as well as within one), and every
@@ -30,12 +30,12 @@ def build_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sanitized(build_dir):
     """mode -> build directory holding that mode's library (built here, loaded only by the children)."""
-    ready = {}
-    for mode in sanitize.RUNTIMES:
-        if sanitize.missing(mode) is None:
-            host.build(build_dir, sanitize=mode, planted=True, load=False)
-            ready[mode] = str(build_dir)
-    return ready
+    from concurrent.futures import ThreadPoolExecutor
+
+    modes = [mode for mode in sanitize.RUNTIMES if sanitize.missing(mode) is None]
+    with ThreadPoolExecutor(len(modes) or 1) as pool:   # the two compiles side by side
+        list(pool.map(lambda mode: host.build(build_dir, sanitize=mode, planted=True, load=False), modes))
+    return {mode: str(build_dir) for mode in modes}
 
 
 def _need(sanitized, mode):
@@ -50,14 +50,14 @@ def _run(sanitized, mode, what, **kw):
 
 
 # -- the kernels are clean --------------------------------------------------------------------------
-@pytest.mark.parametrize("what", ["conformance", "direct"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random"])
 def test_kernels_clean_under_address_and_undefined_sanitizers(sanitized, what):
     proc, log = _run(sanitized, "address", what, guard=True, compare=True, slots=1)
     assert proc.returncode == 0, log[-6000:]
     assert "OK" in proc.stdout and "ERROR: AddressSanitizer" not in log and "runtime error" not in log
 
 
-@pytest.mark.parametrize("what", ["conformance", "direct"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random"])
 def test_kernels_clean_under_thread_sanitizer(sanitized, what):
     proc, log = _run(sanitized, "thread", what, compare=True, slots=3)
     assert proc.returncode == 0, log[-6000:]

@@ -8,7 +8,8 @@ a child Python with the runtime in LD_PRELOAD (:func:`command` builds it; :func:
 MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance cases through the
 frontend at two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches:
 partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
-decay, cu_seqlens with an empty sequence), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
+decay, cu_seqlens with an empty sequence), ``random`` (random rotation and linear-attention problems:
+element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
 the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
 shared-memory poisons; ``--slots``: concurrent blocks. Prints one line per case and ``OK <n> launches``.
@@ -193,6 +194,76 @@ def run_direct(kernels) -> int:
     return failures
 
 
+def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025) -> int:
+    """Random problems (shapes, element offsets, strides along head_dim, reversed sequences, GQA, geometries,
+    in place, inverse; linear attention with odd m, dv tiles, budgets, states) against float64 oracles."""
+    from rotary import RopeSpec
+    from rotary.backends import cupy as cb
+    from rotary.testing import tolerance
+    from tests.test_cuda_kernels_cpu import _oracle, _rel, _tables, la_oracle, run_linear_attention
+    from . import host
+
+    rng = np.random.default_rng(seed)
+    failures = 0
+    for i in range(n_rotate):
+        head_dim = int(rng.integers(2, 41))
+        rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
+        B, S, Hq, Hk = (int(rng.integers(lo, hi)) for lo, hi in ((1, 3), (1, 8), (1, 4), (0, 3)))
+        layout = str(rng.choice(["half", "interleaved"]))
+        dtype = str(rng.choice(["float16", "float32", "float64"]))
+        offset, step = int(rng.integers(0, 4)), int(rng.choice([1, 1, 2]))
+        inplace, inverse = bool(rng.integers(2)), bool(rng.integers(2))
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+        work = np.float64 if dtype == "float64" else np.float32
+        positions = rng.integers(0, 64, size=(B, S))
+        cos, sin = _tables(spec, np.arange(64), work)
+
+        def make(heads):
+            shape = (B, S, heads, head_dim * step)
+            buf = rng.standard_normal(int(np.prod(shape)) + offset).astype(dtype)
+            return buf[offset:].reshape(shape)[..., ::step]
+
+        xs = [make(Hq)] + ([make(Hk)] if Hk else [])
+        originals = [x.copy() for x in xs]
+        outs = [x if inplace else np.empty(x.shape, x.dtype) for x in xs]
+        plan = cb.plan_rotate(list(zip(xs, outs)), cos, sin, positions.astype(np.int64), dtype_name=dtype,
+                              rotary_dim=rotary_dim, layout=layout, inverse=inverse, address=host.address,
+                              threads=int(rng.choice([1, 3, 32])), max_tokens_per_block=[None, 1, 2][i % 3])
+        kernels.launch(plan)
+        rtol, atol = tolerance(dtype)
+        ok = all(np.allclose(y.astype(np.float64), _oracle(x0, positions, spec, inverse), rtol=rtol, atol=atol)
+                 and (inplace or np.array_equal(x, x0)) for x0, x, y in zip(originals, xs, outs))
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} rotate random {i}: d={head_dim} r={rotary_dim} B={B} S={S} H={Hq}/{Hk} "
+              f"{layout} {dtype} offset={offset} step={step} inplace={inplace}", flush=True)
+    for i in range(n_linear):
+        B, T, H = int(rng.integers(1, 3)), int(rng.integers(1, 41)), int(rng.integers(1, 3))
+        m, dv = int(rng.integers(2, 21)), int(rng.integers(1, 13))
+        causal, layout = bool(rng.integers(2)), str(rng.choice(["half", "interleaved"]))
+        chunk, threads = int(rng.choice([1, 3, 8, 64])), int(rng.choice([1, 7, 32]))
+        budget = int(rng.choice([2048, cb.SHARED_MEM_LIMIT]))
+        r = 2 * (m // 2)
+        spec = RopeSpec(m, rotary_dim=r, layout=layout)
+        positions = rng.integers(0, 50, size=(B, T))
+        cos, sin = _tables(spec, np.arange(50))
+        q = rng.standard_normal((B, T, H, m)).astype(np.float32)
+        k = rng.standard_normal((B, T, H, m)).astype(np.float32)[:, ::-1] if i % 2 else \
+            rng.standard_normal((B, T, H, m)).astype(np.float32)
+        v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+        state = ((rng.standard_normal((B, H, m, dv)).astype(np.float32), rng.random((B, H, m)).astype(np.float32))
+                 if i % 3 else None)
+        o, (S_, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
+                                          layout=layout, causal=causal, feature_map="elu", eps=1e-3, chunk=chunk,
+                                          state=state, threads=threads, shared_mem_limit=budget)
+        ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3,
+                                        state=state)
+        ok = _rel(o, ref) < 2e-5 and _rel(S_, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} linear random {i}: B={B} T={T} H={H} m={m} dv={dv} causal={causal} "
+              f"chunk={chunk} threads={threads} budget={budget}", flush=True)
+    return failures
+
+
 def run_planted(kernels, name: str) -> None:
     from rotary.backends.cupy import Launch
 
@@ -239,7 +310,7 @@ def main(argv=None) -> int:
     if args.what.startswith("planted:"):
         run_planted(kernels, args.what.split(":", 1)[1])
         return 0
-    failures = {"conformance": run_conformance, "direct": run_direct}[args.what](kernels)
+    failures = {"conformance": run_conformance, "direct": run_direct, "random": run_random}[args.what](kernels)
     print(f"{'OK' if not failures else 'FAILED'} {kernels.launches} launches, {failures} failures", flush=True)
     return 1 if failures else 0
 

@@ -113,17 +113,10 @@ template <typename T, int V> ROTARY_FN void store_vec(T* p, const T (&src)[V]) {
 
 ROTARY_FN int imin(int a, int b) { return a < b ? a : b; }
 
-ROTARY_FN float rotary_exp(float x) {
+// exp in the work type: expf / exp on the device, std::exp's overloads on the host
 #ifdef ROTARY_ON_DEVICE
-    return expf(x);
+ROTARY_FN float rotary_exp(float x) { return expf(x); }
+ROTARY_FN double rotary_exp(double x) { return exp(x); }
 #else
-    return std::exp(x);
+template <typename W> ROTARY_FN W rotary_exp(W x) { return std::exp(x); }
 #endif
-}
-ROTARY_FN double rotary_exp(double x) {
-#ifdef ROTARY_ON_DEVICE
-    return exp(x);
-#else
-    return std::exp(x);
-#endif
-}
