@@ -258,3 +258,48 @@ def test_a_validated_geometry_keeps_every_check(rng, backend, monkeypatch):
 
 
 from rotary.frontend.normalize import normalize_positions  # noqa: E402  (the real one, for the counting stand-in)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_plan_gives_the_general_paths_bits(rng, backend, dtype, monkeypatch):
+    """The second call of a geometry (its plan) equals the first (the general path) bit for bit: BSHD,
+    BHSD (no plan: a transposed view), (S, H, D) with seq_axis=0, apply and apply_qk, new outputs, in
+    place and separate outs, positions None / int / (S,) / (B, S)."""
+    from rotary.frontend import rotate as _rotate
+
+    monkeypatch.setattr(_rotate, "_plans", {})
+    spec = rotary.RopeSpec(16, base=1000.0)
+    forms = []
+    for bhsd in (False, True):
+        q, k, ax = _decode_inputs(rng, dtype, S=3, bhsd=bhsd)
+        forms.append((q, k, ax, rng.integers(0, 900, size=(4, 3))))
+    q3, k3 = q[0].transpose(1, 0, 2).copy(), k[0].transpose(1, 0, 2).copy()   # (S, H, D)
+    forms.append((q3, k3, 0, np.arange(3) + 40))
+    for q, k, ax, pos in forms:
+        for positions in (pos, None, 17):
+            for mode in ("new", "separate", "in place"):
+                results = []
+                for _ in range(2):
+                    qi, ki = q.copy(), k.copy()
+                    out = {"new": None, "separate": (np.empty_like(q), np.empty_like(k)), "in place": (qi, ki)}[mode]
+                    got = rotary.apply_qk(qi, ki, positions, spec=spec, seq_axis=ax, backend=backend, out=out)
+                    one = rotary.apply(qi if mode != "in place" else q.copy(), positions, spec=spec, seq_axis=ax,
+                                       backend=backend)
+                    results.append((got[0].copy(), got[1].copy(), one))
+                for a, b in zip(*results):
+                    np.testing.assert_array_equal(a, b)
+                np.testing.assert_allclose(results[0][0].astype(np.float64), _oracle_any(q, positions, spec, ax),
+                                           **_TOL[np.dtype(dtype).name])
+    assert _rotate._plans, "no plan was made"
+
+
+_TOL = {"float16": dict(rtol=2e-3, atol=4e-3), "float32": dict(rtol=2e-5, atol=2e-5),
+        "float64": dict(rtol=1e-12, atol=1e-12)}
+
+
+def _oracle_any(x, positions, spec, ax):
+    """float64 oracle for BSHD (ax=1), BHSD (ax=2) or (S, H, D) (ax=0) input."""
+    if ax == 0:
+        return _oracle(x[None], positions, spec, 1)[0]
+    return _oracle(x, positions, spec, ax)
