@@ -133,6 +133,14 @@ class _Reader:
                             f"got {type(config).__name__}")
         self.config, self.where = config, where
         self.model_type = self.raw("model_type") or model_type
+        if self.model_type is not None and not isinstance(self.model_type, str):
+            raise ConfigError(f"{where}['model_type'] must be a string (the HF model type), got "
+                              f"{type(self.model_type).__name__} {self.model_type!r}")
+        types = self.raw("layer_types")
+        if types is not None and (not isinstance(types, (list, tuple))
+                                  or not all(isinstance(t, (str, int)) and not isinstance(t, bool) for t in types)):
+            raise ConfigError(f"{where}{'[' + repr('layer_types') + ']' if self.is_dict else '.layer_types'} must be "
+                              f"a list of layer type names, got {type(types).__name__} {types!r}"[:300])
 
     def raw(self, key):
         if self.is_dict:
@@ -174,6 +182,32 @@ def _number(value, where: str) -> float:
 
 def _integer(value, where: str) -> int:
     return as_int(value, where, error=ConfigError, integral_float=True)
+
+
+#: more layers than any model has: a larger num_hidden_layers is a broken config (and a list that long a hang)
+_MAX_LAYERS = 1_000_000
+#: the largest head_dim a config may give (no model comes near)
+_MAX_HEAD_DIM = 1 << 16
+
+
+def _layer_count(value, where: str) -> int:
+    """num_hidden_layers (or a layer interval) checked: an integer in 0 .. _MAX_LAYERS."""
+    n = _integer(value, where)
+    if not 0 <= n <= _MAX_LAYERS:
+        raise ConfigError(f"{where} must be an integer in [0, {_MAX_LAYERS}], got {n}")
+    return n
+
+
+def _rope_parameter_dicts(params, where: str) -> dict:
+    """A per-layer-type rope_parameters as a dict of copied dicts (or None entries), checked."""
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where} must be a dict, got {type(params).__name__}")
+    out = {}
+    for k, v in params.items():
+        if v is not None and not isinstance(v, Mapping):
+            raise ConfigError(f"{where}[{k!r}] must be a dict or null, got {type(v).__name__} {v!r}")
+        out[k] = None if v is None else dict(v)
+    return out
 
 
 def _has_rope(reader: _Reader) -> bool:
@@ -265,7 +299,7 @@ def _pattern_types(c: dict, every, full_when, default_layers):
     """``layer_types`` as the family's config class derives it when the config.json has none."""
     if c.get("layer_types") is None:
         n = c.get("num_hidden_layers", default_layers)
-        n = _integer(n, "config['num_hidden_layers']")
+        n = _layer_count(n, "config['num_hidden_layers']")
         c["layer_types"] = ["full_attention" if full_when(i, every) else "sliding_attention" for i in range(n)]
     return c
 
@@ -280,8 +314,8 @@ def _local_global(c: dict, *, global_theta_key: str, local_theta_key, default_th
     nested = isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values())
     if params is not None and not nested:
         return c   # a flat rope_parameters: read as given
-    params = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (params or {
-        "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}).items()}
+    params = _rope_parameter_dicts(params or {"sliding_attention": {"rope_type": "default"},
+                                              "full_attention": {"rope_type": "default"}}, "config['rope_parameters']")
     scaling = c.get("rope_scaling")
     if isinstance(scaling, Mapping):
         params["full_attention"] = {**(params.get("full_attention") or {"rope_type": "default"}), **scaling}
@@ -380,9 +414,11 @@ def _nope_every(c: dict, interval=None) -> dict:
     """Llama 4 / SmolLM3 / Mistral-Large-4: ``no_rope_layers`` (1 = the layer uses RoPE, 0 = NoPE), by
     default a NoPE layer every ``no_rope_layer_interval`` (4) layers, as HF's class derives it."""
     if not c.get("no_rope_layers"):
-        n = _integer(c.get("num_hidden_layers"), "config['num_hidden_layers']")
-        k = _integer(c.get("no_rope_layer_interval", 4) if interval is None else interval,
-                     "config['no_rope_layer_interval']")
+        n = _layer_count(c.get("num_hidden_layers"), "config['num_hidden_layers']")
+        k = _layer_count(c.get("no_rope_layer_interval", 4) if interval is None else interval,
+                         "config['no_rope_layer_interval']")
+        if k == 0:
+            raise ConfigError("config['no_rope_layer_interval'] must be >= 1, got 0")
         c["no_rope_layers"] = [int((i + 1) % k != 0) for i in range(n)]
     return c
 
@@ -409,11 +445,11 @@ def _neomme(c: dict) -> dict:
     """NeoMME: layer types full every 6th layer and the last; per layer type rope_theta (top-level
     rope_theta, else 1e6 full / 1e4 sliding) and partial_rotary_factor (0.25 full / 1.0 sliding)."""
     if c.get("layer_types") is None:
-        n = _integer(c.get("num_hidden_layers", 17), "config['num_hidden_layers']")
+        n = _layer_count(c.get("num_hidden_layers", 17), "config['num_hidden_layers']")
         c["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention"
                             for i in range(n)]
     params = c.get("rope_parameters")
-    params = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in (params or {}).items()}
+    params = _rope_parameter_dicts(params or {}, "config['rope_parameters']")
     theta = c.pop("rope_theta", None)
     for lt in dict.fromkeys(c["layer_types"]):
         layer = params.setdefault(lt, {})
@@ -482,6 +518,9 @@ def as_hf_class_reads(reader: _Reader) -> _Reader:
 
 def _rope_labels(reader: _Reader) -> tuple:
     labels = reader.raw("_rope_type_labels") or reader.get("layer_types") or ()
+    if isinstance(labels, (str, bytes, Mapping)) or not hasattr(labels, "__iter__"):
+        raise ConfigError(f"{reader.name('layer_types')} must be a list of layer type names, got "
+                          f"{type(labels).__name__} {labels!r}")
     return tuple(labels)
 
 
@@ -593,10 +632,10 @@ def spec_kwargs(config, layer_type=None, *, _reader=None) -> dict:
     if nested is not None:
         usable = [k for k, v in nested.items() if v is not None]
         if layer_type is None:
-            raise ValueError(f"{reader.name('rope_parameters')} is per layer type ({', '.join(usable)}); pass "
-                             "layer_type= one of them, or use RopeSpec.per_layer_from_hf_config")
+            raise ConfigError(f"{reader.name('rope_parameters')} is per layer type ({', '.join(usable)}); pass "
+                              "layer_type= one of them, or use RopeSpec.per_layer_from_hf_config")
         if layer_type not in nested:
-            raise ValueError(f"layer_type must be one of {usable}, got {layer_type!r}")
+            raise ConfigError(f"layer_type must be one of {usable}, got {layer_type!r}")
         if nested[layer_type] is None:
             raise ValueError(f"layer type {layer_type!r} has no RoPE (its rope_parameters entry is null)")
         params = dict(nested[layer_type])
@@ -651,6 +690,9 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
         head_dim = hidden // heads
     if head_dim < 1:
         raise ConfigError(f"{reader.name('head_dim')} must be >= 1, got {head_dim}")
+    if head_dim > _MAX_HEAD_DIM:   # a broken config: its frequency tables would never finish
+        raise ConfigError(f"{reader.name('head_dim')} gives head_dim {head_dim}, more than {_MAX_HEAD_DIM} (from "
+                          "head_dim, or hidden_size // num_attention_heads)")
     out = {}
 
     rope_type = None
@@ -724,6 +766,9 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
             if mrope_interleaved:
                 mrope_layout = "interleaved"
         if mrope_section is not None:
+            if isinstance(mrope_section, (str, bytes, Mapping)) or not hasattr(mrope_section, "__iter__"):
+                raise ConfigError(f"{where}['mrope_section'] must be a list of 3 integers, got "
+                                  f"{type(mrope_section).__name__} {mrope_section!r}")
             out["mrope_section"] = tuple(_integer(v, f"{where}['mrope_section'][{i}]")
                                          for i, v in enumerate(mrope_section))
             out["mrope_layout"] = mrope_layout
@@ -855,7 +900,7 @@ def layer_kwargs(config) -> list:
         if n is None:
             raise ConfigError(f"{reader.where} has neither 'layer_types' nor 'num_hidden_layers'")
         kw = spec_kwargs(config, None, _reader=reader)
-        return [None if i < len(nope) and nope[i] else kw for i in range(_integer(n, reader.name("num_hidden_layers")))]
+        return [None if i < len(nope) and nope[i] else kw for i in range(_layer_count(n, reader.name("num_hidden_layers")))]
     out = []
     for index, lt in enumerate(types):
         if (nested is not None and nested.get(lt) is None) or (index < len(nope) and nope[index]):

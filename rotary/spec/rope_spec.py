@@ -404,7 +404,9 @@ class RopeSpec:
         try:
             return cls(head_dim, layout=config_layout if layout is None else layout, **kwargs)
         except (ValueError, TypeError) as exc:   # name the config entry the bad value came from
-            raise type(exc)(f"{where}: {exc}") from None
+            from .hf_config import ConfigError
+
+            raise ConfigError(f"{where}: {exc}") from None
 
     # -- frequencies -----------------------------------------------------------------------
     @property
