@@ -95,3 +95,100 @@ def test_numpy_linear_attention_caps_the_chunk_at_T():
     assert peak < 8 * 2**20, f"peak {peak / 2**20:.1f} MiB"
     np.testing.assert_array_equal(o, rotary.linear_attention(q, k, v, seq_axis=1, causal=True, chunk=6,
                                                              backend="numpy"))
+
+
+# -- issue 25: one Rope / one spec from 8 threads, spawn after parallel Numba use, cache eviction under load --
+def _exact(x, positions, spec):
+    """float64 oracle of apply for (B, H, S, D) x at (S,) positions."""
+    from . import _props
+
+    return _props.spec_oracle(x, positions, spec)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_one_rope_and_one_spec_from_8_threads(backend):
+    """8 threads share one Rope (its table grows: each thread moves to positions far beyond the others')
+    and one spec (rotary.apply, the shared table cache); every result equals the serial call's."""
+    spec = rotary.RopeSpec(32, base=10000.0, layout="interleaved")
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float32, max_positions=16)
+    rng = np.random.default_rng(8)
+    plans = []   # per thread: (q, k, [positions offsets]) -- growing and jumping
+    for i in range(8):
+        q = rng.standard_normal((1, 4, 3, 32)).astype(np.float32)
+        k = rng.standard_normal((1, 2, 3, 32)).astype(np.float32)
+        offsets = [i * 37 + step * (1 + i) ** 3 for step in range(12)] + [10**6 * (i + 1), 5]
+        plans.append((q, k, offsets))
+    serial = [[(rotary.apply_qk(q, k, p, spec=spec, backend=backend)) for p in offsets] for q, k, offsets in plans]
+    results = [[None] * len(plans[i][2]) for i in range(8)]
+
+    def work(i):
+        q, k, offsets = plans[i]
+        for j, p in enumerate(offsets):
+            qr, kr = rope(q, k, p) if j % 2 == 0 else rotary.apply_qk(q, k, p, spec=spec, backend=backend)
+            results[i][j] = (qr.copy(), kr.copy())
+
+    errors = run_in_threads(work, 8)
+    assert not errors, errors[0]
+    for i in range(8):
+        for j, p in enumerate(plans[i][2]):
+            for got, want in zip(results[i][j], serial[i][j]):
+                np.testing.assert_array_equal(got, want)
+        q, k, offsets = plans[i]
+        np.testing.assert_allclose(results[i][-2][0], _exact(q, np.arange(3) + offsets[-2], spec), atol=2e-5, rtol=2e-5)
+
+
+def test_table_cache_under_concurrent_eviction():
+    """Threads rotate at many positions while another shrinks, restores and clears the table cache: every
+    result is right (entries evicted under a reader are never half-used), the cache ends within its limit."""
+    from rotary.spec import tables
+
+    spec = rotary.RopeSpec(16, base=500000.0)
+    x = np.random.default_rng(3).standard_normal((2, 5, 16))
+    offsets = [0, 7, 4096, 123_457, 2**31, 9, 65_536 * 3]
+    want = {p: _exact(x[None], np.arange(5) + p, spec)[0] for p in offsets}
+    stop = []
+    previous = rotary.set_table_cache_limit(1 << 20)
+
+    def evictor():
+        limits = [0, 1 << 12, 1 << 20, 1 << 16]
+        n = 0
+        while not stop:
+            rotary.set_table_cache_limit(limits[n % len(limits)])
+            if n % 5 == 0:
+                rotary.clear_cache()
+            n += 1
+
+    import threading
+
+    t = threading.Thread(target=evictor)
+    t.start()
+    try:
+        def work(i):
+            for rep in range(30):
+                p = offsets[(i + rep) % len(offsets)]
+                np.testing.assert_allclose(rotary.apply(x, p, spec=spec, backend="numpy"), want[p], atol=1e-12,
+                                           rtol=1e-12)
+
+        errors = run_in_threads(work, 6)
+    finally:
+        stop.append(True)
+        t.join(timeout=60)
+        rotary.set_table_cache_limit(previous)
+    assert not errors, errors[0]
+    info = rotary.table_cache_info()
+    assert info["bytes"] <= info["limit"]
+    assert tables._state["bytes"] == sum(nbytes for _, nbytes in tables._cache.values())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_process_pools_after_parallel_numba_use(method):
+    """The parent runs the parallel kernels, then a pool of the given start method runs them: no hang (the
+    pool's results arrive within the timeout) and the children's results are right."""
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} start method")
+    assert _rotation_error(1) < 2e-5 and _linear_error(1) < 1e-4
+    with multiprocessing.get_context(method).Pool(2) as pool:
+        results = pool.map_async(_child, range(2)).get(timeout=240)
+    for rot, lin, forked in results:
+        assert rot < 2e-5 and lin < 1e-4
+        assert forked == (method == "fork")
