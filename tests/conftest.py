@@ -1,7 +1,3 @@
-import json
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -62,47 +58,6 @@ def _hypothesis_profiles():
 _hypothesis_profiles()
 
 
-# -- test selection (tests/selection.py): `python -m pytest` runs the quick subset, `--full` everything ---
-def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true", default=False,
-                     help="run the whole suite; without it, a plain `python -m pytest` runs the quick selection "
-                          "of tests/selection.py (also on when CI=true, or when test paths, -k or -m are given)")
-
-
-def _selection_is_quick(config) -> bool:
-    """The quick selection applies to a plain run: no --full, no CI=true, no paths other than the
-    default tests directory, no -k / -m expression."""
-    from .selection import full_from_environment
-
-    if config.getoption("--full") or full_from_environment():
-        return False
-    if config.getoption("keyword") or config.getoption("markexpr"):
-        return False
-    tests_dir = Path(__file__).resolve().parent
-    return all(Path(config.invocation_params.dir, arg).resolve() == tests_dir
-               for arg in config.option.file_or_dir or ())
-
-
-def pytest_collection_modifyitems(config, items):
-    config._rotary_collected = [(it.nodeid, tuple(m.name for m in it.iter_markers())) for it in items]
-    if os.environ.get("ROTARY_COLLECTED_JSON"):     # tests/test_suite_selection.py reads what was collected
-        Path(os.environ["ROTARY_COLLECTED_JSON"]).write_text(json.dumps(config._rotary_collected))
-    if not _selection_is_quick(config):
-        config._rotary_selection = f"full ({len(items)} tests)"
-        return
-    from .selection import is_quick
-
-    keep, dropped = [], []
-    for item in items:
-        (keep if is_quick(item.nodeid, [m.name for m in item.iter_markers()]) else dropped).append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
-    config._rotary_selection = (f"quick ({len(keep)} of {len(keep) + len(dropped)} tests); "
-                                "`python -m pytest --full` runs them all")
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    selection = getattr(config, "_rotary_selection", None)
-    if selection:
-        terminalreporter.write_line(f"test selection: {selection}")
+# -- test selection: `python -m pytest` runs the quick subset of tests/selection.py, `--full` everything;
+# the hooks live in tests/selection.py (tests/test_suite_selection.py runs them on a small project)
+from .selection import pytest_addoption, pytest_collection_modifyitems, pytest_terminal_summary  # noqa: E402,F401

@@ -11,7 +11,9 @@ docs page and every interop adapter. ``tests/test_suite_selection.py`` checks th
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 #: node-id prefixes of the quick selection (a file, a test, or a parametrized test's id start)
 QUICK = (
@@ -44,6 +46,11 @@ QUICK = (
     "tests/test_docs.py::test_every_verb_shows_an_example",
 )
 
+#: node-id prefixes kept out of the quick selection even under a QUICK prefix
+NOT_QUICK = (
+    "tests/test_rope_object.py::test_rope_cuda_launch_path_through_host_shim",   # a second host-shim build (~10 s)
+)
+
 #: marks that keep a test out of the quick selection even under a QUICK prefix
 FULL_ONLY_MARKS = ("slow", "peer", "nvrtc", "sanitizer")
 
@@ -57,4 +64,46 @@ def full_from_environment() -> bool:
 
 def is_quick(nodeid: str, marks=()) -> bool:
     """Whether the test ``nodeid`` (carrying the mark names ``marks``) belongs to the quick selection."""
-    return nodeid.startswith(QUICK) and not set(marks) & set(FULL_ONLY_MARKS)
+    return nodeid.startswith(QUICK) and not nodeid.startswith(NOT_QUICK) and not set(marks) & set(FULL_ONLY_MARKS)
+
+
+# -- the hooks (tests/conftest.py imports them) ----------------------------------------------------
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the whole suite; without it, a plain `python -m pytest` runs the quick selection "
+                          "of tests/selection.py (also on when CI=true, or when test paths, -k or -m are given)")
+
+
+def _selection_is_quick(config) -> bool:
+    """The quick selection applies to a plain run: no --full, no CI=true, no paths other than the
+    default tests directory, no -k / -m expression."""
+    if config.getoption("--full") or full_from_environment():
+        return False
+    if config.getoption("keyword") or config.getoption("markexpr"):
+        return False
+    tests_dir = Path(__file__).resolve().parent
+    return all(Path(config.invocation_params.dir, arg).resolve() == tests_dir
+               for arg in config.option.file_or_dir or ())
+
+
+def pytest_collection_modifyitems(config, items):
+    config._rotary_collected = [(it.nodeid, tuple(m.name for m in it.iter_markers())) for it in items]
+    if os.environ.get("ROTARY_COLLECTED_JSON"):     # tests/test_suite_selection.py reads what was collected
+        Path(os.environ["ROTARY_COLLECTED_JSON"]).write_text(json.dumps(config._rotary_collected))
+    if not _selection_is_quick(config):
+        config._rotary_selection = f"full ({len(items)} tests)"
+        return
+    keep, dropped = [], []
+    for item in items:
+        (keep if is_quick(item.nodeid, [m.name for m in item.iter_markers()]) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    config._rotary_selection = (f"quick ({len(keep)} of {len(keep) + len(dropped)} tests); "
+                                "`python -m pytest --full` runs them all")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    selection = getattr(config, "_rotary_selection", None)
+    if selection:
+        terminalreporter.write_line(f"test selection: {selection}")

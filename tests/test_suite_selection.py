@@ -27,12 +27,20 @@ FAKE_TESTS = {
 }
 
 
+HOOKS_IMPORT = "from .selection import pytest_addoption, pytest_collection_modifyitems, pytest_terminal_summary"
+
+
+def test_conftest_installs_the_selection_hooks():
+    assert HOOKS_IMPORT in (TESTS / "conftest.py").read_text(encoding="utf-8")
+
+
 @pytest.fixture(scope="module")
 def fake_project(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
     (root / "tests").mkdir()
-    for name in ("__init__.py", "conftest.py", "selection.py"):
+    for name in ("__init__.py", "selection.py"):
         shutil.copy(TESTS / name, root / "tests" / name)
+    (root / "tests" / "conftest.py").write_text(HOOKS_IMPORT + "\n")      # the real conftest's selection block
     for name, text in FAKE_TESTS.items():
         (root / "tests" / name).write_text(text)
     (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\nmarkers =\n    slow: slow\n")
@@ -41,7 +49,7 @@ def fake_project(tmp_path_factory):
 
 def collected(root, *args, ci=None):
     env = {k: v for k, v in os.environ.items() if k != "CI"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"            # the installed plugins are not under test here
     if ci is not None:
         env["CI"] = ci
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
@@ -69,6 +77,8 @@ def test_is_quick():
     assert selection.is_quick("tests/test_conformance.py::test_case[half-basic-numba]")
     assert not selection.is_quick("tests/test_conformance.py::test_case[half-basic-numba]", ["slow"])
     assert not selection.is_quick("tests/test_peers_hf.py::test_llama", [])
+    assert selection.is_quick("tests/test_rope_object.py::test_rope_decode_loop[numba]")
+    assert not selection.is_quick("tests/test_rope_object.py::test_rope_cuda_launch_path_through_host_shim")
 
 
 # -- the real suite ---------------------------------------------------------------------------------
@@ -89,7 +99,7 @@ def suite(request, tmp_path_factory):
 
 
 def test_every_quick_entry_names_tests(suite):
-    for prefix in selection.QUICK:
+    for prefix in selection.QUICK + selection.NOT_QUICK:
         assert any(n.startswith(prefix) for n in suite), f"tests/selection.py: {prefix!r} matches no test"
 
 
