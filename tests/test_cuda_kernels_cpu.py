@@ -796,3 +796,22 @@ def test_occupancy_arithmetic_matches_cuda_rules():
     assert cr.occupancy("sm_90", 167, 128, 45508)[0] == pytest.approx(12 / 64)
     grids = {label: g["grid"] for label, g, *_ in cr.linear_workloads(1, 8)}
     assert grids == {"48 KiB": 32, "100 KiB": 16, "227 KiB": 16}
+
+
+def test_kernels_pass_the_shim_checks_without_a_sanitizer(kernels, monkeypatch):
+    """The checks that need no sanitizer runtime, on the plain build: the quick conformance cases with every
+    launch run twice under two shared-memory poisons (identical outputs), exact-extent copies of the global
+    buffers, three concurrent block slots and the divergent-barrier check (tests/test_cuda_sanitizers.py
+    adds ASan/UBSan/TSan where the runtimes exist)."""
+    # the same library (each launch sets the slots and poison it runs with)
+    checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
+    module = shim_backend(checked, threads=32, max_tokens_per_block=3)
+    monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
+    monkeypatch.setitem(registry._loaded, "cuda-shim", module)
+    for case in conformance.cases(quick=True):
+        result = conformance.run_case(case, "cuda-shim")
+        assert result.passed, f"{case.name}: {result.max_error:.3g} {result.detail}"
+    for case in conformance.linear_cases(quick=True):
+        result = conformance.run_linear_case(case, "cuda-shim")
+        assert result.passed, f"{case.name}: {result.max_error:.3g} {result.detail}"
+    assert checked.launches >= len(conformance.cases(quick=True))
