@@ -121,10 +121,11 @@ def test_dask_rotation(spec, S, chunk, form, seed, backend):
     P.assert_matches(y, P.spec_oracle(x, host, spec, seq_len=int(host.max()) + 1), "float64")
 
 
-@P.examples(20)
-@given(spec=P.plain_specs(max_head_dim=8), T=st.integers(1, 12), chunk=st.integers(1, 5), causal=st.booleans(),
-       seed=st.integers(0, 2**31))
+@P.examples(30)
+@given(spec=st.one_of(P.plain_specs(max_head_dim=8), length_dependent_specs()), T=st.integers(1, 12),
+       chunk=st.integers(1, 5), causal=st.booleans(), seed=st.integers(0, 2**31))
 def test_dask_linear_attention(spec, T, chunk, causal, seed):
+    """Any chunking; length-dependent specs at the whole call's length (T)."""
     da = pytest.importorskip("dask.array")
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((1, 2, T, spec.head_dim)) for _ in range(3))
@@ -132,8 +133,9 @@ def test_dask_linear_attention(spec, T, chunk, causal, seed):
     o = rotary.linear_attention(qd, kd, vd, spec=spec, causal=causal).compute()
     pos = np.arange(T)
     a, b = P.feature64(q, "elu"), P.feature64(k, "elu")
-    want = P.linear_attention_oracle(a[0], b[0], P.spec_oracle(a, pos, spec)[0], P.spec_oracle(b, pos, spec)[0],
-                                     v[0], causal=causal, decay=np.ones(2), normalize=True, eps=1e-6)
+    want = P.linear_attention_oracle(a[0], b[0], P.spec_oracle(a, pos, spec, seq_len=T)[0],
+                                     P.spec_oracle(b, pos, spec, seq_len=T)[0], v[0], causal=causal, decay=np.ones(2),
+                                     normalize=True, eps=1e-6)
     P.assert_matches(o[0], want, "float64")
 
 

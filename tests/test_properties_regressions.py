@@ -209,3 +209,24 @@ def test_dask_length_dependent_spec_uses_the_whole_length(scaling, mpe, position
     seq_len = int(pos.max()) + 1
     oracle = rotate64(x, pos, spec.inv_freq(seq_len)) * spec.attention_scaling_at(seq_len)
     np.testing.assert_allclose(got, oracle, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dask_linear_attention_length_dependent_spec(causal):
+    """Dask linear attention with a dynamic-NTK spec took each block's length; now the whole call's, also
+    when continuing a state (whose spec stays the caller's)."""
+    da = pytest.importorskip("dask.array")
+    spec = rotary.RopeSpec(8, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=8)
+    r = np.random.default_rng(9)
+    q, k, v = (r.standard_normal((1, 2, 30, 8)) for _ in range(3))
+    chunks = (1, 2, 7, 8)
+    want = rotary.linear_attention(q, k, v, spec=spec, causal=causal)
+    got = rotary.linear_attention(*(da.from_array(a, chunks=chunks) for a in (q, k, v)), spec=spec, causal=causal)
+    np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
+    _, state = rotary.linear_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], spec=spec, causal=causal,
+                                       return_state=True)
+    want = rotary.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=causal, state=state)
+    got, after = rotary.linear_attention(*(da.from_array(a[:, :, 10:], chunks=chunks) for a in (q, k, v)),
+                                         causal=causal, state=state, return_state=True)
+    np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
+    assert after.spec == spec

@@ -275,6 +275,24 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
         else:
             next_position = int(last) + 1 if last.ndim == 0 else last.astype(np.int64) + 1
 
+    frozen = None
+    if spec.depends_on_seq_len and not spec.float_positions and seq:
+        # a length-dependent rule (dynamic NTK, LongRoPE) takes its frequencies from the whole call's max
+        # position + 1 (as one NumPy call does), not each block's: every block runs with those frequencies
+        if positions is None or isinstance(positions, (numbers.Integral, np.integer)) and not isinstance(positions, bool):
+            hi = (0 if positions is None else int(positions)) + seq - 1
+        elif from_state:
+            hi = int(np.max(positions)) + seq - 1
+        else:
+            hi = _max_position(positions, q, ax)
+        frozen = _at_seq_len(spec, hi)
+        from ..spec.rope_spec import RopeSpec
+        import inspect
+
+        spec_keys = set(inspect.signature(RopeSpec.__init__).parameters) - {"self"}
+        kwargs = {key: val for key, val in kwargs.items() if key not in spec_keys and key != "spec_kwargs"}
+        kwargs["spec"] = frozen
+
     blocks = [tuple(a.to_delayed().reshape(-1)) for a in (q, k, v)]
     n = len(bounds) - 1
     lengths = [int(b1 - b0) for b0, b1 in zip(bounds[:-1], bounds[1:])]
@@ -286,6 +304,8 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     prefix = [None]
     if state is not None:   # the caller's state (its arrays become dependencies when they are Dask arrays)
         rebuild, args = state.__reduce__()
+        if frozen is not None:   # the blocks' spec (args[3] is the state's spec)
+            args = args[:3] + (frozen,) + args[4:]
         prefix = [dask.delayed(rebuild, pure=True)(state.S, state.z, *args[2:])]
     for j in range(n):
         prefix.append(combine(prefix[-1], own[j], lengths[j]))
