@@ -46,7 +46,10 @@ def _need(sanitized, mode):
 
 def _run(sanitized, mode, what, **kw):
     proc = sanitize.run(mode, what, directory=_need(sanitized, mode), timeout=300, **kw)
-    return proc, proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    if proc.returncode and any(text in log for text in sanitize.CANNOT_START):
+        pytest.skip(f"the {mode} sanitizer runtime cannot start on this machine: {log.strip()[-300:]}")
+    return proc, log
 
 
 # -- the kernels are clean --------------------------------------------------------------------------
