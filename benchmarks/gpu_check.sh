@@ -2,7 +2,7 @@
 # One prepared GPU check for the CuPy backend (installs nothing, downloads nothing).
 #   bash benchmarks/gpu_check.sh            # tests + measurements, results in $OUT or benchmarks/results
 #   QUICK=1 bash benchmarks/gpu_check.sh    # smaller sizes
-#   BUDGET=300 bash benchmarks/gpu_check.sh # a tighter overall limit in seconds (default 470: under 8 minutes)
+#   BUDGET=300 bash benchmarks/gpu_check.sh # a tighter overall limit in seconds (default 450: under 8 minutes)
 # Steps: environment report, the CuPy/GPU tests, then benchmarks/gpu_check.py (see its docstring), which also
 # holds the measured times against the roofline estimates of benchmarks/cuda_resources.py (docs/cuda.md).
 set -u
@@ -35,8 +35,8 @@ except Exception as e:
 PYEOF
 export PYTHONDONTWRITEBYTECODE=1
 # The whole check fits in 8 minutes: every step gets at most its cap and never more than what is left of
-# BUDGET seconds (default 470), so a hung or slow step cannot push the later ones past the limit.
-BUDGET="${BUDGET:-470}"
+# BUDGET seconds (default 450), so a hung or slow step cannot push the later ones past the limit.
+BUDGET="${BUDGET:-450}"
 status=0
 step() {  # step CAP_SECONDS LABEL COMMAND...: run with timeout min(CAP, time left - reserve for measurements)
   local cap=$1 label=$2; shift 2
@@ -44,7 +44,7 @@ step() {  # step CAP_SECONDS LABEL COMMAND...: run with timeout min(CAP, time le
   [ "$left" -lt "$cap" ] && cap=$left
   if [ "$cap" -lt 10 ]; then echo "== $label: skipped (time budget spent)"; status=1; return; fi
   echo "== $label (at most ${cap}s; $(( SECONDS - START ))s elapsed) =="
-  timeout -k 10 "$cap" "$@"
+  timeout -k 5 "$cap" "$@"   # worst case BUDGET + 5 s per step: under 8 minutes
   local rc=$?
   [ $rc -eq 124 ] && echo "== $label: TIMED OUT after ${cap}s"
   [ $rc -ne 0 ] && status=1
