@@ -604,3 +604,25 @@ def test_linear_attention_streamed_output_equals_cached_stores(rng, dtype, causa
     expected, _ = nb.linear_attention(q, k, v, cos, sin, rows, rotary_dim=m, layout="half", causal=False,
                                       feature_map="elu", eps=1e-6, chunk=64, state=None)
     np.testing.assert_array_equal(outs[0].reshape(expected.shape), expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n,m,rows,cols", [(64, 64, 64, 64), (37, 20, 64, 40), (5, 9, 8, 16), (3, 64, 3, 3),
+                                           (40, 48, 40, 40)])
+def test_transpose_rows_equals_numpy(rng, dtype, n, m, rows, cols):
+    """transpose_rows (register blocks where the buffers hold them, scalar remainders) writes src[:n].T into
+    dest[:m, :n] exactly, whatever the padding; the blocks' scratch columns past n stay inside dest."""
+    from numba import njit
+
+    @njit
+    def run(src, dest, n):
+        la_kernels.transpose_rows(src, dest, n)
+
+    src = rng.standard_normal((max(rows, n), m)).astype(dtype)
+    dest = np.full((max(m, 4), max(cols, n)), np.nan, dtype)
+    run(src, dest, n)
+    np.testing.assert_array_equal(dest[:m, :n], src[:n].T)
+    vector = np.empty((simd.lanes(src[0]), simd.lanes(src[0])), dtype)
+    block = rng.standard_normal(vector.shape).astype(dtype)
+    simd.vtranspose(block, 0, block.shape[1], vector, 0, vector.shape[1])   # the pure-Python form
+    np.testing.assert_array_equal(vector, block.T)

@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload, type_callable
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
 from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
-                   vload, vmadd, vsplat, vstore, vsum, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
+                   vload, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -278,15 +278,28 @@ def widen_rows(src, dest, n):
 
 @njit(**HELPER_JIT)
 def transpose_rows(src, dest, n):
-    """dest[j, i] = src[i, j] for i < n, j < src.shape[1], in blocks of 8 rows (each dest line written
-    8 values at a time)."""
+    """dest[j, i] = src[i, j] for i < n, j < src.shape[1]: whole lanes x lanes blocks in registers
+    (:func:`.simd.vtranspose`) where the buffers hold them (rows of src and columns of dest padded past n:
+    the block's extra columns of dest are scratch), the rest in blocks of 8 rows (each dest line written 8
+    values at a time)."""
     m = src.shape[1]
-    for i0 in range(0, n, 8):
+    block = lanes(src[0])
+    limit = min(src.shape[0], dest.shape[1])   # rows of src readable, columns of dest writable as scratch
+    full_rows = padded(n, block) if padded(n, block) <= limit else n - n % block
+    full_cols = m - m % block
+    s_stride, d_stride = src.shape[1], dest.shape[1]
+    for i0 in range(0, full_rows, block):
+        for j0 in range(0, full_cols, block):
+            vtranspose(src, i0 * s_stride + j0, s_stride, dest, j0 * d_stride + i0, d_stride)
+    for i0 in range(0, n, 8):                   # the columns past the whole blocks, every row
         end = min(i0 + 8, n)
-        for j in range(m):
+        for j in range(full_cols, m):
             dest_row = dest[j]
             for i in range(i0, end):
                 dest_row[i] = src[i, j]
+    for i in range(full_rows, n):               # the rows past the whole blocks (buffers without padding)
+        for j in range(full_cols):
+            dest[j, i] = src[i, j]
 
 
 @njit(**HELPER_JIT)

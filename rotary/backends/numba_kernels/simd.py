@@ -470,3 +470,56 @@ def store_fence():
 lowered_in_place(vstore_stream, _vstore_stream_definition)
 lowered_in_place(is_aligned, _is_aligned_definition)
 lowered_in_place(store_fence, _store_fence_definition)
+
+
+# -- register transposition of square blocks -----------------------------------------------------------
+def _vtranspose_definition(typingctx, src, si, s_stride, dest, di, d_stride):
+    """dest.flat[di + c * d_stride + r] = src.flat[si + r * s_stride + c] for r, c < lanes: one lanes x lanes
+    block transposed in registers (lanes loads, log2(lanes) stages of lanes shuffles, lanes stores). At the
+    stage of block size s, each 2s x 2s block swaps its upper-right and lower-left s x s blocks."""
+    vec = Vec(src.dtype)
+    n = vec.lanes
+
+    def codegen(context, builder, signature, args):
+        vec_type = context.get_value_type(vec)
+        src_ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        dest_ptr = _flat_pointer(context, builder, signature.args[3], args[3], signature.args[4], args[4])
+        s_stride = context.cast(builder, args[2], signature.args[2], types.intp)
+        d_stride = context.cast(builder, args[5], signature.args[5], types.intp)
+        align = src.dtype.bitwidth // 8
+        rows = []
+        for r in range(n):
+            ptr = builder.gep(src_ptr, [builder.mul(s_stride, ir.Constant(s_stride.type, r))], inbounds=True)
+            rows.append(builder.load(builder.bitcast(ptr, vec_type.as_pointer()), align=align))
+        size = 1
+        while size < n:
+            low = [lane if not lane & size else n + lane - size for lane in range(n)]
+            high = [lane + size if not lane & size else n + lane for lane in range(n)]
+            for i in range(n):
+                if i & size:
+                    continue
+                a, b = rows[i], rows[i + size]
+                rows[i] = builder.shuffle_vector(a, b, _lane_indices(low))
+                rows[i + size] = builder.shuffle_vector(a, b, _lane_indices(high))
+            size *= 2
+        for c in range(n):
+            ptr = builder.gep(dest_ptr, [builder.mul(d_stride, ir.Constant(d_stride.type, c))], inbounds=True)
+            builder.store(rows[c], builder.bitcast(ptr, vec_type.as_pointer()), align=align)
+        return context.get_dummy_value()
+
+    if not (isinstance(src, types.Array) and isinstance(dest, types.Array) and src.dtype == dest.dtype
+            and src.dtype in (types.float32, types.float64) and src.layout == "C" and dest.layout == "C"):
+        raise errors.TypingError(f"vtranspose takes two C-contiguous float32/float64 arrays, got {src}, {dest}")
+    return types.none(src, si, s_stride, dest, di, d_stride), codegen
+
+
+def vtranspose(src, si, s_stride, dest, di, d_stride):
+    """Transpose one lanes x lanes block: dest.flat[di + c * d_stride + r] = src.flat[si + r * s_stride + c]."""
+    n = VECTOR_BYTES // src.itemsize
+    s, d = src.reshape(-1), dest.reshape(-1)
+    for r in range(n):
+        for c in range(n):
+            d[di + c * d_stride + r] = s[si + r * s_stride + c]
+
+
+lowered_in_place(vtranspose, _vtranspose_definition)
