@@ -255,3 +255,35 @@ def test_empty_and_zero_size_calls(backend):
             if isinstance(p, list) and S:
                 continue
             assert rotary.apply(x, p, spec=spec, backend=backend).shape == shape
+
+
+@P.examples(40)
+@given(call=rotation_calls(), backend=backends, mode=st.sampled_from(["q-as-k-inplace", "shared-out", "out-is-k",
+                                                                       "rope-inplace", "rope-shared"]))
+def test_aliased_outputs_are_refused_or_exact(call, backend, mode):
+    """q passed as k with out=(q, q), one buffer for both outputs, q's output being k: refused with an
+    error naming out, or exact (never one result overwritten by the other)."""
+    spec, x, seq_axis, positions, dtype = call
+    x0 = x.copy()
+    want = oracle_for(x0, seq_axis, positions, spec)
+    o = np.empty_like(x)
+    k = x.copy()
+    rope = rotary.Rope(spec, backend=backend, dtype=x.dtype) if mode.startswith("rope") else None
+    calls = {
+        "q-as-k-inplace": lambda: rotary.apply_qk(x, x, positions, spec=spec, seq_axis=seq_axis, out=(x, x),
+                                                  backend=backend),
+        "shared-out": lambda: rotary.apply_qk(x, k, positions, spec=spec, seq_axis=seq_axis, out=(o, o),
+                                              backend=backend),
+        "out-is-k": lambda: rotary.apply_qk(x, k, positions, spec=spec, seq_axis=seq_axis, out=(k, None),
+                                            backend=backend),
+        "rope-inplace": lambda: rope(x, x, positions, seq_axis=seq_axis, out=(x, x)),
+        "rope-shared": lambda: rope(x, k, positions, seq_axis=seq_axis, out=(o, o)),
+    }
+    try:
+        qr, kr = calls[mode]()
+    except ValueError as exc:
+        assert "out" in str(exc) and "overlap" in str(exc), exc
+        np.testing.assert_array_equal(x, x0)   # refused before writing anything
+        return
+    P.assert_matches(qr, want, dtype)
+    P.assert_matches(kr, want, dtype)
