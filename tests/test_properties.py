@@ -287,3 +287,54 @@ def test_aliased_outputs_are_refused_or_exact(call, backend, mode):
         return
     P.assert_matches(qr, want, dtype)
     P.assert_matches(kr, want, dtype)
+
+
+def mrope_positions_oracle(kinds, grids, merge):
+    """HF 5.x get_rope_index's rule for text and image runs (Qwen2-VL), written here: a text token takes
+    (p, p, p) and p += 1; an image run of grid (t, h, w) takes (p + f, p + r, p + c) for its t (h/m) (w/m)
+    tokens, frame-major then row-major, and p += max(h, w) // m (HF's ``current_pos``; t is not counted)."""
+    out, p, g, i = [], 0, 0, 0
+    while i < len(kinds):
+        if kinds[i] == 0:
+            out.append((p, p, p))
+            p += 1
+            i += 1
+            continue
+        t, h, w = grids[g]
+        g += 1
+        hh, ww = h // merge, w // merge
+        block = [(p + f, p + r, p + c) for f in range(t) for r in range(hh) for c in range(ww)]
+        out.extend(block)
+        i += len(block)
+        p += max(h, w) // merge
+    return np.array(out, np.int64).reshape(-1, 3)
+
+
+@P.examples(40)
+@given(runs=st.lists(st.one_of(st.integers(1, 3), st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 3))),
+                     min_size=1, max_size=4),
+       merge=st.sampled_from([1, 2]), steps=st.integers(0, 3), backend=backends)
+def test_mrope_positions_helpers_and_rotation(runs, merge, steps, backend):
+    """mrope_positions (text and image runs) against the rule written here; mrope_next_positions continues
+    every axis from max + 1; the M-RoPE rotation at those positions against the oracle."""
+    kinds, grids = [], []
+    for run in runs:
+        if isinstance(run, int):
+            kinds += [0] * run
+        else:
+            t, h, w = run[0], run[1] * merge, run[2] * merge
+            grids.append((t, h, w))
+            kinds += [1] * (t * run[1] * run[2])
+    kinds = np.array(kinds)
+    thw = np.array(grids, np.int64).reshape(-1, 3) if grids else None
+    pos, deltas = rotary.mrope_positions(mm_token_type_ids=kinds, image_grid_thw=thw, spatial_merge_size=merge,
+                                         model_type="qwen2_vl")
+    want = mrope_positions_oracle(kinds, grids, merge)
+    np.testing.assert_array_equal(pos, want)
+    np.testing.assert_array_equal(np.asarray(deltas).reshape(-1), [want.max() + 1 - len(kinds)])
+    nxt = rotary.mrope_next_positions(pos, steps)
+    np.testing.assert_array_equal(nxt, np.repeat((want.max() + 1 + np.arange(steps))[:, None], 3, axis=1))
+    spec = rotary.RopeSpec(16, mrope_section=[2, 3, 3])
+    x = np.random.default_rng(len(kinds)).standard_normal((1, 2, len(kinds) + steps, 16))
+    allpos = np.concatenate([pos, nxt])
+    P.assert_matches(rotary.apply(x, allpos, spec=spec, backend=backend), P.spec_oracle(x, allpos, spec), "float64")
