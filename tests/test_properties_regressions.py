@@ -230,3 +230,22 @@ def test_dask_linear_attention_length_dependent_spec(causal):
                                          causal=causal, state=state, return_state=True)
     np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
     assert after.spec == spec
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("m", [2, 16])
+def test_numba_relu_of_minus_inf_is_zero(dtype, m):
+    """The Numba kernels' relu feature was ``x * 0`` below 0: -inf * 0 = NaN (NumPy's maximum(x, 0) is 0);
+    now relu(-inf) = 0 on the scalar and SIMD paths, and a NaN stays NaN."""
+    if "numba" not in BACKENDS:
+        pytest.skip("numba not installed")
+    q = np.random.default_rng(1).standard_normal((1, 1, 3, m)).astype(dtype)
+    k = q.copy()
+    k[0, 0, 0, 0] = -np.inf
+    k[0, 0, 1, 1] = np.nan
+    for causal in (False, True):
+        a = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numba")
+        b = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numpy")
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-5, atol=1e-6)
+        assert np.isfinite(a[0, 0, 0]).all() == bool(causal)   # token 0 sees only itself when causal
