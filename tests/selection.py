@@ -42,6 +42,7 @@ QUICK = (
     "tests/test_docs.py::test_blocks_",
     "tests/test_docs.py::test_rotary_commands_in_the_docs_parse",
     "tests/test_docs.py::test_scripts_in_the_docs_exist",
+    "tests/test_docs.py::test_readme_quick_start_is_two_commands",
     "tests/test_docs.py::test_bare_command_prints_the_help",
     "tests/test_docs.py::test_every_verb_shows_an_example",
 )

@@ -270,6 +270,15 @@ def test_documented_script_runs(script):
     assert proc.stdout.strip()
 
 
+def test_readme_quick_start_is_two_commands():
+    """README's Quick start: one command installs and runs the demo, one installs and runs the tests."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Quick start"):].split("\n## ", 1)[0]
+    first = next(b for b in SHELL_BLOCKS if b.file == "README.md" and f"```{b.lang}\n{b.code}" in section)
+    assert [line for line in first.code.split("\n") if line.strip()] == [
+        'pip install ".[numba]" && python -m rotary demo', 'pip install ".[test,numba]" && python -m pytest']
+
+
 # -- the command line's help ------------------------------------------------------------------------
 def test_bare_command_prints_the_help():
     proc = run_module()
