@@ -75,8 +75,8 @@ def feature(x, feature_map):
     """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
     if feature_map == 1:
         return x + 1 if x > 0 else exp_work(x)
-    if feature_map == 2:   # relu(-inf) is 0 (x * 0 would be NaN), NaN stays NaN
-        return x if x > 0 else (x * 0 if x > -np.inf else (x - x if x != x else exp_work(x)))
+    if feature_map == 2:   # relu(-inf) is -0.0 (x * 0 would be NaN: sign(x) * 0 instead), NaN stays NaN
+        return x if x > 0 else (x * 0 if x > -np.inf else np.sign(x) * 0)
     return x
 
 

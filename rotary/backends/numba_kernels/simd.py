@@ -347,12 +347,13 @@ def _velu_plus_one_f32(typingctx, x):
 
 @intrinsic
 def _vrelu(typingctx, x):
-    """x where x > 0, else x * 0 (-0.0 for negative x, NaN stays NaN), and 0 for -inf (not -inf * 0 = NaN):
+    """x where x > 0, else x * 0 (-0.0 for negative x, NaN stays NaN), and -0.0 for -inf (not -inf * 0 = NaN):
     the scalar ``feature`` exactly."""
     def codegen(context, builder, signature, args):
         zero = ir.Constant(args[0].type, [0.0] * x.lanes)
+        neg_zero = ir.Constant(args[0].type, [-0.0] * x.lanes)
         neg_inf = ir.Constant(args[0].type, [float("-inf")] * x.lanes)
-        below = builder.select(builder.fcmp_ordered("==", args[0], neg_inf), zero, builder.fmul(args[0], zero))
+        below = builder.select(builder.fcmp_ordered("==", args[0], neg_inf), neg_zero, builder.fmul(args[0], zero))
         return builder.select(builder.fcmp_ordered(">", args[0], zero), args[0], below)
 
     return x(x), codegen
