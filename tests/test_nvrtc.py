@@ -3,7 +3,7 @@
 NVRTC comes from CuPy's bindings (``cupy_backends.cuda.libs.nvrtc``) over the NVRTC library of the
 ``nvidia-cuda-nvrtc-cu12`` wheel (or a CUDA toolkit); the sources are the exact text the CuPy backend
 hands to ``cupy.RawModule`` (``rotary.backends.cupy.source_text``) with the same name expressions.
-``python -m tests.test_nvrtc`` prints the ptxas registers/spills table of docs/cuda.md.
+The ptxas run and its parser are benchmarks/cuda_resources.py's, which writes docs/cuda.md's resource tables.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,7 @@ pytestmark = pytest.mark.nvrtc
 
 #: (NVRTC --gpu-architecture, output): cubin runs ptxas inside NVRTC; PTX checks the front end only
 NVRTC_TARGETS = [("compute_70", "ptx"), ("compute_80", "ptx"), ("sm_90", "cubin")]
-NVCC_ARCHS = ("sm_90",)          # the test; the docs table (python -m tests.test_nvrtc) adds sm_80
-REPORT_ARCHS = ("sm_80", "sm_90")
+NVCC_ARCHS = ("sm_90",)          # the test; benchmarks/cuda_resources.py reports sm_80 and sm_90
 DTYPES = tuple(cb.KERNEL_TYPES)
 
 
@@ -92,41 +90,15 @@ def _nvcc():
     return nvcc
 
 
-def nvcc_ptxas(family: str, out_dir: Path, nvcc: str = "nvcc", archs=NVCC_ARCHS):
-    """Compile cuda_kernels/<family>.cu standalone with every instantiation; returns (returncode, stderr, rows).
+def _cuda_resources():
+    """benchmarks/cuda_resources.py (the ptxas run and its parser that write docs/cuda.md's tables)."""
+    import importlib.util
 
-    rows: (arch, kernel name expression, registers, spill store bytes, spill load bytes, smem bytes).
-    """
-    names = [n for dtype in DTYPES for n in cb.name_expressions(family, dtype)]
-    tu = out_dir / f"{family}_instances.cu"
-    body = ",\n    ".join(f"(const void*)&{n}" for n in names)
-    tu.write_text(f'#include "{cb.SOURCES[family]}"\nconst void* rotary_instances[] = {{\n    {body}\n}};\n')
-    cmd = [nvcc, "-std=c++17", "-c", "-Xptxas", "-v", f"-I{cb.KERNEL_DIR}", str(tu), "-o", str(out_dir / f"{family}.o")]
-    for arch in archs:
-        cmd += [f"-gencode=arch=compute_{arch[3:]},code={arch}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    rows, current = [], None
-    demangle = {}
-    for line in proc.stderr.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)' for '(sm_\d+)'", line)
-        if m:
-            current = [m.group(2), m.group(1), None, 0, 0, 0]
-            continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current:
-            current[3], current[4] = int(m.group(1)), int(m.group(2))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current:
-            current[2] = int(m.group(1))
-            rows.append(current)
-            current = None
-    if shutil.which("c++filt"):
-        mangled = sorted({r[1] for r in rows})
-        out = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True).stdout.split("\n")
-        demangle = dict(zip(mangled, out))
-    for r in rows:
-        r[1] = re.sub(r"\(.*", "", demangle.get(r[1], r[1])).replace("void ", "")
-    return proc.returncode, proc.stderr, rows
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_resources.py"
+    spec = importlib.util.spec_from_file_location("cuda_resources_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("family", list(cb.SOURCES))
@@ -136,23 +108,9 @@ def test_each_file_compiles_standalone_with_nvcc(family, tmp_path):
     archs = tuple(a for a in NVCC_ARCHS if f"compute_{a[3:]}" in supported)
     if not archs:
         pytest.skip(f"nvcc supports none of {NVCC_ARCHS}")
-    code, stderr, rows = nvcc_ptxas(family, tmp_path, nvcc, archs)
-    assert code == 0, stderr
+    rows, stderr = _cuda_resources().ptxas_report(family, nvcc, tmp_path, archs)   # raises if nvcc fails
     assert "warning" not in stderr.lower(), stderr
     n = sum(len(cb.name_expressions(family, d)) for d in DTYPES)
     assert len(rows) == n * len(archs)
-    assert all(r[3] == 0 and r[4] == 0 for r in rows), [r for r in rows if r[3] or r[4]]  # no spills
-
-
-if __name__ == "__main__":  # markdown table for docs/cuda.md
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        print("| arch | kernel | registers | spill stores (B) | spill loads (B) |")
-        print("|---|---|---|---|---|")
-        for family in cb.SOURCES:
-            code, stderr, rows = nvcc_ptxas(family, Path(d), shutil.which("nvcc") or "nvcc", REPORT_ARCHS)
-            if code:
-                sys.exit(stderr)
-            for arch, name, regs, st, ld, _ in sorted(rows):
-                print(f"| {arch} | `{name}` | {regs} | {st} | {ld} |")
+    spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    assert not spilled, spilled
