@@ -91,11 +91,6 @@ PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.lang in PYTHON]
 SHELL_BLOCKS = [b for b in ALL_BLOCKS if b.lang in SHELL]
 
 
-def python_blocks(page: str) -> list[str]:
-    """The Python blocks of ``docs/<page>`` (their code)."""
-    return [b.code for b in code_blocks(DOCS / page) if b.lang in PYTHON]
-
-
 def load_script(relpath: str):
     path = ROOT / relpath
     spec = importlib.util.spec_from_file_location(path.stem + "_under_test", path)

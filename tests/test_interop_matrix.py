@@ -7,7 +7,7 @@ import rotary
 from rotary.testing import assert_close, linear_attention_quadratic, rope_complex
 
 from .conftest import AVAILABLE
-from .test_docs import ROOT, load_script, python_blocks
+from .test_docs import ROOT, load_script
 
 
 def test_docs_table_is_generated_from_the_tests():
@@ -55,14 +55,3 @@ def test_array_api_strict_rows():
     q, k, v = (rng.standard_normal((2, 12, 16)) for _ in range(3))
     o = rotary.linear_attention(*(xps.asarray(a) for a in (q, k, v)), causal=True, spec=spec)
     assert_close(np.asarray(o), linear_attention_quadratic(q, k, v, np.arange(12), spec.inv_freq(), causal=True))
-
-
-@pytest.mark.parametrize("page", ["interop.md", "dask.md"])
-def test_pages_code_runs(page, tmp_path, monkeypatch):
-    pytest.importorskip("torch")
-    pytest.importorskip("jax")
-    pytest.importorskip("dask")
-    monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": "__docs__"}
-    for block in python_blocks(page):
-        exec(compile(block, f"docs/{page}", "exec"), namespace)
