@@ -176,3 +176,34 @@ def test_packed_linear_attention(spec, lens, causal, decay, normalize, offsets, 
                             groups=1)
         want[a:b] = np.moveaxis(res[0], 0, 1)
     P.assert_matches(o, want, "float64")
+
+
+@P.examples(40)
+@given(spec=P.plain_specs(max_head_dim=8), first=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+       data=st.data(), decay=st.sampled_from([None, 0.8]), normalize=st.booleans(), backend=backends)
+def test_packed_linear_attention_resumed_per_sequence(spec, first, data, decay, normalize, backend):
+    """A packed prefill with return_state, then a packed continuation of the same sequences from that
+    state: each sequence's outputs equal the causal oracle over its whole token run."""
+    second = data.draw(st.lists(st.integers(0, 4), min_size=len(first), max_size=len(first)))
+    h, d = 2, spec.head_dim
+    seqs = [(P.data(data.draw, (a + b, h, d), "float64"), P.data(data.draw, (a + b, h, d), "float64"),
+             P.data(data.draw, (a + b, h, 2), "float64")) for a, b in zip(first, second)]
+
+    def packed(part):
+        lens = first if part == 0 else second
+        cut = [(0, a) if part == 0 else (a, a + b) for a, b in zip(first, second)]
+        arrays = [np.concatenate([s[i][c0:c1] for s, (c0, c1) in zip(seqs, cut)]) for i in range(3)]
+        return arrays, np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+
+    kw = dict(spec=spec, seq_axis=0, causal=True, decay=decay, normalize=normalize, backend=backend)
+    (q1, k1, v1), cu1 = packed(0)
+    o1, state = rotary.linear_attention(q1, k1, v1, cu_seqlens=cu1, return_state=True, **kw)
+    (q2, k2, v2), cu2 = packed(1)
+    o2 = rotary.linear_attention(q2, k2, v2, cu_seqlens=cu2, state=state, **{**kw, "spec": None})
+    for n, (a, b) in enumerate(zip(first, second)):
+        q, k, v = (np.moveaxis(x, 0, 1)[None] for x in seqs[n])
+        want = np.moveaxis(linear_oracle(q, k, v, np.arange(a + b), spec, causal=True, feature_map="elu",
+                                         decay=1.0 if decay is None else decay, normalize=normalize, eps=1e-6,
+                                         groups=1)[0], 0, 1)
+        P.assert_matches(o1[cu1[n]:cu1[n + 1]], want[:a], "float64")
+        P.assert_matches(o2[cu2[n]:cu2[n + 1]], want[a:], "float64")
