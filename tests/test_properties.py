@@ -338,3 +338,30 @@ def test_mrope_positions_helpers_and_rotation(runs, merge, steps, backend):
     x = np.random.default_rng(len(kinds)).standard_normal((1, 2, len(kinds) + steps, 16))
     allpos = np.concatenate([pos, nxt])
     P.assert_matches(rotary.apply(x, allpos, spec=spec, backend=backend), P.spec_oracle(x, allpos, spec), "float64")
+
+
+@P.examples(40)
+@given(spec=st.one_of(P.plain_specs(), P.mrope_specs()), lens=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+       offsets=st.sampled_from([None, "int", "array"]), entry=st.sampled_from(["apply", "apply_qk", "Rope"]),
+       backend=backends, dtype=st.sampled_from(["float32", "float64"]), seed=st.integers(0, 2**31))
+def test_packed_rotation(spec, lens, offsets, entry, backend, dtype, seed):
+    """cu_seqlens (empty sequences too) through apply, apply_qk and Rope: positions restart per sequence at
+    seqlen_offsets (an int or one per sequence)."""
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    T = int(cu[-1])
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, 2, spec.head_dim)).astype(dtype)
+    so = {None: None, "int": 7, "array": rng.integers(0, 10**5, len(lens))}[offsets]
+    kw = dict(seq_axis=0, cu_seqlens=cu, seqlen_offsets=so)
+    if entry == "apply":
+        y = rotary.apply(x, spec=spec, backend=backend, **kw)
+    elif entry == "apply_qk":
+        y = rotary.apply_qk(x, x[:, :1], spec=spec, backend=backend, **kw)[0]
+    else:
+        y = rotary.Rope(spec, backend=backend, dtype=x.dtype)(x, x[:, :1], **kw)[0]
+    base = np.zeros(len(lens), np.int64) if so is None else np.broadcast_to(so, (len(lens),))
+    p = np.concatenate([np.arange(n) + b for n, b in zip(lens, base)]).astype(np.int64)
+    if spec.multi_axis:
+        p = np.repeat(p[:, None], 3, axis=1)   # text positions on every axis
+    want = np.moveaxis(P.spec_oracle(np.moveaxis(x.astype(np.float64), 0, 1), p, spec), 1, 0)
+    P.assert_matches(y, want, dtype)
