@@ -150,3 +150,22 @@ def test_numpy_bfloat16(call, backend):
     assert y.dtype == xb.dtype
     P.assert_matches(y.astype(np.float64), oracle_bshd(xb.astype(np.float64), np.arange(x.shape[1]) + offset, spec),
                      "bfloat16")
+
+
+@P.examples(8)
+@given(spec=P.plain_specs(max_head_dim=8), T=st.integers(1, 6), causal=st.booleans(), block=st.integers(1, 4),
+       seed=st.integers(0, 2**31), nan_at=st.one_of(st.none(), st.integers(0, 5)))
+def test_jax_softmax_attention_under_jit(spec, T, causal, block, seed, nan_at):
+    """Softmax attention on JAX arrays under jit (the branch-free masked product), NaN in a value too."""
+    jax = pytest.importorskip("jax")
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((1, 2, T, spec.head_dim)).astype(np.float32) for _ in range(3))
+    if nan_at is not None and nan_at < T:
+        v[0, 0, nan_at, 0] = np.nan
+    f = jax.jit(lambda a, b, c: rotary.attention(a, b, c, spec=spec, causal=causal, block_size=block))
+    o = np.asarray(f(*(jax.numpy.asarray(a) for a in (q, k, v))))
+    pos = np.arange(T)
+    vis = np.ones((T, T), bool) if not causal else pos[None, :] <= pos[:, None]
+    want = P.softmax_attention_oracle(P.spec_oracle(q, pos, spec), P.spec_oracle(k, pos, spec), v, vis,
+                                      spec.head_dim ** -0.5)
+    P.assert_matches(o, want, "float32")
