@@ -194,16 +194,26 @@ def _linear_inputs(T, H=8, d=64, seed=2):
     return tuple(rng.standard_normal((1, T, H, d), dtype=np.float32) for _ in range(3))
 
 
+#: the issue's causal linear-attention case: heads, head dim, chunk, tokens
+LINEAR_SHAPE = (8, 64, 64, 8192)
+SGEMM_N = 2048
+
+
+def _linear_case():
+    """(spec, (q, k, v), (cos, sin, rows), (a, c)): the linear-attention inputs with their tables, and the
+    sgemm operands (a @ a into c) the kernel is measured against."""
+    H, d, _, T = LINEAR_SHAPE
+    spec = rotary.RopeSpec(d)
+    a = np.random.default_rng(3).standard_normal((SGEMM_N, SGEMM_N), dtype=np.float32)
+    return (spec, _linear_inputs(T, H, d), _tables.lookup(spec, np.arange(T)[None], dtype=np.float32),
+            (a, np.empty_like(a)))
+
+
 def linear(rounds: int, lengths):
     from rotary.backends import numba as nb
 
-    H, d, C, T = 8, 64, 64, 8192
-    spec = rotary.RopeSpec(d)
-    q, k, v = _linear_inputs(T, H, d)
-    cos, sin, rows = _tables.lookup(spec, np.arange(T)[None], dtype=np.float32)
-    n = 2048
-    a = np.random.default_rng(3).standard_normal((n, n), dtype=np.float32)
-    c = np.empty_like(a)
+    H, d, C, T = LINEAR_SHAPE
+    spec, (q, k, v), (cos, sin, rows), (a, c) = _linear_case()
 
     def quadratic_numpy():
         """The masked quadratic form, float32 NumPy matmuls, one head at a time (T x T scores)."""
@@ -223,7 +233,7 @@ def linear(rounds: int, lengths):
 
     # BLAS users are timed on their own, each followed by a pause: OpenBLAS's threads spin for a while
     # after a call and would take the two cores from the Numba threads of the next candidate.
-    sgemm = 2 * n**3 / best_times({"sgemm": lambda: np.dot(a, a, out=c)}, rounds)["sgemm"] / 1e9
+    sgemm = 2 * SGEMM_N**3 / best_times({"sgemm": lambda: np.dot(a, a, out=c)}, rounds)["sgemm"] / 1e9
     settle()
     candidates = {
         "numba causal, identity": primitive("identity"),
@@ -272,13 +282,8 @@ def linear_vs_sgemm(rounds: int, gap: float = 0.3):
     straight after sgemm with no pause, to show what a harness without one measures."""
     from rotary.backends import numba as nb
 
-    H, d, C, T = 8, 64, 64, 8192
-    spec = rotary.RopeSpec(d)
-    q, k, v = _linear_inputs(T, H, d)
-    cos, sin, rows = _tables.lookup(spec, np.arange(T)[None], dtype=np.float32)
-    n = 2048
-    a = np.random.default_rng(3).standard_normal((n, n), dtype=np.float32)
-    c = np.empty_like(a)
+    H, d, C, T = LINEAR_SHAPE
+    spec, (q, k, v), (cos, sin, rows), (a, c) = _linear_case()
     flop = H * (2 * T * C * (d + d) + 4 * T * d * d)
     gammas = (1 - 2.0 ** (-5 - np.arange(2)))[None]
 
@@ -335,7 +340,7 @@ def linear_vs_sgemm(rounds: int, gap: float = 0.3):
                 cands["numba primitive causal, elu"]()
                 wall[straight].append(time.perf_counter() - t0)
                 cpu[straight].append(time.process_time() - c0)
-    sg_flop = 2 * n**3
+    sg_flop = 2 * SGEMM_N**3
     sg_wall, sg_cpu = np.array(wall["sgemm np.dot 2048^3"]), np.array(cpu["sgemm np.dot 2048^3"])
     out = []
     for name in wall:
