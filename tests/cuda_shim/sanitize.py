@@ -152,10 +152,24 @@ def run_conformance(kernels) -> int:
     return failures
 
 
+def _linear_matches(kernels, spec, q, k, v, cos, sin, positions, *, causal, chunk, threads, limit, state) -> bool:
+    """The CUDA linear-attention kernel (elu, eps=1e-3) on the shim agrees with the float64 oracle: the
+    output and the carried state (S, z) within 2e-5 relative."""
+    from tests.test_cuda_kernels_cpu import _rel, la_oracle, run_linear_attention
+
+    o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64),
+                                     rotary_dim=spec.rotary_dim, layout=spec.layout, causal=causal,
+                                     feature_map="elu", eps=1e-3, chunk=chunk, state=state, threads=threads,
+                                     shared_mem_limit=limit)
+    ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3,
+                                    state=state)
+    return _rel(o, ref) < 2e-5 and _rel(S, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+
+
 def run_direct(kernels) -> int:
     """Direct launches with the shapes the conformance suite does not reach, against float64 oracles."""
     from rotary import RopeSpec
-    from tests.test_cuda_kernels_cpu import _oracle, _rel, _tables, la_oracle, run_linear_attention
+    from tests.test_cuda_kernels_cpu import _oracle, _tables
     from rotary.backends import cupy as cb
     from rotary.testing import tolerance
     from . import host
@@ -193,12 +207,8 @@ def run_direct(kernels) -> int:
         q, k = (rng.standard_normal((B, T, H, m)).astype(np.float32) for _ in range(2))
         v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
         state = (rng.standard_normal((B, H, m, dv)).astype(np.float32), rng.random((B, H, m)).astype(np.float32))
-        o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
-                                         layout=layout, causal=causal, feature_map="elu", eps=1e-3, chunk=chunk,
-                                         state=state, threads=threads, shared_mem_limit=limit)
-        ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3,
-                                        state=state)
-        ok = _rel(o, ref) < 2e-5 and _rel(S, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+        ok = _linear_matches(kernels, spec, q, k, v, cos, sin, positions, causal=causal, chunk=chunk,
+                             threads=threads, limit=limit, state=state)
         failures += not ok
         print(f"{'ok' if ok else 'FAIL'} linear m={m} dv={dv} chunk={chunk} threads={threads} causal={causal}")
     # decay + cu_seqlens (one empty sequence) + normalize=False through the frontend
@@ -223,7 +233,7 @@ def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025
     from rotary import RopeSpec
     from rotary.backends import cupy as cb
     from rotary.testing import tolerance
-    from tests.test_cuda_kernels_cpu import _oracle, _rel, _tables, la_oracle, run_linear_attention
+    from tests.test_cuda_kernels_cpu import _oracle, _tables
     from . import host
 
     rng = np.random.default_rng(seed)
@@ -275,12 +285,8 @@ def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025
         v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
         state = ((rng.standard_normal((B, H, m, dv)).astype(np.float32), rng.random((B, H, m)).astype(np.float32))
                  if i % 3 else None)
-        o, (S_, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64), rotary_dim=r,
-                                          layout=layout, causal=causal, feature_map="elu", eps=1e-3, chunk=chunk,
-                                          state=state, threads=threads, shared_mem_limit=budget)
-        ref, (S_ref, z_ref) = la_oracle(q, k, v, positions, spec, causal=causal, feature_map="elu", eps=1e-3,
-                                        state=state)
-        ok = _rel(o, ref) < 2e-5 and _rel(S_, S_ref) < 2e-5 and _rel(z, z_ref) < 2e-5
+        ok = _linear_matches(kernels, spec, q, k, v, cos, sin, positions, causal=causal, chunk=chunk,
+                             threads=threads, limit=budget, state=state)
         failures += not ok
         print(f"{'ok' if ok else 'FAIL'} linear random {i}: B={B} T={T} H={H} m={m} dv={dv} causal={causal} "
               f"chunk={chunk} threads={threads} budget={budget}", flush=True)
