@@ -14,7 +14,19 @@ import pytest
 import rotary
 from rotary.attn import softmax as softmax_module
 
+from .test_cuda_kernels_cpu import kernels, use_backend  # noqa: F401  (host-shim fixtures)
+
 BACKENDS = ["numpy"] + (["numba"] if rotary.available_backends()["numba"][0] else [])
+#: linear attention also through the CUDA kernel, run on the CPU by tests/cuda_shim (cuda_cpu marker)
+LINEAR_BACKENDS = BACKENDS + [pytest.param("cuda-shim", marks=pytest.mark.cuda_cpu)]
+
+
+def backend_name(backend, request):
+    """The frontend name of ``backend``; "cuda-shim" registers the host-shim backend (32 threads a block:
+    2x2 register tiles on these small products, so a tile's rows see one later token of the tile)."""
+    if backend == "cuda-shim":
+        return request.getfixturevalue("use_backend")(threads=32)
+    return backend
 
 
 def rotate64(x, positions, inv_freq):
@@ -80,12 +92,13 @@ def assert_same_nonfinite_and_close(got, want, tol):
     np.testing.assert_allclose(got[~bad_got], want[~bad_want], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
 @pytest.mark.parametrize("decay", [None, 0.9])
 @pytest.mark.parametrize("chunk", [4, 64])
-def test_causal_linear_attention_later_nan_stays_later(backend, decay, chunk):
+def test_causal_linear_attention_later_nan_stays_later(backend, decay, chunk, request):
     """A NaN in v (and an inf in k) at token t reached the outputs of earlier tokens of its chunk
     (0 * NaN in tril(A B^T) V); now only outputs at tokens >= t see them."""
+    backend = backend_name(backend, request)
     r = np.random.default_rng(3)
     q, k, v = (r.standard_normal((1, 10, 2, 8)).astype(np.float32) for _ in range(3))
     v[0, 6, 0, 1] = np.nan
@@ -95,6 +108,53 @@ def test_causal_linear_attention_later_nan_stays_later(backend, decay, chunk):
     assert np.isfinite(o[0, :6]).all() and np.isnan(o[0, 6:, 0, 1]).all()
     assert np.isfinite(o[0, :8, 1]).all() and not np.isfinite(o[0, 8:, 1]).any()
     assert_same_nonfinite_and_close(o, want, 2e-4)
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+@pytest.mark.parametrize("decay", [None, 0.9])
+@pytest.mark.parametrize("chunk", [3, 64])
+@pytest.mark.parametrize("where", ["v", "k"])
+def test_causal_linear_attention_later_nonfinite_every_token(backend, decay, chunk, where, request):
+    """A NaN (v) or inf (a feature of k) at each token t in turn, small heads (d = 2, dv = 3): the CUDA
+    kernel's 2x2 tiles of P V also multiplied row t - 1's zero weight of token t into its value (0 * NaN:
+    a NaN at an odd token of the chunk leaked into the token before it); only outputs at tokens >= t may
+    see it."""
+    backend = backend_name(backend, request)
+    T = 7
+    q = np.random.default_rng(0).standard_normal((1, T, 1, 2)).astype(np.float32)
+    for t in range(T):
+        k, v = q.copy(), np.random.default_rng(1).standard_normal((1, T, 1, 3)).astype(np.float32)
+        if where == "v":
+            v[0, t, 0, 1] = np.nan
+        else:
+            k[0, t, 0, 0] = np.inf
+        o = rotary.linear_attention(q, k, v, seq_axis=1, causal=True, backend=backend, decay=decay, chunk=chunk)
+        assert np.isfinite(o[0, :t]).all(), f"token {t}'s {where} reached earlier outputs"
+        assert_same_nonfinite_and_close(o, linear_oracle(q, k, v, decay=1.0 if decay is None else decay), 2e-4)
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+def test_causal_linear_attention_later_nan_packed_and_decode(backend, request):
+    """The packed (cu_seqlens) launch and the one-token decode step: a NaN value reaches only the later
+    outputs of its own sequence (sequence 0 is tokens 0..4 with a NaN at token 3, sequence 1 tokens 5..8
+    with one at token 6), and a decode step sees its own token's NaN in that column only."""
+    backend = backend_name(backend, request)
+    r = np.random.default_rng(5)
+    q, k = (r.standard_normal((1, 9, 1, 2)).astype(np.float32) for _ in range(2))
+    v = r.standard_normal((1, 9, 1, 3)).astype(np.float32)
+    v[0, 3, 0, 0] = np.nan
+    v[0, 6, 0, 2] = np.nan
+    o = rotary.linear_attention(q, k, v, seq_axis=1, causal=True, backend=backend, cu_seqlens=np.array([0, 5, 9]))
+    assert np.isfinite(o[0, :3]).all() and np.isnan(o[0, 3:5, 0, 0]).all() and np.isfinite(o[0, 5]).all()
+    assert np.isnan(o[0, 6:, 0, 2]).all()
+    for s0, s1 in ((0, 5), (5, 9)):
+        assert_same_nonfinite_and_close(o[:, s0:s1], linear_oracle(q[:, s0:s1], k[:, s0:s1], v[:, s0:s1]), 2e-4)
+    _, state = rotary.linear_attention(q[:, :3], k[:, :3], v[:, :3], seq_axis=1, causal=True, backend=backend,
+                                       return_state=True)
+    step = rotary.linear_attention(q[:, 3:4], k[:, 3:4], v[:, 3:4], seq_axis=1, causal=True, backend=backend,
+                                   state=state)
+    assert np.isnan(step[0, 0, 0, 0]) and np.isfinite(step[0, 0, 0, 1:]).all()
+    np.testing.assert_allclose(step[0, 0, 0, 1:], o[0, 3, 0, 1:], rtol=2e-4, atol=2e-4)
 
 
 def test_causal_linear_attention_later_nan_torch_path():
@@ -149,6 +209,24 @@ def test_softmax_masked_key_nan_does_not_leak(softmax_path):
         want = softmax_oracle(q, k, v, vis, 8 ** -0.5)
         assert np.isfinite(o[0, 0, :7]).all() and np.isfinite(o[0, 1, :8]).all()
         assert_same_nonfinite_and_close(o, want, 2e-5)
+
+
+def test_softmax_masked_key_nan_does_not_leak_device_path():
+    """The same on non-NumPy arrays (torch tensors here): the branch-free visible_matmul of the array-API
+    tile loop that CuPy arrays take too (no kernel of its own: rotary/attn/softmax.py is array-API code)."""
+    torch = pytest.importorskip("torch")
+    r = np.random.default_rng(5)
+    q, k, v = (r.standard_normal((1, 2, 10, 8)).astype(np.float32) for _ in range(3))
+    v[0, 0, 7, 0] = np.nan
+    v[0, 1, 8, 3] = np.inf
+    k[0, 1, 9, 2] = np.nan
+    for window in (None, 3):
+        o = rotary.attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=window, block_size=4,
+                             rope=False).numpy()
+        t, s = np.arange(10)[:, None], np.arange(10)[None, :]
+        vis = (s <= t) & ((t - s < window) if window else True)
+        assert np.isfinite(o[0, 0, :7]).all() and np.isfinite(o[0, 1, :8]).all()
+        assert_same_nonfinite_and_close(o, softmax_oracle(q, k, v, vis, 8 ** -0.5), 2e-5)
 
 
 def test_softmax_all_minus_inf_visible_scores(softmax_path):
@@ -232,20 +310,43 @@ def test_dask_linear_attention_length_dependent_spec(causal):
     assert after.spec == spec
 
 
+@pytest.mark.parametrize("backend", ["numba", pytest.param("cuda-shim", marks=pytest.mark.cuda_cpu)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("m", [2, 16])
-def test_numba_relu_of_minus_inf_is_zero(dtype, m):
+def test_numba_relu_of_minus_inf_is_zero(backend, dtype, m, request):
     """The Numba kernels' relu feature was ``x * 0`` below 0: -inf * 0 = NaN (NumPy's maximum(x, 0) is 0);
-    now relu(-inf) = 0 on the scalar and SIMD paths, and a NaN stays NaN."""
-    if "numba" not in BACKENDS:
+    now relu(-inf) = 0 on the scalar and SIMD paths, and a NaN stays NaN. The CUDA kernel's relu gave 0
+    for NaN too (x > 0 ? x : 0): a NaN key feature was dropped; now it stays NaN."""
+    if backend == "numba" and "numba" not in BACKENDS:
         pytest.skip("numba not installed")
+    backend = backend_name(backend, request)
     q = np.random.default_rng(1).standard_normal((1, 1, 3, m)).astype(dtype)
     k = q.copy()
     k[0, 0, 0, 0] = -np.inf
     k[0, 0, 1, 1] = np.nan
     for causal in (False, True):
-        a = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numba")
+        a = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend=backend)
         b = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numpy")
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-5, atol=1e-6)
         assert np.isfinite(a[0, 0, 0]).all() == bool(causal)   # token 0 sees only itself when causal
+
+
+@pytest.mark.parametrize("backend", LINEAR_BACKENDS)
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity"])
+def test_linear_attention_nonfinite_features_match_numpy(backend, feature_map, request):
+    """-inf, NaN and inf inputs to each feature map, in q and k, causal or not: the non-finite entries of
+    every backend's output are NumPy's (phi(-inf) is 0 for elu + 1 and relu, NaN stays NaN) and the
+    finite ones agree."""
+    backend = backend_name(backend, request)
+    r = np.random.default_rng(2)
+    q, k, v = (r.standard_normal((1, 1, 6, 4)).astype(np.float32) for _ in range(3))
+    q[0, 0, 1, 2], k[0, 0, 2, 0], k[0, 0, 4, 3] = -np.inf, -np.inf, np.nan
+    if feature_map != "identity":   # identity: -inf is a value like any other (inf - inf orders differ)
+        q[0, 0, 3, 1] = np.nan
+    for causal in (False, True):
+        kw = dict(feature_map=feature_map, causal=causal, normalize=feature_map != "identity")
+        a = rotary.linear_attention(q, k, v, backend=backend, **kw)
+        b = rotary.linear_attention(q, k, v, backend="numpy", **kw)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"causal={causal}")
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=1e-5)

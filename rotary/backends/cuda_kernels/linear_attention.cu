@@ -27,8 +27,10 @@
 #include "rotary_common.cuh"
 
 // acc[i][j] = sum_{k<K} X[(r+i)*xr + k*xk] * Y[k*yk + (c+j)*yc]; rows/cols past nr/nc are clamped
-// (their results are discarded by the caller).
-template <int TILE, typename W>
+// (their results are discarded by the caller). CAUSAL: row r+i skips the terms k > r+i (a causal product's
+// later tokens) instead of multiplying their zero weights: 0 * NaN is NaN, which carried a later token's
+// NaN/inf value into earlier rows of the chunk; the kept terms are added in the same order as before.
+template <int TILE, typename W, bool CAUSAL = false>
 ROTARY_FN void mma_tile(W (&acc)[TILE][TILE], const W* X, int xr, int xk, const W* Y, int yk, int yc,
                         int r, int c, int nr, int nc, int K) {
     int xo[TILE], yo[TILE];
@@ -47,7 +49,8 @@ ROTARY_FN void mma_tile(W (&acc)[TILE][TILE], const W* X, int xr, int xk, const 
 #pragma unroll
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
-            for (int j = 0; j < TILE; ++j) acc[i][j] += xv[i] * yv[j];
+            for (int j = 0; j < TILE; ++j)
+                if (!CAUSAL || k <= r + i) acc[i][j] += xv[i] * yv[j];
     }
 }
 
@@ -58,9 +61,10 @@ template <int TILE, typename W> ROTARY_FN void zero_tile(W (&acc)[TILE][TILE]) {
         for (int j = 0; j < TILE; ++j) acc[i][j] = W(0);
 }
 
+// phi(x): elu + 1 (exp(-inf) = 0, NaN stays NaN), relu or identity
 template <typename W> ROTARY_FN W feature(W x, int feature_map) {
     if (feature_map == 1) return x > W(0) ? x + W(1) : rotary_exp(x);
-    if (feature_map == 2) return x > W(0) ? x : W(0);
+    if (feature_map == 2) return x <= W(0) ? W(0) : x;  // relu: max(x, 0) as NumPy's (-inf: 0, NaN stays NaN)
     return x;
 }
 
@@ -149,7 +153,7 @@ ROTARY_FN void write_output(T* o, i64 ost, i64 osd, const W* A, int mp, const W*
                 for (int j = 0; j < TILE; ++j) acc[i][j] *= f;
             }
         }
-        if (causal) mma_tile<TILE>(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
+        if (causal) mma_tile<TILE, W, true>(acc, P, pp, 1, Vs, dtp, 1, r, c, L, width, imin(L, r + TILE));
 #pragma unroll
         for (int i = 0; i < TILE; ++i)
 #pragma unroll
