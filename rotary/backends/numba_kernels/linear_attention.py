@@ -266,7 +266,7 @@ def prefetch_ahead(x, g, b, t0, i, n, h, length, ahead):
         prefetch_row(x, g, b, t0 + i + ahead, h, length, False)
 
 
-@njit(**HELPER_JIT)
+@njit(inline="always", **HELPER_JIT)
 def widen_rows(src, dest, n):
     """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
     m = src.shape[1]
@@ -276,7 +276,7 @@ def widen_rows(src, dest, n):
             dest_row[j] = src_row[j]
 
 
-@njit(**HELPER_JIT)
+@njit(inline="always", **HELPER_JIT)
 def transpose_rows(src, dest, n):
     """dest[j, i] = src[i, j] for i < n, j < src.shape[1]: whole lanes x lanes blocks in registers
     (:func:`.simd.vtranspose`) where the buffers hold them (rows of src and columns of dest padded past n:
@@ -397,12 +397,13 @@ def _streams_impl(o, acc):
 
 
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
-def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
+def add_state(carried_s, s_work, s_chunk, m, dv, factor, powers):
     """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
-    s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied)."""
+    s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied: powers is None,
+    the kernel's marker of a call without decay, see :func:`linear_attention_tasks`)."""
     for r in range(m):
         carried_row, work_row, chunk_row = carried_s[r], s_work[r], s_chunk[r]
-        if decayed:
+        if powers is not None:
             for j in range(dv):
                 carried_row[j] = carried_row[j] * factor + chunk_row[j]
                 work_row[j] = carried_row[j]
@@ -414,8 +415,8 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, decayed):
 
 @njit(nogil=True, cache=True)
 def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
-                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, decayed,
-                           normalize, cu_seqlens, first, last):
+                           rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, normalize,
+                           cu_seqlens, first, last):
     """Linear attention of tasks first..last-1 (task = b * Hk + hk: one batch row, one k/v head and its
     ``groups`` q heads hk*G .. hk*G+G-1), in chunks of ``chunk`` tokens, (S, z) carried in float64 (the tasks of
     one batch row walked chunk by chunk, every head inside a chunk: the rows of a token range are read
@@ -424,7 +425,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     of the first-call time). geo: (4, 5) int64 (offset, sB, sS, sH, sD) of q, k, v, o.
 
     Per chunk (rows t0..t0+n, hats rotated, products in the work dtype by :func:`madd_tile`; gamma^j =
-    powers[b, hk, j], all ones without decay and then not applied)::
+    powers[b, hk, j]; without decay powers is None, gamma^j = 1 and not applied)::
 
         z_i = gamma z_(i-1) + b_i                               (float64 recurrence over the chunk's rows)
         for each q head:
@@ -442,13 +443,18 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
 
     One function, not a per-task helper: inlining a helper this size copied its IR block by block (~1.7 s
     of the first call) and a separate helper is optimised by LLVM again in its caller's module.
+
+    ``powers`` None marks a call without decay (not a flag and an unused array): every decay branch tests
+    ``powers is not None`` on the argument itself, which Numba prunes before typing when powers is None, so
+    the version without decay compiles none of them (~0.4 s of the first call; the decayed version is a
+    second signature, as a decayed call's array always was).
     """
     n_heads = state_s.shape[1]
     keep = (q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z)
     # borrowed (meminfo-less) arguments, as the parfor gufunc's were: helper calls then cost no atomic
     # incref/decref; the caller's references keep the arrays alive for the whole call
     q, k, v, o, geo = borrowed(q), borrowed(k), borrowed(v), borrowed(o), borrowed(geo)
-    cos, sin, rows, powers = borrowed(cos), borrowed(sin), borrowed(rows), borrowed(powers)
+    cos, sin, rows = borrowed(cos), borrowed(sin), borrowed(rows)   # powers: read by element only
     state_s, state_z, new_s, new_z = borrowed(state_s), borrowed(state_z), borrowed(new_s), borrowed(new_z)
     packed = cu_seqlens.shape[0] > 0
     m = state_z.shape[2]
@@ -512,7 +518,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
             hk = hk0 + r
             pw, pw_work = pw_all[r], pw_work_all[r]
             for j in range(chunk + 1):
-                pw[j] = powers[sb, hk, j] if decayed else 1.0
+                pw[j] = powers[sb, hk, j] if powers is not None else 1.0
                 pw_work[j] = pw[j]
             for j in range(m):
                 carried_z_all[r, j] = state_z[sb, hk, j]
@@ -531,7 +537,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
                 for i in range(n):
                     k_row = k_plain[i]
-                    if decayed:
+                    if powers is not None:
                         for j in range(m):
                             carried_z[j] = carried_z[j] * gamma + k_row[j]
                     else:
@@ -554,12 +560,12 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                         for i in range(i0, end):
                             for j in range(i + 1, end):
                                 scores[i, j] = 0
-                            if decayed:
+                            if powers is not None:
                                 for j in range(i + 1):
                                     scores[i, j] *= pw_work[i - j]
                         for j0 in range(0, dv, width):
                             madd_tile(a_hat, s_work, num, i0, j0, m, fresh)
-                            if decayed:
+                            if powers is not None:
                                 for i in range(i0, end):
                                     num_row = num[i]
                                     for j in range(j0, j0 + width):
@@ -568,16 +574,16 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                         for i in range(i0, end):
                             if not row_finite(num[i], dv):   # a later token's NaN/inf must not reach row i
                                 causal_row(num[i], a_hat[i], s_work, scores[i], values,
-                                           pw_work[i + 1] if decayed else 1.0, i, m, dv)
+                                           pw_work[i + 1] if powers is not None else 1.0, i, m, dv)
                             scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
                             store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale, stream)
-                if decayed:
+                if powers is not None:
                     for rr in range(m):
                         kt_row = k_hat_t[rr]
                         for j in range(n):
                             kt_row[j] *= pw_work[n - 1 - j]
                 matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
-                add_state(carried_s, s_work, s_chunk, m, dv, pw[n], decayed)
+                add_state(carried_s, s_work, s_chunk, m, dv, pw[n], powers)
         for t0 in range(0, 0 if causal else length, chunk):
             n = min(chunk, length - t0)
             for r in range(heads):
