@@ -26,7 +26,7 @@ from numba.extending import intrinsic, overload, type_callable
 
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
+from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
                    vload, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub)
 
@@ -413,7 +413,7 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, powers):
                 work_row[j] = carried_row[j]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, **KERNEL_JIT)
 def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
                            rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, normalize,
                            cu_seqlens, first, last):
@@ -665,7 +665,7 @@ def step_state_update(old, new, b_hat, v_row, a_hat, acc, gamma, decayed):
                 acc_g[c] += aj * new_row[c]
 
 
-@njit(cache=True)
+@njit(**KERNEL_JIT)
 def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, half, rotary_dim,
                           interleaved, feature_map, eps, groups, powers, decayed, normalize):
     """One token per sequence (decode), on the calling thread: per (batch, k/v head), one pass over S::

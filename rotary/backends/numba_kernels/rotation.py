@@ -17,8 +17,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_X, borrowed, element_offset, load, store
-from .simd import (HELPER_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave, _vload_flat, _vmul,
-                   _vneg, _vstore_flat, _vsub, _work_dtype, prefetch_write)
+from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave,
+                   _vload_flat, _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, prefetch_write)
 
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
@@ -104,7 +104,7 @@ def rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half
                  inverse)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, **KERNEL_JIT)
 def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
                        interleaved, inverse):
     """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row
@@ -118,7 +118,7 @@ def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq
     return True
 
 
-@njit(cache=True)
+@njit(**KERNEL_JIT)
 def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
                      interleaved, inverse):
     """rotate_qk_parallel on the calling thread (small calls: no thread hand-off)."""
