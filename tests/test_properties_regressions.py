@@ -194,39 +194,35 @@ def softmax_path(request, monkeypatch):
     return request.param
 
 
-def test_softmax_masked_key_nan_does_not_leak(softmax_path):
-    """A NaN (or inf) in v of a key the causal mask hides leaked into the outputs of the queries it is
-    hidden from (p = 0 times NaN in p @ V); a masked key contributes nothing now."""
+def _check_masked_key_nan(attend):
+    """``attend(q, k, v, window) -> NumPy o``: a NaN / inf in v (or k) of a key the causal mask (and the
+    window) hides from a query leaves that query's output finite and equal to the float64 oracle."""
     r = np.random.default_rng(5)
     q, k, v = (r.standard_normal((1, 2, 10, 8)).astype(np.float32) for _ in range(3))
     v[0, 0, 7, 0] = np.nan
     v[0, 1, 8, 3] = np.inf
     k[0, 1, 9, 2] = np.nan
     for window in (None, 3):
-        o = rotary.attention(q, k, v, causal=True, window=window, block_size=4, rope=False)
+        o = attend(q, k, v, window)
         t, s = np.arange(10)[:, None], np.arange(10)[None, :]
         vis = (s <= t) & ((t - s < window) if window else True)
-        want = softmax_oracle(q, k, v, vis, 8 ** -0.5)
         assert np.isfinite(o[0, 0, :7]).all() and np.isfinite(o[0, 1, :8]).all()
-        assert_same_nonfinite_and_close(o, want, 2e-5)
+        assert_same_nonfinite_and_close(o, softmax_oracle(q, k, v, vis, 8 ** -0.5), 2e-5)
+
+
+def test_softmax_masked_key_nan_does_not_leak(softmax_path):
+    """A NaN (or inf) in v of a key the causal mask hides leaked into the outputs of the queries it is
+    hidden from (p = 0 times NaN in p @ V); a masked key contributes nothing now."""
+    _check_masked_key_nan(lambda q, k, v, window: rotary.attention(q, k, v, causal=True, window=window,
+                                                                   block_size=4, rope=False))
 
 
 def test_softmax_masked_key_nan_does_not_leak_device_path():
     """The same on non-NumPy arrays (torch tensors here): the branch-free visible_matmul of the array-API
     tile loop that CuPy arrays take too (no kernel of its own: rotary/attn/softmax.py is array-API code)."""
     torch = pytest.importorskip("torch")
-    r = np.random.default_rng(5)
-    q, k, v = (r.standard_normal((1, 2, 10, 8)).astype(np.float32) for _ in range(3))
-    v[0, 0, 7, 0] = np.nan
-    v[0, 1, 8, 3] = np.inf
-    k[0, 1, 9, 2] = np.nan
-    for window in (None, 3):
-        o = rotary.attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=window, block_size=4,
-                             rope=False).numpy()
-        t, s = np.arange(10)[:, None], np.arange(10)[None, :]
-        vis = (s <= t) & ((t - s < window) if window else True)
-        assert np.isfinite(o[0, 0, :7]).all() and np.isfinite(o[0, 1, :8]).all()
-        assert_same_nonfinite_and_close(o, softmax_oracle(q, k, v, vis, 8 ** -0.5), 2e-5)
+    _check_masked_key_nan(lambda q, k, v, window: rotary.attention(
+        *(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=window, block_size=4, rope=False).numpy())
 
 
 def test_softmax_all_minus_inf_visible_scores(softmax_path):
