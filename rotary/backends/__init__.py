@@ -65,6 +65,9 @@ _INSTALL = {
     "numba": "pip install 'rotary[numba]'",
     "cupy": "pip install 'rotary[cuda12]' or 'rotary[cuda13]' (CuPy) and use a machine with a CUDA GPU",
 }
+#: Where each backend's arrays live ("cpu": host memory, "cuda": a CUDA device), for adapters that
+#: check a tensor's device before a call (see :func:`device_of`).
+_DEVICES = {"numpy": "cpu", "numba": "cpu", "cupy": "cuda"}
 #: What a prepared rotation's ``run`` returns when a position falls outside its table (nothing written).
 OUTSIDE_TABLE = "outside the table"
 
@@ -116,6 +119,12 @@ def get(name: str):
         raise BackendUnavailableError(
             f"backend {name!r} is not available here: {_errors[name]}. To use it: {_INSTALL[name]}")
     return module
+
+
+def device_of(name: str) -> str | None:
+    """Where backend ``name`` runs: "cpu" or "cuda"; None for "auto" (or a name the registry does not know,
+    which :func:`get` refuses). Answered without importing the backend."""
+    return _DEVICES.get(name)
 
 
 def available_backends() -> dict[str, tuple[bool, str]]:

@@ -29,6 +29,7 @@ from . import OUTSIDE_TABLE
 
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
+COMPILES_ON_FIRST_CALL = True    # NVRTC compiles each kernel on its first launch (CuPy caches it on disk)
 
 KERNEL_DIR = Path(__file__).with_name("cuda_kernels")
 COMMON_HEADER = "rotary_common.cuh"
@@ -314,6 +315,13 @@ def powers_table(decay, chunk: int, work_dtype):
 _module_lock = threading.Lock()
 _modules: dict = {}   # (device, family, dtype) -> cupy.RawModule
 _kernels: dict = {}   # (device, name expression) -> cupy.RawKernel
+
+
+def array_converters():
+    """(to device, to host): the array type this backend takes, for callers holding NumPy data."""
+    import cupy
+
+    return cupy.asarray, (lambda a: cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a))
 
 
 def availability():

@@ -20,6 +20,7 @@ from .numba_kernels import linear_attention as la_kernels
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
+COMPILES_ON_FIRST_CALL = True    # Numba compiles each kernel on its first call (cache=True keeps it on disk)
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))

@@ -505,12 +505,12 @@ def run_linear_case(case: LinearCase, backend: str, *, to_backend=None, to_host=
 
 
 def array_converters(backend: str):
-    """(to_backend, to_host) for the array type a backend takes (CuPy arrays for "cupy")."""
-    if backend == "cupy":
-        import cupy
+    """(to_backend, to_host) for the array type a backend takes: its module's ``array_converters()``
+    capability (CuPy: device arrays), (None, None) for a backend of NumPy arrays."""
+    from ..backends import get
 
-        return cupy.asarray, (lambda a: cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else np.asarray(a))
-    return None, None
+    converters = getattr(get(backend), "array_converters", None)
+    return converters() if converters is not None else (None, None)
 
 
 def run(backends=None, quick: bool = False) -> list[Result]:

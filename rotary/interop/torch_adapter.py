@@ -40,10 +40,11 @@ def _check_device(tensors, names, backend):
     for t, name in zip(tensors, names):
         if isinstance(t, torch.Tensor) and t.device != dev:
             raise ValueError(f"{name} is on {t.device}, {names[0]} on {dev}: move them to one device")
-    if backend == "cupy" and dev.type != "cuda":
-        raise ValueError(f"backend='cupy' needs CUDA tensors, but {names[0]} is on {dev}: move the tensors with "
-                         f".cuda(), or pass backend='auto' (Numba on the CPU)")
-    if backend in ("numba", "numpy") and dev.type == "cuda":
+    runs_on = _backends.device_of(backend)
+    if runs_on == "cuda" and dev.type != "cuda":
+        raise ValueError(f"backend={backend!r} needs CUDA tensors, but {names[0]} is on {dev}: move the tensors "
+                         f"with .cuda(), or pass backend='auto' (Numba on the CPU)")
+    if runs_on == "cpu" and dev.type == "cuda":
         raise ValueError(f"backend={backend!r} runs on the CPU, but {names[0]} is on {dev}: pass backend='auto' "
                          "or 'cupy' (the CUDA kernels), or move the tensors with .cpu()")
     if dev.type not in ("cpu", "cuda"):
