@@ -121,6 +121,12 @@ def get(name: str):
     return module
 
 
+def loaded(name: str):
+    """The module of backend ``name`` if the registry has loaded it, else None (never imports): a cached
+    plan holding a module checks it is still the registry's (tests replace and reset backends)."""
+    return _loaded.get(name)
+
+
 def device_of(name: str) -> str | None:
     """Where backend ``name`` runs: "cpu" or "cuda"; None for "auto" (or a name the registry does not know,
     which :func:`get` refuses). Answered without importing the backend."""

@@ -177,7 +177,7 @@ class _Plan:
             if o is not None and o is not x and not (o.flags.c_contiguous and o.shape == x.shape):
                 return None
         name = getattr(module, "NAME", None)
-        if name is None or _backends._loaded.get(name) is not module:
+        if name is None or _backends.loaded(name) is not module:
             return None
         plan = cls()
         plan.spec, plan.module, plan.name, plan.device_key, plan.convert = spec, module, name, device_key, convert
@@ -203,7 +203,7 @@ class _Plan:
 
     def run(self, xs, outs, positions):
         """The outputs of this call, or None when the general path must take it."""
-        if _backends._loaded.get(self.name) is not self.module:   # the registry changed (tests)
+        if _backends.loaded(self.name) is not self.module:   # the registry changed (tests)
             return None
         if self.separate and not _outs_apart(xs, outs):
             return None
