@@ -249,12 +249,18 @@ def _prefetch_row_impl(x, g, b, t, h, length, write):
     def impl(x, g, b, t, h, length, write):
         base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
         span = (length - 1) * g[4] + 1              # elements from the first to the last (none if strides < 0)
+        # a line per step from the first element, and the last element's line: a row not starting on a line
+        # boundary (NumPy aligns to 16 bytes) reaches into one line more, where its last vector load waited
         if write:
             for j in range(0, span, step):
                 prefetch_write(x, base + j)
+            if span > 0:
+                prefetch_write(x, base + span - 1)
         else:
             for j in range(0, span, step):
                 prefetch_read(x, base + j)
+            if span > 0:
+                prefetch_read(x, base + span - 1)
     return impl
 
 
@@ -264,6 +270,20 @@ def prefetch_ahead(x, g, b, t0, i, n, h, length, ahead):
     n rows (the first ``ahead`` iterations, i < 0, only prefetch)."""
     if 0 <= i + ahead < n:
         prefetch_row(x, g, b, t0 + i + ahead, h, length, False)
+
+
+@njit(inline="always", **HELPER_JIT)   # a few instructions: inlined, no compile of its own
+def next_load(h, first_h, end_h, t, chunk, t_end):
+    """(head, first token, rows) of the load after rows t.. of head h in a walk over heads first_h..end_h-1
+    inside each chunk of ``chunk`` tokens, chunk after chunk up to token t_end: the next head's rows of
+    this chunk, or the first head's rows of the next chunk (0 rows after the last)."""
+    if h + 1 < end_h:
+        return h + 1, t, min(chunk, t_end - t)
+    return first_h, t + chunk, max(np.int64(0), min(chunk, t_end - t - chunk))
+
+
+#: the row loads' prefetch of the next load's rows (:func:`next_load`) when there is none
+NO_NEXT_LOAD = (np.int64(0), np.int64(0), np.int64(0))
 
 
 @njit(inline="always", **HELPER_JIT)
@@ -304,20 +324,25 @@ def transpose_rows(src, dest, n):
 
 @njit(**HELPER_JIT)
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
-                  rotated, transpose):
+                  rotated, transpose, after):
     """phi(x[b, t0+i, h, :]) for i < n to plain[i, :m] (float64) and its rotation R_{p(t0+i)} phi(...) to
     rotated[i, :m] or, with ``transpose``, to rotated[:m, i]; phi: (>= n, m) work-dtype scratch rows.
 
     Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
-    forms; rows ahead are prefetched. g: (offset, sB, sS, sH, sD) of x.
+    forms; rows ahead are prefetched, and with each row i the row i of the next load of x, ``after`` =
+    (head, first token, rows) from :func:`next_load`: a whole head's work before it is used, where rows
+    a few ahead arrived late (the load waited out most of a memory latency). g: (offset, sB, sS, sH, sD) of x.
     """
     m = phi.shape[1]
     width = lanes(phi[0])
     vector_end = m - m % width if g[4] == 1 and vfeature_covers(phi, feature_map) else 0
+    next_h, next_t, next_n = after
     for i in range(-PREFETCH_ROWS, n):
         prefetch_ahead(x, g, b, t0, i, n, h, m, PREFETCH_ROWS)
         if i < 0:
             continue
+        if i < next_n:
+            prefetch_row(x, g, b, next_t + i, next_h, m, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         phi_row = phi[i]
         for j in range(0, vector_end, width):
@@ -336,14 +361,17 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
 
 
 @njit(**HELPER_JIT)
-def load_values(x, g, b, h, t0, n, dest, dv):
+def load_values(x, g, b, h, t0, n, dest, dv, after):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
-    load_features: a row's copy is short)."""
+    load_features: a row's copy is short; the next load's rows ``after`` as there)."""
     ahead = 4 * PREFETCH_ROWS
+    next_h, next_t, next_n = after
     for i in range(-ahead, n):
         prefetch_ahead(x, g, b, t0, i, n, h, dv, ahead)
         if i < 0:
             continue
+        if i < next_n:
+            prefetch_row(x, g, b, next_t + i, next_h, dv, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         row = dest[i]
         if g[4] == 1:
@@ -532,9 +560,10 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 carried_s, s_work = carried_s_all[r * m:(r + 1) * m], s_work_all[r * m:(r + 1) * m]
                 carried_z, pw, pw_work = carried_z_all[r], pw_all[r], pw_work_all[r]
                 gamma = pw[1]
+                kv_after = next_load(hk, hk0, hk0 + heads, t_first + t0, chunk, t_first + length)
                 load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                              feature_map, phi, k_plain, k_hat_t, as_columns)
-                load_values(v, geo[2], b, hk, t_first + t0, n, values, dv)
+                              feature_map, phi, k_plain, k_hat_t, as_columns, kv_after)
+                load_values(v, geo[2], b, hk, t_first + t0, n, values, dv, kv_after)
                 for i in range(n):
                     k_row = k_plain[i]
                     if powers is not None:
@@ -549,8 +578,9 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                             z_row[j] = carried_z[j]
                 for g in range(groups if causal else 0):
                     h = hk * groups + g
+                    q_after = next_load(h, hk0 * groups, (hk0 + heads) * groups, t_first + t0, chunk, t_first + length)
                     load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim,
-                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows)
+                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows, q_after)
                     for i0 in range(0, n, TILE_ROWS):
                         end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
                         for i in range(end, min(end + TILE_ROWS, n) if not stream else 0):   # next block's rows
@@ -590,8 +620,9 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 s_work, carried_z = s_work_all[r * m:(r + 1) * m], carried_z_all[r]
                 for g in range(groups):
                     h = (hk0 + r) * groups + g
+                    q_after = next_load(h, hk0 * groups, (hk0 + heads) * groups, t_first + t0, chunk, t_first + length)
                     load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim,
-                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows)
+                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows, q_after)
                     matmul_tiles(a_hat, s_work, num, n, m, dv)
                     for i in range(n):
                         if i + PREFETCH_ROWS < n and not stream:
@@ -707,11 +738,11 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
             phi[0, 0] = gamma
             gw = phi[0, 0]                              # gamma in the work dtype
             load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
-                          b_plain, b_hat, as_rows)
-            load_values(v, geo[2], b, hk, t0, one, vals, dv)
+                          b_plain, b_hat, as_rows, NO_NEXT_LOAD)
+            load_values(v, geo[2], b, hk, t0, one, vals, dv, NO_NEXT_LOAD)
             for g in range(groups):
                 load_features(q, geo[0], b, hk * groups + g, t0, one, cos, sin, rows, half, rotary_dim, interleaved,
-                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], as_rows)
+                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], as_rows, NO_NEXT_LOAD)
                 acc_row = acc[g]
                 for c in range(dv):
                     acc_row[c] = 0
