@@ -106,6 +106,16 @@ def _lower_keep_alive(context, builder, signature, args):
 
 
 @njit(**HELPER_JIT)
+def aligned_zeros(rows, cols, dtype):
+    """np.zeros((rows, cols), dtype) starting on a 64-byte (cache line) boundary: a C-contiguous view of a
+    slightly larger array (it keeps that array alive). Numba's own arrays start on 32-byte boundaries, where
+    every AVX-512 load and store of a row of the chunk buffers split across two cache lines."""
+    flat = np.zeros(rows * cols + 16, dtype)   # 16 elements: >= 64 bytes of slack
+    skip = (-flat.ctypes.data % 64) // flat.itemsize
+    return flat[skip:skip + rows * cols].reshape((rows, cols))
+
+
+@njit(**HELPER_JIT)
 def padded(n, multiple):
     """n rounded up to a multiple of ``multiple``."""
     return (n + multiple - 1) // multiple * multiple
@@ -491,39 +501,39 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     width = tile_width(cos[0])
     cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
     m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
-    # every buffer 2-D from np.zeros in the work dtype or float64: two compiled versions of NumPy's
+    # every buffer 2-D from aligned_zeros in the work dtype or float64: two compiled versions of NumPy's
     # allocation, where mixed shapes and dtypes had compiled eleven (~0.6 s)
-    a_plain_own = np.zeros((cp, m_f64), np.float64)
+    a_plain_own = aligned_zeros(cp, m_f64, np.float64)
     a_plain = borrowed(a_plain_own)
-    k_plain_own = np.zeros((cp, m_f64), np.float64)
+    k_plain_own = aligned_zeros(cp, m_f64, np.float64)
     k_plain = borrowed(k_plain_own)
-    z_rows_own = np.zeros((cp, m_f64), np.float64)   # z after each row of the chunk (causal)
+    z_rows_own = aligned_zeros(cp, m_f64, np.float64)   # z after each row of the chunk (causal)
     z_rows = borrowed(z_rows_own)
-    a_hat_own = np.zeros((cp, m), work)
+    a_hat_own = aligned_zeros(cp, m, work)
     a_hat = borrowed(a_hat_own)
-    phi_own = np.zeros((cp, m), work)           # phi(q) or phi(k) of the chunk's rows, work dtype
+    phi_own = aligned_zeros(cp, m, work)           # phi(q) or phi(k) of the chunk's rows, work dtype
     phi = borrowed(phi_own)
-    k_hat_t_own = np.zeros((mp, cp), work)
+    k_hat_t_own = aligned_zeros(mp, cp, work)
     k_hat_t = borrowed(k_hat_t_own)
-    values_own = np.zeros((cp, dvp), work)
+    values_own = aligned_zeros(cp, dvp, work)
     values = borrowed(values_own)
-    scores_own = np.zeros((cp, cp), work)
+    scores_own = aligned_zeros(cp, cp, work)
     scores = borrowed(scores_own)
-    num_own = np.zeros((cp, dvp), work)
+    num_own = aligned_zeros(cp, dvp, work)
     num = borrowed(num_own)
-    s_chunk_own = np.zeros((mp, dvp), work)
+    s_chunk_own = aligned_zeros(mp, dvp, work)
     s_chunk = borrowed(s_chunk_own)
     # the carried state of every head of a run of tasks (see below), one block of rows per head
     span = min(last - first, n_heads)
-    s_work_own = np.zeros((span * m, dvp), work)
+    s_work_own = aligned_zeros(span * m, dvp, work)
     s_work_all = borrowed(s_work_own)
-    carried_s_own = np.zeros((span * m, dv), np.float64)
+    carried_s_own = aligned_zeros(span * m, dv, np.float64)
     carried_s_all = borrowed(carried_s_own)
-    carried_z_own = np.zeros((span, m_f64), np.float64)
+    carried_z_own = aligned_zeros(span, m_f64, np.float64)
     carried_z_all = borrowed(carried_z_own)
-    pw_own = np.zeros((span, chunk + 1), np.float64)   # gamma^j, float64
+    pw_own = aligned_zeros(span, chunk + 1, np.float64)   # gamma^j, float64
     pw_all = borrowed(pw_own)
-    pw_work_own = np.zeros((span, chunk + 1), work)
+    pw_work_own = aligned_zeros(span, chunk + 1, work)
     pw_work_all = borrowed(pw_work_own)
     out_geo = geo[3]
     stream = streams(o, num[0])   # a large output: written by non-temporal stores (store_row)
@@ -714,23 +724,23 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
                                        borrowed(cos), borrowed(sin), borrowed(rows))
     state_s, state_z, new_s, new_z, powers = (borrowed(state_s), borrowed(state_z), borrowed(new_s),
                                               borrowed(new_z), borrowed(powers))
-    b_plain_own = np.zeros((1, m), np.float64)
-    b_plain = borrowed(b_plain_own)
-    b_hat_own = np.zeros((1, m), work)
-    b_hat = borrowed(b_hat_own)
-    a_plain_own = np.zeros((groups, m), np.float64)
-    a_plain = borrowed(a_plain_own)
-    a_hat_own = np.zeros((groups, m), work)
-    a_hat = borrowed(a_hat_own)
-    vals_own = np.zeros((1, dv), work)
-    vals = borrowed(vals_own)
-    acc_own = np.zeros((groups, dv), work)
-    acc = borrowed(acc_own)
-    phi_own = np.zeros((1, m), work)
-    phi = borrowed(phi_own)
     # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
     # the chunk kernel compiled (a literal argument would compile a version of each of its own)
     t0, one = np.int64(0), np.int64(1)
+    b_plain_own = aligned_zeros(one, m, np.float64)
+    b_plain = borrowed(b_plain_own)
+    b_hat_own = aligned_zeros(one, m, work)
+    b_hat = borrowed(b_hat_own)
+    a_plain_own = aligned_zeros(groups, m, np.float64)
+    a_plain = borrowed(a_plain_own)
+    a_hat_own = aligned_zeros(groups, m, work)
+    a_hat = borrowed(a_hat_own)
+    vals_own = aligned_zeros(one, dv, work)
+    vals = borrowed(vals_own)
+    acc_own = aligned_zeros(groups, dv, work)
+    acc = borrowed(acc_own)
+    phi_own = aligned_zeros(one, m, work)
+    phi = borrowed(phi_own)
     as_rows = np.bool_(False)
     for b in range(n_batch):
         for hk in range(n_kv):
