@@ -70,14 +70,15 @@ def main():
     xk, ok, gk = nb._geometry(k, k_out)
     kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), 0, B, 1,
              D // 2, D, D, False, False)
-    kernel = nb.rotate_kernel(q.size + k.size, B, 1)   # the kernel a call of this size runs
+    serial, parallel = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel   # Rope measures and picks one
     qo, ko = np.empty_like(q), np.empty_like(k)
     copy, new, sep = "q.copy(), k.copy() (the same inputs)", "Rope numba: rope(q, k, positions)", \
         "Rope numba, separate out=: rope(q, k, positions, out=(q_out, k_out))"
     qk = "rotary.apply_qk numba"
     cands = {
         copy: lambda: (q.copy(), k.copy()),
-        "compiled kernel alone (prepared arguments)": lambda: kernel(*kargs),
+        "compiled serial kernel alone (prepared arguments)": lambda: serial(*kargs),
+        "compiled parallel kernel alone (prepared arguments)": lambda: parallel(*kargs),
         new: lambda: rope(q, k, positions, seq_axis=1),
         sep: lambda: rope(q, k, positions, seq_axis=1, out=(qo, ko)),
         "Rope numba, in place: rope(q, k, positions, out=(q, k))": lambda: rope(qi, ki, positions, seq_axis=1,

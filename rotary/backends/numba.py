@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
@@ -27,12 +28,21 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
 #: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
 #: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
-#: Raised (issue 14): on a busy machine the thread hand-off of a decode apply_qk (B=32, one token
-#: each) cost 680 us median against 92 us on the calling thread. Now: >= 64k elements and >= 8
-#: tokens, and one-token-per-sequence calls (decode) only from 1M elements on.
+#: Now: >= 64k elements and >= 8 tokens. One-token-per-sequence calls (decode) of a prepared geometry
+#: (Rope, apply_qk) between that and DECODE_PARALLEL_MIN_ELEMENTS run the kernel a :class:`KernelChoice`
+#: measures faster: quiet, the parallel one (Rope decode B=32, 32/8 heads, d=128: 18-19 us against 27-29
+#: serial); on a busy machine the serial one (the parallel call's mean rose to 190-420 us, its median
+#: staying at 19: a worker preempted now and then; issue 14 saw 680 us median). Unprepared decode calls
+#: in that range run serial. From DECODE_PARALLEL_MIN_ELEMENTS on, decode runs parallel.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 PARALLEL_MIN_TOKENS = 8
 DECODE_PARALLEL_MIN_ELEMENTS = 1 << 20
+#: how prepared decode calls in the measured range pick their kernel: "measured" (:class:`KernelChoice`),
+#: "serial" or "parallel"; the environment variable ROTARY_NUMBA_DECODE_KERNEL sets it at import
+DECODE_KERNEL = os.environ.get("ROTARY_NUMBA_DECODE_KERNEL", "measured")
+if DECODE_KERNEL not in ("measured", "serial", "parallel"):
+    raise ValueError(f"environment variable ROTARY_NUMBA_DECODE_KERNEL must be 'measured', 'serial' or "
+                     f"'parallel', got {DECODE_KERNEL!r}")
 
 #: True in a child made by os.fork(): GNU OpenMP (numba's default threading layer) cannot run in a
 #: forked child of a process that used it ("fork() called from a process already using GNU OpenMP"),
@@ -210,6 +220,7 @@ class PreparedRotation:
         self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
                        layout == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
+        self.choice = KernelChoice()   # serial or parallel in the decode range (rotate_kernel)
 
     def run(self, xs, outs, rows, start, table):
         """Rotate ``xs`` (C-contiguous, this geometry) into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``);
@@ -232,11 +243,13 @@ class PreparedRotation:
             bufs += bufs
         if not (bufs[0].size and self.batch * self.seq_len):
             return results
-        kernel = rotate_kernel(self.elements, self.batch, self.seq_len)   # serial in a forked child
-        if kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows, start - table[0],
-                  *self.consts):
-            return results
-        return OUTSIDE_TABLE
+        kernel = rotate_kernel(self.elements, self.batch, self.seq_len, self.choice)   # serial in a forked child
+        try:
+            inside = kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
+                            start - table[0], *self.consts)
+        finally:
+            self.choice.done()
+        return results if inside else OUTSIDE_TABLE
 
 
 def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None):
@@ -251,11 +264,93 @@ def empty(shape, dtype):
     return np.empty(shape, dtype)
 
 
-def rotate_kernel(elements: int, n_batch: int, seq_len: int):
-    """The rotation kernel for a call of this size (see PARALLEL_MIN_ELEMENTS); serial in a forked child."""
-    parallel = (elements >= (PARALLEL_MIN_ELEMENTS if seq_len > 1 else DECODE_PARALLEL_MIN_ELEMENTS)
-                and n_batch * seq_len >= PARALLEL_MIN_TOKENS and not _in_forked_child)
-    return rotation.rotate_qk_parallel if parallel else rotation.rotate_qk_serial
+def rotate_kernel(elements: int, n_batch: int, seq_len: int, choice=None):
+    """The rotation kernel for a call of this size (see PARALLEL_MIN_ELEMENTS); serial in a forked child.
+    ``choice``: the call geometry's :class:`KernelChoice`, which picks in the decode range where either
+    kernel can be the faster (without one, serial there)."""
+    if _in_forked_child or n_batch * seq_len < PARALLEL_MIN_TOKENS or elements < PARALLEL_MIN_ELEMENTS:
+        return rotation.rotate_qk_serial
+    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS:
+        return rotation.rotate_qk_parallel
+    mode = DECODE_KERNEL if choice is not None else "serial"
+    if mode == "measured":
+        return rotation.rotate_qk_parallel if choice.parallel() else rotation.rotate_qk_serial
+    return rotation.rotate_qk_parallel if mode == "parallel" else rotation.rotate_qk_serial
+
+
+class KernelChoice:
+    """Serial or parallel rotation kernel for the decode calls of one geometry, by measured mean time.
+
+    Calls are timed in blocks of ``BLOCK``; a block's time per call is the mean without its first call
+    (which pays the switch) and without its slowest (one hiccup of the machine). One block of each kernel
+    first; the faster then runs ``period`` calls, its estimate a running average over its blocks (a quarter
+    the newest); when that exceeds the other's, or after ``period`` calls, the other is timed again (its
+    estimate that block's: the machine may have changed) in a block that stops as soon as its calls took
+    twice a whole block of the faster. ``period`` doubles up to ``MAX_PERIOD`` while the slower stays
+    slower and starts again at ``FIRST_PERIOD`` when they swap. Means, not medians: on a busy machine a
+    parallel call is usually as fast as on a quiet one and now and then waits milliseconds for a preempted
+    worker. Both kernels compute the same values bit for bit; only the time differs. Not locked: calls
+    from several threads at once can miscount, never fail.
+    """
+
+    BLOCK = 32
+    FIRST_PERIOD = 64
+    MAX_PERIOD = 16384
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.estimate = [None, None]      # seconds per call of the serial and the parallel kernel
+        self.winner = 1                   # the kernel of the long runs
+        self.timing = 0                   # the kernel of a block timed to compare, or None (the winner's run)
+        self.period = self.FIRST_PERIOD
+        self.left = 0                     # calls of the winner's run before the other is timed again
+        self.started = None
+        self._new_block()
+
+    def _new_block(self):
+        # calls, seconds of them all, seconds of all but the first, the slowest of those
+        self.calls, self.wall, self.spent, self.slowest = 0, 0.0, 0.0, 0.0
+
+    def parallel(self) -> bool:
+        """Whether the next call runs the parallel kernel (then call :meth:`done`)."""
+        self.started = self.clock()
+        return bool(self.winner if self.timing is None else self.timing)
+
+    def done(self):
+        """Account the call since :meth:`parallel` (nothing when it did not ask)."""
+        started, self.started = self.started, None
+        if started is None:
+            return
+        elapsed = self.clock() - started
+        arm = self.winner if self.timing is None else self.timing
+        other = 1 - arm
+        self.calls += 1
+        self.wall += elapsed
+        if self.calls > 1:
+            self.spent += elapsed
+            self.slowest = max(self.slowest, elapsed)
+        against = self.estimate[other] if self.timing is not None else None
+        hopeless = against is not None and self.wall > 2 * self.BLOCK * against
+        if self.calls < self.BLOCK and not hopeless:
+            return
+        mean = self.wall / self.calls if hopeless else (self.spent - self.slowest) / (self.calls - 2)
+        self._new_block()
+        if self.timing is None:           # a block of the winner's run
+            self.estimate[arm] = 0.75 * self.estimate[arm] + 0.25 * mean
+            self.left -= self.BLOCK
+            if self.left <= 0 or self.estimate[arm] > self.estimate[other]:
+                self.timing = other
+            return
+        self.estimate[arm] = mean
+        if self.estimate[other] is None:  # the first comparison: the other kernel's block next
+            self.timing = other
+            return
+        faster = 0 if self.estimate[0] <= self.estimate[1] else 1
+        if faster == self.winner:
+            self.period = min(2 * self.period, self.MAX_PERIOD)
+        else:
+            self.winner, self.period = faster, self.FIRST_PERIOD
+        self.timing, self.left = None, self.period
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
