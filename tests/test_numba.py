@@ -329,9 +329,13 @@ def test_register_tiles_match_numpy(rng, dtype):
     got = np.full_like(c, np.nan)
     jitted(la_kernels.matmul_tiles)(a, b, got, 8, 13, 2 * w)
     assert _rel(got, a.astype(np.float64) @ b) <= tol
-    x, y = rng.standard_normal((2, 3 * simd.lanes(np.empty(1, np.float64))))
+    n = 3 * simd.lanes(np.empty(1, np.float64)) + 3                 # whole vectors and a tail
+    x, y = rng.standard_normal((2, n))
     for dot_f64 in (jitted(la_kernels.dot_f64), la_kernels.dot_f64.py_func):
-        assert abs(dot_f64(x, y) - x @ y) <= 1e-13 * np.abs(x * y).sum()
+        assert abs(dot_f64(x, y, n) - x @ y) <= 1e-13 * np.abs(x * y).sum()
+        x32 = x.astype(np.float32)                                    # float32 x: widened exactly
+        assert abs(dot_f64(x32, y, n) - x32.astype(np.float64) @ y) <= 1e-13 * np.abs(x * y).sum()
+        assert abs(dot_f64(x32, y, n - 2) - x32[:-2].astype(np.float64) @ y[:-2]) <= 1e-13 * np.abs(x * y).sum()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

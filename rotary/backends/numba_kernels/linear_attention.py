@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload, type_callable
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
-                   vload, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
+                   vload, vload_widened, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -179,13 +179,18 @@ def matmul_tiles(a, b, c, rows, depth, cols):
 
 
 @njit(**HELPER_JIT)
-def dot_f64(x, y):
-    """sum_j x[j] y[j] in float64 (lanes-wide partial sums, then across lanes); x, y: float64, a whole
-    number of vectors long (zero padded)."""
-    acc = vzeros(x)
-    for j in range(0, x.shape[0], lanes(x)):
-        acc = vmadd(acc, vload(x, j), vload(y, j))
-    return vsum(acc)
+def dot_f64(x, y, n):
+    """sum_{j < n} x[j] y[j] in float64 (lanes-wide partial sums of float64 vectors, then across lanes, then the
+    last n % lanes terms); x: float32 (each element widened exactly) or float64, y: float64."""
+    width = VECTOR_BYTES // 8
+    full = n - n % width
+    acc = vzeros(y)
+    for j in range(0, full, width):
+        acc = vmadd(acc, vload_widened(x, j), vload(y, j))
+    total = vsum(acc)
+    for j in range(full, n):
+        total += np.float64(x[j]) * y[j]
+    return total
 
 
 @njit(**HELPER_JIT)
@@ -297,16 +302,6 @@ NO_NEXT_LOAD = (np.int64(0), np.int64(0), np.int64(0))
 
 
 @njit(inline="always", **HELPER_JIT)
-def widen_rows(src, dest, n):
-    """dest[i, :m] = src[i, :m] in float64 for i < n (its own function: a short loop LLVM vectorises)."""
-    m = src.shape[1]
-    for i in range(n):
-        src_row, dest_row = src[i], dest[i]
-        for j in range(m):
-            dest_row[j] = src_row[j]
-
-
-@njit(inline="always", **HELPER_JIT)
 def transpose_rows(src, dest, n):
     """dest[j, i] = src[i, j] for i < n, j < src.shape[1]: whole lanes x lanes blocks in registers
     (:func:`.simd.vtranspose`) where the buffers hold them (rows of src and columns of dest padded past n:
@@ -333,10 +328,11 @@ def transpose_rows(src, dest, n):
 
 
 @njit(**HELPER_JIT)
-def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, plain,
+def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, scratch,
                   rotated, transpose, after):
-    """phi(x[b, t0+i, h, :]) for i < n to plain[i, :m] (float64) and its rotation R_{p(t0+i)} phi(...) to
-    rotated[i, :m] or, with ``transpose``, to rotated[:m, i]; phi: (>= n, m) work-dtype scratch rows.
+    """phi(x[b, t0+i, h, :]) for i < n to phi[i, :m] (work dtype: the plain features, widened exactly where
+    float64 sums read them) and its rotation R_{p(t0+i)} phi(...) to rotated[i, :m] or, with ``transpose``,
+    to rotated[:m, i] (rotated into scratch[i] first; scratch: the shape of phi).
 
     Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
     forms; rows ahead are prefetched, and with each row i the row i of the next load of x, ``after`` =
@@ -359,15 +355,14 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
             vstore(phi_row, j, vfeature(_vload_flat(x, base + j), feature_map))
         for j in range(vector_end, m):
             phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
-    widen_rows(phi, plain, n)
     for i in range(n):
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
         phi_row = phi[i]
-        out_row = phi_row if transpose else rotated[i]        # in place, then transposed below
+        out_row = scratch[i] if transpose else rotated[i]     # transposed below
         done = rotate_pairs_simd(phi_row, 0, out_row, 0, cos, sin, row, half, interleaved, False)
         rotate_features(phi_row, out_row, cos[row], sin[row], done, half, rotary_dim, m, interleaved)
     if transpose:
-        transpose_rows(phi, rotated, n)
+        transpose_rows(scratch, rotated, n)
 
 
 @njit(**HELPER_JIT)
@@ -503,15 +498,13 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
     # every buffer 2-D from aligned_zeros in the work dtype or float64: two compiled versions of NumPy's
     # allocation, where mixed shapes and dtypes had compiled eleven (~0.6 s)
-    a_plain_own = aligned_zeros(cp, m_f64, np.float64)
-    a_plain = borrowed(a_plain_own)
-    k_plain_own = aligned_zeros(cp, m_f64, np.float64)
-    k_plain = borrowed(k_plain_own)
+    k_rotated_own = aligned_zeros(cp, m, work)      # k's rotated rows before their transposition
+    k_rotated = borrowed(k_rotated_own)
     z_rows_own = aligned_zeros(cp, m_f64, np.float64)   # z after each row of the chunk (causal)
     z_rows = borrowed(z_rows_own)
     a_hat_own = aligned_zeros(cp, m, work)
     a_hat = borrowed(a_hat_own)
-    phi_own = aligned_zeros(cp, m, work)           # phi(q) or phi(k) of the chunk's rows, work dtype
+    phi_own = aligned_zeros(cp, m, work)           # phi(k), then phi(q) of the chunk's rows, work dtype
     phi = borrowed(phi_own)
     k_hat_t_own = aligned_zeros(mp, cp, work)
     k_hat_t = borrowed(k_hat_t_own)
@@ -572,10 +565,10 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 gamma = pw[1]
                 kv_after = next_load(hk, hk0, hk0 + heads, t_first + t0, chunk, t_first + length)
                 load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
-                              feature_map, phi, k_plain, k_hat_t, as_columns, kv_after)
+                              feature_map, phi, k_rotated, k_hat_t, as_columns, kv_after)
                 load_values(v, geo[2], b, hk, t_first + t0, n, values, dv, kv_after)
                 for i in range(n):
-                    k_row = k_plain[i]
+                    k_row = phi[i]                           # phi(k), widened exactly in the sums
                     if powers is not None:
                         for j in range(m):
                             carried_z[j] = carried_z[j] * gamma + k_row[j]
@@ -590,7 +583,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                     h = hk * groups + g
                     q_after = next_load(h, hk0 * groups, (hk0 + heads) * groups, t_first + t0, chunk, t_first + length)
                     load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim,
-                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows, q_after)
+                                  interleaved, feature_map, phi, k_rotated, a_hat, as_rows, q_after)
                     for i0 in range(0, n, TILE_ROWS):
                         end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
                         for i in range(end, min(end + TILE_ROWS, n) if not stream else 0):   # next block's rows
@@ -615,7 +608,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                             if not row_finite(num[i], dv):   # a later token's NaN/inf must not reach row i
                                 causal_row(num[i], a_hat[i], s_work, scores[i], values,
                                            pw_work[i + 1] if powers is not None else 1.0, i, m, dv)
-                            scale = 1.0 / (dot_f64(a_plain[i], z_rows[i]) + eps) if normalize else 1.0
+                            scale = 1.0 / (dot_f64(phi[i], z_rows[i], m) + eps) if normalize else 1.0
                             store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale, stream)
                 if powers is not None:
                     for rr in range(m):
@@ -632,12 +625,12 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                     h = (hk0 + r) * groups + g
                     q_after = next_load(h, hk0 * groups, (hk0 + heads) * groups, t_first + t0, chunk, t_first + length)
                     load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim,
-                                  interleaved, feature_map, phi, a_plain, a_hat, as_rows, q_after)
+                                  interleaved, feature_map, phi, k_rotated, a_hat, as_rows, q_after)
                     matmul_tiles(a_hat, s_work, num, n, m, dv)
                     for i in range(n):
                         if i + PREFETCH_ROWS < n and not stream:
                             prefetch_row(o, out_geo, b, t_first + t0 + i + PREFETCH_ROWS, h, dv, True)
-                        scale = 1.0 / (dot_f64(a_plain[i], carried_z) + eps) if normalize else 1.0
+                        scale = 1.0 / (dot_f64(phi[i], carried_z, m) + eps) if normalize else 1.0
                         store_row(o, out_geo, b, t_first + t0 + i, h, num[i], dv, scale, stream)
         # element loops, not slice assignments: an array-to-slice assignment compiles Numba's shape-mismatch
         # error message (f-strings, str, join: ~8 s of the first call's compile time)
@@ -647,7 +640,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 for c in range(dv):
                     new_s[sb, hk0 + r, j, c] = carried_s_all[r * m + j, c]
     store_fence()   # the non-temporal stores ordered before whatever the caller does next
-    keep_alive((a_plain_own, k_plain_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
+    keep_alive((k_rotated_own, z_rows_own, a_hat_own, k_hat_t_own, values_own, scores_own, num_own,
                 s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own, keep))
 
 
@@ -727,11 +720,11 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
     # token 0, one token, rows: run-time values, not literal constants, so the helpers below reuse the versions
     # the chunk kernel compiled (a literal argument would compile a version of each of its own)
     t0, one = np.int64(0), np.int64(1)
-    b_plain_own = aligned_zeros(one, m, np.float64)
+    b_plain_own = aligned_zeros(one, m, work)       # phi(k) and phi(q) of each head of the group (work dtype)
     b_plain = borrowed(b_plain_own)
     b_hat_own = aligned_zeros(one, m, work)
     b_hat = borrowed(b_hat_own)
-    a_plain_own = aligned_zeros(groups, m, np.float64)
+    a_plain_own = aligned_zeros(groups, m, work)
     a_plain = borrowed(a_plain_own)
     a_hat_own = aligned_zeros(groups, m, work)
     a_hat = borrowed(a_hat_own)
@@ -747,12 +740,12 @@ def linear_attention_step(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new
             gamma = powers[b, hk, 1] if decayed else 1.0
             phi[0, 0] = gamma
             gw = phi[0, 0]                              # gamma in the work dtype
-            load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi,
-                          b_plain, b_hat, as_rows, NO_NEXT_LOAD)
+            load_features(k, geo[1], b, hk, t0, one, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                          b_plain, phi, b_hat, as_rows, NO_NEXT_LOAD)
             load_values(v, geo[2], b, hk, t0, one, vals, dv, NO_NEXT_LOAD)
             for g in range(groups):
                 load_features(q, geo[0], b, hk * groups + g, t0, one, cos, sin, rows, half, rotary_dim, interleaved,
-                              feature_map, phi, a_plain[g:g + 1], a_hat[g:g + 1], as_rows, NO_NEXT_LOAD)
+                              feature_map, a_plain[g:g + 1], phi, a_hat[g:g + 1], as_rows, NO_NEXT_LOAD)
                 acc_row = acc[g]
                 for c in range(dv):
                     acc_row[c] = 0

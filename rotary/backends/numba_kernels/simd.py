@@ -139,6 +139,26 @@ def _vsum(typingctx, value):
     return value.dtype(value), codegen
 
 
+@intrinsic
+def _vload_widened(typingctx, row, j):
+    _check_row(row)
+    vec = Vec(types.float64)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        narrow = ir.VectorType(context.get_value_type(row.dtype), vec.lanes)
+        value = builder.load(builder.bitcast(ptr, narrow.as_pointer()), align=row.dtype.bitwidth // 8)
+        return value if row.dtype == types.float64 else builder.fpext(value, context.get_value_type(vec))
+
+    return vec(row, j), codegen
+
+
+def vload_widened(row, j):
+    """The float64 vector row[j : j + lanes of float64] (row: contiguous 1-D float32, widened exactly, or
+    float64)."""
+    return row[j:j + VECTOR_BYTES // 8].astype(np.float64)
+
+
 def lanes(row):
     """Lanes of one vector of row's dtype (16 float32 or 8 float64 with AVX-512)."""
     return VECTOR_BYTES // row.itemsize
@@ -214,7 +234,8 @@ def _vzeros_definition(typingctx, row):
 
 lowered_in_place(lanes, _lanes_definition)
 lowered_in_place(vzeros, _vzeros_definition)
-for _func, _intrinsic in ((vload, _vload), (vstore, _vstore), (vsplat, _vsplat), (vmadd, _vmadd), (vsum, _vsum)):
+for _func, _intrinsic in ((vload, _vload), (vload_widened, _vload_widened), (vstore, _vstore), (vsplat, _vsplat),
+                          (vmadd, _vmadd), (vsum, _vsum)):
     lowered_in_place(_func, _intrinsic._defn)
 
 
