@@ -28,7 +28,7 @@ from numba.np.arrayobj import populate_array
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
-                   vload, vload_widened, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
+                   vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
@@ -106,11 +106,14 @@ def _lower_keep_alive(context, builder, signature, args):
     return context.get_constant(types.intp, len(signature.args[0]))
 
 
-@intrinsic
-def _rows_view(typingctx, flat, start, rows, cols):
+def rows_view(flat, start, rows, cols):
     """flat[start : start + rows * cols] as a (rows, cols) C-contiguous array sharing flat's memory (and a
-    reference to it); no shape checks: the caller sized flat. Lowered in place, where ``reshape`` compiled
-    its general machinery (~0.2 s of the first call)."""
+    reference to it); no shape checks: the caller sized flat. Compiled, lowered in place (see
+    :func:`_rows_view_definition`), where ``reshape`` compiled its general machinery (~0.2 s of the first call)."""
+    return flat[start:start + rows * cols].reshape((rows, cols))
+
+
+def _rows_view_definition(typingctx, flat, start, rows, cols):
     view = types.Array(flat.dtype, 2, "C")
 
     def codegen(context, builder, signature, args):
@@ -128,13 +131,16 @@ def _rows_view(typingctx, flat, start, rows, cols):
     return view(flat, start, rows, cols), codegen
 
 
+lowered_in_place(rows_view, _rows_view_definition)
+
+
 @njit(**HELPER_JIT)
 def aligned_zeros(rows, cols, dtype):
     """np.zeros((rows, cols), dtype) starting on a 64-byte (cache line) boundary: a C-contiguous view of a
     slightly larger array (it keeps that array alive). Numba's own arrays start on 32-byte boundaries, where
     every AVX-512 load and store of a row of the chunk buffers split across two cache lines."""
     flat = np.zeros(rows * cols + 16, dtype)   # 16 elements: >= 64 bytes of slack
-    return _rows_view(flat, (-flat.ctypes.data % 64) // flat.itemsize, rows, cols)
+    return rows_view(flat, (-flat.ctypes.data % 64) // flat.itemsize, rows, cols)
 
 
 @njit(**HELPER_JIT)
