@@ -1,6 +1,11 @@
 """rotary.Rope on a decode step: 32 sequences x 1 token, q 32 heads, k 8 heads, d=128, fp32.
 
     PYTHONPATH=. python benchmarks/bench_rope.py [--rounds 7]
+    PYTHONPATH=. python benchmarks/bench_rope.py --kernel-choice 20 [--busy 2]   # serial / parallel / measured
+
+``--kernel-choice SECONDS``: Rope decode calls with the Numba kernel forced serial, forced parallel and
+measured (the default, ``KernelChoice``), 300 calls per mode in turn for SECONDS; median, p90, p99 and
+mean per mode. ``--busy N`` runs N busy-looping processes meanwhile (a machine whose cores are taken).
 
 Numba: per-call time of ``rope(q, k, positions)`` (new outputs, separate ``out=`` buffers and in place) next
 to ``rotary.apply_qk``, the compiled kernel alone with prepared arguments (the floor) and ``q.copy(), k.copy()``
@@ -48,11 +53,55 @@ def interleaved_us(cands, calls, rounds):
     return {name: b * 1e6 for name, b in best.items()}
 
 
+def kernel_choice(seconds: float, busy: int):
+    """Per-call times of Rope decode with DECODE_KERNEL serial, parallel and measured, in turn."""
+    import subprocess
+    import sys
+
+    from rotary.backends import numba as nb
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((32, 1, 32, 128), dtype=np.float32)
+    k = rng.standard_normal((32, 1, 8, 128), dtype=np.float32)
+    positions = rng.integers(0, 8000, (32, 1))
+    rope = rotary.Rope(rotary.RopeSpec(128), backend="numba", max_positions=8192)
+    for _ in range(50):
+        rope(q, k, positions, seq_axis=1)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    modes = ("serial", "parallel", "measured")
+    times = {m: [] for m in modes}
+    try:
+        end = time.time() + seconds
+        while time.time() < end:
+            for mode in modes:
+                nb.DECODE_KERNEL = mode
+                for _ in range(300):
+                    t = time.perf_counter()
+                    rope(q, k, positions, seq_axis=1)
+                    times[mode].append(time.perf_counter() - t)
+    finally:
+        for p in loops:
+            p.kill()
+        nb.DECODE_KERNEL = "measured"
+    print(f"Rope decode (32, 1, 32/8, 128) fp32, numba threads {__import__('numba').get_num_threads()}, "
+          f"{busy} busy-looping processes, {seconds:g} s")
+    print("| kernel | calls | median us | p90 us | p99 us | mean us |\n|---|---|---|---|---|---|")
+    for mode in modes:
+        a = np.array(times[mode]) * 1e6
+        print(f"| {mode} | {a.size} | {np.median(a):.1f} | {np.percentile(a, 90):.1f} | {np.percentile(a, 99):.1f} "
+              f"| {a.mean():.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--kernel-choice", type=float, default=None, metavar="SECONDS",
+                    help="serial / parallel / measured decode kernel, in turn for SECONDS")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes during --kernel-choice")
     args = ap.parse_args()
+    if args.kernel_choice is not None:
+        return kernel_choice(args.kernel_choice, args.busy)
     from rotary.backends import numba as nb
 
     B, Hq, Hk, D = 32, 32, 8, 128
