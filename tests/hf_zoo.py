@@ -353,6 +353,12 @@ def _exact_angles(coords, inv_freq, spec):
 APPLY_WITH = {"Dots3NoteAudioRotaryEmbedding": "apply_rotary_pos_emb"}
 
 
+def _signature(fn):
+    """The parameters of an HF apply function: transformers >= 5.25 wraps them in a torch Module (hub kernels,
+    ``use_kernelized_func``) called as the function, whose own signature is ``(*args, **kwargs)``."""
+    return inspect.signature(fn if inspect.isfunction(fn) else getattr(fn, "forward", fn)).parameters
+
+
 def _apply_fn(case: Case):
     """(kind, fn): the function HF's attention of this family rotates q/k with, by HF's own rule:
     ``config.rope_interleave`` picks ``apply_rotary_pos_emb_interleave`` where the family reads it,
@@ -364,12 +370,12 @@ def _apply_fn(case: Case):
     flag = getattr(case.config, "rope_interleave", None)
     if inter is not None and (flag is True or (flag is None and "rope_interleave" not in inspect.getsource(mod))):
         return "deinterleaved", inter
-    if hasattr(mod, "apply_rotary_emb") and "freqs_cis" in inspect.signature(mod.apply_rotary_emb).parameters:
+    if hasattr(mod, "apply_rotary_emb") and "freqs_cis" in _signature(mod.apply_rotary_emb):
         return "complex", mod.apply_rotary_emb
     fn = getattr(mod, "apply_rotary_pos_emb", None)
     if fn is None:
         return None, None
-    names = list(inspect.signature(fn).parameters)
+    names = list(_signature(fn))
     if names[:3] == ["tensor", "sin", "cos"]:
         return "sin_cos", fn
     if names[:2] == ["q", "k"]:

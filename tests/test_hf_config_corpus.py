@@ -273,16 +273,27 @@ def test_config_json_reads_as_hf(name, config_json, cls_name):
 
 
 def test_phi3_su_config_json():
-    """Phi-3-mini-128k's first config.json ("type": "su", original_max_position_embeddings on top): HF 5.x's
+    """Phi-3-mini-128k's first config.json ("type": "su", original_max_position_embeddings on top): HF 5.0-5.24's
     config class renames su to longrope only after copying original_max_position_embeddings (which it does for
-    longrope, not su), then its validation raises. rotary reads it as the hub's later "longrope" revision, which
-    HF reads (the phi3.5-longrope corpus entry checks that one against HF's module)."""
-    with pytest.raises(KeyError, match="original_max_position_embeddings"):
-        _hf_config(PHI3_MINI_128K)
+    longrope, not su), then its validation raises; 5.25 reads it. rotary reads it as the hub's later "longrope"
+    revision, which HF reads (the phi3.5-longrope corpus entry checks that one against HF's module); where HF
+    reads the su file itself, its rotary module must agree with rotary's spec."""
+    from tests import hf_zoo
+
     longrope = {**PHI3_MINI_128K, "rope_scaling": {**PHI3_MINI_128K["rope_scaling"], "type": "longrope"}}
     spec = RopeSpec.from_hf_config(copy.deepcopy(PHI3_MINI_128K))
     assert spec == RopeSpec.from_hf_config(longrope) and spec.rope_type == "longrope"
     assert spec.scaling_dict["original_max_position_embeddings"] == 4096
+    try:
+        config = _hf_config(PHI3_MINI_128K)
+    except KeyError as exc:                     # transformers 5.0-5.24
+        assert "original_max_position_embeddings" in str(exc)
+        return
+    case, _ = _hf_case(config, "Phi3RotaryEmbedding")
+    for layer_type in case.layer_types:
+        problems = hf_zoo.compare(case, layer_type, spec) or hf_zoo.compare_rotation(case, layer_type, spec,
+                                                                                     np.random.default_rng(0))
+        assert not problems, "; ".join(problems)
 
 
 def test_hf_rewrites_nested_rope_scaling_in_place():

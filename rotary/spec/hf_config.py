@@ -74,6 +74,9 @@ INTERLEAVED_FAMILIES = frozenset({
     "glm_ocr", "gptj", "helium", "llama4", "llama4_text", "longcat_flash",
     "mistral_large4", "moonshine", "moonshine_streaming", "cohere2_moe", "hy_v4_vl", "openai_privacy_filter",
     "pe_audio", "pe_audio_video", "pe_video",
+    # transformers 5.25: ergo (new; its rotate_half pairs (2i, 2i+1)); hy_v4 (now apply_rotary_pos_emb_interleave,
+    # DeepSeek's interleaved pairs, where 5.24 and earlier applied Llama's rotate_half)
+    "ergo", "hy_v4",
 })
 
 #: M-RoPE families: (default mrope_section, mrope layout), as each HF text rotary module defaults them
