@@ -416,3 +416,48 @@ def test_decode_kernel_environment_variable_is_checked():
     run = subprocess.run([sys.executable, "-c", "import rotary.backends.numba as nb; print(nb.DECODE_KERNEL)"],
                          env=env, capture_output=True, text=True)
     assert run.stdout.strip() == "serial", run.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_apply_qk_plans_use_the_cached_table_and_fall_back(rng, backend, monkeypatch):
+    """A planned apply_qk decode call rotates with the cached dense table while it holds the positions
+    (no lookup: counted here), and takes lookup's path for positions past it, a cleared cache, another
+    dtype, an offset and a spec whose frequencies depend on the positions; every result against the
+    float64 oracle."""
+    from rotary.frontend import rotate as frontend_rotate
+    from rotary.spec import tables
+
+    lookups = []
+    real_lookup = tables.lookup
+    monkeypatch.setattr(frontend_rotate._tables, "lookup", lambda *a, **kw: (lookups.append(1), real_lookup(*a, **kw))[1])
+    spec = rotary.RopeSpec(64, base=10000.0)
+    for dtype in (np.float32, np.float64):
+        q, k, ax = _decode_inputs(rng, dtype, B=8, S=1, Hq=4, Hk=2, D=64)
+        for positions in (rng.integers(0, 500, (8, 1)), rng.integers(0, 500, (8, 1)), rng.integers(90000, 99000, (8, 1)),
+                          rng.integers(0, 500, (8, 1)), 7, None):
+            for _ in range(2):
+                got = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend=backend)
+                testing.assert_close(got[0], _oracle(q, positions, spec, ax), like=q)
+                testing.assert_close(got[1], _oracle(k, positions, spec, ax), like=k)
+        tables.clear_cache()
+        positions = rng.integers(0, 500, (8, 1))
+        got = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend=backend)
+        testing.assert_close(got[0], _oracle(q, positions, spec, ax), like=q)
+    q, k, ax = _decode_inputs(rng, np.float32, B=8, S=1, Hq=4, Hk=2, D=64)
+    rotary.apply_qk(q, k, rng.integers(0, 500, (8, 1)), spec=spec, seq_axis=ax, backend=backend)   # remakes the table
+    lookups.clear()
+    for _ in range(3):
+        positions = rng.integers(0, 500, (8, 1))
+        got = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend=backend)
+        testing.assert_close(got[0], _oracle(q, positions, spec, ax), like=q)
+    plan_backends = {"numba"}   # backends with prepare_rotation (the cached-table path): no lookup once planned
+    if backend in plan_backends:
+        assert len(lookups) == 0, lookups
+    dynamic = rotary.RopeSpec(64, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=64)
+    assert tables.dense_key(dynamic, np.float32) is None
+    for positions in (rng.integers(0, 50, (8, 1)), rng.integers(100, 400, (8, 1))):
+        for _ in range(2):
+            got = rotary.apply_qk(q, k, positions, spec=dynamic, seq_axis=ax, backend=backend)
+            expected = rotary.apply_qk(q.astype(np.float64), k.astype(np.float64), positions, spec=dynamic, seq_axis=ax,
+                                       backend="numpy")
+            testing.assert_close(got[0], expected[0], like=q)

@@ -163,7 +163,7 @@ class _Plan:
     reshape (no transposition), without a rotary offset, of a 1-D spec with integer positions."""
 
     __slots__ = ("spec", "module", "name", "device_key", "convert", "work", "cshape", "seq_len", "lead0",
-                 "batch_rep", "default_rows", "geometry", "separate", "prepared")
+                 "batch_rep", "default_rows", "geometry", "separate", "prepared", "dense_key")
 
     @classmethod
     def make(cls, xs, outs, ax, spec, inverse, module, device_key, convert, works, offset):
@@ -191,6 +191,7 @@ class _Plan:
         plan.geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=bool(inverse))
         plan.separate = any(o is not None and o is not x for x, o in zip(xs, outs))
         plan.prepared = None
+        plan.dense_key = _tables.dense_key(spec, plan.work, device_key)   # the cached table a prepared call tries
         prepare = getattr(module, "prepare_rotation", None)   # host tables: the backend's prepared rotation
         empty = getattr(module, "empty", None)
         if prepare is not None and empty is not None and type(empty((0,), x0.dtype)) is np.ndarray:
@@ -211,11 +212,17 @@ class _Plan:
         if given is None:
             return None
         rows, start = given
+        prepared = self.prepared
+        if prepared is not None and self.dense_key is not None:   # the cached dense table, if it holds the positions
+            entry = _tables.cached_dense(self.dense_key)
+            if entry is not None:
+                result = prepared.run(xs, outs, _readonly(rows), start, (0, entry[0], entry[1], entry[2]))
+                if result is not _backends.OUTSIDE_TABLE:
+                    return result
         if start:
             rows = rows + np.int64(start)
         cos, sin, rows = _tables.lookup(self.spec, rows, dtype=self.work, device_key=self.device_key,
                                         convert=self.convert)
-        prepared = self.prepared
         if prepared is not None and cos.flags.c_contiguous and sin.flags.c_contiguous and rows.flags.c_contiguous:
             result = prepared.run(xs, outs, _readonly(rows), 0, (0, cos.shape[0], _readonly(cos), _readonly(sin)))
             return None if result is _backends.OUTSIDE_TABLE else result

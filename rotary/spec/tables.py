@@ -310,6 +310,24 @@ def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", co
     return convert(cos), convert(sin), convert(inverse.reshape(positions.shape).astype(np.int64))
 
 
+def dense_key(spec: RopeSpec, dtype, device_key="cpu"):
+    """The cache key of spec's dense table (positions 0..n-1) in ``dtype`` on ``device_key``, for
+    :func:`cached_dense`; None for a spec whose frequencies depend on the positions (dynamic NTK: a table
+    per length) or a table that is never cached (``device_key`` None)."""
+    if spec.multi_axis or spec.depends_on_seq_len or device_key is None:
+        return None
+    return (_frequency_key(spec, None), np.dtype(dtype).str, device_key)
+
+
+def cached_dense(key):
+    """(n, cos, sin) of the dense table under ``key`` (from :func:`dense_key`) while it is cached, else None:
+    one dict read (no lock, no table made, the entry not marked recently used), for a prepared caller whose
+    kernel checks its positions against n and which falls back to :func:`lookup` otherwise (lookup makes,
+    grows and marks the tables; for positions below n it returns this same table)."""
+    item = _cache.get(key)
+    return None if item is None else item[0]
+
+
 def clear_cache() -> None:
     """Drop every cached cos/sin table (and zero the hit and miss counts of ``table_cache_info``)."""
     with _lock:
