@@ -311,23 +311,25 @@ def test_linear_attention_frontend_uses_numba(rng):
 def test_register_tiles_match_numpy(rng, dtype):
     """madd_tile / matmul_tiles / dot_f64 (compiled, and their Python bodies) against NumPy products."""
     w = jitted(la_kernels.tile_width)(np.empty(1, dtype))
-    a = rng.standard_normal((8, 13)).astype(dtype)
+    r = la_kernels.TILE_ROWS
+    a = rng.standard_normal((2 * r, 13)).astype(dtype)
     b = rng.standard_normal((13, 2 * w)).astype(dtype)
-    c = rng.standard_normal((8, 2 * w)).astype(dtype)
+    c = rng.standard_normal((2 * r, 2 * w)).astype(dtype)
     tol = 1e-5 if dtype == np.float32 else 1e-13
-    for madd_tile in (jitted(la_kernels.madd_tile), la_kernels.madd_tile.py_func):
+    tiles = [(la_kernels.madd_tile, r), (la_kernels.madd_tile_4, 4)]   # the tile in use, and the 4-row one
+    for madd_tile, rows in [(f, rows) for tile, rows in tiles for f in (jitted(tile), tile.py_func)]:
         got = c.copy()
-        madd_tile(a, b, got, 4, w, 13, True)           # rows 4..7, second tile of columns, accumulate
+        madd_tile(a, b, got, rows, w, 13, True)        # the second tile of rows and of columns, accumulate
         expected = c.astype(np.float64)
-        expected[4:, w:] += a[4:].astype(np.float64) @ b[:, w:]
+        expected[rows:2 * rows, w:] += a[rows:2 * rows].astype(np.float64) @ b[:, w:]
         assert _rel(got, expected) <= tol
         got = c.copy()
         madd_tile(a, b, got, 0, 0, 5, False)            # overwrite with a depth-5 product
         expected = c.astype(np.float64)
-        expected[:4, :w] = a[:4, :5].astype(np.float64) @ b[:5, :w]
+        expected[:rows, :w] = a[:rows, :5].astype(np.float64) @ b[:5, :w]
         assert _rel(got, expected) <= tol
     got = np.full_like(c, np.nan)
-    jitted(la_kernels.matmul_tiles)(a, b, got, 8, 13, 2 * w)
+    jitted(la_kernels.matmul_tiles)(a, b, got, 2 * r, 13, 2 * w)
     assert _rel(got, a.astype(np.float64) @ b) <= tol
     n = 3 * simd.lanes(np.empty(1, np.float64)) + 3                 # whole vectors and a tail
     x, y = rng.standard_normal((2, n))
