@@ -551,7 +551,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
 
         z_i = gamma z_(i-1) + b_i                               (float64 recurrence over the chunk's rows)
         for each q head:
-            P = tril(A_hat B_hat^T) * gamma^(i-j)               (row block i: only columns j < i + 4 formed)
+            P = tril(A_hat B_hat^T) * gamma^(i-j)               (row blocks of TILE_ROWS: columns j < the block's end)
             N = gamma^(i+1) A_hat S + P V                       (one accumulator tile, in that order)
             o_i = N_i / (a_i . z_i + eps)                       (float64 denominator; N_i alone without normalize)
         S = gamma^n S + (B_hat * gamma^(n-1-j))^T V              (chunk product in the work dtype, carried in float64)
