@@ -10,7 +10,8 @@ mean per mode. ``--busy N`` runs N busy-looping processes meanwhile (a machine w
 Numba: per-call time of ``rope(q, k, positions)`` (new outputs, separate ``out=`` buffers and in place) next
 to ``rotary.apply_qk``, the compiled kernel alone with prepared arguments (the floor) and ``q.copy(), k.copy()``
 of the same inputs; the candidates are timed interleaved (round by round), and the ratios of issue 23
-(Rope / copy, Rope out= / Rope, apply_qk / Rope) are printed from the same rounds. CUDA launch path: the host time per call
+(Rope / copy, Rope out= / Rope, apply_qk / Rope) are printed twice: best round against best round, and the
+median over rounds of the ratio within a round (the steadier figure on a VM whose speed drifts between rounds). CUDA launch path: the host time per call
 of the same object's CuPy path with the launch mocked (NumPy arrays stand in for device arrays, the
 launch is a no-op), i.e. everything Rope does on the host besides the launch itself.
 """
@@ -38,19 +39,27 @@ def best_us(fn, calls, rounds):
     return best * 1e6
 
 
-def interleaved_us(cands, calls, rounds):
+def interleaved_us(cands, calls, rounds, per_round=None):
     """{name: best us per call}, the candidates timed round by round (each round times every candidate once),
-    so a load that comes and goes falls on all of them alike."""
+    so a load that comes and goes falls on all of them alike. ``per_round``: a dict that gets
+    {name: [us per call of each round]} (for ratios of the same round)."""
     for fn in cands.values():
         fn()
-    best = dict.fromkeys(cands, float("inf"))
+    times = {name: [] for name in cands}
     for _ in range(rounds):
         for name, fn in cands.items():
             t = time.perf_counter()
             for _ in range(calls):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t) / calls)
-    return {name: b * 1e6 for name, b in best.items()}
+            times[name].append((time.perf_counter() - t) / calls * 1e6)
+    if per_round is not None:
+        per_round.update(times)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def round_ratio(per_round, a, b):
+    """Median over rounds of a's time / b's time in the same round (the VM's speed drifts between rounds)."""
+    return float(np.median(np.array(per_round[a]) / np.array(per_round[b])))
 
 
 def kernel_choice(seconds: float, busy: int):
@@ -137,12 +146,16 @@ def main():
     print(f"decode q {q.shape} k {k.shape} fp32, best of {args.rounds} x {args.calls} calls (interleaved), "
           f"numba threads {__import__('numba').get_num_threads()}")
     print("| call | us per call |\n|---|---|")
-    times = interleaved_us(cands, args.calls, args.rounds)
+    rounds = {}
+    times = interleaved_us(cands, args.calls, args.rounds, rounds)
     for name, t in times.items():
         print(f"| {name} | {t:.1f} |")
-    print(f"ratios (issue 23 targets): Rope new / copy {times[new] / times[copy]:.2f} (<= 1.5), "
-          f"Rope out= / copy {times[sep] / times[copy]:.2f} (<= 1.5), Rope out= / Rope new "
-          f"{times[sep] / times[new]:.2f} (<= 1.1), apply_qk / Rope new {times[qk] / times[new]:.2f} (<= 1.5)")
+    pairs = (("Rope new / copy", new, copy, 1.5), ("Rope out= / copy", sep, copy, 1.5),
+             ("Rope out= / Rope new", sep, new, 1.1), ("apply_qk / Rope new", qk, new, 1.5))
+    print("ratios (issue 23 targets), best / best: " + ", ".join(
+        f"{label} {times[a] / times[b]:.2f} (<= {goal})" for label, a, b, goal in pairs))
+    print("ratios, median over rounds of the same round's times: " + ", ".join(
+        f"{label} {round_ratio(rounds, a, b):.2f}" for label, a, b, _ in pairs))
 
     # Rope's own Python work per Numba call: the prepared plan with the kernel replaced by a no-op
     real = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel

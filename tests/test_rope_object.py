@@ -350,3 +350,77 @@ def test_rope_separate_out_buffers_through_the_cuda_host_shim(kernels, rng):  # 
                                                                  SPEC.inv_freq()), 1, 2), like=q)
         testing.assert_close(k_out, np.swapaxes(testing.rope_2x2(np.swapaxes(k, 1, 2), pos[:, None, :],
                                                                  SPEC.inv_freq()), 1, 2), like=k)
+
+
+def _unaligned_like(x):
+    """A copy of x whose data is not aligned to its item size (the entry points are compiled for aligned arrays)."""
+    raw = np.empty(x.nbytes + 1, np.uint8)
+    y = np.frombuffer(raw.data, dtype=x.dtype, count=x.size, offset=1).reshape(x.shape)
+    y.flags.writeable = True
+    y[...] = x
+    assert not y.flags.aligned
+    return y
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_rope_numba_entry_points_and_what_they_refuse(dtype, rng):
+    """After the first call of a geometry, the Numba path calls the kernel's compiled entry point directly
+    (no dispatcher: the argument types are the plan's). Every later call still equals the float64 oracle;
+    arrays that are not aligned to their item size, and positions that are not C-contiguous, reach the
+    kernel through the dispatcher or the general path, with the same results; the caller's positions stay
+    as they were (values and writeable flag)."""
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    spec = RopeSpec(32, base=10000.0)
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=4096)
+    q, k = _qk(rng, dtype, B=4, S=1, Hq=4, Hk=2)
+
+    def oracle(x, pos):
+        p = np.broadcast_to(np.asarray(pos).reshape(-1, 1), (x.shape[0], 1))
+        return np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), p[:, None, :], spec.inv_freq()), 1, 2)
+
+    positions = [rng.integers(0, 4000, size=(4, 1)) for _ in range(3)]
+    for pos in positions:
+        kept = pos.copy()
+        got = rope(q, k, pos, seq_axis=1)
+        for x, y in zip((q, k), got):
+            testing.assert_close(y, oracle(x, pos), like=x)
+        np.testing.assert_array_equal(pos, kept)
+        assert pos.flags.writeable
+    (plan,) = rope._plans.values()
+    assert plan.prepared.entries, "later calls should go to the compiled entry point"
+    qu, ku = _unaligned_like(q), _unaligned_like(k)
+    for x, y in zip((q, k), rope(qu, ku, positions[0], seq_axis=1)):
+        testing.assert_close(y, oracle(x, positions[0]), like=x)
+    strided = np.repeat(positions[1], 2, axis=0)[::2, 0]   # the (4,) positions at stride 2: a (4, 1) view
+    assert not strided[:, None].flags.c_contiguous
+    for x, y in zip((q, k), rope(q, k, strided[:, None], seq_axis=1)):
+        testing.assert_close(y, oracle(x, positions[1]), like=x)
+    q_out, k_out = _unaligned_like(q), _unaligned_like(k)   # unaligned out= buffers
+    got = rope(q, k, positions[2], seq_axis=1, out=(q_out, k_out))
+    assert got[0] is q_out and got[1] is k_out
+    for x, y in zip((q, k), got):
+        testing.assert_close(y, oracle(x, positions[2]), like=x)
+
+
+def test_apply_qk_plans_refuse_unaligned_arrays(rng):
+    """apply_qk's plans (prepared after a first call) take unaligned inputs and out= buffers to the general
+    path: the same results as aligned copies, equal to the float64 oracle."""
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    spec = RopeSpec(32, base=10000.0)
+    q, k = _qk(rng, np.float32, B=4, S=1, Hq=4, Hk=2)
+    pos = rng.integers(0, 500, size=(4, 1))
+    want = [np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), pos[:, None, :], spec.inv_freq()), 1, 2)
+            for x in (q, k)]
+    for _ in range(2):   # the second call runs the plan
+        for w, y in zip(want, rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")):
+            testing.assert_close(y, w, like=q)
+    for w, y in zip(want, rotary.apply_qk(_unaligned_like(q), _unaligned_like(k), pos, spec=spec, seq_axis=1,
+                                          backend="numba")):
+        testing.assert_close(y, w, like=q)
+    outs = (_unaligned_like(q), _unaligned_like(k))
+    got = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba", out=outs)
+    for w, y, o in zip(want, got, outs):
+        assert y is o
+        testing.assert_close(o, w, like=q)

@@ -210,7 +210,13 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
 class PreparedRotation:
     """The ``prepare_rotation`` capability (see :mod:`rotary.backends`): one geometry's kernel, geometry
     array and constants, so a call only flattens its arrays and launches. The kernel checks every row
-    against the held table and writes nothing when one falls outside (``run`` returns OUTSIDE_TABLE)."""
+    against the held table and writes nothing when one falls outside (``run`` returns OUTSIDE_TABLE).
+
+    After a kernel's first call here (through its dispatcher, with read-only inputs: the compiled signature
+    of every call), later calls go to that compiled version's entry point directly: the argument types are
+    this geometry's by construction (C-contiguous aligned arrays of the plan's dtype, checked by the caller),
+    so the dispatcher's per-call type lookup (~0.5 us for 16 arguments) and the read-only views it needs
+    (~0.3 us each) are skipped; the entry point unboxes the arrays as the dispatcher would."""
 
     def __init__(self, views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, f16):
         group = [(v, o, None, False) for v, o in zip(views, out_views)]
@@ -220,36 +226,67 @@ class PreparedRotation:
         self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
                        layout == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
+        self.nothing = not (views[0].size and self.batch * seq_len)   # no token or no coordinate to rotate
         self.choice = KernelChoice()   # serial or parallel in the decode range (rotate_kernel)
+        self.entries = {}              # kernel -> the entry point of its version for this geometry
 
     def run(self, xs, outs, rows, start, table):
-        """Rotate ``xs`` (C-contiguous, this geometry) into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``);
-        token (b, s) at position ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``."""
+        """Rotate ``xs`` into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``); token (b, s) at position
+        ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``. The caller guarantees what the entry
+        points were compiled for: xs and outs C-contiguous, aligned, of this geometry; rows C-contiguous
+        aligned int64 (Bp, S); read-only C-contiguous tables."""
         bufs, results = [], []
-        offset = self.offset
         for x, o in zip(xs, outs):
-            y = o if o is not None else np.empty(x.shape, x.dtype)
-            xb, yb = x.reshape(-1), y.reshape(-1)
-            if self.f16:
-                xb, yb = xb.view(np.uint16), yb.view(np.uint16)
-            if offset:   # the geometry was made for views that start at element `offset` (C-contiguous x, y)
-                if y is not x:
-                    y[..., :offset] = x[..., :offset]   # coordinates before the rotated span pass through
-                xb, yb = xb[offset:], yb[offset:]
-            xb.flags.writeable = False   # a view of its own: one compiled signature for any input
-            bufs += (xb, yb)
+            y = np.empty(x.shape, x.dtype) if o is None else o
+            bufs += (x.ravel(), y.ravel())   # views (C-contiguous), 4x cheaper than reshape(-1)
             results.append(y)
+        if self.f16 or self.offset:
+            bufs = self._spans(xs, results, bufs)
         if len(bufs) == 2:
             bufs += bufs
-        if not (bufs[0].size and self.batch * self.seq_len):
+        if self.nothing:
             return results
         kernel = rotate_kernel(self.elements, self.batch, self.seq_len, self.choice)   # serial in a forked child
+        entry = self.entries.get(kernel)
         try:
-            inside = kernel(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
-                            start - table[0], *self.consts)
+            if entry is not None:
+                inside = entry(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
+                               start - table[0], *self.consts)
+            else:
+                inside = self._first_call(kernel, (_readonly(bufs[0]), bufs[1], _readonly(bufs[2]), bufs[3],
+                                                   self.geo, table[2], table[3], _readonly(rows), start - table[0],
+                                                   *self.consts))
         finally:
             self.choice.done()
         return results if inside else OUTSIDE_TABLE
+
+    def _spans(self, xs, results, bufs):
+        """The flat buffers as the kernel takes them: float16 as its uint16 bits; with a rotary offset, from
+        element ``offset`` on (the geometry was made for views that start there), the coordinates before
+        it copied into a separate output (they pass through)."""
+        offset, spans = self.offset, []
+        for x, y, xb, yb in zip(xs, results, bufs[0::2], bufs[1::2]):
+            if self.f16:
+                xb, yb = xb.view(np.uint16), yb.view(np.uint16)
+            if offset:
+                if y is not x:
+                    y[..., :offset] = x[..., :offset]
+                xb, yb = xb[offset:], yb[offset:]
+            spans += (xb, yb)
+        return spans
+
+    def _first_call(self, kernel, args):
+        """A kernel's first call here: through its dispatcher (which compiles or loads it), then its entry
+        point kept for the argument types of this call (a stand-in that is no dispatcher: itself)."""
+        inside = kernel(*args)
+        overloads = getattr(kernel, "overloads", None)
+        if overloads is None:
+            self.entries[kernel] = kernel
+        else:
+            compiled = overloads.get(tuple(numba.typeof(a) for a in args))
+            if compiled is not None:
+                self.entries[kernel] = compiled.entry_point
+        return inside
 
 
 def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None):
@@ -286,7 +323,9 @@ class KernelChoice:
     first; the faster then runs ``period`` calls, its estimate a running average over its blocks (a quarter
     the newest); when that exceeds the other's, or after ``period`` calls, the other is timed again (its
     estimate that block's: the machine may have changed) in a block that stops as soon as its calls took
-    twice a whole block of the faster. ``period`` doubles up to ``MAX_PERIOD`` while the slower stays
+    twice a whole block of the faster. In the faster's run, a timed block is followed by ``UNTIMED_BLOCKS``
+    blocks that are not timed (two clock reads and the accounting cost ~0.4 us a call, 2 % of a decode
+    call). ``period`` doubles up to ``MAX_PERIOD`` while the slower stays
     slower and starts again at ``FIRST_PERIOD`` when they swap. Means, not medians: on a busy machine a
     parallel call is usually as fast as on a quiet one and now and then waits milliseconds for a preempted
     worker. Both kernels compute the same values bit for bit; only the time differs. Not locked: calls
@@ -294,6 +333,7 @@ class KernelChoice:
     """
 
     BLOCK = 32
+    UNTIMED_BLOCKS = 3
     FIRST_PERIOD = 64
     MAX_PERIOD = 16384
 
@@ -304,6 +344,7 @@ class KernelChoice:
         self.timing = 0                   # the kernel of a block timed to compare, or None (the winner's run)
         self.period = self.FIRST_PERIOD
         self.left = 0                     # calls of the winner's run before the other is timed again
+        self.untimed = 0                  # calls of the winner's run before its next timed block
         self.started = None
         self._new_block()
 
@@ -313,6 +354,9 @@ class KernelChoice:
 
     def parallel(self) -> bool:
         """Whether the next call runs the parallel kernel (then call :meth:`done`)."""
+        if self.untimed:
+            self.untimed -= 1
+            return bool(self.winner)
         self.started = self.clock()
         return bool(self.winner if self.timing is None else self.timing)
 
@@ -340,6 +384,9 @@ class KernelChoice:
             self.left -= self.BLOCK
             if self.left <= 0 or self.estimate[arm] > self.estimate[other]:
                 self.timing = other
+            else:
+                self.untimed = min(self.left, self.UNTIMED_BLOCKS * self.BLOCK)
+                self.left -= self.untimed
             return
         self.estimate[arm] = mean
         if self.estimate[other] is None:  # the first comparison: the other kernel's block next

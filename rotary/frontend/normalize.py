@@ -483,10 +483,11 @@ _INT64_LIMIT = 2 ** 63
 
 def prepared_rows(positions, seq_len: int, lead0: int, batch_rep: int, default_rows, device_rows: bool = False):
     """``(rows, start)`` for the common positions of a prepared call (:class:`rotary.Rope`): token (b, s)
-    is at position ``rows[b or 0, s] + start``; rows are read-only int64 (Bp, S) and not range-checked
-    (the backend checks them against its table). None, an int offset, an int64 (S,) or C-contiguous
-    (batch, S) array are taken (with ``device_rows``, also device int64 arrays of those shapes); None is
-    returned for anything else, which :func:`normalize_positions` then parses on the general path."""
+    is at position ``rows[b or 0, s] + start``; rows are C-contiguous aligned int64 (Bp, S) (the caller's
+    positions or a view of them: backends only read them) and not range-checked (the backend checks them
+    against its table). None, an int offset, a C-contiguous int64 (S,) or (batch, S) array are taken (with
+    ``device_rows``, also device int64 arrays of those shapes); None is returned for anything else, which
+    :func:`normalize_positions` then parses on the general path."""
     if positions is None:
         return default_rows, 0
     if type(positions) is int:
@@ -497,11 +498,9 @@ def prepared_rows(positions, seq_len: int, lead0: int, batch_rep: int, default_r
         return (positions, 0) if positions.shape == (lead0, seq_len) and batch_rep == 1 else None
     if type(positions) is not np.ndarray or positions.dtype != np.int64:
         return None
-    if positions.shape == (seq_len,):
-        rows = positions.reshape(1, seq_len)
-    elif positions.shape == (lead0, seq_len) and batch_rep == 1 and positions.flags.c_contiguous:
-        rows = positions.view()
-    else:
+    flags = positions.flags
+    if not (flags.c_contiguous and flags.aligned):
         return None
-    rows.flags.writeable = False   # one compiled kernel for read-only and writable positions
-    return rows, 0
+    if positions.shape == (lead0, seq_len) and batch_rep == 1:
+        return positions, 0
+    return (positions.reshape(1, seq_len), 0) if positions.shape == (seq_len,) else None

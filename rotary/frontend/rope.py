@@ -123,14 +123,17 @@ class Rope:
 
     def _key(self, xs, outs, seq_axis, inverse):
         """Geometry key of a call the fast path can take, else None."""
+        if type(seq_axis) is not int or type(inverse) is not bool:
+            return None
         key = [seq_axis, inverse]
         dtype = self.dtype
         separate = False
         for x, o in zip(xs, outs):
             t = type(x)
-            if x.dtype != dtype or not (t is np.ndarray or t.__module__.startswith("cupy")):
+            if not (t is np.ndarray or t.__module__.startswith("cupy")) or x.dtype != dtype:
                 return None
-            if not x.flags.c_contiguous:
+            flags = x.flags
+            if not flags.c_contiguous or t is np.ndarray and not flags.aligned:   # what prepared rotations take
                 return None
             if o is x:
                 key.append((t, x.shape, 1))
@@ -143,8 +146,6 @@ class Rope:
                 return None   # the general path says what is wrong with it
         if len(xs) == 2 and (outs[0] is None) != (outs[1] is None):
             return None
-        if type(seq_axis) is not int or type(inverse) is not bool:
-            return None
         if separate and not self._outs_apart(xs, outs):
             return None
         return tuple(key)
@@ -153,13 +154,17 @@ class Rope:
         """True when every separate out shares no memory with an input or another out. The arrays of the
         last call that passed are remembered (weakly): a decode loop that passes the same buffers every
         step checks them once (the memory of a live NumPy/CuPy array never moves)."""
-        separate = [i for i, (x, o) in enumerate(zip(xs, outs)) if o is not None and o is not x]
         arrays = (*xs, *outs)
         last = self._apart
-        if last is not None and len(last) == len(arrays) and all(r() is a for r, a in zip(last, arrays)):
-            return True
-        for i in separate:
-            o = outs[i]
+        if last is not None and len(last) == len(arrays):
+            for ref, a in zip(last, arrays):
+                if ref() is not a:
+                    break
+            else:
+                return True
+        for i, (x, o) in enumerate(zip(xs, outs)):
+            if o is None or o is x:
+                continue
             if any(a is o or overlaps(o, a) for a in xs):
                 return False
             if any(b is not None and (b is o or overlaps(o, b)) for j, b in enumerate(outs) if j != i):
@@ -256,10 +261,13 @@ class Rope:
 
 def _fresh_like(out, x) -> bool:
     """True when ``out`` can stand where a new output of x would: x's type, shape and dtype, C-contiguous,
-    writable (the prepared path writes it as it writes a new output)."""
+    aligned, writable (the prepared path writes it as it writes a new output)."""
     if type(out) is not type(x) or out.shape != x.shape or out.dtype != x.dtype:
         return False
-    return out.flags.c_contiguous and getattr(out.flags, "writeable", True)
+    flags = out.flags
+    if type(out) is np.ndarray:
+        return flags.c_contiguous and flags.aligned and flags.writeable
+    return flags.c_contiguous and getattr(flags, "writeable", True)
 
 
 class _HeldTable(tuple):

@@ -128,7 +128,7 @@ def _plan_key(xs, outs, spec, seq_axis, inverse, backend, spec_kwargs):
     dtype = xs[0].dtype
     parts = []
     for x, o in zip(xs, outs):
-        if type(x) is not np.ndarray or x.dtype is not dtype:
+        if type(x) is not np.ndarray or x.dtype is not dtype or not x.flags.aligned:   # (prepared rotations)
             return None
         if o is None:
             parts.append((x.shape, x.strides, 0))
@@ -216,7 +216,7 @@ class _Plan:
         if prepared is not None and self.dense_key is not None:   # the cached dense table, if it holds the positions
             entry = _tables.cached_dense(self.dense_key)
             if entry is not None:
-                result = prepared.run(xs, outs, _readonly(rows), start, (0, entry[0], entry[1], entry[2]))
+                result = prepared.run(xs, outs, rows, start, (0, entry[0], entry[1], entry[2]))
                 if result is not _backends.OUTSIDE_TABLE:
                     return result
         if start:
@@ -224,7 +224,7 @@ class _Plan:
         cos, sin, rows = _tables.lookup(self.spec, rows, dtype=self.work, device_key=self.device_key,
                                         convert=self.convert)
         if prepared is not None and cos.flags.c_contiguous and sin.flags.c_contiguous and rows.flags.c_contiguous:
-            result = prepared.run(xs, outs, _readonly(rows), 0, (0, cos.shape[0], _readonly(cos), _readonly(sin)))
+            result = prepared.run(xs, outs, rows, 0, (0, cos.shape[0], _readonly(cos), _readonly(sin)))
             return None if result is _backends.OUTSIDE_TABLE else result
         items = []
         for x, o, shape in zip(xs, outs, self.cshape):
@@ -243,13 +243,16 @@ def _readonly(a):
 
 
 def _outs_apart(xs, outs) -> bool:
-    """True when each separate out is a writable NumPy array of its input's shape and dtype whose memory
+    """True when each separate out is a writable aligned NumPy array of its input's shape and dtype whose memory
     bounds meet no other array of the call (else the general path's exact checks decide: in place
     through a view, disjoint slices of one buffer, errors). Its strides are part of the plan's key."""
     for i, (o, x) in enumerate(zip(outs, xs)):
         if o is None or o is x:
             continue
-        if type(o) is not np.ndarray or o.shape != x.shape or o.dtype != x.dtype or not o.flags.writeable:
+        if type(o) is not np.ndarray or o.shape != x.shape or o.dtype != x.dtype:
+            return False
+        flags = o.flags
+        if not (flags.writeable and flags.aligned):   # aligned: what prepared rotations take
             return False
         for a in xs:
             if a is o or np.may_share_memory(o, a):
