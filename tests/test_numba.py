@@ -341,6 +341,27 @@ def test_register_tiles_match_numpy(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_finite_finds_every_nan_and_inf(dtype):
+    """row_finite (the causal kernel's check before it recomputes a row) is False for a NaN, +inf or -inf at any
+    column, in the whole vectors and in the tail, and True for finite rows with huge and tiny values."""
+    rng = np.random.default_rng(5)
+    n = 3 * simd.lanes(np.empty(1, dtype)) + 5
+    from numba import njit
+
+    row_finite = la_kernels.row_finite
+    check = njit(lambda row, n: row_finite(row, n))   # (an inline="always" helper: a call with named arguments)
+    for finite in (rng.standard_normal(n).astype(dtype), np.full(n, np.finfo(dtype).max, dtype),
+                   np.full(n, np.finfo(dtype).tiny, dtype)):
+        assert check(finite, n)
+        for bad in (np.nan, np.inf, -np.inf):
+            for column in range(n):
+                row = finite.copy()
+                row[column] = bad
+                assert not check(row, n), (bad, column)
+                assert check(row, column)                     # the columns before it are finite
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_vector_feature_maps_equal_the_scalar_ones(dtype):
     """vfeature (SIMD elu + 1 / relu / identity, LLVM vectors) gives the scalar ``feature`` bit for bit,
     at the clamps of the float32 exp (-87, 88), at 0 and -0, and for +-inf and NaN; elu + 1 for float64

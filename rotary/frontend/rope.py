@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 
 from .. import backends as _backends
+from ..backends import OUTSIDE_TABLE
 from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
 from .normalize import canonical_view, overlaps, packed_positions, pick_backend, prepared_rows
@@ -107,10 +108,14 @@ class Rope:
             key = self._key(xs, outs, seq_axis, inverse)
             if key is not None:
                 plan = self._plans.get(key)
-                if plan is not None:
-                    result = self._run(plan, xs, outs, positions)
-                    if result is not None:
-                        return result
+                if plan is not None:   # the prepared path (see _run), its first steps inlined: the hot loop
+                    given = prepared_rows(positions, *plan.rows_args)
+                    if given is not None:
+                        result = plan.prepared.run(xs, outs, given[0], given[1], self._table)
+                        if result is OUTSIDE_TABLE:
+                            result = self._run_grown(plan, xs, outs, *given)
+                        if result is not None:
+                            return result
         result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
                                inverse=inverse, backend=self.backend, spec_kwargs={})
         if self._fast_ok and key is not None and plan is None:   # validated: prepare this geometry
@@ -243,20 +248,13 @@ class Rope:
         self._plans[key] = plan
         return plan
 
-    def _run(self, plan, xs, outs, positions):
-        """A call on the prepared path; None when the general path must take it."""
-        given = prepared_rows(positions, plan.seq_len, plan.lead0, plan.batch_rep, plan.default_rows, plan.device_rows)
-        if given is None:
+    def _run_grown(self, plan, xs, outs, rows, start):
+        """A prepared call whose positions fell outside the held table (nothing was written): grow the table
+        and run again; None when the general path must take it."""
+        if not self._cover(rows, start):
             return None
-        rows, start = given
         result = plan.prepared.run(xs, outs, rows, start, self._table)
-        if result is _backends.OUTSIDE_TABLE:   # nothing written: grow the table (or go general), run again
-            if not self._cover(rows, start):
-                return None
-            result = plan.prepared.run(xs, outs, rows, start, self._table)
-            if result is _backends.OUTSIDE_TABLE:
-                return None
-        return result
+        return None if result is OUTSIDE_TABLE else result
 
 
 def _fresh_like(out, x) -> bool:
@@ -289,10 +287,11 @@ class _HeldTable(tuple):
 class _Plan:
     """One geometry's prepared rotation and what its positions are parsed against (see :class:`Rope`)."""
 
-    __slots__ = ("prepared", "seq_len", "lead0", "batch_rep", "default_rows", "device_rows")
+    __slots__ = ("prepared", "seq_len", "lead0", "batch_rep", "default_rows", "device_rows", "rows_args")
 
     def __init__(self, prepared, *, seq_len, lead0, batch_rep):
         self.prepared, self.seq_len, self.lead0, self.batch_rep = prepared, seq_len, lead0, batch_rep
         self.default_rows = np.arange(seq_len, dtype=np.int64).reshape(1, seq_len)
         self.default_rows.flags.writeable = False
         self.device_rows = getattr(prepared, "device_rows", False)   # rows may be device arrays
+        self.rows_args = (seq_len, lead0, batch_rep, self.default_rows, self.device_rows)   # prepared_rows

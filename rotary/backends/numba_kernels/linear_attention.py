@@ -29,7 +29,7 @@ from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
                    vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
-                   _vsub)
+                   _vsub, vany_nan)
 
 FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
 
@@ -300,18 +300,19 @@ def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
 
 @njit(inline="always", **HELPER_JIT)
 def row_finite(row, n):
-    """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x; lanes-wide partial sums, the
-    columns past the last whole vector one by one). row: contiguous, float32 or float64."""
+    """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x, NaN for inf and NaN: lanes-wide
+    partial sums, tested for a NaN lane by one compare, the columns past the last whole vector one by one).
+    row: contiguous, float32 or float64."""
     width = lanes(row)
     full = n - n % width
     acc = vzeros(row)
     for c in range(0, full, width):
         x = vload(row, c)
         acc = _vadd(acc, _vsub(x, x))
-    total = vsum(acc)
+    total = 0.0
     for c in range(full, n):
         total += row[c] - row[c]
-    return total == 0
+    return not vany_nan(acc) and total == 0
 
 
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own

@@ -198,6 +198,11 @@ def vsum(value):
     return total
 
 
+def vany_nan(value):
+    """Whether some lane of value is NaN (one unordered compare of the vector with itself and a mask test)."""
+    return bool(np.isnan(value).any())
+
+
 def lowered_in_place(python_func, definition):
     """Type and lower compiled calls of ``python_func`` as the intrinsic-style ``definition(typingctx,
     *arg_types) -> (signature, codegen)`` does, emitted at each call site, like :func:`numba.extending.intrinsic`
@@ -232,8 +237,18 @@ def _vzeros_definition(typingctx, row):
     return vec(row), codegen
 
 
+def _vany_nan_definition(typingctx, value):
+    def codegen(context, builder, signature, args):
+        unordered = builder.fcmp_unordered("uno", args[0], args[0])   # <lanes x i1>: true where NaN
+        mask = builder.bitcast(unordered, ir.IntType(value.lanes))
+        return builder.icmp_unsigned("!=", mask, ir.Constant(ir.IntType(value.lanes), 0))
+
+    return types.boolean(value), codegen
+
+
 lowered_in_place(lanes, _lanes_definition)
 lowered_in_place(vzeros, _vzeros_definition)
+lowered_in_place(vany_nan, _vany_nan_definition)
 for _func, _intrinsic in ((vload, _vload), (vload_widened, _vload_widened), (vstore, _vstore), (vsplat, _vsplat),
                           (vmadd, _vmadd), (vsum, _vsum)):
     lowered_in_place(_func, _intrinsic._defn)
