@@ -27,7 +27,7 @@ from numba.np.arrayobj import populate_array
 
 from .common import borrowed, element_offset, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
+from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
                    vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub, vany_nan)
 
@@ -157,7 +157,7 @@ def tile_width(row):
     return 2 * lanes(row)
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def madd_tile_4(a, b, c, i0, j0, depth, accumulate):
     """One register tile of a matrix product, 4 rows by two vectors (w = 2 * lanes)::
 
@@ -198,7 +198,7 @@ def madd_tile_4(a, b, c, i0, j0, depth, accumulate):
     vstore(c3, j0 + half, s31)
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def madd_tile_8(a, b, c, i0, j0, depth, accumulate):
     """:func:`madd_tile_4` for rows i0..i0+7: sixteen accumulators, each pair of vectors loaded from b serving
     eight rows; the same sums in the same order."""
@@ -257,7 +257,7 @@ def madd_tile_8(a, b, c, i0, j0, depth, accumulate):
 madd_tile = madd_tile_8 if TILE_ROWS == 8 else madd_tile_4
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def matmul_tiles(a, b, c, rows, depth, cols):
     """c[:rows, :cols] = a[:rows, :depth] @ b[:depth, :cols] by :func:`madd_tile` (rows and cols rounded up
     to whole tiles: the buffers are padded for that)."""
@@ -267,7 +267,7 @@ def matmul_tiles(a, b, c, rows, depth, cols):
             madd_tile(a, b, c, i0, j0, depth, np.bool_(False))   # a run-time bool: no literal version
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def dot_f64(x, y, n):
     """sum_{j < n} x[j] y[j] in float64 (lanes-wide partial sums of float64 vectors, then across lanes, then the
     last n % lanes terms); x: float32 (each element widened exactly) or float64, y: float64."""
@@ -282,7 +282,7 @@ def dot_f64(x, y, n):
     return total
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
     """Row i of the causal chunk product again, tokens j <= i only, when the tiled product gave it a
     non-finite entry: the tile also multiplies row i's zero weights of tokens j > i (its block's later
@@ -417,7 +417,7 @@ def transpose_rows(src, dest, n):
             dest[j, i] = src[i, j]
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, scratch,
                   rotated, transpose, after):
     """phi(x[b, t0+i, h, :]) for i < n to phi[i, :m] (work dtype: the plain features, widened exactly where
@@ -455,7 +455,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
         transpose_rows(scratch, rotated, n)
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def load_values(x, g, b, h, t0, n, dest, dv, after):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
     load_features: a row's copy is short; the next load's rows ``after`` as there)."""
@@ -478,7 +478,7 @@ def load_values(x, g, b, h, t0, n, dest, dv, after):
                 row[j] = load(x, base + j * g[4])
 
 
-@njit(**HELPER_JIT)
+@njit(**LEAF_JIT)
 def store_row(o, g, b, t, h, acc, dv, scale, stream):
     """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype. With ``stream`` (o in the work dtype, a unit-stride
     row of whole vectors at an aligned address), acc is scaled in place (the same rounding: one product,

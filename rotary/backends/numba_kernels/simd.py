@@ -29,6 +29,9 @@ OVERLOAD_JIT = {"no_cfunc_wrapper": True}
 #: the Python wrappers were another ~1.2 s). Calling such a helper from Python crashes the interpreter:
 #: tests call them from a jitted function (or test ``.py_func``).
 HELPER_JIT = {"cache": True, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+#: @njit options of a helper that allocates nothing (HELPER_JIT without the NRT: no reference counting of the
+#: row views it makes, each an incref/decref call on a null meminfo for the kernels' borrowed arrays)
+LEAF_JIT = {**HELPER_JIT, "_nrt": False}
 #: @njit options of a kernel the backend calls from Python: cached, its Python wrapper but no C-callable one
 #: (nothing takes a kernel's address; the wrapper was ~0.1-0.2 s of linear attention's first call)
 KERNEL_JIT = {"cache": True, "no_cfunc_wrapper": True}
