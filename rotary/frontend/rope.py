@@ -108,7 +108,7 @@ class Rope:
             key = self._key(xs, outs, seq_axis, inverse)
             if key is not None:
                 plan = self._plans.get(key)
-                if plan is not None:   # the prepared path (see _run), its first steps inlined: the hot loop
+                if plan is not None:   # the prepared path (_run_grown when a position lies past the table)
                     given = prepared_rows(positions, *plan.rows_args)
                     if given is not None:
                         result = plan.prepared.run(xs, outs, given[0], given[1], self._table)
