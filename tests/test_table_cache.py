@@ -124,3 +124,32 @@ def test_limit_from_the_environment(value, message):
         assert run.returncode == 0 and run.stdout.strip() == value, run.stderr
     else:
         assert run.returncode != 0 and message in run.stderr and value in run.stderr
+
+
+def test_a_table_read_by_prepared_calls_stays_recently_used(fresh_cache, rng):
+    """apply_qk's prepared path reads the dense table without lookup (cached_dense): those reads mark it
+    recently used, so tables of other specs filling the cache evict each other, not the hot one."""
+    pytest.importorskip("numba")
+    hot = rotary.RopeSpec(64)
+    q, k = rng.standard_normal((1, 64, 4, 64)).astype(np.float32), rng.standard_normal((1, 64, 2, 64)).astype(np.float32)
+    others = [rotary.RopeSpec(64, base=b) for b in (5e4, 6e4, 7e4)]
+    x = rng.standard_normal((1, 64, 64)).astype(np.float32)
+
+    def hot_call():
+        return rotary.apply_qk(q, k, spec=hot, seq_axis=1, backend="numba")
+
+    first = hot_call()
+    one_table = rotary.table_cache_info()["bytes"]
+    rotary.set_table_cache_limit(2 * one_table)   # room for two tables of this size
+    (hot_key,) = _tables._cache   # the one table so far: the hot dense table
+    assert _tables.cached_dense(hot_key) is not None
+    for other in others:
+        made = rotary.table_cache_info()["misses"]
+        rotary.apply(x, np.arange(64), spec=other)   # a table of another spec (same size)
+        for _ in range(2):
+            got = hot_call()                          # prepared calls: cached_dense, not lookup
+        # one table made (the other spec's); an evicted hot table would have been made again
+        assert rotary.table_cache_info()["misses"] == made + 1
+        assert _tables.cached_dense(hot_key) is not None
+        np.testing.assert_array_equal(got[0], first[0])
+    assert rotary.table_cache_info()["entries"] == 2

@@ -321,11 +321,18 @@ def dense_key(spec: RopeSpec, dtype, device_key="cpu"):
 
 def cached_dense(key):
     """(n, cos, sin) of the dense table under ``key`` (from :func:`dense_key`) while it is cached, else None:
-    one dict read (no lock, no table made, the entry not marked recently used), for a prepared caller whose
-    kernel checks its positions against n and which falls back to :func:`lookup` otherwise (lookup makes,
-    grows and marks the tables; for positions below n it returns this same table)."""
+    a dict read and the entry marked recently used (no lock, no table made), for a prepared caller whose
+    kernel checks its positions against n and which falls back to :func:`lookup` otherwise (lookup makes and
+    grows the tables; for positions below n it returns this same table). Marked, a table that only prepared
+    calls read is not the first evicted when other tables fill the cache."""
     item = _cache.get(key)
-    return None if item is None else item[0]
+    if item is None:
+        return None
+    try:
+        _cache.move_to_end(key)   # one C call (atomic under the GIL); the entry may have been evicted since
+    except KeyError:
+        pass
+    return item[0]
 
 
 def clear_cache() -> None:
