@@ -513,6 +513,82 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
             testing.assert_close(f, oracle_bshd(x, pos, spec, inverse), like=x)
 
 
+# -- rotation: large separate outputs written by non-temporal stores ---------------------------------
+def _streaming_geometry(monkeypatch, min_bytes):
+    """Separate outputs from ``min_bytes`` on stream (the geometry cache emptied: it holds the flag)."""
+    monkeypatch.setattr(rotation, "STREAM_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(nb, "_geo_cache", {})
+
+
+def test_stream_flag_marks_large_separate_outputs(monkeypatch):
+    """GEO_STREAM: a separate output of >= STREAM_MIN_BYTES in float32/float64; never in place, never float16
+    bits, never below the size."""
+    x = np.zeros((2, 8, 4, 64), np.float32)
+    _streaming_geometry(monkeypatch, x.nbytes)
+    assert nb._geometry_row(x, np.empty_like(x))[2][common.GEO_STREAM] == 1
+    assert nb._geometry_row(x, x)[2][common.GEO_STREAM] == 0
+    assert nb._geometry_row(x[:1], np.empty_like(x[:1]))[2][common.GEO_STREAM] == 0
+    h = np.zeros((4, 8, 4, 64), np.float16)
+    assert nb._geometry_row(h, np.empty_like(h))[2][common.GEO_STREAM] == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("serial", [True, False])
+def test_streamed_rotation_equals_cached_stores(rng, monkeypatch, dtype, layout, serial):
+    """Outputs written by non-temporal stores (every size streams here, in the parallel kernel; the serial one,
+    for small calls, has no streamed path) hold the bits of the ordinary stores and match the float64 oracle:
+    new outputs, out= buffers (NumPy's 16-byte alignment), an out= view 4 or 8 bytes off a 16-byte boundary
+    (ordinary stores there), transposed BHSD outputs."""
+    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
+    spec = rotary.RopeSpec(64, layout=layout)
+    pos = rng.integers(0, 3000, size=(3, 5))
+    q = rng.standard_normal((3, 5, 4, 64)).astype(dtype)
+    k = rng.standard_normal((3, 5, 2, 64)).astype(dtype)
+    _streaming_geometry(monkeypatch, 1 << 40)
+    cached = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")
+    _streaming_geometry(monkeypatch, 0)
+    new = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")
+    outs = (np.empty_like(q), np.empty_like(k))
+    given = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out=outs, backend="numba")
+    assert given[0] is outs[0] and given[1] is outs[1]
+    raws = [np.zeros(x.size + 1, dtype) for x in (q, k)]
+    off = tuple(r[1:].reshape(x.shape) for r, x in zip(raws, (q, k)))   # one element off NumPy's alignment
+    assert off[0].ctypes.data % 16 != 0
+    shifted = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out=off, backend="numba")
+    bhsd = tuple(np.empty((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), dtype).transpose(0, 2, 1, 3)
+                 for x in (q, k))
+    transposed = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out=bhsd, backend="numba")
+    for i, x in enumerate((q, k)):
+        for got in (new, given, shifted, transposed):
+            np.testing.assert_array_equal(got[i], cached[i])
+        testing.assert_close(cached[i], oracle_bshd(x, pos, spec), like=x)
+
+
+def test_rotate_pairs_stream_compiles_to_non_temporal_stores():
+    """rotate_pairs_stream (the streamed heads' body) writes by MOVNTPS / MOVNTPD, and the bits of
+    rotate_pairs_simd."""
+    from numba import njit
+
+    @njit(cache=False)   # not cached: its machine code is inspected
+    def streamed(x, o, cos, sin):
+        n = rotation.rotate_pairs_stream(x, 0, o, 0, cos, sin, 1, 32, False, False)
+        simd.store_fence()
+        return n
+
+    @njit(cache=False)
+    def cached(x, o, cos, sin):
+        return rotation.rotate_pairs_simd(x, 0, o, 0, cos, sin, 1, 32, False, False)
+
+    rng = np.random.default_rng(0)
+    x, cos, sin = (rng.standard_normal(shape).astype(np.float32) for shape in ((64,), (4, 32), (4, 32)))
+    a, b = np.zeros(64, np.float32), np.zeros(64, np.float32)
+    assert streamed(x, a, cos, sin) == cached(x, b, cos, sin) == 32
+    np.testing.assert_array_equal(a, b)
+    assert "movntp" in streamed.inspect_asm(streamed.signatures[0])
+
+
 # -- linear attention: borrowed work buffers ----------------------------------------------------------
 @pytest.mark.parametrize("groups,decayed", [(1, False), (2, True)])
 @pytest.mark.parametrize("causal", [True, False])

@@ -123,6 +123,8 @@ def _geometry_row(x, out):
     row[common.GEO_X:common.GEO_X + 5] = (xf[1], *xf[2])
     row[common.GEO_OUT:common.GEO_OUT + 5] = (of[1], *of[2])
     row[common.GEO_COPY_TAIL] = int(out is not x)
+    row[common.GEO_STREAM] = int(out is not x and out.dtype != np.float16
+                                 and out.size * out.itemsize >= rotation.STREAM_MIN_BYTES)
     return _readonly(xf[0]), of[0], row
 
 

@@ -17,8 +17,9 @@ from numba.extending import intrinsic, overload, type_callable
 
 from .simd import HELPER_JIT, OVERLOAD_JIT
 
-# geometry columns of one rotate item: heads, then (offset, sB, sS, sH, sD) of x and of out, copy_tail
-GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_COLUMNS = 0, 1, 6, 11, 12
+# geometry columns of one rotate item: heads, then (offset, sB, sS, sH, sD) of x and of out, copy_tail (a separate
+# output), stream (a separate output large enough for non-temporal stores, see rotation.STREAM_MIN_BYTES)
+GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_STREAM, GEO_COLUMNS = 0, 1, 6, 11, 12, 13
 
 
 # -- float16 as uint16 bits: exact conversions (LLVM fpext / fptrunc, round to nearest even) -----

@@ -5,7 +5,8 @@ Rotation of pair (a, b) with table values (c, s) of the token's row (s negated f
     y_a = x_a c - x_b s,    y_b = x_b c + x_a s
 
 Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; coordinates from
-rotary_dim to head_dim are copied. fastmath is off: the results round exactly like the NumPy
+rotary_dim to head_dim are copied. A separate output of at least STREAM_MIN_BYTES is written by
+non-temporal stores where its head vectors are aligned (:func:`rotate_heads_simd`). fastmath is off: the results round exactly like the NumPy
 reference (one multiply and one add/subtract, no fused multiply-add). Buffers, offsets and float16
 bits as in :mod:`.common`.
 """
@@ -16,9 +17,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_X, borrowed, element_offset, load, store
+from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_STREAM, GEO_X, borrowed, element_offset, load, store
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave,
-                   _vload_flat, _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, prefetch_write)
+                   _vload_flat, _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, is_aligned16, prefetch_write,
+                   store_fence, vstore_stream16)
 
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
@@ -53,9 +55,11 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
 
 @njit(**HELPER_JIT)
 def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse):
+                 inverse, streams):
     """Rotate every head of token t (= b*seq_len + s) of item ``item`` with table row rows[b or 0, s] + shift;
-    geo[item]: its GEO_COLUMNS int64 values.
+    geo[item]: its GEO_COLUMNS int64 values. ``streams`` None: never by non-temporal stores (the serial
+    kernel, whose calls are small: Numba prunes that branch before typing, so it compiles none of it), else
+    (the parallel kernel) where geo says so and this token's head vectors are 16-byte aligned.
 
     The geometry is read into locals once per token and the heads are walked by their stride (the
     stores into o could alias geo as far as the compiler knows, so reads inside the head loop would be
@@ -72,8 +76,12 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2], 0, b, s, 0)
     if xsd == 1 and osd == 1 and not copy_tail and simd_covers(x, o, cos, sin, half):
         # unit-stride heads whose pairs fill whole registers (the common case): all heads in one call
-        # a separate output: its lines are asked for (for writing) PREFETCH_HEADS heads ahead; in place, they
-        # are the lines just read
+        # a separate output: written by non-temporal stores when it is large (see above), else its lines are
+        # asked for (for writing) PREFETCH_HEADS heads ahead; in place, they are the lines just read
+        if streams is not None:
+            if geo[item, GEO_STREAM] != 0 and is_aligned16(o, oi) and is_aligned16(o, oi + osh):
+                rotate_heads_stream(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse)
+                return
         ahead = PREFETCH_HEADS if geo[item, GEO_COPY_TAIL] != 0 else heads
         rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead)
         return
@@ -95,13 +103,13 @@ def rows_in_table(rows, shift, table_rows):
 
 @njit(inline="always", **HELPER_JIT)   # the body of both loops below: inlined, no compile of its own
 def rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                    inverse):
+                    inverse, streams):
     """Token t of q (geometry item 0), then of k (item 1)."""
     q_item, k_item = np.int64(0), np.int64(1)   # not literals: one compiled rotate_token for both
     rotate_token(t, xq, oq, geo, q_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse)
+                 inverse, streams)
     rotate_token(t, xk, ok, geo, k_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse)
+                 inverse, streams)
 
 
 @njit(parallel=True, **KERNEL_JIT)
@@ -112,9 +120,12 @@ def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq
     (a prepared caller passes positions with shift = -table start and grows the table then)."""
     if not rows_in_table(rows, shift, cos.shape[0]):
         return False
+    streams = np.bool_(True)   # large separate outputs by non-temporal stores (rotate_token)
     for t in prange(n_tokens):
-        rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
-                        interleaved, inverse)
+        # t as int64: the parfor's loop index is uint64, and its body is typed before and after the parfor
+        # pass; both int64, one compiled rotate_token serves both (uint64 compiled a second, ~0.8 s)
+        rotate_qk_token(np.int64(t), xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim,
+                        head_dim, interleaved, inverse, streams)
     return True
 
 
@@ -128,13 +139,18 @@ def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_l
         return False
     for t in range(n_tokens):
         rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
-                        interleaved, inverse)
+                        interleaved, inverse, None)
     return True
 
 
 # -- SIMD rotation of unit-stride heads ------------------------------------------------------------
 #: how many heads ahead a separate output's lines are prefetched for writing (see rotate_heads_simd)
 PREFETCH_HEADS = 2
+#: a separate output from this size on (one array, bytes) is written by non-temporal stores by the parallel kernel
+#: where its head vectors are 16-byte aligned: larger than the caches, its lines are then not read before they are
+#: written (Llama-8B prefill into out= buffers, q 64 MiB and k 16 MiB: 5.2-7.2 -> 3.3-5.0 ms, AMD EPYC Zen 4);
+#: smaller outputs are written through the caches, where whatever reads them next finds them
+STREAM_MIN_BYTES = 1 << 24
 def rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     """Rotate the first whole registers of pairs of the unit-stride vector x[xi:] into o[oi:], exactly
     as the scalar loop of :func:`rotate_vector` does (same products and sums, float16 via float32);
@@ -178,33 +194,48 @@ def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interl
     return 0
 
 
-# inlined where it is called: no call per vector
-@overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)
-def _rotate_pairs_simd_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
-    n = _simd_lanes(x, o, cos, sin)
-    if n == 0:
-        return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
+def rotate_pairs_stream(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+    """:func:`rotate_pairs_simd` writing o by non-temporal stores (around the caches: no read of o's lines
+    before they are written); o's vectors must be aligned (:func:`.simd.is_aligned`), the stores are ordered
+    by a :func:`.simd.store_fence` after them. float16 bits are stored as rotate_pairs_simd does.
+    Every head vector on a 16-byte boundary (NumPy's alignment) suffices: 128-bit non-temporal stores."""
+    return 0
 
-    def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
-        table = np.int64(row) * cos.shape[1]
-        done = half - half % n
-        for i in range(0, done, n):
-            c = _vload_flat(cos, table + i)
-            s = _vload_flat(sin, table + i)
-            if inverse:
-                s = _vneg(s)
-            if interleaved:
-                xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
-                lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
-                _vstore_flat(o, oi + 2 * i, lo)
-                _vstore_flat(o, oi + 2 * i + n, hi)
-            else:
-                xa = _vload_flat(x, xi + i)
-                xb = _vload_flat(x, xi + half + i)
-                _vstore_flat(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
-                _vstore_flat(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
-        return done
-    return impl
+
+def _rotate_pairs_overload(stream):
+    """The overload of rotate_pairs_simd (``stream`` False) or rotate_pairs_stream (True): one body, two stores."""
+    def overload_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+        n = _simd_lanes(x, o, cos, sin)
+        if n == 0:
+            return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
+        put = vstore_stream16 if stream and o.dtype in (types.float32, types.float64) else _vstore_flat
+
+        def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
+            table = np.int64(row) * cos.shape[1]
+            done = half - half % n
+            for i in range(0, done, n):
+                c = _vload_flat(cos, table + i)
+                s = _vload_flat(sin, table + i)
+                if inverse:
+                    s = _vneg(s)
+                if interleaved:
+                    xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
+                    lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
+                    put(o, oi + 2 * i, lo)
+                    put(o, oi + 2 * i + n, hi)
+                else:
+                    xa = _vload_flat(x, xi + i)
+                    xb = _vload_flat(x, xi + half + i)
+                    put(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
+                    put(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
+            return done
+        return impl
+    return overload_impl
+
+
+# inlined where they are called: no call per vector
+overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)(_rotate_pairs_overload(False))
+overload(rotate_pairs_stream, inline="always", jit_options=OVERLOAD_JIT)(_rotate_pairs_overload(True))
 
 
 @overload(rotate_heads_simd, jit_options=OVERLOAD_JIT)
@@ -222,5 +253,25 @@ def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, 
                 for j in range(0, 2 * half, line):
                     prefetch_write(o, base + j)
             rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+        return half - half % n
+    return impl
+
+
+def rotate_heads_stream(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+    """:func:`rotate_heads_simd` by non-temporal stores (:func:`rotate_pairs_stream`; every head vector of o on
+    a 16-byte boundary), then a store fence: no output line is read before it is written."""
+    return 0
+
+
+@overload(rotate_heads_stream, jit_options=OVERLOAD_JIT)
+def _rotate_heads_stream_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+    n = _simd_lanes(x, o, cos, sin)
+    if n == 0:
+        return lambda x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse: 0
+
+    def impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
+        for h in range(heads):
+            rotate_pairs_stream(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+        store_fence()
         return half - half % n
     return impl

@@ -475,6 +475,28 @@ def _vstore_stream_definition(typingctx, buf, i, value):
     return types.none(buf, i, value), codegen
 
 
+def _vstore_stream16_definition(typingctx, buf, i, value):
+    """:func:`vstore_stream` at an address aligned to 16 bytes only (NumPy's alignment of its arrays): LLVM
+    writes the vector by 128-bit non-temporal stores (MOVNTPS/MOVNTPD), as fast here as whole-vector ones."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        store = builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=16)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.none(buf, i, value), codegen
+
+
+def _is_aligned16_definition(typingctx, buf, i):
+    """Whether the address of buf.flat[i] is a multiple of 16 bytes."""
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        low = builder.and_(builder.ptrtoint(ptr, ir.IntType(64)), ir.Constant(ir.IntType(64), 15))
+        return builder.icmp_unsigned("==", low, ir.Constant(ir.IntType(64), 0))
+
+    return types.boolean(buf, i), codegen
+
+
 def _is_aligned_definition(typingctx, buf, i):
     """Whether the address of buf.flat[i] is a multiple of VECTOR_BYTES."""
     def codegen(context, builder, signature, args):
@@ -513,7 +535,19 @@ def store_fence():
     """Orders the non-temporal stores before every later store (nothing to do in pure Python)."""
 
 
+def vstore_stream16(buf, i, value):
+    """buf[i : i + lanes] = value by non-temporal stores at a 16-byte aligned address (see :func:`vstore_stream`)."""
+    buf[i:i + len(value)] = value
+
+
+def is_aligned16(buf, i):
+    """Whether buf.flat[i] starts on a 16-byte boundary."""
+    return buf[i:].ctypes.data % 16 == 0
+
+
 lowered_in_place(vstore_stream, _vstore_stream_definition)
+lowered_in_place(vstore_stream16, _vstore_stream16_definition)
+lowered_in_place(is_aligned16, _is_aligned16_definition)
 lowered_in_place(is_aligned, _is_aligned_definition)
 lowered_in_place(store_fence, _store_fence_definition)
 
