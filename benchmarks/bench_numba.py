@@ -89,10 +89,13 @@ def prefill(rounds: int):
 
     @njit(parallel=True, cache=True)
     def copy_pair(a, b, out_a, out_b):
-        for i in prange(a.shape[0]):
-            out_a[i] = a[i]
-        for i in prange(b.shape[0]):
-            out_b[i] = b[i]
+        # a memcpy per block of 64 (element loops over prange were 1.5x slower: the limit read too low)
+        for src, dst in ((a, out_a), (b, out_b)):
+            step = (src.size + 63) // 64
+            for i in prange(64):
+                lo = i * step
+                hi = min(src.size, lo + step)
+                dst[lo:hi] = src[lo:hi]
 
     T, Hq, Hk, D = 4096, 32, 8, 128
     rng = np.random.default_rng(0)

@@ -183,8 +183,7 @@ def numba_copy(threads):
         for i in numba.prange(64):
             lo = i * step
             hi = min(n, lo + step)
-            for j in range(lo, hi):
-                dst[j] = src[j]
+            dst[lo:hi] = src[lo:hi]   # a memcpy per block: an element loop here was not vectorised (2-3x slower)
 
     def make(q, k):
         qo, ko = np.empty_like(q), np.empty_like(k)
