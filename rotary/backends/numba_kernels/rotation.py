@@ -31,15 +31,14 @@ from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _v
 
 @njit(**HELPER_JIT)
 def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
-                  copy_tail):
-    """Rotate the head vector at x[xi + j*xsd] (j < head_dim) into o[oi + j*osd] with table row ``row``."""
+                  copy_tail, start):
+    """Rotate pairs start..half-1 of the head vector at x[xi + j*xsd] (j < head_dim) into o[oi + j*osd] with
+    table row ``row`` (the scalar loop: strided heads, and the pairs past :func:`rotate_heads_simd`'s whole
+    registers), then copy coordinates rotary_dim..head_dim-1 when ``copy_tail``."""
     if interleaved:
         step, second = 2, 1
     else:
         step, second = 1, half
-    start = 0
-    if xsd == 1 and osd == 1:
-        start = rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse)
     for i in range(start, half):
         c = cos[row, i]
         s = -sin[row, i] if inverse else sin[row, i]
@@ -74,20 +73,24 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     copy_tail = geo[item, GEO_COPY_TAIL] != 0 and rotary_dim < head_dim
     xi = element_offset(geo[item, GEO_X], geo[item, GEO_X + 1], geo[item, GEO_X + 2], 0, b, s, 0)
     oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2], 0, b, s, 0)
-    if xsd == 1 and osd == 1 and not copy_tail and simd_covers(x, o, cos, sin, half):
-        # unit-stride heads whose pairs fill whole registers (the common case): all heads in one call
-        # a separate output: written by non-temporal stores when it is large (see above), else its lines are
-        # asked for (for writing) PREFETCH_HEADS heads ahead; in place, they are the lines just read
+    done = 0
+    if xsd == 1 and osd == 1:
+        # unit-stride heads (the common case): whole registers of pairs, all heads in one call. A separate
+        # output: written by non-temporal stores when it is large and every pair is in a register (see above),
+        # else its lines are asked for (for writing) PREFETCH_HEADS heads ahead; in place, they are the lines
+        # just read
         if streams is not None:
-            if geo[item, GEO_STREAM] != 0 and is_aligned16(o, oi) and is_aligned16(o, oi + osh):
+            if (geo[item, GEO_STREAM] != 0 and not copy_tail and simd_covers(x, o, cos, sin, half)
+                    and is_aligned16(o, oi) and is_aligned16(o, oi + osh)):
                 rotate_heads_stream(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse)
                 return
         ahead = PREFETCH_HEADS if geo[item, GEO_COPY_TAIL] != 0 else heads
-        rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead)
-        return
-    for h in range(heads):
+        done = rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead)
+        if done == half and not copy_tail:
+            return
+    for h in range(heads):   # strided heads, pairs past the whole registers, the coordinates past rotary_dim
         rotate_vector(x, xi + h * xsh, xsd, o, oi + h * osh, osd, cos, sin, row, half, rotary_dim, head_dim,
-                      interleaved, inverse, copy_tail)
+                      interleaved, inverse, copy_tail, done)
 
 
 @njit(**HELPER_JIT)
