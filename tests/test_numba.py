@@ -513,6 +513,31 @@ def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, seria
             testing.assert_close(f, oracle_bshd(x, pos, spec, inverse), like=x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim,head_dim", [(32, 128), (80, 128), (24, 70)])
+@pytest.mark.parametrize("serial", [True, False])
+def test_partial_rotary_tail_is_copied_bit_for_bit(rng, monkeypatch, dtype, rotary_dim, head_dim, serial):
+    """Partial rotary into separate outputs: the coordinates past rotary_dim are the input's bits (NaN
+    payloads, -0.0, infinities; copied a register at a time, then element by element), the rotated ones
+    match the oracle; both kernels, whole registers of pairs and a scalar remainder."""
+    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
+    spec = rotary.RopeSpec(head_dim, rotary_dim=rotary_dim)
+    pos = rng.integers(0, 500, size=(2, 3))
+    q = rng.standard_normal((2, 3, 4, head_dim)).astype(dtype)
+    k = rng.standard_normal((2, 3, 2, head_dim)).astype(dtype)
+    bits = q.view(np.uint16 if dtype == np.float16 else np.uint32 if dtype == np.float32 else np.uint64)
+    specials = np.array([np.nan, -0.0, np.inf, -np.inf], dtype)
+    q[..., rotary_dim:rotary_dim + 4] = specials
+    bits[0, 0, 0, -1] ^= 1   # a NaN's payload bit where the input holds one
+    q[0, 0, 0, -1] = np.nan
+    bits[0, 0, 0, -1] |= 1
+    qr, kr = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, backend="numba")
+    for x, y in ((q, qr), (k, kr)):
+        np.testing.assert_array_equal(y[..., rotary_dim:].view(np.uint8), x[..., rotary_dim:].view(np.uint8))
+        testing.assert_close(y[..., :rotary_dim], oracle_bshd(x, pos, spec)[..., :rotary_dim], like=x)
+
+
 # -- rotation: large separate outputs written by non-temporal stores ---------------------------------
 def _streaming_geometry(monkeypatch, min_bytes):
     """Separate outputs from ``min_bytes`` on stream (the geometry cache emptied: it holds the flag)."""

@@ -20,7 +20,7 @@ from numba.extending import overload
 from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_STREAM, GEO_X, borrowed, element_offset, load, store
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave,
                    _vload_flat, _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, is_aligned16, prefetch_write,
-                   store_fence, vstore_stream16)
+                   store_fence, vcopy_flat, vstore_stream16)
 
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
@@ -88,9 +88,23 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
         done = rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead)
         if done == half and not copy_tail:
             return
-    for h in range(heads):   # strided heads, pairs past the whole registers, the coordinates past rotary_dim
+        width = VECTOR_BYTES // x.itemsize
+        for h in range(heads):   # the pairs past the whole registers, then (partial rotary into a separate output)
+            xh, oh = xi + h * xsh, oi + h * osh   # the coordinates past rotary_dim, a register at a time
+            if done < half:
+                rotate_vector(x, xh, 1, o, oh, 1, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
+                              False, done)
+            if copy_tail:   # (element by element, the tail took 5x the time of a full-rotary call at decode size)
+                j = rotary_dim
+                while j + width <= head_dim:
+                    vcopy_flat(x, xh + j, o, oh + j)
+                    j += width
+                for jj in range(j, head_dim):
+                    o[oh + jj] = x[xh + jj]
+        return
+    for h in range(heads):   # strided heads
         rotate_vector(x, xi + h * xsh, xsd, o, oi + h * osh, osd, cos, sin, row, half, rotary_dim, head_dim,
-                      interleaved, inverse, copy_tail, done)
+                      interleaved, inverse, copy_tail, 0)
 
 
 @njit(**HELPER_JIT)

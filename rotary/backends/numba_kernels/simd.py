@@ -545,6 +545,31 @@ def is_aligned16(buf, i):
     return buf[i:].ctypes.data % 16 == 0
 
 
+def vcopy_flat(src, si, dst, di):
+    """dst.flat[di : di + lanes] = src.flat[si : si + lanes], bit for bit (a register of the buffers' own dtype,
+    float16 bits too; no index wraparound checks, unlike element indexing, which kept LLVM from vectorising a
+    copy loop)."""
+    n = VECTOR_BYTES // src.itemsize
+    dst[di:di + n] = src[si:si + n]
+
+
+def _vcopy_flat_definition(typingctx, src, si, dst, di):
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array) and src.dtype == dst.dtype):
+        return None
+    item = src.dtype.bitwidth // 8
+
+    def codegen(context, builder, signature, args):
+        source = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        target = _flat_pointer(context, builder, signature.args[2], args[2], signature.args[3], args[3])
+        vec_type = ir.VectorType(context.get_value_type(src.dtype), VECTOR_BYTES // item).as_pointer()
+        value = builder.load(builder.bitcast(source, vec_type), align=item)
+        builder.store(value, builder.bitcast(target, vec_type), align=item)
+        return context.get_dummy_value()
+
+    return types.none(src, si, dst, di), codegen
+
+
+lowered_in_place(vcopy_flat, _vcopy_flat_definition)
 lowered_in_place(vstore_stream, _vstore_stream_definition)
 lowered_in_place(vstore_stream16, _vstore_stream16_definition)
 lowered_in_place(is_aligned16, _is_aligned16_definition)
