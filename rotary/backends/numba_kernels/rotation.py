@@ -73,7 +73,7 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     copy_tail = geo[item, GEO_COPY_TAIL] != 0 and rotary_dim < head_dim
     xi = element_offset(geo[item, GEO_X], geo[item, GEO_X + 1], geo[item, GEO_X + 2], 0, b, s, 0)
     oi = element_offset(geo[item, GEO_OUT], geo[item, GEO_OUT + 1], geo[item, GEO_OUT + 2], 0, b, s, 0)
-    done = 0
+    done = np.int64(0)   # (not a literal: the strided call below shares the compiled rotate_vector)
     if xsd == 1 and osd == 1:
         # unit-stride heads (the common case): whole registers of pairs, all heads in one call. A separate
         # output: written by non-temporal stores when it is large and every pair is in a register (see above),
@@ -89,11 +89,12 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
         if done == half and not copy_tail:
             return
         width = VECTOR_BYTES // x.itemsize
+        no_tail = np.bool_(False)   # (strides and flag typed as at the call below: one compiled rotate_vector)
         for h in range(heads):   # the pairs past the whole registers, then (partial rotary into a separate output)
             xh, oh = xi + h * xsh, oi + h * osh   # the coordinates past rotary_dim, a register at a time
             if done < half:
-                rotate_vector(x, xh, 1, o, oh, 1, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
-                              False, done)
+                rotate_vector(x, xh, xsd, o, oh, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved,
+                              inverse, no_tail, done)
             if copy_tail:   # (element by element, the tail took 5x the time of a full-rotary call at decode size)
                 j = rotary_dim
                 while j + width <= head_dim:
@@ -102,9 +103,9 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
                 for jj in range(j, head_dim):
                     o[oh + jj] = x[xh + jj]
         return
-    for h in range(heads):   # strided heads
+    for h in range(heads):   # strided heads (done: 0, an int64 variable, as above)
         rotate_vector(x, xi + h * xsh, xsd, o, oi + h * osh, osd, cos, sin, row, half, rotary_dim, head_dim,
-                      interleaved, inverse, copy_tail, 0)
+                      interleaved, inverse, copy_tail, done)
 
 
 @njit(**HELPER_JIT)
