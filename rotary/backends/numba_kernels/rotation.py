@@ -6,7 +6,7 @@ Rotation of pair (a, b) with table values (c, s) of the token's row (s negated f
 
 Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; coordinates from
 rotary_dim to head_dim are copied. A separate output of at least STREAM_MIN_BYTES is written by
-non-temporal stores where its head vectors are aligned (:func:`rotate_heads_simd`). fastmath is off: the results round exactly like the NumPy
+non-temporal stores where its head vectors are 16-byte aligned (:func:`rotate_heads_stream`). fastmath is off: the results round exactly like the NumPy
 reference (one multiply and one add/subtract, no fused multiply-add). Buffers, offsets and float16
 bits as in :mod:`.common`.
 """
@@ -214,9 +214,9 @@ def rotate_heads_simd(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interl
 
 def rotate_pairs_stream(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     """:func:`rotate_pairs_simd` writing o by non-temporal stores (around the caches: no read of o's lines
-    before they are written); o's vectors must be aligned (:func:`.simd.is_aligned`), the stores are ordered
-    by a :func:`.simd.store_fence` after them. float16 bits are stored as rotate_pairs_simd does.
-    Every head vector on a 16-byte boundary (NumPy's alignment) suffices: 128-bit non-temporal stores."""
+    before they are written); o's vectors must start on 16-byte boundaries (:func:`.simd.is_aligned16`, NumPy's
+    alignment: 128-bit non-temporal stores), the stores are ordered by a :func:`.simd.store_fence` after them.
+    float16 bits are stored as rotate_pairs_simd does."""
     return 0
 
 

@@ -462,50 +462,32 @@ prefetch_read, prefetch_write = _prefetch_intrinsic(write=False), _prefetch_intr
 
 
 # -- non-temporal (streaming) stores ------------------------------------------------------------------
-def _vstore_stream_definition(typingctx, buf, i, value):
-    """buf.flat[i : i + lanes] = value by a non-temporal store (``!nontemporal``: written around the caches,
-    no read for ownership of the line). The address must be aligned to the vector's size (see
-    :func:`is_aligned`); the stores are weakly ordered until :func:`store_fence`."""
-    def codegen(context, builder, signature, args):
-        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-        store = builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=VECTOR_BYTES)
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
+def _stream_store_definition(align):
+    """The definition of buf.flat[i : i + lanes] = value by a non-temporal store (``!nontemporal``: written around
+    the caches, no read for ownership of the line) at an address aligned to ``align`` bytes; the stores are
+    weakly ordered until :func:`store_fence`. Below the vector's size (16: NumPy's alignment of its arrays),
+    LLVM writes the vector by 128-bit non-temporal stores (MOVNTPS/MOVNTPD), as fast here as whole-vector ones."""
+    def definition(typingctx, buf, i, value):
+        def codegen(context, builder, signature, args):
+            ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            store = builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=align)
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
 
-    return types.none(buf, i, value), codegen
-
-
-def _vstore_stream16_definition(typingctx, buf, i, value):
-    """:func:`vstore_stream` at an address aligned to 16 bytes only (NumPy's alignment of its arrays): LLVM
-    writes the vector by 128-bit non-temporal stores (MOVNTPS/MOVNTPD), as fast here as whole-vector ones."""
-    def codegen(context, builder, signature, args):
-        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-        store = builder.store(args[2], builder.bitcast(ptr, args[2].type.as_pointer()), align=16)
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
-
-    return types.none(buf, i, value), codegen
+        return types.none(buf, i, value), codegen
+    return definition
 
 
-def _is_aligned16_definition(typingctx, buf, i):
-    """Whether the address of buf.flat[i] is a multiple of 16 bytes."""
-    def codegen(context, builder, signature, args):
-        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-        low = builder.and_(builder.ptrtoint(ptr, ir.IntType(64)), ir.Constant(ir.IntType(64), 15))
-        return builder.icmp_unsigned("==", low, ir.Constant(ir.IntType(64), 0))
+def _aligned_definition(nbytes):
+    """The definition of: whether the address of buf.flat[i] is a multiple of ``nbytes`` (a power of two)."""
+    def definition(typingctx, buf, i):
+        def codegen(context, builder, signature, args):
+            ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+            low = builder.and_(builder.ptrtoint(ptr, ir.IntType(64)), ir.Constant(ir.IntType(64), nbytes - 1))
+            return builder.icmp_unsigned("==", low, ir.Constant(ir.IntType(64), 0))
 
-    return types.boolean(buf, i), codegen
-
-
-def _is_aligned_definition(typingctx, buf, i):
-    """Whether the address of buf.flat[i] is a multiple of VECTOR_BYTES."""
-    def codegen(context, builder, signature, args):
-        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-        address = builder.ptrtoint(ptr, ir.IntType(64))
-        low = builder.and_(address, ir.Constant(ir.IntType(64), VECTOR_BYTES - 1))
-        return builder.icmp_unsigned("==", low, ir.Constant(ir.IntType(64), 0))
-
-    return types.boolean(buf, i), codegen
+        return types.boolean(buf, i), codegen
+    return definition
 
 
 def _store_fence_definition(typingctx):
@@ -522,7 +504,7 @@ def _store_fence_definition(typingctx):
 
 
 def vstore_stream(buf, i, value):
-    """buf.flat[i : i + lanes] = value, compiled as a non-temporal store (see ``_vstore_stream_definition``)."""
+    """buf.flat[i : i + lanes] = value, compiled as a non-temporal store (see ``_stream_store_definition``)."""
     buf.reshape(-1)[i:i + value.shape[0]] = value
 
 
@@ -570,10 +552,10 @@ def _vcopy_flat_definition(typingctx, src, si, dst, di):
 
 
 lowered_in_place(vcopy_flat, _vcopy_flat_definition)
-lowered_in_place(vstore_stream, _vstore_stream_definition)
-lowered_in_place(vstore_stream16, _vstore_stream16_definition)
-lowered_in_place(is_aligned16, _is_aligned16_definition)
-lowered_in_place(is_aligned, _is_aligned_definition)
+lowered_in_place(vstore_stream, _stream_store_definition(VECTOR_BYTES))
+lowered_in_place(vstore_stream16, _stream_store_definition(16))
+lowered_in_place(is_aligned16, _aligned_definition(16))
+lowered_in_place(is_aligned, _aligned_definition(VECTOR_BYTES))
 lowered_in_place(store_fence, _store_fence_definition)
 
 
