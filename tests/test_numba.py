@@ -192,7 +192,55 @@ def test_element_offset_is_int64():
     expected = 5 + 3 * (3 * 2**31 + 1) + 2**20 * (2**33 + 7) + 1000 * (2**32 - 1)
     assert expected > 2**53 // 1024 and expected < 2**63
     assert jitted(common.element_offset)(*args) == expected
-    assert common.element_offset.py_func(*args) == expected
+    assert common.element_offset(*args) == expected     # the Python form (lowered in place when compiled)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_in_place_helpers_match_their_python_forms(dtype):
+    """The helpers lowered in place (no compiled function of their own) against their Python forms: imin / imax /
+    padded in int64 (a uint64 argument wraps as np.int64 does), tile_width, aligned_zeros (zeroed, C-contiguous,
+    64-byte aligned, its own memory: it outlives the call), load / store (a negative index wraps around as
+    x[i] does; float16 bits rounded through float32 to nearest even)."""
+    from numba import njit
+
+    @njit(cache=False)
+    def ints(a, b, u):
+        return common.imin(a, b), common.imax(a, b), la_kernels.padded(a, b), common.imin(u, a)
+
+    for a, b in ((5, 3), (-4, 7), (0, 8), (2**40 + 3, 2**33)):
+        expected = (min(a, b), max(a, b), la_kernels.padded(a, b) if a >= 0 else None)
+        got = ints(a, b, np.uint64(2**63 + 5))
+        assert got[:2] == expected[:2] and (a < 0 or got[2] == expected[2] == -(-a // b) * b)
+        assert got[3] == min(np.uint64(2**63 + 5).astype(np.int64), a)
+    assert jitted(la_kernels.tile_width)(np.empty(1, dtype)) == 2 * simd.VECTOR_BYTES // np.dtype(dtype).itemsize
+
+    @njit(cache=False)
+    def zeros(rows, cols, like):
+        a = la_kernels.aligned_zeros(rows, cols, like.dtype)
+        a[rows - 1, cols - 1] = 1.5
+        return a
+
+    for rows, cols in ((1, 1), (3, 17), (64, 65)):
+        a = zeros(rows, cols, np.empty(1, dtype))
+        assert a.shape == (rows, cols) and a.dtype == dtype and a.flags.c_contiguous and a.flags.owndata is False
+        assert a.ctypes.data % 64 == 0 and a.sum() == 1.5 and a[-1, -1] == 1.5
+        np.testing.assert_array_equal(zeros.py_func(rows, cols, np.empty(1, dtype)), a)
+
+    @njit(cache=False)
+    def load_store(buf, i, out, j, value):
+        common.store(out, j, value)
+        return common.load(buf, i)
+
+    x = np.arange(6, dtype=dtype)
+    out = np.zeros(4, dtype)
+    assert load_store(x, -2, out, -1, 2.25) == 4 and out[-1] == 2.25
+    bits = np.array([1.0, 65504.0, 2.0**-24], np.float16).view(np.uint16)
+    half_out = np.zeros(3, np.uint16)
+    for i, value in enumerate((1.0 + 2.0**-11, 1e6, -(2.0**-25) * 1.5)):   # a tie (to even), overflow, a subnormal
+        got = load_store(bits, i, half_out, i, value)
+        assert got == np.float32(bits[i:i + 1].view(np.float16)[0])
+        with np.errstate(over="ignore"):
+            assert half_out[i] == np.float16(np.float32(value)).view(np.uint16)
 
 
 def test_strides_beyond_int32_on_a_sparse_file(rng, tmp_path):
@@ -681,7 +729,7 @@ def test_kernel_cache_is_keyed_on_every_kernel_source():
     from rotary.backends.numba_kernels import cache
 
     for kernel in (rotation.rotate_qk_serial, rotation.rotate_qk_parallel, la_kernels.linear_attention_tasks,
-                   la_kernels.linear_attention_step, common.element_offset):
+                   la_kernels.linear_attention_step, rotation.rotate_token):
         assert isinstance(kernel._cache._impl._locator, cache.KernelSetLocator)
     locator = rotation.rotate_qk_serial._cache._impl._locator
     before = locator.get_source_stamp()

@@ -9,13 +9,16 @@ uint16 bit pattern and is converted to float32 in registers (:func:`load` / :fun
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
+from numba.core import errors
 from numba.core.imputils import lower_builtin
-from numba.extending import intrinsic, overload, type_callable
+from numba.extending import type_callable
 
-from .simd import HELPER_JIT, OVERLOAD_JIT
+from .simd import lowered_in_place
 
 # geometry columns of one rotate item: heads, then (offset, sB, sS, sH, sD) of x and of out, copy_tail (a separate
 # output), stream (a separate output large enough for non-temporal stores, see rotation.STREAM_MIN_BYTES)
@@ -23,22 +26,6 @@ GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_STREAM, GEO_COLUMNS = 0, 1, 6, 11,
 
 
 # -- float16 as uint16 bits: exact conversions (LLVM fpext / fptrunc, round to nearest even) -----
-@intrinsic
-def _half_bits_to_f32(typingctx, bits):
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-@intrinsic
-def _f32_to_half_bits(typingctx, value):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
-
-
 def load(buf, i):
     """buf[i] in the work dtype: float16 bits (uint16) -> float32, float32/float64 unchanged."""
     if buf.dtype == np.uint16:
@@ -47,38 +34,102 @@ def load(buf, i):
 
 
 def store(buf, i, value):
-    """buf[i] = value rounded to buf's dtype (float16 bits for a uint16 buffer)."""
+    """buf[i] = value rounded to buf's dtype (float16 bits for a uint16 buffer: via float32)."""
     if buf.dtype == np.uint16:
         buf[i] = np.float16(np.float32(value)).view(np.uint16)
     else:
         buf[i] = value
 
 
-@overload(load, jit_options=OVERLOAD_JIT)
-def _load_impl(buf, i):
-    if buf.dtype == types.uint16:
-        return lambda buf, i: _half_bits_to_f32(buf[i])
-    return lambda buf, i: buf[i]
+def _index_type(i):
+    if not isinstance(i, types.Integer):
+        raise errors.TypingError(f"an element index must be an integer, got {i}")
 
 
-@overload(store, jit_options=OVERLOAD_JIT)
-def _store_impl(buf, i, value):
-    if buf.dtype == types.uint16:
-        def impl(buf, i, value):
-            buf[i] = _f32_to_half_bits(np.float32(value))
-        return impl
+def _load_definition(typingctx, buf, i):
+    """load, emitted at the call site: Numba's own ``buf[i]`` (its wraparound of a negative signed index
+    included), then the exact float16 -> float32 widening (LLVM fpext) of uint16 bits."""
+    if not (isinstance(buf, types.Array) and buf.ndim == 1):
+        raise errors.TypingError(f"load reads a 1-D array, got {buf}")
+    _index_type(i)
+    half = buf.dtype == types.uint16
 
-    def impl(buf, i, value):
-        buf[i] = value
-    return impl
+    def codegen(context, builder, signature, args):
+        value = context.get_function(operator.getitem, buf.dtype(*signature.args))(builder, args)
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType()) if half else value
+
+    return (types.float32 if half else buf.dtype)(buf, i), codegen
+
+
+def _store_definition(typingctx, buf, i, value):
+    """store, emitted at the call site: value cast to buf's dtype (float16 bits: to float32, then rounded to
+    nearest even by LLVM fptrunc), then Numba's own ``buf[i] = value``."""
+    if not (isinstance(buf, types.Array) and buf.ndim == 1 and isinstance(value, types.Number)):
+        raise errors.TypingError(f"store writes a number into a 1-D array, got {buf} and {value}")
+    _index_type(i)
+
+    def codegen(context, builder, signature, args):
+        array_type, index_type, value_type = signature.args
+        if array_type.dtype == types.uint16:
+            single = context.cast(builder, args[2], value_type, types.float32)
+            item = builder.bitcast(builder.fptrunc(single, ir.HalfType()), ir.IntType(16))
+        else:
+            item = context.cast(builder, args[2], value_type, array_type.dtype)
+        setitem = types.none(array_type, index_type, array_type.dtype)
+        context.get_function(operator.setitem, setitem)(builder, (args[0], args[1], item))
+        return context.get_dummy_value()
+
+    return types.none(buf, i, value), codegen
+
+
+lowered_in_place(load, _load_definition)
+lowered_in_place(store, _store_definition)
 
 
 # -- index arithmetic ----------------------------------------------------------------------------
-@njit(**HELPER_JIT)
 def element_offset(offset, stride_b, stride_s, stride_h, b, s, h):
     """Flat index of element (b, s, h, 0): ``offset + b*stride_b + s*stride_s + h*stride_h`` in int64."""
     return np.int64(offset) + np.int64(b) * np.int64(stride_b) + np.int64(s) * np.int64(stride_s) \
         + np.int64(h) * np.int64(stride_h)
+
+
+def int64_definition(name, combine):
+    """The definition of an integer function of int64 values (every argument an integer, cast to int64 first:
+    a uint64 loop index wraps as in ``np.int64(i)``), ``combine(builder, values)`` its LLVM instructions."""
+    def definition(typingctx, *args):
+        for arg in args:
+            if not isinstance(arg, types.Integer):
+                raise errors.TypingError(f"{name} takes integers, got {arg}")
+
+        def codegen(context, builder, signature, values):
+            return combine(builder, [context.cast(builder, v, t, types.int64)
+                                     for v, t in zip(values, signature.args)])
+
+        return types.int64(*args), codegen
+    return definition
+
+
+def element_offset_ir(builder, v):
+    offset, stride_b, stride_s, stride_h, b, s, h = v
+    return builder.add(builder.add(builder.add(offset, builder.mul(b, stride_b)), builder.mul(s, stride_s)),
+                       builder.mul(h, stride_h))
+
+
+def imin(a, b):
+    """min(a, b) of two integers, in int64."""
+    return np.int64(min(a, b))
+
+
+def imax(a, b):
+    """max(a, b) of two integers, in int64."""
+    return np.int64(max(a, b))
+
+
+# lowered in place, not compiled helpers: a few instructions each (a compiled function of their own, one per
+# combination of argument types, cost more first-call time than everything they do)
+lowered_in_place(element_offset, int64_definition("element_offset", element_offset_ir))
+lowered_in_place(imin, int64_definition("imin", lambda builder, v: builder.select(builder.icmp_signed("<", *v), *v)))
+lowered_in_place(imax, int64_definition("imax", lambda builder, v: builder.select(builder.icmp_signed(">", *v), *v)))
 
 
 # -- borrowed views --------------------------------------------------------------------------------

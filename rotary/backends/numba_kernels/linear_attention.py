@@ -18,16 +18,19 @@ kernel's :func:`.rotation.rotate_pairs_simd`.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils, errors
 from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, overload, type_callable
 from numba.np.arrayobj import populate_array
 
-from .common import borrowed, element_offset, load, store
+from .common import borrowed, element_offset, element_offset_ir, imax, imin, int64_definition, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, OVERLOAD_JIT, VECTOR_BYTES, lanes, prefetch_read, prefetch_write, vfeature, vfeature_covers,
+from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, OVERLOAD_JIT, VECTOR_BYTES, emit_prefetch, lanes, vfeature, vfeature_covers,
                    vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub, vany_nan)
 
@@ -136,25 +139,63 @@ def _rows_view_definition(typingctx, flat, start, rows, cols):
 lowered_in_place(rows_view, _rows_view_definition)
 
 
-@njit(**HELPER_JIT)
 def aligned_zeros(rows, cols, dtype):
-    """np.zeros((rows, cols), dtype) starting on a 64-byte (cache line) boundary: a C-contiguous view of a
-    slightly larger array (it keeps that array alive). Numba's own arrays start on 32-byte boundaries, where
-    every AVX-512 load and store of a row of the chunk buffers split across two cache lines."""
+    """np.zeros((rows, cols), dtype) starting on a 64-byte (cache line) boundary (Numba's own arrays start on
+    32-byte boundaries, where every AVX-512 load and store of a row of the chunk buffers split across two
+    cache lines). Compiled, lowered in place (:func:`_aligned_zeros_definition`): NumPy's allocation and fill
+    compiled functions of their own per dtype (~0.4 s of the first call)."""
     flat = np.zeros(rows * cols + 16, dtype)   # 16 elements: >= 64 bytes of slack
     return rows_view(flat, (-flat.ctypes.data % 64) // flat.itemsize, rows, cols)
 
 
-@njit(**HELPER_JIT)
+def _aligned_zeros_definition(typingctx, rows, cols, dtype):
+    """A (rows, cols) C-contiguous array in a new NRT allocation aligned to 64 bytes, its bytes zeroed
+    (``memset``); the allocation raises MemoryError when it fails, as NumPy's does."""
+    element = getattr(dtype, "dtype", None) or getattr(dtype, "instance_type", None)
+    if not (isinstance(rows, types.Integer) and isinstance(cols, types.Integer) and isinstance(element, types.Float)):
+        raise errors.TypingError(f"aligned_zeros takes (rows, cols, float dtype), got ({rows}, {cols}, {dtype})")
+    array = types.Array(element, 2, "C")
+
+    def codegen(context, builder, signature, args):
+        n_rows, n_cols = (context.cast(builder, value, typ, types.intp) for value, typ in zip(args[:2], signature.args))
+        item = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(element)))
+        nbytes = builder.mul(builder.mul(n_rows, n_cols), item)
+        meminfo = context.nrt.meminfo_alloc_aligned(builder, size=nbytes, align=64)
+        data = context.nrt.meminfo_data(builder, meminfo)
+        cgutils.memset(builder, data, nbytes, 0)
+        out = context.make_array(array)(context, builder)
+        populate_array(out, data=builder.bitcast(data, out.data.type), shape=[n_rows, n_cols],
+                       strides=[builder.mul(n_cols, item), item], itemsize=item, meminfo=meminfo)
+        return out._getvalue()
+
+    return array(rows, cols, dtype), codegen
+
+
 def padded(n, multiple):
-    """n rounded up to a multiple of ``multiple``."""
+    """n (>= 0) rounded up to a multiple of ``multiple`` (> 0), in int64."""
     return (n + multiple - 1) // multiple * multiple
 
 
-@njit(**HELPER_JIT)
+def _padded_ir(builder, values):
+    n, multiple = values
+    one = ir.Constant(n.type, 1)
+    return builder.mul(builder.sdiv(builder.sub(builder.add(n, multiple), one), multiple), multiple)
+
+
 def tile_width(row):
     """Columns of one register tile of :func:`madd_tile`: two vectors (32 float32 / 16 float64 with AVX-512)."""
     return 2 * lanes(row)
+
+
+def _tile_width_definition(typingctx, row):
+    width = 2 * VECTOR_BYTES // (row.dtype.bitwidth // 8)
+    return types.intp(row), lambda context, builder, signature, args: context.get_constant(types.intp, width)
+
+
+# lowered in place: a compiled function each (per argument types) cost more first-call time than they do
+lowered_in_place(aligned_zeros, _aligned_zeros_definition)
+lowered_in_place(padded, int64_definition("padded", _padded_ir))
+lowered_in_place(tile_width, _tile_width_definition)
 
 
 @njit(**LEAF_JIT)
@@ -343,30 +384,41 @@ PREFETCH_ROWS = 4
 
 
 def prefetch_row(x, g, b, t, h, length, write):
-    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x), for writing if ``write``;
-    a hint, never a fault (nothing in pure Python). A separate compiled function per array type."""
+    """Prefetch the cache lines of x[b, t, h, :length] (g: offset and strides of x), for writing if ``write``
+    (a literal True or False); a hint, never a fault (nothing in pure Python). Compiled, lowered in place
+    (:func:`_prefetch_row_definition`): no function of its own to compile per array type."""
 
 
-@overload(prefetch_row, jit_options=OVERLOAD_JIT)
-def _prefetch_row_impl(x, g, b, t, h, length, write):
+def _prefetch_row_definition(typingctx, x, g, b, t, h, length, write):
+    """A line per 64 bytes from element (b, t, h, 0) over the row's span ``(length - 1) * g[4] + 1`` (none if
+    the stride is negative), and the last element's line: a row not starting on a line boundary (NumPy
+    aligns to 16 bytes) reaches into one line more, where its last vector load waited."""
+    if not isinstance(write, types.BooleanLiteral):
+        raise errors.TypingError(f"prefetch_row's write must be a literal True or False, got {write}")
     step = 64 // (x.dtype.bitwidth // 8)          # elements per 64-byte cache line
 
-    def impl(x, g, b, t, h, length, write):
-        base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
-        span = (length - 1) * g[4] + 1              # elements from the first to the last (none if strides < 0)
-        # a line per step from the first element, and the last element's line: a row not starting on a line
-        # boundary (NumPy aligns to 16 bytes) reaches into one line more, where its last vector load waited
-        if write:
-            for j in range(0, span, step):
-                prefetch_write(x, base + j)
-            if span > 0:
-                prefetch_write(x, base + span - 1)
-        else:
-            for j in range(0, span, step):
-                prefetch_read(x, base + j)
-            if span > 0:
-                prefetch_read(x, base + span - 1)
-    return impl
+    def codegen(context, builder, signature, args):
+        x_type, g_type = signature.args[:2]
+        getitem = context.get_function(operator.getitem, g_type.dtype(g_type, types.intp))
+        geometry = [context.cast(builder, getitem(builder, (args[1], context.get_constant(types.intp, k))),
+                                 g_type.dtype, types.int64) for k in range(5)]
+        indices = [context.cast(builder, v, typ, types.int64) for v, typ in zip(args[2:5], signature.args[2:5])]
+        base = element_offset_ir(builder, [*geometry[:4], *indices])
+        n = context.cast(builder, args[5], signature.args[5], types.int64)
+        one = ir.Constant(ir.IntType(64), 1)
+        span = builder.add(builder.mul(builder.sub(n, one), geometry[4]), one)
+        with cgutils.for_range_slice(builder, ir.Constant(ir.IntType(64), 0), span,
+                                     ir.Constant(ir.IntType(64), step), intp=ir.IntType(64)) as (j, _):
+            emit_prefetch(context, builder, x_type, args[0], types.int64, builder.add(base, j), write.literal_value)
+        with builder.if_then(builder.icmp_signed(">", span, ir.Constant(ir.IntType(64), 0))):
+            last = builder.sub(builder.add(base, span), one)
+            emit_prefetch(context, builder, x_type, args[0], types.int64, last, write.literal_value)
+        return context.get_dummy_value()
+
+    return types.none(x, g, b, t, h, length, write), codegen
+
+
+lowered_in_place(prefetch_row, _prefetch_row_definition)
 
 
 @njit(inline="always", **HELPER_JIT)   # a few instructions in the row loops: inlined, no compile of its own
@@ -383,8 +435,8 @@ def next_load(h, first_h, end_h, t, chunk, t_end):
     inside each chunk of ``chunk`` tokens, chunk after chunk up to token t_end: the next head's rows of
     this chunk, or the first head's rows of the next chunk (0 rows after the last)."""
     if h + 1 < end_h:
-        return h + 1, t, min(chunk, t_end - t)
-    return first_h, t + chunk, max(np.int64(0), min(chunk, t_end - t - chunk))
+        return h + 1, t, imin(chunk, t_end - t)
+    return first_h, t + chunk, imax(0, imin(chunk, t_end - t - chunk))
 
 
 #: the row loads' prefetch of the next load's rows (:func:`next_load`) when there is none
@@ -399,7 +451,7 @@ def transpose_rows(src, dest, n):
     values at a time)."""
     m = src.shape[1]
     block = lanes(src[0])
-    limit = min(src.shape[0], dest.shape[1])   # rows of src readable, columns of dest writable as scratch
+    limit = imin(src.shape[0], dest.shape[1])   # rows of src readable, columns of dest writable as scratch
     full_rows = padded(n, block) if padded(n, block) <= limit else n - n % block
     full_cols = m - m % block
     s_stride, d_stride = src.shape[1], dest.shape[1]
@@ -407,7 +459,7 @@ def transpose_rows(src, dest, n):
         for j0 in range(0, full_cols, block):
             vtranspose(src, i0 * s_stride + j0, s_stride, dest, j0 * d_stride + i0, d_stride)
     for i0 in range(0, n, 8):                   # the columns past the whole blocks, every row
-        end = min(i0 + 8, n)
+        end = imin(i0 + 8, n)
         for j in range(full_cols, m):
             dest_row = dest[j]
             for i in range(i0, end):
@@ -511,12 +563,19 @@ def streams(o, acc):
 STREAM_MIN_BYTES = 1 << 22
 
 
-@overload(streams, jit_options=OVERLOAD_JIT)
-def _streams_impl(o, acc):
-    if o.dtype != acc.dtype:
-        return lambda o, acc: False
-    item = o.dtype.bitwidth // 8
-    return lambda o, acc: o.shape[0] * item >= STREAM_MIN_BYTES
+def _streams_definition(typingctx, o, acc):
+    """A constant False unless o is in acc's dtype, then ``o.shape[0] * itemsize >= STREAM_MIN_BYTES``."""
+    def codegen(context, builder, signature, args):
+        if o.dtype != acc.dtype:
+            return context.get_constant(types.boolean, False)
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        size = builder.mul(builder.extract_value(ary.shape, 0), context.get_constant(types.intp, o.dtype.bitwidth // 8))
+        return builder.icmp_signed(">=", size, context.get_constant(types.intp, STREAM_MIN_BYTES))
+
+    return types.boolean(o, acc), codegen
+
+
+lowered_in_place(streams, _streams_definition)
 
 
 @njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
@@ -584,10 +643,10 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     dv = state_s.shape[3]
     work = cos.dtype
     width = tile_width(cos[0])
-    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, np.int64(TILE_ROWS))   # int64: no literal version
-    m_f64 = padded(m, np.int64(VECTOR_BYTES // 8))
-    # every buffer 2-D from aligned_zeros in the work dtype or float64: two compiled versions of NumPy's
-    # allocation, where mixed shapes and dtypes had compiled eleven (~0.6 s)
+    cp, dvp, mp = padded(chunk, width), padded(dv, width), padded(m, TILE_ROWS)
+    m_f64 = padded(m, VECTOR_BYTES // 8)
+    # every buffer 2-D from aligned_zeros (lowered in place: an aligned NRT allocation and a memset each; NumPy's
+    # np.zeros compiled its allocation and fill per dtype, ~0.4 s of the first call)
     k_rotated_own = aligned_zeros(cp, m, work)      # k's rotated rows before their transposition
     k_rotated = borrowed(k_rotated_own)
     z_rows_own = aligned_zeros(cp, m_f64, np.float64)   # z after each row of the chunk (causal)
@@ -607,7 +666,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     s_chunk_own = aligned_zeros(mp, dvp, work)
     s_chunk = borrowed(s_chunk_own)
     # the carried state of every head of a run of tasks (see below), one block of rows per head
-    span = min(last - first, n_heads)
+    span = imin(last - first, n_heads)
     s_work_own = aligned_zeros(span * m, dvp, work)
     s_work_all = borrowed(s_work_own)
     carried_s_own = aligned_zeros(span * m, dv, np.float64)
@@ -630,7 +689,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
         # written) together: contiguous spans of memory, where one head's rows alone lie H*d elements apart
         sb = task // n_heads
         hk0 = task - sb * n_heads
-        heads = min(n_heads - hk0, last - task)
+        heads = imin(n_heads - hk0, last - task)
         task += heads
         b, t_first, length = sb, 0, seq_len
         if packed:
@@ -647,7 +706,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                     carried_s_all[r * m + j, c] = state_s[sb, hk, j, c]
                     s_work_all[r * m + j, c] = carried_s_all[r * m + j, c]
         for t0 in range(0, length, chunk):
-            n = min(chunk, length - t0)
+            n = imin(chunk, length - t0)
             for r in range(heads):
                 hk = hk0 + r
                 carried_s, s_work = carried_s_all[r * m:(r + 1) * m], s_work_all[r * m:(r + 1) * m]
@@ -675,8 +734,8 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                     load_features(q, geo[0], b, h, t_first + t0, n, cos, sin, rows, half, rotary_dim,
                                   interleaved, feature_map, phi, k_rotated, a_hat, as_rows, q_after)
                     for i0 in range(0, n, TILE_ROWS):
-                        end = min(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
-                        for i in range(end, min(end + TILE_ROWS, n) if not stream else 0):   # next block's rows
+                        end = imin(i0 + TILE_ROWS, n)                 # rows i0..end-1 see tokens j < end
+                        for i in range(end, imin(end + TILE_ROWS, n) if not stream else 0):   # next block's rows
                             prefetch_row(o, out_geo, b, t_first + t0 + i, h, dv, True)
                         for j0 in range(0, end, width):
                             madd_tile(a_hat, k_hat_t, scores, i0, j0, m, fresh)
@@ -708,7 +767,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 matmul_tiles(k_hat_t, values, s_chunk, m, n, dv)
                 add_state(carried_s, s_work, s_chunk, m, dv, pw[n], powers)
         for t0 in range(0, 0 if causal else length, chunk):
-            n = min(chunk, length - t0)
+            n = imin(chunk, length - t0)
             for r in range(heads):
                 s_work, carried_z = s_work_all[r * m:(r + 1) * m], carried_z_all[r]
                 for g in range(groups):

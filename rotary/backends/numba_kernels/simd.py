@@ -438,17 +438,20 @@ def _vfeature_impl(x, feature_map):
 
 
 # -- software prefetch ---------------------------------------------------------------------------------
+def emit_prefetch(context, builder, array_type, array, index_type, index, write):
+    """Emit ``llvm.prefetch`` of the cache line of array.flat[index] (C-contiguous), for writing if ``write``."""
+    ptr = _flat_pointer(context, builder, array_type, array, index_type, index)
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+    # (address, read 0 / write 1, locality 3: keep in all cache levels, data cache)
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _prefetch_intrinsic(write):
     @intrinsic
     def _prefetch(typingctx, buf, i):
         def codegen(context, builder, signature, args):
-            ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-            # (address, read 0 / write 1, locality 3: keep in all cache levels, data cache)
-            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, 3),
-                              ir.Constant(i32, 1)])
+            emit_prefetch(context, builder, signature.args[0], args[0], signature.args[1], args[1], write)
             return context.get_dummy_value()
 
         return types.none(buf, i), codegen
