@@ -20,15 +20,18 @@ from numba.core import cgutils, config, errors
 from numba.core.imputils import lower_builtin
 from numba.extending import intrinsic, models, overload, register_model, type_callable
 
+from .linking import HELPER_PIPELINE
+
 
 #: jit options of an @overload implementation here and in the kernel modules: no C-callable wrapper (an
 #: overload has no Python one already). A wrapper is more code for LLVM to optimise and generate, with the
-#: function, in every caller's module; together ~1.7 s of linear attention's first call.
-OVERLOAD_JIT = {"no_cfunc_wrapper": True}
+#: function, in every caller's module; together ~1.7 s of linear attention's first call. Compiled for linking
+#: only (:mod:`.linking`: no machine code of its own, which no caller runs).
+OVERLOAD_JIT = {"no_cfunc_wrapper": True, "pipeline_class": HELPER_PIPELINE}
 #: @njit options of a helper called only from other kernels: cached, no Python or C entry point (as above;
 #: the Python wrappers were another ~1.2 s). Calling such a helper from Python crashes the interpreter:
 #: tests call them from a jitted function (or test ``.py_func``).
-HELPER_JIT = {"cache": True, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
+HELPER_JIT = {"cache": True, "no_cpython_wrapper": True, "no_cfunc_wrapper": True, "pipeline_class": HELPER_PIPELINE}
 #: @njit options of a helper that allocates nothing (HELPER_JIT without the NRT: no reference counting of the
 #: row views it makes, each an incref/decref call on a null meminfo for the kernels' borrowed arrays)
 LEAF_JIT = {**HELPER_JIT, "_nrt": False}
