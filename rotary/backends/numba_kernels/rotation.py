@@ -19,7 +19,7 @@ from numba.extending import overload
 
 from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_STREAM, GEO_X, borrowed, element_offset, load, store
 from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave,
-                   _vload_flat, _vmul, _vneg, _vstore_flat, _vsub, _work_dtype, is_aligned16, prefetch_write,
+                   _vload_flat, _vmul, _vstore_flat, _vsub, _work_dtype, is_aligned16, neg_if, prefetch_write,
                    store_fence, vcopy_flat, vstore_stream16)
 
 # -- rotation ------------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
         step, second = 1, half
     for i in range(start, half):
         c = cos[row, i]
-        s = -sin[row, i] if inverse else sin[row, i]
+        s = neg_if(sin[row, i], inverse)
         ia = i * step
         xa = load(x, xi + ia * xsd)
         xb = load(x, xi + (ia + second) * xsd)
@@ -233,9 +233,7 @@ def _rotate_pairs_overload(stream):
             done = half - half % n
             for i in range(0, done, n):
                 c = _vload_flat(cos, table + i)
-                s = _vload_flat(sin, table + i)
-                if inverse:
-                    s = _vneg(s)
+                s = neg_if(_vload_flat(sin, table + i), inverse)
                 if interleaved:
                     xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
                     lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
