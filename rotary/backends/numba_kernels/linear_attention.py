@@ -25,12 +25,12 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, errors
 from numba.core.imputils import lower_builtin
-from numba.extending import intrinsic, overload, type_callable
+from numba.extending import type_callable
 from numba.np.arrayobj import populate_array
 
 from .common import borrowed, element_offset, element_offset_ir, imax, imin, int64_definition, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, OVERLOAD_JIT, VECTOR_BYTES, emit_prefetch, lanes, vfeature, vfeature_covers,
+from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, VECTOR_BYTES, emit_prefetch, exp_f32_ir, feature_ir, lanes, vfeature, vfeature_covers,
                    vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
                    _vsub, vany_nan)
 
@@ -38,50 +38,46 @@ FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
 
 
 # -- linear attention ----------------------------------------------------------------------------
-@intrinsic
-def _pow2_f32(typingctx, exponent):
-    """2**exponent as float32 for -126 <= exponent <= 127: the bits (exponent + 127) << 23."""
-    def codegen(context, builder, signature, args):
-        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
-        return builder.bitcast(bits, ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
 def exp_work(x):
-    """exp(x) in x's precision (float64: libm; float32 compiled: see the overload)."""
+    """exp(x) in x's precision (float64: Numba's np.exp, libm; float32 compiled: :func:`.simd.exp_f32_ir`, Cephes
+    expf within 2 ulp, which LLVM can vectorise). Compiled, lowered in place."""
     return np.exp(x)
 
 
-@overload(exp_work, jit_options=OVERLOAD_JIT)
-def _exp_work_impl(x):
-    if x != types.float32:
-        return lambda x: np.exp(x)
+def _exp_work_definition(typingctx, x):
+    if not isinstance(x, types.Float):
+        raise errors.TypingError(f"exp_work takes a float, got {x}")
 
-    def impl(x):
-        """float32 exp that LLVM can vectorise (Cephes expf): x = n ln2 + r, |r| <= ln2/2,
-        exp(r) by a degree-7 polynomial, times 2**n; within 2 ulp on [-87, 88] (x clamped there)."""
-        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-        n = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-        r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        p = (p * (r * r) + r) + np.float32(1.0)
-        return p * _pow2_f32(np.int32(n))
-    return impl
+    def codegen(context, builder, signature, args):
+        if x == types.float32:
+            return exp_f32_ir(builder, args[0])
+        return context.get_function(np.exp, x(x))(builder, args)
+
+    return x(x), codegen
 
 
-@njit(**HELPER_JIT)
 def feature(x, feature_map):
-    """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x)."""
+    """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x). Compiled, lowered in place (:func:`.simd.feature_ir`, as the
+    vector form :func:`.simd.vfeature`: bit for bit the same per lane)."""
     if feature_map == 1:
         return x + 1 if x > 0 else exp_work(x)
     if feature_map == 2:   # relu(-inf) is -0.0 (x * 0 would be NaN: sign(x) * 0 instead), NaN stays NaN
         return x if x > 0 else (x * 0 if x > -np.inf else np.sign(x) * 0)
     return x
+
+
+def _feature_definition(typingctx, x, feature_map):
+    if not (isinstance(x, types.Float) and isinstance(feature_map, types.Integer)):
+        raise errors.TypingError(f"feature takes a float and an integer feature map, got {x}, {feature_map}")
+
+    def codegen(context, builder, signature, args):
+        return feature_ir(context, builder, args[0], x, args[1], signature.args[1])
+
+    return x(x, feature_map), codegen
+
+
+lowered_in_place(exp_work, _exp_work_definition)
+lowered_in_place(feature, _feature_definition)
 
 
 #: rows of one register tile of :func:`madd_tile` (two vectors wide, :func:`tile_width`): 8 with AVX-512 (16

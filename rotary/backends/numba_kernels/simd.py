@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config, errors
 from numba.core.imputils import lower_builtin
-from numba.extending import intrinsic, models, overload, register_model, type_callable
+from numba.extending import intrinsic, models, register_model, type_callable
 
 from .linking import HELPER_PIPELINE
 
@@ -380,50 +380,66 @@ def _vinterleave(typingctx, even, odd):
 
 
 # -- SIMD feature maps of linear attention -----------------------------------------------------------
-@intrinsic
-def _velu_plus_one_f32(typingctx, x):
-    """elu(x) + 1 lane by lane on a float32 vector: x + 1 where x > 0, else exp(x) by the same Cephes
-    steps and operation order as the scalar ``exp_work`` (bit for bit the scalar result)."""
-    def codegen(context, builder, signature, args):
-        vec_type, i32 = args[0].type, ir.IntType(32)
-        ivec = ir.VectorType(i32, x.lanes)
-
-        def splat(value):
-            return ir.Constant(vec_type, [value] * x.lanes)
-
-        v = args[0]
-        # min(max(v, -87), 88) with Python's min/max semantics (a NaN stays NaN)
-        c = builder.select(builder.fcmp_ordered("<", v, splat(-87.0)), splat(-87.0), v)
-        c = builder.select(builder.fcmp_ordered(">", c, splat(88.0)), splat(88.0), c)
-        floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec_type, [vec_type]),
-                                               f"llvm.floor.v{x.lanes}f32")
-        n = builder.call(floor, [builder.fadd(builder.fmul(c, splat(1.44269504088896341)), splat(0.5))])
-        r = builder.fadd(builder.fsub(c, builder.fmul(n, splat(0.693359375))), builder.fmul(n, splat(2.12194440e-4)))
-        p = builder.fadd(builder.fmul(splat(1.9875691500e-4), r), splat(1.3981999507e-3))
-        for coefficient in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-            p = builder.fadd(builder.fmul(p, r), splat(coefficient))
-        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), splat(1.0))
-        bits = builder.shl(builder.add(builder.fptosi(n, ivec), ir.Constant(ivec, [127] * x.lanes)),
-                           ir.Constant(ivec, [23] * x.lanes))
-        e = builder.fmul(p, builder.bitcast(bits, vec_type))
-        positive = builder.fcmp_ordered(">", v, splat(0.0))
-        return builder.select(positive, builder.fadd(v, splat(1.0)), e)
-
-    return x(x), codegen
+def _constant(llvm_type, value):
+    """value as an LLVM constant of a scalar or vector (every lane) type."""
+    if isinstance(llvm_type, ir.VectorType):
+        return ir.Constant(llvm_type, [value] * llvm_type.count)
+    return ir.Constant(llvm_type, value)
 
 
-@intrinsic
-def _vrelu(typingctx, x):
-    """x where x > 0, else x * 0 (-0.0 for negative x, NaN stays NaN), and -0.0 for -inf (not -inf * 0 = NaN):
-    the scalar ``feature`` exactly."""
-    def codegen(context, builder, signature, args):
-        zero = ir.Constant(args[0].type, [0.0] * x.lanes)
-        neg_zero = ir.Constant(args[0].type, [-0.0] * x.lanes)
-        neg_inf = ir.Constant(args[0].type, [float("-inf")] * x.lanes)
-        below = builder.select(builder.fcmp_ordered("==", args[0], neg_inf), neg_zero, builder.fmul(args[0], zero))
-        return builder.select(builder.fcmp_ordered(">", args[0], zero), args[0], below)
+def exp_f32_ir(builder, v):
+    """exp of a float32 value or vector (Cephes expf): x = min(max(v, -87), 88) with Python's min/max semantics
+    (a NaN stays NaN), x = n ln2 + r (|r| <= ln2/2, ln2 in two parts), exp(r) by a degree-7 polynomial, times 2**n
+    by its exponent bits; within 2 ulp on [-87, 88]. Straight-line IR LLVM vectorises."""
+    vec_type = v.type
+    lanes = vec_type.count if isinstance(vec_type, ir.VectorType) else None
+    i32 = ir.IntType(32) if lanes is None else ir.VectorType(ir.IntType(32), lanes)
+    c = builder.select(builder.fcmp_ordered("<", v, _constant(vec_type, -87.0)), _constant(vec_type, -87.0), v)
+    c = builder.select(builder.fcmp_ordered(">", c, _constant(vec_type, 88.0)), _constant(vec_type, 88.0), c)
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec_type, [vec_type]),
+                                           "llvm.floor.f32" if lanes is None else f"llvm.floor.v{lanes}f32")
+    n = builder.call(floor, [builder.fadd(builder.fmul(c, _constant(vec_type, 1.44269504088896341)),
+                                          _constant(vec_type, 0.5))])
+    r = builder.fadd(builder.fsub(c, builder.fmul(n, _constant(vec_type, 0.693359375))),
+                     builder.fmul(n, _constant(vec_type, 2.12194440e-4)))
+    p = builder.fadd(builder.fmul(_constant(vec_type, 1.9875691500e-4), r), _constant(vec_type, 1.3981999507e-3))
+    for coefficient in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.fadd(builder.fmul(p, r), _constant(vec_type, coefficient))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), _constant(vec_type, 1.0))
+    bits = builder.shl(builder.add(builder.fptosi(n, i32), _constant(i32, 127)), _constant(i32, 23))
+    return builder.fmul(p, builder.bitcast(bits, vec_type))
 
-    return x(x), codegen
+
+def relu_ir(builder, v):
+    """v where v > 0, else v * 0 (-0.0 for negative v, NaN stays NaN), and -0.0 for -inf (not -inf * 0 = NaN)."""
+    zero, neg_zero, neg_inf = (_constant(v.type, value) for value in (0.0, -0.0, float("-inf")))
+    below = builder.select(builder.fcmp_ordered("==", v, neg_inf), neg_zero, builder.fmul(v, zero))
+    return builder.select(builder.fcmp_ordered(">", v, zero), v, below)
+
+
+def feature_ir(context, builder, v, dtype, feature_map, feature_map_type):
+    """phi(v) of a float value or vector for the run-time ``feature_map``: 0 identity, 1 elu(v) + 1 (v + 1 where
+    v > 0, else exp(v): :func:`exp_f32_ir` for float32, Numba's own ``np.exp`` for a float64 value; a float64
+    vector has no elu form, see :func:`vfeature_covers`), 2 :func:`relu_ir`."""
+    code = context.cast(builder, feature_map, feature_map_type, types.int64)
+    other = builder.select(builder.icmp_signed("==", code, ir.Constant(ir.IntType(64), 2)), relu_ir(builder, v), v)
+    if dtype == types.float64 and isinstance(v.type, ir.VectorType):
+        return other
+    with builder.if_else(builder.icmp_signed("==", code, ir.Constant(ir.IntType(64), 1))) as (elu, not_elu):
+        with elu:
+            if dtype == types.float32:
+                e = exp_f32_ir(builder, v)
+            else:
+                e = context.get_function(np.exp, types.float64(types.float64))(builder, [v])
+            positive = builder.fcmp_ordered(">", v, _constant(v.type, 0.0))
+            elu_value = builder.select(positive, builder.fadd(v, _constant(v.type, 1.0)), e)
+            elu_block = builder.block
+        with not_elu:
+            not_elu_block = builder.block
+    result = builder.phi(v.type)
+    result.add_incoming(elu_value, elu_block)
+    result.add_incoming(other, not_elu_block)
+    return result
 
 
 def vfeature_covers(row, feature_map):
@@ -447,19 +463,22 @@ lowered_in_place(vfeature_covers, _vfeature_covers_definition)
 
 
 def vfeature(x, feature_map):
-    """phi(x) lane by lane (0 identity, 1 elu + 1 (float32 only), 2 relu), bit for bit the scalar form."""
+    """phi(x) lane by lane (0 identity, 1 elu + 1 (float32 only), 2 relu), bit for bit the scalar form. Compiled,
+    lowered in place (:func:`feature_ir`)."""
     return x
 
 
-@overload(vfeature, jit_options=OVERLOAD_JIT)
-def _vfeature_impl(x, feature_map):
-    if x.dtype == types.float32:
-        def impl(x, feature_map):
-            if feature_map == 1:
-                return _velu_plus_one_f32(x)
-            return _vrelu(x) if feature_map == 2 else x
-        return impl
-    return lambda x, feature_map: _vrelu(x) if feature_map == 2 else x
+def _vfeature_definition(typingctx, x, feature_map):
+    if not (isinstance(x, Vec) and isinstance(feature_map, types.Integer)):
+        raise errors.TypingError(f"vfeature takes a vector and an integer feature map, got {x}, {feature_map}")
+
+    def codegen(context, builder, signature, args):
+        return feature_ir(context, builder, args[0], x.dtype, args[1], signature.args[1])
+
+    return x(x, feature_map), codegen
+
+
+lowered_in_place(vfeature, _vfeature_definition)
 
 
 # -- software prefetch ---------------------------------------------------------------------------------
