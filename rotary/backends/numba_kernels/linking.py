@@ -86,5 +86,13 @@ class HelperCompiler(CompilerBase):
         return [pm]
 
 
-#: the ``pipeline_class`` jit option of the kernels' helpers (see the module docstring)
-HELPER_PIPELINE = HelperCompiler
+def supported() -> bool:
+    """Whether this Numba's code library has the steps :class:`LinkOnlyLibrary` relies on (0.59 to 0.68 do);
+    where it does not, the helpers compile as Numba's default pipeline does (machine code included)."""
+    needed = ("_finalize_final_module", "_finalize_dynamic_globals", "_verify_declare_only_symbols",
+              "_ensure_finalized", "serialize_using_bitcode", "serialize_using_object_code")
+    return all(callable(getattr(codegen.JITCodeLibrary, name, None)) for name in needed)
+
+
+#: the ``pipeline_class`` jit option of the kernels' helpers (see the module docstring; None: Numba's default)
+HELPER_PIPELINE = HelperCompiler if supported() else None
