@@ -698,7 +698,7 @@ def test_linear_attention_task_range_equals_single_tasks(rng, causal, groups, de
             tail = (groups, powers if decayed else None, True)
             ranges = [(0, B * Hk)] if one_range else [(t, t + 1) for t in reversed(range(B * Hk))]
             for first, last in ranges:
-                la_kernels.linear_attention_tasks(*args, T, m // 2, m, False, causal, 1, 1e-6, chunk, *tail,
+                la_kernels.linear_attention_tasks(*args, T, m // 2, m, False, True if causal else None, 1, 1e-6, chunk, *tail,
                                                np.zeros(0, np.int64), first, last)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
@@ -778,7 +778,7 @@ def test_linear_attention_streamed_output_equals_cached_stores(rng, dtype, causa
         ss, sz = np.zeros((1, H, m, dv), dtype), np.zeros((1, H, m), dtype)
         ns, nz = np.empty_like(ss), np.empty_like(sz)
         la_kernels.linear_attention_tasks(q.ravel(), k.ravel(), v.ravel(), o, geo, cos, sin, rows, ss, sz, ns, nz, T,
-                                          m // 2, m, False, False, 1, 1e-6, 64, 1, None, True,
+                                          m // 2, m, False, None, 1, 1e-6, 64, 1, None, True,
                                           np.zeros(0, np.int64), 0, H)
         outs.append(o.copy())
     np.testing.assert_array_equal(outs[0], outs[1])

@@ -458,7 +458,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
                                       powers, decayed, bool(normalize))
     else:
         args = (*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s, new_z, S, rotary_dim // 2,
-                rotary_dim, interleaved, bool(causal), fmap, float(eps), chunk, groups, powers if decayed else None,
+                rotary_dim, interleaved, True if causal else None, fmap, float(eps), chunk, groups, powers if decayed else None,
                 bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
         _run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
