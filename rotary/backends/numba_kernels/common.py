@@ -110,6 +110,7 @@ def int64_definition(name, combine):
 
 
 def element_offset_ir(builder, v):
+    """The LLVM instructions of :func:`element_offset` on its seven int64 values (offset first)."""
     offset, stride_b, stride_s, stride_h, b, s, h = v
     return builder.add(builder.add(builder.add(offset, builder.mul(b, stride_b)), builder.mul(s, stride_s)),
                        builder.mul(h, stride_h))
