@@ -1,0 +1,137 @@
+"""Linear attention's feature maps phi, defined once: names, kernel codes, and the reference bits.
+
+``NAMES`` are the public names, ``CODES`` the integers the Numba and CUDA kernels take. Every backend
+computes these bits exactly (tests/test_feature_maps.py):
+
+* ``identity`` (0): phi(x) = x.
+* ``elu`` (1), elu(x) + 1: x + 1 if x > 0; x itself if x is NaN (same bits); +0.0 if x < LO
+  (LO = -87 float32, -708 float64, so phi(-inf) = +0.0); else exp(x) by :func:`exp_ref`.
+* ``relu`` (2): x if x > 0; x itself if x is NaN (same bits); else +0.0 (relu(-0.0) = relu(-inf) = +0.0).
+
+exp(x), one algorithm for every backend (Cephes expf; float64 the same scheme with a longer polynomial),
+each operation rounded separately in the work dtype (no FMA contraction, no fast math)::
+
+    c = min(max(x, LO), HI)            (NaN stays NaN; LO, HI = -87, 88 float32, -708, 709 float64)
+    n = floor(c * log2(e) + 0.5)
+    r = (c - n * L1) + n * L2          (ln 2 = L1 - L2: L1 = 0.693359375, L2 = 2.12194440e-4 float32;
+                                        L1 = 0.693145751953125, L2 = -1.42860682030941723212e-6 float64)
+    p = P[0] * r + P[1]; p = p * r + P[k] for the rest of P  (Horner)
+    p = (p * (r * r) + r) + 1
+    exp = p * 2**n                     (2**n from its exponent bits; n in [-126, 127] / [-1021, 1023])
+
+P float32 (Cephes): 1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+5.0000001201e-1, within 2 ulp on [-87, 0]. P float64: 1/13!, 1/12!, ..., 1/2! (Taylor, |r| <= ln2/2,
+truncation < 1e-17), within 2 ulp on [-708, 0]. Constants are the nearest values of the work dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NAMES = ("elu", "relu", "identity")
+CODES = {"identity": 0, "elu": 1, "relu": 2}
+
+#: per work dtype: (LO, HI, log2e, L1, L2, P) as Python floats (round to the dtype to use them)
+EXP_CONSTANTS = {
+    "float32": (-87.0, 88.0, 1.44269504088896341, 0.693359375, 2.12194440e-4,
+                (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                 5.0000001201e-1)),
+    "float64": (-708.0, 709.0, 1.44269504088896341, 0.693145751953125, -1.42860682030941723212e-6,
+                tuple(1.0 / math.factorial(k) for k in range(13, 1, -1))),
+}
+_EXPONENT = {"float32": (np.int32, 127, 23), "float64": (np.int64, 1023, 52)}
+
+
+def check_name(name):
+    """Raise ValueError unless ``name`` is one of NAMES."""
+    if not (isinstance(name, str) and name in NAMES):
+        raise ValueError(f"feature_map must be one of {NAMES}, got {name!r}")
+
+
+def _work_name(dtype):
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"feature maps take float32 or float64, got {dtype}")
+    return dtype.name
+
+
+def exp_ref(x):
+    """exp(x) of a float32 / float64 NumPy array by the algorithm above (bits of every backend), no flush
+    below LO (there it is exp(LO)); NaN gives NaN."""
+    x = np.asarray(x)
+    name = _work_name(x.dtype)
+    t = x.dtype.type
+    lo, hi, log2e, l1, l2, poly = EXP_CONSTANTS[name]
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        c = np.where(x < t(lo), t(lo), x)
+        c = np.where(c > t(hi), t(hi), c)
+        n = np.floor(c * t(log2e) + t(0.5))
+        r = (c - n * t(l1)) + n * t(l2)
+        p = t(poly[0]) * r + t(poly[1])
+        for coefficient in poly[2:]:
+            p = p * r + t(coefficient)
+        p = (p * (r * r) + r) + t(1.0)
+        itype, bias, shift = _EXPONENT[name]
+        k = np.where(np.isnan(n), t(0.0), n).astype(itype)
+        scale = ((k + itype(bias)) << itype(shift)).view(x.dtype)
+        return p * scale
+
+
+def feature_map(x, name, out=None):
+    """phi(x) of a float32 / float64 NumPy array (the reference bits, module docstring); into ``out`` if given."""
+    check_name(name)
+    x = np.asarray(x)
+    if name == "identity":
+        result = x
+    else:
+        t = x.dtype.type
+        _work_name(x.dtype)
+        keep = (x > 0) | np.isnan(x)
+        if name == "relu":
+            result = np.where(keep, x, t(0.0))
+        else:
+            lo = EXP_CONSTANTS[x.dtype.name][0]
+            with np.errstate(over="ignore"):
+                e = np.where(x < t(lo), t(0.0), exp_ref(x))
+                result = np.where(x > 0, x + t(1.0), np.where(np.isnan(x), x, e))
+    if out is None:
+        return result if result is not x else x.copy()
+    np.copyto(out, result)
+    return out
+
+
+def feature_map_xp(xp, x, name):
+    """phi(x) for any array-API namespace, functional (no in-place writes), the same bits as
+    :func:`feature_map` (2**n from an exact table of powers of two instead of exponent bits)."""
+    check_name(name)
+    if name == "identity":
+        return x
+    dtype = x.dtype
+    name64 = "float64" if dtype == xp.float64 else "float32"
+    zero = xp.asarray(0.0, dtype=dtype)
+    nan = xp.isnan(x)
+    if name == "relu":
+        return xp.where((x > zero) | nan, x, zero)
+    lo, hi, log2e, l1, l2, poly = EXP_CONSTANTS[name64]
+    rnd = np.float64 if name64 == "float64" else np.float32
+
+    def k(v):
+        return xp.asarray(float(rnd(v)), dtype=dtype)
+
+    c = xp.where(x < k(lo), k(lo), x)
+    c = xp.where(c > k(hi), k(hi), c)
+    n = xp.floor(c * k(log2e) + k(0.5))
+    r = (c - n * k(l1)) + n * k(l2)
+    p = k(poly[0]) * r + k(poly[1])
+    for coefficient in poly[2:]:
+        p = p * r + k(coefficient)
+    p = (p * (r * r) + r) + k(1.0)
+    first, last = (-126, 127) if name64 == "float32" else (-1022, 1023)   # n's range after the clamp
+    powers = xp.asarray([2.0 ** j for j in range(first, last + 1)], dtype=dtype)
+    idx = xp.astype(xp.where(nan, k(0.0), n), xp.int64) - first
+    shape = idx.shape
+    scale = xp.reshape(xp.take(powers, xp.reshape(idx, (-1,)), axis=0), shape)
+    e = xp.where(x < k(lo), zero, p * scale)
+    return xp.where(x > zero, x + k(1.0), xp.where(nan, x, e))
