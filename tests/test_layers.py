@@ -35,16 +35,17 @@ def layer_of(module: str) -> int:
     return best
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imports_of(path: Path, module: str | None = None):
-    """(imported module, line) for every import of rotary's own modules in ``path`` (module ``module``)."""
-    module = module or module_name(path)
+def imports_of(path: Path, module: str | None = None, root: Path = PACKAGE.parent):
+    """(imported module, line) for every import of rotary's own modules in ``path`` (module ``module``;
+    ``root`` the folder holding the package)."""
+    module = module or module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -61,8 +62,8 @@ def imports_of(path: Path, module: str | None = None):
                 continue
             for alias in node.names:   # `from . import spec` imports the submodule rotary.spec
                 sub = f"{target}.{alias.name}"
-                yield (sub if (PACKAGE.parent / sub.replace(".", "/")).exists()
-                       or (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists() else target), node.lineno
+                yield (sub if (root / sub.replace(".", "/")).exists()
+                       or (root / (sub.replace(".", "/") + ".py")).exists() else target), node.lineno
 
 
 def test_every_module_has_a_layer():
@@ -101,3 +102,76 @@ def test_the_check_sees_upward_imports(tmp_path):
 def test_lower_layers_never_import_the_public_package(name):
     path = PACKAGE.parent / (name.replace(".", "/") + ".py")
     assert "rotary" not in {t for t, _ in imports_of(path)}
+
+
+def import_graph(package: Path = PACKAGE) -> dict:
+    """{module: {rotary modules it imports}} over every module of ``package`` (module-level and lazy
+    imports); an imported name that is no module of its own counts as its module (``from .x import f``)."""
+    modules = {module_name(p, package.parent): p for p in package.rglob("*.py")}
+    graph = {}
+    for here, path in modules.items():
+        targets = set()
+        for target, _ in imports_of(path, here, package.parent):
+            while target not in modules and "." in target:
+                target = target.rpartition(".")[0]
+            if target != here:
+                targets.add(target)
+        graph[here] = targets
+    return graph
+
+
+def import_cycles(graph: dict) -> list:
+    """The import circles of ``graph``: its strongly connected components of more than one module
+    (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_circle():
+    """No module of rotary imports, directly or through others, a module that imports it back (lazy
+    imports inside functions included: they only hide a circle). rotary/spec had one (rope_spec ->
+    hf_vision -> rope_spec): hf_vision now takes the spec class as an argument."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_check_sees_import_circles(tmp_path):
+    """The checker itself: a lazy import back (b imports a inside a function) is a circle, a one-way chain
+    is not."""
+    pkg = tmp_path / "rotary"
+    (pkg / "spec").mkdir(parents=True)
+    for name in ("__init__.py", "spec/__init__.py"):
+        (pkg / name).write_text("")
+    (pkg / "spec" / "a.py").write_text("from . import b\nfrom .c import f\n")
+    (pkg / "spec" / "b.py").write_text("def g():\n    from .a import h\n")
+    (pkg / "spec" / "c.py").write_text("import numpy\n")
+    graph = import_graph(pkg)
+    assert graph["rotary.spec.a"] == {"rotary.spec.b", "rotary.spec.c"}
+    assert import_cycles(graph) == [["rotary.spec.a", "rotary.spec.b"]]
+    (pkg / "spec" / "b.py").write_text("from . import c\n")
+    assert import_cycles(import_graph(pkg)) == []

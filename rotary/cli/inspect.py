@@ -118,9 +118,10 @@ def _vision_lines(config) -> list[str]:
     """The vision tower's section: its spec (RopeSpec.from_hf_vision_config), pair assignment and the
     positions HF builds for it."""
     from ..spec import hf_vision
+    from ..spec.rope_spec import RopeSpec
 
     try:
-        spec, family, cls_name, positions = hf_vision.vision_spec(config)
+        spec, family, cls_name, positions = hf_vision.vision_spec(config, RopeSpec)
     except ValueError as exc:   # a tower no single spec reproduces (Gemma 4): say what does
         return ["[vision]", f"  {exc}"]
     # grid_positions' coordinates: (row, col), or (frame, row, col)

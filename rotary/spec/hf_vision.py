@@ -142,10 +142,10 @@ def _base(reader, key):
     return 10000.0 if value is None else _hf._number(value, reader.name(key or "rope_theta"))
 
 
-def vision_spec(config):
-    """(spec, family, HF class, positions) of the vision tower in ``config``; ValueError when there is none."""
-    from .rope_spec import RopeSpec
-
+def vision_spec(config, spec_class):
+    """(spec, family, HF class, positions) of the vision tower in ``config``; ValueError when there is none.
+    ``spec_class`` is :class:`rotary.spec.rope_spec.RopeSpec` (passed in, so that this module never imports
+    rope_spec, whose ``RopeSpec.from_hf_vision_config`` calls this: imports run one way)."""
     reader = vision_reader(config)
     if reader is None:
         raise _hf.ConfigError(f"config has no vision tower with RoPE that rotary knows (model types "
@@ -183,21 +183,21 @@ def vision_spec(config):
         if pairs != 2 * len(phi):
             raise _hf.ConfigError(f"{reader.where}: EfficientLoFTR's {len(phi)} frequencies do not fill the "
                                   f"{pairs} pairs of hidden_size {hidden} twice (HF's emb would not fit)")
-        spec = RopeSpec(hidden, base=base, layout="interleaved", frequencies=tuple(f for f in phi for _ in (0, 1)),
-                        pair_axes=tuple(m % 2 for m in range(pairs)), n_axes=2)
+        spec = spec_class(hidden, base=base, layout="interleaved", frequencies=tuple(f for f in phi for _ in (0, 1)),
+                          pair_axes=tuple(m % 2 for m in range(pairs)), n_axes=2)
         return spec, family, cls_name, positions
     if rule.get("alternate"):
         # pairs alternate between the axes, each frequency of the per-axis set used by both (Kimi-K2.5)
-        group = RopeSpec.axial(dim, axes=2, base=base).frequencies[: dim // 4]
+        group = spec_class.axial(dim, axes=2, base=base).frequencies[: dim // 4]
         order = rule["alternate"]
-        spec = RopeSpec(dim, base=base, layout=rule.get("layout", "half"),
-                        frequencies=tuple(f for f in group for _ in (0, 1)),
-                        pair_axes=tuple(order[m % 2] for m in range(2 * len(group))), n_axes=2)
+        spec = spec_class(dim, base=base, layout=rule.get("layout", "half"),
+                          frequencies=tuple(f for f in group for _ in (0, 1)),
+                          pair_axes=tuple(order[m % 2] for m in range(2 * len(group))), n_axes=2)
         return spec, family, cls_name, positions
     axes = rule.get("axes", 2)
     rotary_dim = axes * 2 * ((dim // axes) // 2) if axes != 2 else None
-    spec = RopeSpec.axial(dim, axes=axes, base=base, layout=rule.get("layout", "half"), rotary_dim=rotary_dim,
-                          frequencies=rule.get("frequencies", "per_axis"), axis_order=rule.get("axis_order"),
-                          frequency_scale=rule.get("frequency_scale", 1.0),
-                          float_positions=rule.get("float_positions", False))
+    spec = spec_class.axial(dim, axes=axes, base=base, layout=rule.get("layout", "half"), rotary_dim=rotary_dim,
+                            frequencies=rule.get("frequencies", "per_axis"), axis_order=rule.get("axis_order"),
+                            frequency_scale=rule.get("frequency_scale", 1.0),
+                            float_positions=rule.get("float_positions", False))
     return spec, family, cls_name, positions

@@ -365,7 +365,7 @@ class RopeSpec:
         builds for them)."""
         from . import hf_vision
 
-        return hf_vision.vision_spec(config)[0]
+        return hf_vision.vision_spec(config, RopeSpec)[0]
 
     @classmethod
     def per_layer_from_hf_config(cls, config, *, layout: str | None = None, head: str = "rope") -> dict:
