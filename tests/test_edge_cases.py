@@ -316,7 +316,7 @@ def _device_like(a):
 def test_address_view_overlap_equals_numpy(seed):
     """_address_view answers shares_memory like NumPy does on the real memory: fused-qkv slices (disjoint,
     interleaved bounds), shifted views, reversed views, the same view."""
-    from rotary.frontend import normalize as _api
+    from rotary.frontend import buffers as _api
 
     rng = np.random.default_rng(seed)
     qkv = np.zeros((2, 5, 3, 4, 8), np.float32)          # (B, S, q|k|v, H, D)

@@ -309,7 +309,7 @@ def test_a_validated_geometry_keeps_every_check(rng, backend, monkeypatch):
     """After a call has validated a geometry (its plan is kept), calls with the same shapes, strides and
     dtype still get the general path's errors for what a plan cannot prove: positions, read-only or
     overlapping outs, another spec; and its results match the oracle with the general path not run."""
-    from rotary.frontend import rotate as _rotate
+    from rotary.frontend import plan as _rotate
 
     monkeypatch.setattr(_rotate, "_plans", {})   # room for this test's plans (the cache holds 64)
     spec = rotary.RopeSpec(16, base=500.0)
@@ -363,7 +363,7 @@ def test_a_plan_gives_the_general_paths_bits(rng, backend, dtype, monkeypatch):
     """The second call of a geometry (its plan) equals the first (the general path) bit for bit: BSHD,
     BHSD (no plan: a transposed view), (S, H, D) with seq_axis=0, apply and apply_qk, new outputs, in
     place and separate outs, positions None / int / (S,) / (B, S)."""
-    from rotary.frontend import rotate as _rotate
+    from rotary.frontend import plan as _rotate
 
     monkeypatch.setattr(_rotate, "_plans", {})
     spec = rotary.RopeSpec(16, base=1000.0)
@@ -424,12 +424,12 @@ def test_apply_qk_plans_use_the_cached_table_and_fall_back(rng, backend, monkeyp
     (no lookup: counted here), and takes lookup's path for positions past it, a cleared cache, another
     dtype, an offset and a spec whose frequencies depend on the positions; every result against the
     float64 oracle."""
-    from rotary.frontend import rotate as frontend_rotate
+    from rotary.frontend import plan as frontend_plan
     from rotary.spec import tables
 
     lookups = []
     real_lookup = tables.lookup
-    monkeypatch.setattr(frontend_rotate._tables, "lookup", lambda *a, **kw: (lookups.append(1), real_lookup(*a, **kw))[1])
+    monkeypatch.setattr(frontend_plan._tables, "lookup", lambda *a, **kw: (lookups.append(1), real_lookup(*a, **kw))[1])
     spec = rotary.RopeSpec(64, base=10000.0)
     for dtype in (np.float32, np.float64):
         q, k, ax = _decode_inputs(rng, dtype, B=8, S=1, Hq=4, Hk=2, D=64)
