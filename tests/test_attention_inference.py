@@ -9,6 +9,7 @@ import pytest
 import rotary
 from rotary import RopeSpec, testing
 from rotary.attn import softmax as _attention
+from rotary.backends import online_softmax as _blocks
 
 from .conftest import backend_params
 
@@ -26,7 +27,7 @@ def blocks(request, monkeypatch):
     small NumPy calls take) instead of the NumPy tile loop."""
     monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)   # the tile loop even for these small inputs
     if request.param.startswith("tiny blocks"):
-        monkeypatch.setattr(_attention, "_SCORE_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(_blocks, "_SCORE_BLOCK_ELEMENTS", 1)
         if "array-API" in request.param:
             monkeypatch.setattr(_attention, "_NUMPY_TILES", False)
         return 3
@@ -159,13 +160,13 @@ def test_tile_schedule_skips_hidden_blocks():
     """Causal 8x8 in blocks of 2: the 6 tiles above the diagonal are skipped, the 4 diagonal ones carry a
     mask and the 6 below none; packed: no tile pairs two sequences, tiles inside one sequence need no mask."""
     pos = np.arange(8)[None]
-    tiles = [(q0, k0, h is None) for q0, _, row in _attention._tiles(_attention._Mask(pos, pos, None, None, True, None),
+    tiles = [(q0, k0, h is None) for q0, _, row in _blocks.tiles(_blocks.Mask(pos, pos, None, None, True, None),
                                                                        8, 8, 2, 2) for k0, _, h in row]
     assert [t[:2] for t in tiles] == [(q0, k0) for q0 in range(0, 8, 2) for k0 in range(0, q0 + 1, 2)]
     assert sum(not full for *_, full in tiles) == 4
     seq = np.repeat([0, 1], 4)
-    packed = _attention._Mask(np.tile(np.arange(4), 2)[None], np.tile(np.arange(4), 2)[None], seq, seq, False, None)
-    assert [(q0, k0, h is None) for q0, _, row in _attention._tiles(packed, 8, 8, 4, 4) for k0, _, h in row] == [
+    packed = _blocks.Mask(np.tile(np.arange(4), 2)[None], np.tile(np.arange(4), 2)[None], seq, seq, False, None)
+    assert [(q0, k0, h is None) for q0, _, row in _blocks.tiles(packed, 8, 8, 4, 4) for k0, _, h in row] == [
         (0, 0, True), (4, 4, True)]
 
 
@@ -235,21 +236,87 @@ def test_mrope_packed_equals_each_sequence_alone(blocks, rng):
 
 @pytest.mark.parametrize("blas_per_thread", [True, False], ids=["threads", "serial fallback"])
 def test_heads_over_threads_and_serial_fallback(blas_per_thread, monkeypatch, rng):
-    """The k/v heads shared out over threads (single-threaded BLAS each) or, where the BLAS cannot be set
-    per thread, one serial loop: both match the oracle."""
-    from rotary.attn import blas as _blas
-
-    if blas_per_thread and _blas.single_thread_blas() is None:
-        pytest.skip("no OpenBLAS with openblas_set_num_threads_local in this process")
+    """The k/v heads shared out over threads (single-threaded BLAS each) or, where no BLAS can be limited,
+    one serial loop: both match the oracle."""
+    if blas_per_thread and _blocks._blas_controller() is None:
+        pytest.skip("threadpoolctl finds no BLAS it can limit in this process")
     if not blas_per_thread:
-        monkeypatch.setattr(_attention, "single_thread_blas", lambda: None)
-    monkeypatch.setattr(_attention, "_cpu_count", lambda: 3)   # 3 threads for 4 k/v heads: uneven shares
+        monkeypatch.setattr(_blocks, "_blas_controller", lambda: None)
+    monkeypatch.setattr(_blocks, "_cpu_count", lambda: 3)   # 3 threads for 4 k/v heads: uneven shares
+    monkeypatch.setattr(_blocks, "_numba_threads", lambda: 8)
     monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)
     q, k, v = _bhsd(rng, np.float32, B=2, Hq=8, Hk=2, Sq=9, Sk=30)
     o = rotary.attention(q, k, v, 5, causal=True, window=11, spec=SPEC, block_size=4)
     kp = 5 + np.arange(30)
     ref = testing.attention_quadratic(q, k, v, kp[-9:], kp, SPEC.inv_freq(), causal=True, window=11)
     testing.assert_close(o, ref, like=q, **_tol(np.float32))
+
+
+def _threads_used(monkeypatch, n_units=4):
+    """(worker threads, BLAS thread counts seen inside the section) of one threaded section."""
+    monkeypatch.setattr(_blocks, "_cpu_count", lambda: 4)
+    with _blocks._blas_threads(n_units) as (n, _):
+        inside = _blocks._blas_thread_counts(_blocks._blas_controller())
+    return n, inside
+
+
+def test_blas_limited_during_the_section_and_restored(monkeypatch):
+    """BLAS runs single-threaded for the section's length only, and the user's limits stand: a
+    threadpoolctl limit of 2 caps the workers at 2, a limit of 1 (or NUMBA_NUM_THREADS=1) gives the
+    serial loop with the BLAS untouched; concurrent sections leave the user's count in place."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = _blocks._blas_controller()
+    if blas is None:
+        pytest.skip("threadpoolctl finds no BLAS it can limit in this process")
+    monkeypatch.setattr(_blocks, "_numba_threads", lambda: 8)
+    with threadpoolctl.threadpool_limits(limits=3, user_api="blas"):
+        before = _blocks._blas_thread_counts(blas)
+        if max(before) != 3:
+            pytest.skip(f"this BLAS cannot be set to 3 threads here ({before})")
+        assert _threads_used(monkeypatch) == (3, [1] * len(before))
+        assert _blocks._blas_thread_counts(blas) == before
+        with threadpoolctl.threadpool_limits(limits=2, user_api="blas"):
+            assert _threads_used(monkeypatch)[0] == 2
+        with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+            assert _threads_used(monkeypatch) == (1, [1] * len(before))
+        monkeypatch.setattr(_blocks, "_numba_threads", lambda: 1)
+        assert _threads_used(monkeypatch) == (1, before)
+        monkeypatch.setattr(_blocks, "_numba_threads", lambda: 8)
+
+        import threading
+
+        errors = []
+
+        def call(seed):
+            try:
+                r = np.random.default_rng(seed)
+                q, k, v = _bhsd(r, np.float32, B=1, Hq=4, Hk=4, Sq=64, Sk=64)
+                o = rotary.attention(q, k, v, causal=True, spec=SPEC, block_size=8)
+                kp = np.arange(64)
+                ref = testing.attention_quadratic(q, k, v, kp, kp, SPEC.inv_freq(), causal=True)
+                testing.assert_close(o, ref, like=q, **_tol(np.float32))
+            except Exception as exc:   # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert _blocks._blas_thread_counts(blas) == before
+
+
+def test_numba_num_threads_read_without_importing_numba(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "numba", raising=False)
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "3")
+    assert _blocks._numba_threads() == 3
+    monkeypatch.delenv("NUMBA_NUM_THREADS")
+    assert _blocks._numba_threads() == sys.maxsize
+    assert "numba" not in sys.modules
 
 
 def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
