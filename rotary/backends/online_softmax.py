@@ -213,8 +213,10 @@ _SECTION = threading.Lock()
 def _blas_controller():
     """threadpoolctl's controller of the BLAS libraries loaded now (NumPy's among them), or None when it
     finds none it can set (the engine then runs serially and lets the BLAS thread itself)."""
-    from threadpoolctl import ThreadpoolController
-
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:   # a source tree without its dependencies: serial
+        return None
     blas = ThreadpoolController().select(user_api="blas")
     return blas if blas.lib_controllers else None
 
