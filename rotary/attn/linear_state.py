@@ -7,10 +7,11 @@ import numbers
 
 import numpy as np
 
+from ..backends.feature_maps import NAMES
 from ..frontend.normalize import namespace
 from ..spec.rope_spec import RopeSpec
 
-FEATURE_MAPS = ("elu", "relu", "identity")
+FEATURE_MAPS = NAMES   # the names linear attention takes (rotary.backends.feature_maps)
 
 
 class LinearAttentionState:

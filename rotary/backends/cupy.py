@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import OUTSIDE_TABLE
+from .feature_maps import CODES
 
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -287,7 +288,7 @@ def plan_linear_attention(q, k, v, o, state_s, z_in, z_out, cos, sin, rows, *, d
     args = []
     for a in (q, k, v, o):
         args += [a, *_elem_strides(a, itemsize)]
-    fmap = {"identity": 0, "elu": 1, "relu": 2}[feature_map]
+    fmap = CODES[feature_map]
     i32 = np.int32
     decayed = powers is not None
     if decayed and powers.shape[-1] <= c:

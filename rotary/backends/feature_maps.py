@@ -59,46 +59,67 @@ def _work_name(dtype):
 
 def exp_ref(x):
     """exp(x) of a float32 / float64 NumPy array by the algorithm above (bits of every backend), no flush
-    below LO (there it is exp(LO)); NaN gives NaN."""
+    below LO (there it is exp(LO)); NaN in, NaN out. In-place array operations, one rounding each."""
     x = np.asarray(x)
     name = _work_name(x.dtype)
     t = x.dtype.type
     lo, hi, log2e, l1, l2, poly = EXP_CONSTANTS[name]
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
-        c = np.where(x < t(lo), t(lo), x)
-        c = np.where(c > t(hi), t(hi), c)
-        n = np.floor(c * t(log2e) + t(0.5))
-        r = (c - n * t(l1)) + n * t(l2)
-        p = t(poly[0]) * r + t(poly[1])
+        c = np.clip(x, t(lo), t(hi))
+        n = np.multiply(c, t(log2e))
+        n += t(0.5)
+        np.floor(n, out=n)
+        r = np.multiply(n, t(l1))
+        np.subtract(c, r, out=r)
+        np.multiply(n, t(l2), out=c)
+        r += c
+        p = np.multiply(r, t(poly[0]))
+        p += t(poly[1])
         for coefficient in poly[2:]:
-            p = p * r + t(coefficient)
-        p = (p * (r * r) + r) + t(1.0)
+            p *= r
+            p += t(coefficient)
+        np.multiply(r, r, out=c)
+        p *= c
+        p += r
+        p += t(1.0)
         itype, bias, shift = _EXPONENT[name]
-        k = np.where(np.isnan(n), t(0.0), n).astype(itype)
-        scale = ((k + itype(bias)) << itype(shift)).view(x.dtype)
-        return p * scale
+        np.copyto(n, t(0.0), where=np.isnan(n))
+        k = n.astype(itype)
+        k += itype(bias)
+        k <<= itype(shift)
+        p *= k.view(x.dtype)
+        return p
 
 
 def feature_map(x, name, out=None):
-    """phi(x) of a float32 / float64 NumPy array (the reference bits, module docstring); into ``out`` if given."""
+    """phi(x) of a float32 / float64 NumPy array (the reference bits, module docstring); into ``out`` if
+    given (``out`` may be ``x``)."""
     check_name(name)
     x = np.asarray(x)
-    if name == "identity":
-        result = x
-    else:
-        t = x.dtype.type
-        _work_name(x.dtype)
-        keep = (x > 0) | np.isnan(x)
-        if name == "relu":
-            result = np.where(keep, x, t(0.0))
-        else:
-            lo = EXP_CONSTANTS[x.dtype.name][0]
-            with np.errstate(over="ignore"):
-                e = np.where(x < t(lo), t(0.0), exp_ref(x))
-                result = np.where(x > 0, x + t(1.0), np.where(np.isnan(x), x, e))
     if out is None:
-        return result if result is not x else x.copy()
-    np.copyto(out, result)
+        out = np.empty_like(x)
+    if name == "identity":
+        if out is not x:
+            np.copyto(out, x)
+        return out
+    t = x.dtype.type
+    lo = EXP_CONSTANTS[_work_name(x.dtype)][0]
+    positive = x > 0
+    if name == "relu":
+        zero = ~positive
+        zero &= ~np.isnan(x)
+        if out is not x:
+            np.copyto(out, x)
+        np.copyto(out, t(0.0), where=zero)
+        return out
+    nan = np.isnan(x)
+    below = x < t(lo)
+    e = exp_ref(x)
+    np.copyto(e, t(0.0), where=below)
+    with np.errstate(over="ignore"):
+        np.add(x, t(1.0), out=e, where=positive)
+    np.copyto(e, x, where=nan)
+    np.copyto(out, e)
     return out
 
 

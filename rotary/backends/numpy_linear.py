@@ -32,20 +32,17 @@ from array_api_compat import array_namespace, device as xp_device, is_numpy_arra
 
 from .padded_batch import gather_padded, merge_sequences, merge_tokens, plan_buckets
 from .array_api import _compute_dtype, _rotate_xp, gather_rows, visible_matmul
+from .feature_maps import NAMES, check_name, feature_map as feature_map_np, feature_map_xp
 
-FEATURE_MAPS = ("elu", "relu", "identity")
+FEATURE_MAPS = NAMES
 
 
 def _feature_map(xp, x, name):
-    """phi(x): elu(x) + 1 = exp(min(x, 0)) + max(x, 0), max(x, 0) or x."""
-    zero = xp.zeros((), dtype=x.dtype, device=xp_device(x))
-    if name == "elu":
-        return xp.exp(xp.minimum(x, zero)) + xp.maximum(x, zero)
-    if name == "relu":
-        return xp.maximum(x, zero)
-    if name == "identity":
-        return x
-    raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {name!r}")
+    """phi(x), the bits of :mod:`.feature_maps` (elu(x) + 1, relu(x) or x; NaN kept, relu(-0) = +0)."""
+    check_name(name)
+    if is_numpy_array(x):
+        return feature_map_np(x, name)
+    return feature_map_xp(xp, x, name)
 
 
 def _heads_first(xp, x):
@@ -344,16 +341,8 @@ def _features_np(x, s0, s1, cf, sf, rotary_dim, layout, feature_map, work, buf, 
     f = buf(tag + "f", (B, H, n, m), work)
     np.copyto(f, x[:, s0:s1].transpose(0, 2, 1, 3), casting="unsafe")
     sw = buf("swap", (B, H, n, m), work)
-    if feature_map in ("elu", "relu"):
-        # an (n, m) block of zeros rather than the scalar 0: NumPy's min/max vector loops need two arrays
-        zero = buf("zero", (n, m), work, zeros=True)
-    if feature_map == "elu":
-        np.minimum(f, zero, out=sw)
-        np.exp(sw, out=sw)
-        np.maximum(f, zero, out=f)
-        f += sw
-    elif feature_map == "relu":
-        np.maximum(f, zero, out=f)
+    if feature_map != "identity":
+        feature_map_np(f, feature_map, out=f)
     rd, half = rotary_dim, rotary_dim // 2
     if rd < m:
         sw, r = sw[..., :rd], buf(tag + "r", (B, H, n, m), work)
