@@ -42,6 +42,10 @@ def instantiations() -> list[tuple[str, str, str]]:
 PLANTED = ("planted_race", "planted_oob_read", "planted_unwritten_shared", "planted_divergent_barrier",
            "planted_block_race", "planted_int_overflow")
 
+#: flags of every host build (besides -std and -O): -ffp-contract=off keeps a * b + c two roundings, as the
+#: kernels' __fmul_rn / __fadd_rn on the device (the feature maps' exp is bit for bit NumPy's)
+HOST_FLAGS = ["-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
+
 #: compiler flags per sanitizer mode (None: the plain build)
 SANITIZE_FLAGS = {
     None: [],
@@ -234,8 +238,7 @@ def build(directory: Path, *, cxx: str | None = None, opt: str = "-O1", sanitize
     source = _translation_unit(entries, planted)
     if sanitize is not None:
         opt = "-O0"   # compiles several times faster with the sanitizers; the sanitized runs are short
-    flags = ["-std=c++20", opt, "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas",
-             *SANITIZE_FLAGS[sanitize]]
+    flags = ["-std=c++20", opt, *HOST_FLAGS, *SANITIZE_FLAGS[sanitize]]
     digest = hashlib.sha256((source + " ".join([cxx] + flags)).encode())
     for path in sorted(cuda_backend.KERNEL_DIR.glob("*.cu*")) + sorted(SHIM_DIR.glob("*.[ch]*")):
         digest.update(path.read_bytes())

@@ -112,11 +112,3 @@ template <typename T, int V> ROTARY_FN void store_vec(T* p, const T (&src)[V]) {
 }
 
 ROTARY_FN int imin(int a, int b) { return a < b ? a : b; }
-
-// exp in the work type: expf / exp on the device, std::exp's overloads on the host
-#ifdef ROTARY_ON_DEVICE
-ROTARY_FN float rotary_exp(float x) { return expf(x); }
-ROTARY_FN double rotary_exp(double x) { return exp(x); }
-#else
-template <typename W> ROTARY_FN W rotary_exp(W x) { return std::exp(x); }
-#endif
