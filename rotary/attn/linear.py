@@ -27,7 +27,7 @@ from ..frontend.normalize import (canonical, canonical_axes, canonical_shape, ch
 from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
 from .linear_args import check_decay, check_scalars, check_shapes
-from .linear_decode import decode_step
+from .linear_decode import decode_step, make_decode_step
 from .linear_state import FEATURE_MAPS, LinearAttentionState, check_feature_map, check_state  # noqa: F401  (FEATURE_MAPS: the names linear_attention takes)
 
 
@@ -196,14 +196,14 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
             x = xp.permute_dims(x, tuple(int(i) for i in np.argsort(operm)) + tuple(range(len(operm), x.ndim)))
         return x
 
-    def make_state(S, z, next_pos):
+    def make_state(S, z, next_pos, step=None):
         if isinstance(next_pos, np.ndarray):
             next_pos = np.array(next_pos, dtype=np.int64)
             next_pos.setflags(write=False)
         # every field checked above (S, z: the backend's fresh work-dtype arrays of the checked shapes)
         return LinearAttentionState._trusted(to_state_layout(S, (m, dv)),
                                              to_state_layout(z, (m,)) if normalize else None, next_pos, spec,
-                                             feature_map, decay, bool(normalize), int(groups))
+                                             feature_map, decay, bool(normalize), int(groups), step)
 
     if seq_len == 0:
         dev = xp_device(q)
@@ -256,7 +256,11 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         return o
     if varlen is not None:
         return o, make_state(S, z, varlen[1])
-    return o, make_state(S, z, next_position(pos, lead_shape, seq_len, positions, state))
+    next_pos = next_position(pos, lead_shape, seq_len, positions, state)
+    # the plan of a one-token call: the next token's call with this state repeats it without the checks above
+    step = make_decode_step(q, k, v, ax, perm, spec, feature_map, decay, causal, normalize, backend, module, cos, sin,
+                            rows, next_pos) if seq_len == 1 else None
+    return o, make_state(S, z, next_pos, step)
 
 
 def _rotated_block_first(xp, spec, m, a, b, carried, like):
