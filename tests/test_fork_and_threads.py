@@ -63,12 +63,17 @@ def test_parallel_kernel_from_several_threads():
     assert len(results) == 9 and all(e < 2e-5 for e in results), results
 
 
-@pytest.mark.parametrize("shape, parallel", [((32, 1, 40, 128), False),     # decode B=32: one token each
+@pytest.mark.parametrize("shape, parallel", [((32, 1, 40, 128), True),      # decode B=32: DECODE_KERNEL "auto"
+                                             ((32, 1, 40, 128), False),     # ... "serial"
                                              ((1, 1, 128, 128), False),     # one token, many heads
                                              ((1, 6, 32, 128), False),      # 6 tokens
                                              ((1, 64, 32, 128), True)])     # prefill
-def test_small_and_one_token_calls_stay_on_the_calling_thread(shape, parallel, monkeypatch):
+def test_which_kernel_a_call_takes(shape, parallel, monkeypatch):
+    """The size rule: small calls stay on the calling thread; decode in the middle range as DECODE_KERNEL says."""
     from rotary.backends.numba_kernels import rotation as kernels
+
+    if shape[1] == 1 and shape[0] == 32:
+        monkeypatch.setattr(numba_backend, "DECODE_KERNEL", "auto" if parallel else "serial")
 
     used = []
     for name in ("rotate_qk_parallel", "rotate_qk_serial"):

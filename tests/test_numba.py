@@ -174,8 +174,8 @@ def test_parallel_and_serial_kernels_agree(rng, monkeypatch):
 
 
 def jitted(helper):
-    """A Python-callable jitted call of a kernel helper (helpers have no Python entry point of their own:
-    HELPER_JIT); the wrapper is cached per helper."""
+    """A jitted call of a kernel helper (the helpers are plain Python functions, ``register_jitable`` or lowered
+    in place: compiled only inside a jitted caller); the wrapper is cached per helper."""
     if helper not in _JITTED:
         from numba import njit
 
@@ -365,7 +365,7 @@ def test_register_tiles_match_numpy(rng, dtype):
     c = rng.standard_normal((2 * r, 2 * w)).astype(dtype)
     tol = 1e-5 if dtype == np.float32 else 1e-13
     tiles = [(la_kernels.madd_tile, r), (la_kernels.madd_tile_4, 4)]   # the tile in use, and the 4-row one
-    for madd_tile, rows in [(f, rows) for tile, rows in tiles for f in (jitted(tile), tile.py_func)]:
+    for madd_tile, rows in [(f, rows) for tile, rows in tiles for f in (jitted(tile), tile)]:
         got = c.copy()
         madd_tile(a, b, got, rows, w, 13, True)        # the second tile of rows and of columns, accumulate
         expected = c.astype(np.float64)
@@ -381,7 +381,7 @@ def test_register_tiles_match_numpy(rng, dtype):
     assert _rel(got, a.astype(np.float64) @ b) <= tol
     n = 3 * simd.lanes(np.empty(1, np.float64)) + 3                 # whole vectors and a tail
     x, y = rng.standard_normal((2, n))
-    for dot_f64 in (jitted(la_kernels.dot_f64), la_kernels.dot_f64.py_func):
+    for dot_f64 in (jitted(la_kernels.dot_f64), la_kernels.dot_f64):
         assert abs(dot_f64(x, y, n) - x @ y) <= 1e-13 * np.abs(x * y).sum()
         x32 = x.astype(np.float32)                                    # float32 x: widened exactly
         assert abs(dot_f64(x32, y, n) - x32.astype(np.float64) @ y) <= 1e-13 * np.abs(x * y).sum()
@@ -410,44 +410,132 @@ def test_row_finite_finds_every_nan_and_inf(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_vector_feature_maps_equal_the_scalar_ones(dtype):
-    """vfeature (SIMD elu + 1 / relu / identity, LLVM vectors) gives the scalar ``feature`` bit for bit,
-    at the clamps of the float32 exp (-87, 88), at 0 and -0, and for +-inf and NaN; elu + 1 for float64
-    has no vector form (vfeature_covers says so) and runs scalar."""
+def test_feature_maps_give_the_reference_bits(dtype):
+    """simd.feature compiled on vectors and on scalars, and called from Python, gives
+    rotary.backends.feature_maps.feature_map's bits for identity, relu and elu + 1: at the exp's clamps and
+    flush (-87 / -708, 88 / 709), 0 and -0 (relu(-0) = +0), +-inf (relu(-inf) = +0, elu(-inf) = +0), NaN (kept)."""
     from numba import njit
 
-    from rotary.backends.numba_kernels.simd import vfeature, vfeature_covers
+    from rotary.backends import feature_maps
 
     @njit
     def both(x, feature_map):
         vector, scalar = np.empty_like(x), np.empty_like(x)
         width = simd.lanes(x)
         for j in range(0, x.shape[0], width):
-            simd.vstore(vector, j, vfeature(simd.vload(x, j), feature_map))
+            simd.vstore(vector, j, simd.feature(simd.vload(x, j), feature_map))
         for j in range(x.shape[0]):
-            scalar[j] = la_kernels.feature(x[j], feature_map)
-        return vector, scalar, vfeature_covers(x, feature_map)
+            scalar[j] = simd.feature(x[j], feature_map)
+        return vector, scalar
 
-    special = [0.0, -0.0, 1e-30, -1e-30, -86.9, -87.0, -87.5, -100.0, 87.9, 88.0, 88.5, 1e30, -1e30,
-               np.inf, -np.inf, np.nan, 0.5, -0.5, -1.0, -20.0]
-    x = np.concatenate([special, np.linspace(-90, 90, 1997), np.random.default_rng(0).standard_normal(3000)])
-    x = np.resize(x.astype(dtype), len(x) // 64 * 64 + 64)
-    for feature_map in (0, 1, 2):
-        vector, scalar, covered = both(x, np.int64(feature_map))
-        assert covered == (dtype == np.float32 or feature_map != 1)
-        if covered:
-            np.testing.assert_array_equal(vector.view(np.uint8), scalar.view(np.uint8))
-    # relu and identity compiled give the Python form's bits; elu's exp (float32: Cephes, float64: libm) is within
-    # 2 ulp of the float64 one below the clamp
-    for feature_map in (0, 2):
-        _, scalar, _ = both(x, np.int64(feature_map))
-        with np.errstate(invalid="ignore"):
-            python = np.array([la_kernels.feature(value, feature_map) for value in x], dtype)
-        np.testing.assert_array_equal(scalar.view(np.uint8), python.view(np.uint8))
-    _, scalar, _ = both(x, np.int64(1))
-    inside = (x <= 0) & (x > -87)
-    expected = np.exp(x[inside].astype(np.float64))
-    assert np.all(np.abs(scalar[inside] - expected) <= 2 * np.spacing(expected.astype(dtype)))
+    special = [0.0, -0.0, 1e-30, -1e-30, -86.9, -87.0, -87.5, -100.0, 87.9, 88.0, 88.5, 1e30, -1e30, -707.9, -708.0,
+               -708.5, 708.9, 709.5, np.inf, -np.inf, np.nan, -np.nan, 0.5, -0.5, -1.0, -20.0, -3.0]
+    with np.errstate(over="ignore"):
+        x = np.concatenate([special, np.linspace(-750, 750, 1997), np.random.default_rng(0).standard_normal(3000)])
+        x = np.resize(x.astype(dtype), len(x) // 64 * 64 + 64)
+    x[-1] = np.array(0x7FC12345 if dtype == np.float32 else 0x7FF8000012345678,
+                     np.uint32 if dtype == np.float32 else np.uint64).view(dtype)   # a NaN with a payload
+    for name, code in feature_maps.CODES.items():
+        expected = feature_maps.feature_map(x, name)
+        vector, scalar = both(x, np.int64(code))
+        np.testing.assert_array_equal(vector.view(np.uint8), expected.view(np.uint8), err_msg=name)
+        np.testing.assert_array_equal(scalar.view(np.uint8), expected.view(np.uint8), err_msg=name)
+        python = np.array([simd.feature(value, code) for value in x[:64]], dtype)
+        np.testing.assert_array_equal(python.view(np.uint8), expected[:64].view(np.uint8), err_msg=name)
+    relu = both(np.array([-0.0, -np.inf, -3.0] + [1.0] * 61, dtype), np.int64(feature_maps.CODES["relu"]))
+    assert all(np.signbit(r[:3]).sum() == 0 and (r[:3] == 0).all() for r in relu)
+
+
+def test_float16_bits_convert_exactly():
+    """load / vload widen every float16 bit pattern to NumPy's float32 bits (normals, subnormals, +-0, +-inf, NaN
+    payloads); store / vstore round float32 values to NumPy's float16 bits (ties to even, overflow to inf,
+    subnormals, NaN payloads): integer operations, no half-precision LLVM instruction (no F16C needed)."""
+    from numba import njit
+
+    @njit
+    def widen(bits, out):
+        width = simd.lanes(bits)
+        for j in range(0, bits.shape[0], width):
+            simd.vstore(out[0], j, simd.vload(bits, j))
+        for j in range(bits.shape[0]):
+            out[1, j] = common.load(bits, j)
+
+    @njit
+    def narrow(values, out):
+        width = simd.lanes(values)
+        for j in range(0, values.shape[0], width):
+            simd.vstore(out[0], j, simd.vload(values, j))
+        for j in range(values.shape[0]):
+            common.store(out[1], j, values[j])
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    wide = np.empty((2, bits.size), np.float32)
+    widen(bits, wide)
+    expected = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    np.testing.assert_array_equal(wide[0].view(np.uint32), expected)
+    np.testing.assert_array_equal(wide[1].view(np.uint32), expected)
+    rng = np.random.default_rng(4)
+    halves = bits.view(np.float16).astype(np.float32)
+    finite = np.sort(halves[np.isfinite(halves)])
+    ties = (finite[:-1].astype(np.float64) + finite[1:]) / 2            # exactly halfway: to even
+    nans = np.array([0x7F800001, 0x7FC00000, 0x7F802000, 0xFF800001, 0x7FFFFFFF], np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ties = ties.astype(np.float32)
+        others = np.array([65504, 65519.99, 65520, 1e9, -1e9, 2.0**-25, 2.0**-26, 3 * 2.0**-26, 1e-30, -1e-30, np.inf,
+                           -np.inf], np.float32)
+        scaled = (rng.standard_normal(5000) * 10.0 ** rng.integers(-9, 6, 5000)).astype(np.float32)
+    values = np.concatenate([halves, ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf)),
+                             others, scaled, nans])   # float32 throughout: the signalling NaNs keep their bits
+    values = np.resize(values, len(values) // 64 * 64 + 64)
+    out = np.empty((2, values.size), np.uint16)
+    narrow(values, out)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = values.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(out[0], expected)
+    np.testing.assert_array_equal(out[1], expected)
+
+
+@pytest.mark.parametrize("S", [1, 9])
+def test_zero_denominator_gives_nan_in_that_row_only(rng, S):
+    """eps=0, relu and a q row all negative: that row's denominator is 0, its output NaN (0 / 0, as NumPy's);
+    the other rows are finite and match the NumPy backend (the one-token step and the chunked kernel)."""
+    q, k, v = (rng.standard_normal((2, S, 2, 16)).astype(np.float32) for _ in range(3))
+    k = np.abs(k) + 0.1
+    q[1, -1, 0] = -np.abs(q[1, -1, 0]) - 0.1
+    state = (rng.random((2, 2, 16, 16)).astype(np.float32), rng.random((2, 2, 16)).astype(np.float32))
+    kw = dict(causal=True, seq_axis=1, feature_map="relu", eps=0.0, spec=rotary.RopeSpec(16))
+    for backend in ("numba", "numpy"):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = rotary.linear_attention(q, k, v, **kw, backend=backend)
+        bad = np.zeros(o.shape, bool)
+        bad[1, -1, 0] = True
+        assert np.isnan(o[bad]).all() and np.isfinite(o[~bad]).all(), backend
+        if backend == "numba":
+            numba_o = o
+    np.testing.assert_allclose(numba_o[~bad], o[~bad], rtol=1e-4, atol=1e-5)
+
+
+def test_helpers_are_plain_python_functions():
+    """Every public function of the kernel modules is a plain Python function that runs outside compiled code
+    (register_jitable helpers, lowered-in-place building blocks) except the kernels the backend calls, which
+    are cached dispatchers; a few run from Python on small arrays."""
+    import types as pytypes
+
+    kernels = {rotation.rotate_qk_parallel, rotation.rotate_qk_serial, la_kernels.linear_attention_tasks,
+               la_kernels.linear_attention_step}
+    for kernel in kernels:
+        assert kernel.targetoptions.get("error_model") == "numpy" and not kernel.targetoptions.get("fastmath")
+    for module in (common, rotation, la_kernels, simd):
+        for name, obj in vars(module).items():
+            if name.startswith("_") or any(obj is k for k in kernels) or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if callable(obj) and not isinstance(obj, type):
+                assert isinstance(obj, pytypes.FunctionType), (module.__name__, name, obj)
+    x = np.arange(64, dtype=np.float32)
+    assert simd.vsum(simd.vload(x, 0)) == x[:simd.lanes(x)].sum()
+    assert rotation.rows_in_table(np.zeros((1, 3), np.int64), 2, 3) and not rotation.rows_in_table(
+        np.zeros((1, 3), np.int64), 3, 3)
+    assert la_kernels.row_finite(x, 64) and la_kernels.dot_f64(x, np.ones(64), 64) == x.sum()
 
 
 # -- the kernels' bodies as plain Python (small inputs; coverage sees these lines) ----------------
@@ -496,7 +584,7 @@ def test_module_surface():
     assert rotary.backends.get("numba") is nb
     for kernel in (rotation.rotate_qk_parallel, rotation.rotate_qk_serial, la_kernels.linear_attention_tasks,
                    la_kernels.linear_attention_step):
-        assert kernel.targetoptions.get("cache") is not False and kernel._cache.__class__.__name__ != "NullCache"
+        assert type(kernel._cache).__name__ != "NullCache"   # cache=True (tests/test_cli_warm.py: hits on disk)
         assert not kernel.targetoptions.get("fastmath")
 
 
@@ -727,28 +815,6 @@ def test_linear_attention_thread_split_is_bit_identical(rng):
         np.testing.assert_array_equal(x, y)
 
 
-def test_kernel_cache_is_keyed_on_every_kernel_source():
-    """Numba's cache entry of a kernel is invalidated by an edit to any kernel source (a SIMD helper it
-    inlines included), not only by an edit to the kernel's own file: its source stamp covers them all."""
-    import os
-
-    from rotary.backends.numba_kernels import cache
-
-    for kernel in (rotation.rotate_qk_serial, rotation.rotate_qk_parallel, la_kernels.linear_attention_tasks,
-                   la_kernels.linear_attention_step, rotation.rotate_token):
-        assert isinstance(kernel._cache._impl._locator, cache.KernelSetLocator)
-    locator = rotation.rotate_qk_serial._cache._impl._locator
-    before = locator.get_source_stamp()
-    assert os.path.abspath(simd.__file__) in cache.kernel_sources()
-    st = os.stat(simd.__file__)
-    try:
-        os.utime(simd.__file__, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # "an edit" to simd.py
-        assert locator.get_source_stamp() != before
-    finally:
-        os.utime(simd.__file__, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert locator.get_source_stamp() == before
-
-
 # -- linear attention: large outputs written by non-temporal stores -----------------------------------
 @pytest.mark.parametrize("dtype,causal", [(np.float32, True), (np.float32, False), (np.float64, True)])
 def test_linear_attention_streamed_output_equals_cached_stores(rng, dtype, causal):
@@ -838,7 +904,7 @@ print(after.alloc - after.free - (before.alloc - before.free), after.mi_alloc - 
 def test_kernels_release_every_allocation():
     """Numba's runtime counts allocations and meminfos (NUMBA_NRT_STATS=1, a fresh process): after 50 rounds of
     linear attention (causal, non-causal, a one-token step), a Rope call and apply_qk, as many were freed as made.
-    The helpers compiled without the NRT (simd.LEAF_JIT) and the borrowed views must leave none behind."""
+    The borrowed views and the aligned work buffers must leave none behind."""
     env = dict(os.environ, NUMBA_NRT_STATS="1")
     out = subprocess.run([sys.executable, "-c", _NRT_BALANCE_PROBE], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -159,68 +159,9 @@ def test_parallel_and_serial_kernels_agree_on_decode(rng, monkeypatch):
     testing.assert_close(parallel[0], _oracle(q, positions, spec, ax), like=q)
 
 
-class _SimulatedKernels:
-    """A clock for KernelChoice that advances by a simulated kernel time per call: ``cost(parallel, i)``
-    seconds for call i. ``run(n)`` makes n calls the way PreparedRotation.run does; ``picks`` records them."""
-
-    def __init__(self, cost):
-        from rotary.backends import numba as nb
-
-        self.now, self.cost, self.picks = 0.0, cost, []
-        self.choice = nb.KernelChoice(clock=lambda: self.now)
-
-    def run(self, n):
-        for _ in range(n):
-            parallel = self.choice.parallel()
-            self.now += self.cost(parallel, len(self.picks))
-            self.picks.append(parallel)
-            self.choice.done()
-        return self
-
-    def share_parallel(self, last):
-        return float(np.mean(self.picks[-last:]))
-
-    def seconds(self, last):
-        return sum(self.cost(p, i) for i, p in enumerate(self.picks) if i >= len(self.picks) - last)
-
-
-def _quiet(parallel, i):
-    """A quiet machine: parallel 19 us, serial 30 us, a 200 us hiccup every 500th call of either."""
-    return (200e-6 if i % 500 == 7 else 0.0) + (19e-6 if parallel else 30e-6)
-
-
-def _busy(parallel, i):
-    """A busy machine: serial 30 us; parallel usually 19 us, every 9th call 7 ms (a preempted worker)."""
-    return (7e-3 if i % 9 == 4 else 19e-6) if parallel else 30e-6
-
-
-def test_kernel_choice_takes_the_faster_kernel_by_mean_time():
-    pytest.importorskip("numba")
-    quiet = _SimulatedKernels(_quiet).run(20000)
-    assert quiet.share_parallel(15000) > 0.99                  # the serial one timed again now and then only
-    assert quiet.seconds(15000) < 1.01 * 15000 * 19e-6 + 30 * 200e-6
-    busy = _SimulatedKernels(_busy).run(20000)
-    assert busy.share_parallel(15000) < 0.01                   # the median would have picked parallel
-    all_serial = 15000 * 30e-6
-    assert all_serial < busy.seconds(15000) < 1.05 * all_serial
-
-
-def test_kernel_choice_follows_the_machine_when_it_changes():
-    pytest.importorskip("numba")
-    phase = {"cost": _quiet}
-    sim = _SimulatedKernels(lambda parallel, i: phase["cost"](parallel, i)).run(5000)
-    assert sim.share_parallel(1000) > 0.95
-    phase["cost"] = _busy
-    sim.run(5000)
-    assert sim.share_parallel(2000) < 0.05                     # busy: serial within a few blocks
-    phase["cost"] = _quiet
-    sim.run(40000)                                             # quiet again: found at the next timing of parallel
-    assert sim.share_parallel(5000) > 0.95
-
-
-def test_kernel_choice_rotates_with_either_kernel_and_can_be_fixed(rng, monkeypatch):
-    """Rope decode in the measured range runs both kernels (forced here by the choice's state) with equal
-    bits and the oracle's values; DECODE_KERNEL "serial"/"parallel" fixes the kernel."""
+def test_decode_kernel_can_be_fixed(rng, monkeypatch):
+    """Rope decode in the middle size range runs the kernel DECODE_KERNEL names ("auto": the size rule, parallel;
+    "serial"; "parallel"), every one with equal bits and the oracle's values."""
     pytest.importorskip("numba")
     from rotary.backends import numba as nb
     from rotary.backends.numba_kernels import rotation
@@ -234,26 +175,17 @@ def test_kernel_choice_rotates_with_either_kernel_and_can_be_fixed(rng, monkeypa
     for name in ("rotate_qk_serial", "rotate_qk_parallel"):
         kernel = getattr(rotation, name)
         monkeypatch.setattr(rotation, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
-    choices = []
-    real = nb.KernelChoice.parallel
-    monkeypatch.setattr(nb.KernelChoice, "parallel", lambda self: (choices.append(self), real(self))[1])
     results = {}
-    for parallel in (False, True):
-        rope(q, k, positions, seq_axis=ax)                    # validated: the general path; the plan from here on
-        rope(q, k, positions, seq_axis=ax)
-        choice = choices[-1]
-        choice.timing, choice.winner = None, int(parallel)
-        ran.clear()
-        results[parallel] = rope(q, k, positions, seq_axis=ax)
-        assert ran == ["rotate_qk_parallel" if parallel else "rotate_qk_serial"]
-    for a, b in zip(results[False], results[True]):
-        np.testing.assert_array_equal(a, b)
-    testing.assert_close(results[True][0], _oracle(q, positions, spec, ax), like=q)
-    for mode in ("serial", "parallel"):
+    for mode, expected in (("auto", "parallel"), ("serial", "serial"), ("parallel", "parallel")):
         monkeypatch.setattr(nb, "DECODE_KERNEL", mode)
+        rope(q, k, positions, seq_axis=ax)                    # validated: the general path; the plan from here on
         ran.clear()
-        rope(q, k, positions, seq_axis=ax)
-        assert ran == [f"rotate_qk_{mode}"]
+        results[mode] = rope(q, k, positions, seq_axis=ax)
+        assert ran == [f"rotate_qk_{expected}"], mode
+    for mode in ("serial", "parallel"):
+        for a, b in zip(results["auto"], results[mode]):
+            np.testing.assert_array_equal(a, b)
+    testing.assert_close(results["auto"][0], _oracle(q, positions, spec, ax), like=q)
 
 
 @pytest.mark.parametrize("make", [

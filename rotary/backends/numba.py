@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numba  # ImportError here -> the registry's "pip install" hint
 import numpy as np
@@ -28,20 +27,22 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
 #: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
 #: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
-#: Now: >= 64k elements and >= 8 tokens. One-token-per-sequence calls (decode) of a prepared geometry
-#: (Rope, apply_qk) between that and DECODE_PARALLEL_MIN_ELEMENTS run the kernel a :class:`KernelChoice`
-#: measures faster: quiet, the parallel one (Rope decode B=32, 32/8 heads, d=128: 18-19 us against 27-29
-#: serial); on a busy machine the serial one (the parallel call's mean rose to 190-420 us, its median
-#: staying at 19: a worker preempted now and then; issue 14 saw 680 us median). Unprepared decode calls
-#: in that range run serial. From DECODE_PARALLEL_MIN_ELEMENTS on, decode runs parallel.
+#: The size rule: >= PARALLEL_MIN_ELEMENTS and >= PARALLEL_MIN_TOKENS tokens runs parallel. One-token-per-sequence
+#: calls (decode) below DECODE_PARALLEL_MIN_ELEMENTS follow DECODE_KERNEL: parallel by default (Rope decode B=32,
+#: 32/8 heads, d=128: 18-19 us against 27-29 serial on a quiet machine); on a busy machine a parallel call now and
+#: then waits for a preempted worker (means of 190-420 us were seen), and ROTARY_NUMBA_DECODE_KERNEL=serial keeps
+#: those calls on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 PARALLEL_MIN_TOKENS = 8
 DECODE_PARALLEL_MIN_ELEMENTS = 1 << 20
-#: how prepared decode calls in the measured range pick their kernel: "measured" (:class:`KernelChoice`),
-#: "serial" or "parallel"; the environment variable ROTARY_NUMBA_DECODE_KERNEL sets it at import
-DECODE_KERNEL = os.environ.get("ROTARY_NUMBA_DECODE_KERNEL", "measured")
-if DECODE_KERNEL not in ("measured", "serial", "parallel"):
-    raise ValueError(f"environment variable ROTARY_NUMBA_DECODE_KERNEL must be 'measured', 'serial' or "
+#: the kernel of decode calls between PARALLEL_MIN_ELEMENTS and DECODE_PARALLEL_MIN_ELEMENTS: "auto"
+#: (the size rule above: parallel), "serial" or "parallel"; the environment variable ROTARY_NUMBA_DECODE_KERNEL
+#: sets it at import ("measured", the name of the run-time timing this rule replaced, is read as "auto")
+DECODE_KERNEL = os.environ.get("ROTARY_NUMBA_DECODE_KERNEL", "auto")
+if DECODE_KERNEL == "measured":
+    DECODE_KERNEL = "auto"
+if DECODE_KERNEL not in ("auto", "serial", "parallel"):
+    raise ValueError(f"environment variable ROTARY_NUMBA_DECODE_KERNEL must be 'auto', 'serial' or "
                      f"'parallel', got {DECODE_KERNEL!r}")
 
 #: True in a child made by os.fork(): GNU OpenMP (numba's default threading layer) cannot run in a
@@ -204,43 +205,37 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
         bufs.append(bufs[0])
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
     kernel = rotate_kernel(elements, B, S)
-    if not kernel(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S, rotary_dim // 2,
-                  rotary_dim, D, layout == "interleaved", bool(inverse)):
+    if not _launch(kernel, (bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S,
+                            rotary_dim // 2, rotary_dim, D, layout == "interleaved", bool(inverse))):
         raise ValueError(f"rows must index the cos/sin table (0 <= row < {cos.shape[0]})")
 
 
 class PreparedRotation:
-    """The ``prepare_rotation`` capability (see :mod:`rotary.backends`): one geometry's kernel, geometry
-    array and constants, so a call only flattens its arrays and launches. The kernel checks every row
-    against the held table and writes nothing when one falls outside (``run`` returns OUTSIDE_TABLE).
-
-    After a kernel's first call here (through its dispatcher, with read-only inputs: the compiled signature
-    of every call), later calls go to that compiled version's entry point directly: the argument types are
-    this geometry's by construction (C-contiguous aligned arrays of the plan's dtype, checked by the caller),
-    so the dispatcher's per-call type lookup (~0.5 us for 16 arguments) and the read-only views it needs
-    (~0.3 us each) are skipped; the entry point unboxes the arrays as the dispatcher would."""
+    """The ``prepare_rotation`` capability (see :mod:`rotary.backends`): one geometry's geometry array and
+    constants, so a call only flattens its arrays and launches the kernel (through its dispatcher). The kernel
+    checks every row against the held table and writes nothing when one falls outside (``run`` returns
+    OUTSIDE_TABLE)."""
 
     def __init__(self, views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, f16):
         group = [(v, o, None, False) for v, o in zip(views, out_views)]
         self.geo = _group_geometry(group)
         self.batch, self.seq_len = views[0].shape[0], seq_len
-        self.elements = sum(v.size for v in views)   # the kernel is picked per call (rotate_kernel's knobs)
+        self.elements = sum(v.size for v in views)   # the kernel is picked per call (rotate_kernel)
         self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
                        layout == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
         self.nothing = not (views[0].size and self.batch * seq_len)   # no token or no coordinate to rotate
-        self.choice = KernelChoice()   # serial or parallel in the decode range (rotate_kernel)
-        self.entries = {}              # kernel -> the entry point of its version for this geometry
 
     def run(self, xs, outs, rows, start, table):
         """Rotate ``xs`` into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``); token (b, s) at position
-        ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``. The caller guarantees what the entry
-        points were compiled for: xs and outs C-contiguous, aligned, of this geometry; rows C-contiguous
-        aligned int64 (Bp, S); read-only C-contiguous tables."""
+        ``rows[b or 0, s] + start``, table ``(base, end, cos, sin, ...)``. The caller guarantees xs and outs
+        C-contiguous of this geometry, rows C-contiguous int64 (Bp, S), read-only C-contiguous tables."""
         bufs, results = [], []
         for x, o in zip(xs, outs):
             y = np.empty(x.shape, x.dtype) if o is None else o
-            bufs += (x.ravel(), y.ravel())   # views (C-contiguous), 4x cheaper than reshape(-1)
+            xb = x.ravel()   # a new view (C-contiguous), made read-only: one compiled signature for every input
+            xb.flags.writeable = False
+            bufs += (xb, y.ravel())
             results.append(y)
         if self.f16 or self.offset:
             bufs = self._spans(xs, results, bufs)
@@ -248,18 +243,11 @@ class PreparedRotation:
             bufs += bufs
         if self.nothing:
             return results
-        kernel = rotate_kernel(self.elements, self.batch, self.seq_len, self.choice)   # serial in a forked child
-        entry = self.entries.get(kernel)
-        try:
-            if entry is not None:
-                inside = entry(bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
-                               start - table[0], *self.consts)
-            else:
-                inside = self._first_call(kernel, (_readonly(bufs[0]), bufs[1], _readonly(bufs[2]), bufs[3],
-                                                   self.geo, table[2], table[3], _readonly(rows), start - table[0],
-                                                   *self.consts))
-        finally:
-            self.choice.done()
+        if rows.flags.writeable:
+            rows = _readonly(rows)
+        kernel = rotate_kernel(self.elements, self.batch, self.seq_len)
+        inside = _launch(kernel, (bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
+                                  start - table[0], *self.consts))
         return results if inside else OUTSIDE_TABLE
 
     def _spans(self, xs, results, bufs):
@@ -277,19 +265,6 @@ class PreparedRotation:
             spans += (xb, yb)
         return spans
 
-    def _first_call(self, kernel, args):
-        """A kernel's first call here: through its dispatcher (which compiles or loads it), then its entry
-        point kept for the argument types of this call (a stand-in that is no dispatcher: itself)."""
-        inside = kernel(*args)
-        overloads = getattr(kernel, "overloads", None)
-        if overloads is None:
-            self.entries[kernel] = kernel
-        else:
-            compiled = overloads.get(tuple(numba.typeof(a) for a in args))
-            if compiled is not None:
-                self.entries[kernel] = compiled.entry_point
-        return inside
-
 
 def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None):
     """A :class:`PreparedRotation` for canonical ``views`` (from the rotary offset on) and the views of
@@ -303,103 +278,41 @@ def empty(shape, dtype):
     return np.empty(shape, dtype)
 
 
-def rotate_kernel(elements: int, n_batch: int, seq_len: int, choice=None):
-    """The rotation kernel for a call of this size (see PARALLEL_MIN_ELEMENTS); serial in a forked child.
-    ``choice``: the call geometry's :class:`KernelChoice`, which picks in the decode range where either
-    kernel can be the faster (without one, serial there)."""
+def rotate_kernel(elements: int, n_batch: int, seq_len: int):
+    """The rotation kernel for a call of this size (the size rule at PARALLEL_MIN_ELEMENTS; decode calls below
+    DECODE_PARALLEL_MIN_ELEMENTS as DECODE_KERNEL says); serial in a forked child."""
     if _in_forked_child or n_batch * seq_len < PARALLEL_MIN_TOKENS or elements < PARALLEL_MIN_ELEMENTS:
         return rotation.rotate_qk_serial
-    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS:
+    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS or DECODE_KERNEL != "serial":
         return rotation.rotate_qk_parallel
-    mode = DECODE_KERNEL if choice is not None else "serial"
-    if mode == "measured":
-        return rotation.rotate_qk_parallel if choice.parallel() else rotation.rotate_qk_serial
-    return rotation.rotate_qk_parallel if mode == "parallel" else rotation.rotate_qk_serial
+    return rotation.rotate_qk_serial
 
 
-class KernelChoice:
-    """Serial or parallel rotation kernel for the decode calls of one geometry, by measured mean time.
+#: held while a parallel kernel runs under a threading layer that is not thread-safe (workqueue)
+_parallel_lock = threading.Lock()
+_layer_is_thread_safe = None   # None: Numba has not chosen its threading layer yet (no parallel run so far)
 
-    Calls are timed in blocks of ``BLOCK``; a block's time per call is the mean without its first call
-    (which pays the switch) and without its slowest (one hiccup of the machine). One block of each kernel
-    first; the faster then runs ``period`` calls, its estimate a running average over its blocks (a quarter
-    the newest); when that exceeds the other's, or after ``period`` calls, the other is timed again (its
-    estimate that block's: the machine may have changed) in a block that stops as soon as its calls took
-    twice a whole block of the faster. In the faster's run, a timed block is followed by ``UNTIMED_BLOCKS``
-    blocks that are not timed (two clock reads and the accounting cost ~0.4 us a call, 2 % of a decode
-    call). ``period`` doubles up to ``MAX_PERIOD`` while the slower stays
-    slower and starts again at ``FIRST_PERIOD`` when they swap. Means, not medians: on a busy machine a
-    parallel call is usually as fast as on a quiet one and now and then waits milliseconds for a preempted
-    worker. Both kernels compute the same values bit for bit; only the time differs. Not locked: calls
-    from several threads at once can miscount, never fail.
-    """
 
-    BLOCK = 32
-    UNTIMED_BLOCKS = 3
-    FIRST_PERIOD = 64
-    MAX_PERIOD = 16384
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.estimate = [None, None]      # seconds per call of the serial and the parallel kernel
-        self.winner = 1                   # the kernel of the long runs
-        self.timing = 0                   # the kernel of a block timed to compare, or None (the winner's run)
-        self.period = self.FIRST_PERIOD
-        self.left = 0                     # calls of the winner's run before the other is timed again
-        self.untimed = 0                  # calls of the winner's run before its next timed block
-        self.started = None
-        self._new_block()
-
-    def _new_block(self):
-        # calls, seconds of them all, seconds of all but the first, the slowest of those
-        self.calls, self.wall, self.spent, self.slowest = 0, 0.0, 0.0, 0.0
-
-    def parallel(self) -> bool:
-        """Whether the next call runs the parallel kernel (then call :meth:`done`)."""
-        if self.untimed:
-            self.untimed -= 1
-            return bool(self.winner)
-        self.started = self.clock()
-        return bool(self.winner if self.timing is None else self.timing)
-
-    def done(self):
-        """Account the call since :meth:`parallel` (nothing when it did not ask)."""
-        started, self.started = self.started, None
-        if started is None:
-            return
-        elapsed = self.clock() - started
-        arm = self.winner if self.timing is None else self.timing
-        other = 1 - arm
-        self.calls += 1
-        self.wall += elapsed
-        if self.calls > 1:
-            self.spent += elapsed
-            self.slowest = max(self.slowest, elapsed)
-        against = self.estimate[other] if self.timing is not None else None
-        hopeless = against is not None and self.wall > 2 * self.BLOCK * against
-        if self.calls < self.BLOCK and not hopeless:
-            return
-        mean = self.wall / self.calls if hopeless else (self.spent - self.slowest) / (self.calls - 2)
-        self._new_block()
-        if self.timing is None:           # a block of the winner's run
-            self.estimate[arm] = 0.75 * self.estimate[arm] + 0.25 * mean
-            self.left -= self.BLOCK
-            if self.left <= 0 or self.estimate[arm] > self.estimate[other]:
-                self.timing = other
-            else:
-                self.untimed = min(self.left, self.UNTIMED_BLOCKS * self.BLOCK)
-                self.left -= self.untimed
-            return
-        self.estimate[arm] = mean
-        if self.estimate[other] is None:  # the first comparison: the other kernel's block next
-            self.timing = other
-            return
-        faster = 0 if self.estimate[0] <= self.estimate[1] else 1
-        if faster == self.winner:
-            self.period = min(2 * self.period, self.MAX_PERIOD)
-        else:
-            self.winner, self.period = faster, self.FIRST_PERIOD
-        self.timing, self.left = None, self.period
+def _launch(kernel, args):
+    """kernel(*args); a parallel kernel under Numba's workqueue threading layer (not thread-safe: concurrent
+    parallel regions abort the process) runs from one thread at a time, a concurrent call taking the serial
+    kernel instead. Before the first parallel run the layer is unknown and the lock is taken as well."""
+    global _layer_is_thread_safe
+    if kernel is not rotation.rotate_qk_parallel:
+        return kernel(*args)
+    if _layer_is_thread_safe is None:
+        try:
+            _layer_is_thread_safe = numba.threading_layer() != "workqueue"
+        except ValueError:   # no parallel region has run yet: the layer is chosen by the first one
+            pass
+    if _layer_is_thread_safe:
+        return kernel(*args)
+    if not _parallel_lock.acquire(blocking=False):
+        return rotation.rotate_qk_serial(*args)
+    try:
+        return kernel(*args)
+    finally:
+        _parallel_lock.release()
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
@@ -411,13 +324,6 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     thread (no thread hand-off, one pass over S). ``cu_seqlens`` (N + 1 int64 offsets, q of batch 1):
     a packed batch in one pass, one task per (sequence, k/v head), states (N, Hk, ...).
     """
-    if (q.shape[1] == 1 and cu_seqlens is None and decay is None and state is not None
-            and type(q) is type(k) is type(v) is np.ndarray):
-        o = _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_map, eps, normalize)
-        if o is not None:
-            return o
-    from .numpy_linear import decay_powers
-
     B, S, H, m = q.shape
     Hk, dv = k.shape[2], v.shape[3]
     groups = H // Hk if Hk else 1
@@ -425,7 +331,8 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     cos = _readonly_c(cos if cos.dtype == work else cos.astype(work))
     sin = _readonly_c(sin if sin.dtype == work else sin.astype(work))
     rows = _readonly_c(rows if rows.dtype == np.int64 else rows.astype(np.int64))
-    if feature_map not in la_kernels.FEATURE_MAPS:
+    fmap = la_kernels.FEATURE_MAPS.get(feature_map) if isinstance(feature_map, str) else None
+    if fmap is None:
         raise ValueError(f"feature_map must be one of {tuple(la_kernels.FEATURE_MAPS)}, got {feature_map!r}")
     n_states = B
     if cu_seqlens is not None:
@@ -434,34 +341,63 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     if state is None:
         state_s, state_z = np.zeros((n_states, Hk, m, dv), work), np.zeros((n_states, Hk, m), work)
     else:
-        state_s = np.ascontiguousarray(state[0], dtype=work)
+        state_s = _readonly_c(np.ascontiguousarray(state[0], dtype=work))
         state_z = (np.zeros((n_states, Hk, m), work) if state[1] is None
-                   else np.ascontiguousarray(state[1], dtype=work))
-    o = _aligned_empty((B, S, H, dv), q.dtype)   # aligned rows: the kernel streams a large o (non-temporal stores)
+                   else _readonly_c(np.ascontiguousarray(state[1], dtype=work)))
+    # aligned rows for a long call: the kernel streams a large o (non-temporal stores); a decode step does not
+    o = np.empty((B, S, H, dv), q.dtype) if S == 1 else _aligned_empty((B, S, H, dv), q.dtype)
     new_s, new_z = np.empty((n_states, Hk, m, dv), work), np.empty((n_states, Hk, m), work)
     if n_states * Hk == 0:
         return o, (new_s, new_z)
-    chunk = max(1, min(int(chunk), S))
     decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
-    powers = _readonly(decay_powers(decay, chunk)) if decayed else _NO_POWERS
-    bufs, geo = [], np.zeros((4, 5), dtype=np.int64)
-    for i, a in enumerate((q, k, v, o)):
-        view = flat_view(a)
-        if view is None:
-            view = flat_view(np.ascontiguousarray(a))
-        geo[i] = (view[1], *view[2])
-        bufs.append(view[0] if i == 3 else _readonly(view[0]))
-    interleaved, fmap = layout == "interleaved", la_kernels.FEATURE_MAPS[feature_map]
+    bufs, geo = _linear_buffers(q, k, v, o)
+    interleaved = layout == "interleaved"
     if S == 1 and cu_seqlens is None:
-        la_kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s,
-                                      new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps), groups,
-                                      powers, decayed, bool(normalize))
+        powers = _readonly(_decay_powers(decay, 1)) if decayed else _NO_POWERS
+        la_kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly_c(state_s), _readonly_c(state_z),
+                                         new_s, new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps),
+                                         groups, powers, decayed, bool(normalize))
     else:
-        args = (*bufs, geo, cos, sin, rows, _readonly(state_s), _readonly(state_z), new_s, new_z, S, rotary_dim // 2,
-                rotary_dim, interleaved, True if causal else None, fmap, float(eps), chunk, groups, powers if decayed else None,
-                bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
+        chunk = max(1, min(int(chunk), S))
+        powers = _readonly(_decay_powers(decay, chunk)) if decayed else None
+        args = (*bufs, geo, cos, sin, rows, _readonly_c(state_s), _readonly_c(state_z), new_s, new_z, S,
+                rotary_dim // 2, rotary_dim, interleaved, True if causal else None, fmap, float(eps), chunk, groups,
+                powers, bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
         _run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
+
+
+def _decay_powers(decay, chunk):
+    from .numpy_linear import decay_powers
+
+    return decay_powers(decay, chunk)
+
+
+#: (shape, strides, dtype) of q, k, v, o -> their (4, 5) geometry (offset, sB, sS, sH, sD): a pure function of
+#: the key, memoised (the decode step's glue is a few microseconds)
+_linear_geo_cache: dict = {}
+
+
+def _linear_buffers(q, k, v, o):
+    """([q, k, v, o] as flat buffers (inputs read-only), their geometry); copies an input whose strides are
+    not multiples of its item size."""
+    arrays = [a if _strides_ok(a) else np.ascontiguousarray(a) for a in (q, k, v)] + [o]
+    key = tuple([(a.shape, a.strides, a.dtype.char) for a in arrays])
+    geo = _linear_geo_cache.get(key)
+    if geo is None or not all(a.flags.c_contiguous for a in arrays):
+        views = [flat_view(a) for a in arrays]
+        geo = np.array([(view[1], *view[2]) for view in views], dtype=np.int64)
+        geo.flags.writeable = False
+        bufs = [view[0] for view in views]
+        if all(a.flags.c_contiguous for a in arrays):
+            if len(_linear_geo_cache) >= _GEO_CACHE_MAX:
+                _linear_geo_cache.clear()
+            _linear_geo_cache[key] = geo
+    else:
+        bufs = [a.reshape(-1).view(np.uint16) if a.dtype == np.float16 else a.reshape(-1) for a in arrays]
+    for buf in bufs[:3]:
+        buf.flags.writeable = False   # one compiled signature for read-only and writable inputs
+    return bufs, geo
 
 
 def _aligned_empty(shape, dtype, align=64):
@@ -471,48 +407,6 @@ def _aligned_empty(shape, dtype, align=64):
     raw = np.empty(n * dtype.itemsize + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
-
-
-#: (q, k, v shapes) -> the (4, 5) geometry of C-contiguous q, k, v and o (see _one_token_step)
-_step_geo_cache: dict = {}
-
-
-def _one_token_step(q, k, v, cos, sin, rows, state, rotary_dim, layout, feature_map, eps, normalize):
-    """The one-token step without decay for C-contiguous q, k, v of one dtype and a C-contiguous state in
-    that (work) dtype: the general path's kernel call with less glue (geometry cached by shapes, buffers
-    as flat reshapes). None when the call is not that case (the general path takes it)."""
-    S0, z0 = state
-    dtype = q.dtype
-    if (dtype == np.float16 or k.dtype != dtype or v.dtype != dtype or type(S0) is not np.ndarray
-            or type(z0) is not np.ndarray or S0.dtype != dtype or z0.dtype != dtype or cos.dtype != dtype
-            or sin.dtype != dtype or rows.dtype != np.int64 or feature_map not in la_kernels.FEATURE_MAPS):
-        return None
-    for a in (q, k, v, S0, z0, cos, sin, rows):
-        if not a.flags.c_contiguous:
-            return None
-    B, _, H, m = q.shape
-    Hk, dv = k.shape[2], v.shape[3]
-    if B * Hk == 0 or S0.shape != (B, Hk, m, dv) or z0.shape != (B, Hk, m) or not q.size or not v.size:
-        return None
-    key = (q.shape, k.shape, v.shape)
-    geo = _step_geo_cache.get(key)
-    if geo is None:   # offset 0 and the C strides (in elements) of q, k, v and o
-        geo = np.zeros((4, 5), dtype=np.int64)
-        for i, (_, n1, n2, n3) in enumerate((q.shape, k.shape, v.shape, (B, 1, H, dv))):
-            geo[i, 1:] = (n1 * n2 * n3, n2 * n3, n3, 1)
-        if len(_step_geo_cache) >= _GEO_CACHE_MAX:
-            _step_geo_cache.clear()
-        _step_geo_cache[key] = geo
-    o = np.empty((B, 1, H, dv), dtype=dtype)
-    new_s, new_z = np.empty(S0.shape, dtype), np.empty(z0.shape, dtype)
-    qb, kb, vb = q.reshape(-1), k.reshape(-1), v.reshape(-1)   # new view objects
-    qb.flags.writeable = kb.flags.writeable = vb.flags.writeable = False
-    S0, z0, cos, sin, rows = [_readonly(a) if a.flags.writeable else a for a in (S0, z0, cos, sin, rows)]
-    la_kernels.linear_attention_step(qb, kb, vb, o.reshape(-1), geo, cos, sin, rows, S0, z0, new_s, new_z,
-                                  rotary_dim // 2, rotary_dim, layout == "interleaved",
-                                  la_kernels.FEATURE_MAPS[feature_map], float(eps), H // Hk, _NO_POWERS, False,
-                                  bool(normalize))
-    return o, (new_s, new_z)
 
 
 _NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)

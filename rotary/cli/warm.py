@@ -7,11 +7,16 @@ on tiny inputs, for each dtype: the rotation kernels (serial and parallel, as ``
 packed sequences, and the one-token decode step). The cache lives where Numba puts it: next to the
 installed package (``__pycache__``) or under ``NUMBA_CACHE_DIR``, so run it as the user and with the
 environment of the programs that will use it. Running it again costs a cache load per kernel.
+
+Numba invalidates a cached kernel when the kernel's own source file changes, not when a helper it inlines
+(``numba_kernels/simd.py``, ``common.py``) does: ``--refresh`` marks the kernel files as changed (their
+modification time set to now) before compiling, so every process recompiles them once.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -21,6 +26,7 @@ EPILOG = """examples:
   python -m rotary warm                     # every kernel, float16 / float32 / float64 (a minute or two)
   python -m rotary warm --dtypes float32    # only the float32 kernels
   NUMBA_CACHE_DIR=/opt/cache python -m rotary warm   # the cache a service reads with the same setting
+  python -m rotary warm --refresh           # after editing a kernel helper: recompile every kernel
 """
 DTYPES = ("float16", "float32", "float64")
 
@@ -31,6 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), metavar="DTYPE",
                         help=f"the dtypes to compile for, from {', '.join(DTYPES)} (default: all)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="mark the kernel sources as changed first, so cached kernels are compiled again")
     parser.set_defaults(func=run_cli)
     return parser
 
@@ -81,6 +89,11 @@ def run_cli(args) -> int:
         return 2
     import numba
 
+    if getattr(args, "refresh", False):
+        from ..backends.numba_kernels import linear_attention, rotation
+
+        for module in (rotation, linear_attention):
+            os.utime(module.__file__)   # Numba's cache stamp: the kernel file's modification time and size
     total = time.perf_counter()
     where = numba.config.CACHE_DIR or "unset: next to the package"
     print(f"compiling into Numba's on-disk cache (NUMBA_CACHE_DIR={where}):")

@@ -15,17 +15,16 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import errors
-from numba.core.imputils import lower_builtin
-from numba.extending import type_callable
+from numba.extending import lower_builtin, type_callable
 
-from .simd import lowered_in_place
+from .simd import float_to_half_ir, half_to_float_ir, lowered_in_place
 
 # geometry columns of one rotate item: heads, then (offset, sB, sS, sH, sD) of x and of out, copy_tail (a separate
 # output), stream (a separate output large enough for non-temporal stores, see rotation.STREAM_MIN_BYTES)
 GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_STREAM, GEO_COLUMNS = 0, 1, 6, 11, 12, 13
 
 
-# -- float16 as uint16 bits: exact conversions (LLVM fpext / fptrunc, round to nearest even) -----
+# -- float16 as uint16 bits: exact conversions (integer operations, round to nearest even) -----
 def load(buf, i):
     """buf[i] in the work dtype: float16 bits (uint16) -> float32, float32/float64 unchanged."""
     if buf.dtype == np.uint16:
@@ -48,7 +47,7 @@ def _index_type(i):
 
 def _load_definition(typingctx, buf, i):
     """load, emitted at the call site: Numba's own ``buf[i]`` (its wraparound of a negative signed index
-    included), then the exact float16 -> float32 widening (LLVM fpext) of uint16 bits."""
+    included), then the exact float16 -> float32 widening of uint16 bits (:func:`.simd.half_to_float_ir`)."""
     if not (isinstance(buf, types.Array) and buf.ndim == 1):
         raise errors.TypingError(f"load reads a 1-D array, got {buf}")
     _index_type(i)
@@ -56,14 +55,14 @@ def _load_definition(typingctx, buf, i):
 
     def codegen(context, builder, signature, args):
         value = context.get_function(operator.getitem, buf.dtype(*signature.args))(builder, args)
-        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType()) if half else value
+        return half_to_float_ir(builder, value) if half else value
 
     return (types.float32 if half else buf.dtype)(buf, i), codegen
 
 
 def _store_definition(typingctx, buf, i, value):
     """store, emitted at the call site: value cast to buf's dtype (float16 bits: to float32, then rounded to
-    nearest even by LLVM fptrunc), then Numba's own ``buf[i] = value``."""
+    nearest even by :func:`.simd.float_to_half_ir`), then Numba's own ``buf[i] = value``."""
     if not (isinstance(buf, types.Array) and buf.ndim == 1 and isinstance(value, types.Number)):
         raise errors.TypingError(f"store writes a number into a 1-D array, got {buf} and {value}")
     _index_type(i)
@@ -72,7 +71,7 @@ def _store_definition(typingctx, buf, i, value):
         array_type, index_type, value_type = signature.args
         if array_type.dtype == types.uint16:
             single = context.cast(builder, args[2], value_type, types.float32)
-            item = builder.bitcast(builder.fptrunc(single, ir.HalfType()), ir.IntType(16))
+            item = float_to_half_ir(builder, single)
         else:
             item = context.cast(builder, args[2], value_type, array_type.dtype)
         setitem = types.none(array_type, index_type, array_type.dtype)

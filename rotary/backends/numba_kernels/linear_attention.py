@@ -24,73 +24,27 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, errors
-from numba.core.imputils import lower_builtin
-from numba.extending import type_callable
+from numba.extending import lower_builtin, register_jitable, type_callable
 from numba.np.arrayobj import populate_array
 
+from ..feature_maps import CODES as FEATURE_MAPS
 from .common import borrowed, element_offset, element_offset_ir, imax, imin, int64_definition, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (HELPER_JIT, KERNEL_JIT, LEAF_JIT, VECTOR_BYTES, emit_prefetch, exp_f32_ir, feature_ir, lanes, vfeature, vfeature_covers,
-                   vload, vload_widened, lowered_in_place, vmadd, vsplat, vstore, vsum, vtranspose, vzeros, is_aligned, store_fence, vstore_stream, _vadd, _vload_flat,
-                   _vsub, vany_nan)
-
-FEATURE_MAPS = {"identity": 0, "elu": 1, "relu": 2}
-
-
-# -- linear attention ----------------------------------------------------------------------------
-def exp_work(x):
-    """exp(x) in x's precision (float64: Numba's np.exp, libm; float32 compiled: :func:`.simd.exp_f32_ir`, Cephes
-    expf within 2 ulp, which LLVM can vectorise). Compiled, lowered in place."""
-    return np.exp(x)
-
-
-def _exp_work_definition(typingctx, x):
-    if not isinstance(x, types.Float):
-        raise errors.TypingError(f"exp_work takes a float, got {x}")
-
-    def codegen(context, builder, signature, args):
-        if x == types.float32:
-            return exp_f32_ir(builder, args[0])
-        return context.get_function(np.exp, x(x))(builder, args)
-
-    return x(x), codegen
-
-
-def feature(x, feature_map):
-    """phi(x): 0 identity, 1 elu(x) + 1, 2 relu(x). Compiled, lowered in place (:func:`.simd.feature_ir`, as the
-    vector form :func:`.simd.vfeature`: bit for bit the same per lane)."""
-    if feature_map == 1:
-        return x + 1 if x > 0 else exp_work(x)
-    if feature_map == 2:   # relu(-inf) is -0.0 (x * 0 would be NaN: sign(x) * 0 instead), NaN stays NaN
-        return x if x > 0 else (x * 0 if x > -np.inf else np.sign(x) * 0)
-    return x
-
-
-def _feature_definition(typingctx, x, feature_map):
-    if not (isinstance(x, types.Float) and isinstance(feature_map, types.Integer)):
-        raise errors.TypingError(f"feature takes a float and an integer feature map, got {x}, {feature_map}")
-
-    def codegen(context, builder, signature, args):
-        return feature_ir(context, builder, args[0], x, args[1], signature.args[1])
-
-    return x(x, feature_map), codegen
-
-
-lowered_in_place(exp_work, _exp_work_definition)
-lowered_in_place(feature, _feature_definition)
-
+from .simd import (KERNEL_JIT, VECTOR_BYTES, emit_prefetch, feature, is_aligned, lanes, lowered_in_place,
+                   store_fence, vadd, vany_nan, vload, vload_widened, vmadd, vsplat, vstore, vstore_stream, vsub, vsum,
+                   vtranspose, vzeros)
 
 #: rows of one register tile of :func:`madd_tile` (two vectors wide, :func:`tile_width`): 8 with AVX-512 (16
 #: accumulators of its 32 registers: each row of b loaded from the second-level cache serves 8 rows, half
-#: the b traffic of 4), else 4 (8 of 16 registers)
+#: the b traffic of 4), else 4 (8 of 16 registers). A function of VECTOR_BYTES, hence of the features that key
+#: Numba's cache.
 TILE_ROWS = 8 if VECTOR_BYTES == 64 else 4
 
 
-# -- linear attention: chunk products and the chunk loop ---------------------------------------------
+# -- linear attention: buffers -------------------------------------------------------------------------------
 def keep_alive(arrays):
     """A use of each array of the tuple ``arrays``: Numba releases a variable after its last use, so a call
-    at the end of a kernel keeps the owners of borrowed views alive until then. Compiled, it is typed and
-    lowered in place (nothing to compile of its own), like :func:`borrowed`."""
+    at the end of a kernel keeps the owners of borrowed views alive until then (typed and lowered in place)."""
     return len(arrays)
 
 
@@ -107,46 +61,16 @@ def _lower_keep_alive(context, builder, signature, args):
     return context.get_constant(types.intp, len(signature.args[0]))
 
 
-def rows_view(flat, start, rows, cols):
-    """flat[start : start + rows * cols] as a (rows, cols) C-contiguous array sharing flat's memory (and a
-    reference to it); no shape checks: the caller sized flat. Compiled, lowered in place (see
-    :func:`_rows_view_definition`), where ``reshape`` compiled its general machinery (~0.2 s of the first call)."""
-    return flat[start:start + rows * cols].reshape((rows, cols))
-
-
-def _rows_view_definition(typingctx, flat, start, rows, cols):
-    view = types.Array(flat.dtype, 2, "C")
-
-    def codegen(context, builder, signature, args):
-        src = context.make_array(signature.args[0])(context, builder, args[0])
-        out = context.make_array(view)(context, builder)
-        item = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(flat.dtype)))
-        first, n_rows, n_cols = (context.cast(builder, value, typ, types.intp)
-                                 for value, typ in zip(args[1:], signature.args[1:]))
-        populate_array(out, data=builder.gep(src.data, [first]), shape=[n_rows, n_cols],
-                       strides=[builder.mul(n_cols, item), item], itemsize=item, meminfo=src.meminfo)
-        result = out._getvalue()
-        context.nrt.incref(builder, view, result)
-        return result
-
-    return view(flat, start, rows, cols), codegen
-
-
-lowered_in_place(rows_view, _rows_view_definition)
-
-
 def aligned_zeros(rows, cols, dtype):
     """np.zeros((rows, cols), dtype) starting on a 64-byte (cache line) boundary (Numba's own arrays start on
     32-byte boundaries, where every AVX-512 load and store of a row of the chunk buffers split across two
-    cache lines). Compiled, lowered in place (:func:`_aligned_zeros_definition`): NumPy's allocation and fill
-    compiled functions of their own per dtype (~0.4 s of the first call)."""
+    cache lines). Compiled: one aligned NRT allocation and a memset (MemoryError when it fails)."""
     flat = np.zeros(rows * cols + 16, dtype)   # 16 elements: >= 64 bytes of slack
-    return rows_view(flat, (-flat.ctypes.data % 64) // flat.itemsize, rows, cols)
+    start = (-flat.ctypes.data % 64) // flat.itemsize
+    return flat[start:start + rows * cols].reshape((rows, cols))
 
 
 def _aligned_zeros_definition(typingctx, rows, cols, dtype):
-    """A (rows, cols) C-contiguous array in a new NRT allocation aligned to 64 bytes, its bytes zeroed
-    (``memset``); the allocation raises MemoryError when it fails, as NumPy's does."""
     element = getattr(dtype, "dtype", None) or getattr(dtype, "instance_type", None)
     if not (isinstance(rows, types.Integer) and isinstance(cols, types.Integer) and isinstance(element, types.Float)):
         raise errors.TypingError(f"aligned_zeros takes (rows, cols, float dtype), got ({rows}, {cols}, {dtype})")
@@ -169,7 +93,7 @@ def _aligned_zeros_definition(typingctx, rows, cols, dtype):
 
 def padded(n, multiple):
     """n (>= 0) rounded up to a multiple of ``multiple`` (> 0), in int64."""
-    return (n + multiple - 1) // multiple * multiple
+    return np.int64((n + multiple - 1) // multiple * multiple)
 
 
 def _padded_ir(builder, values):
@@ -188,13 +112,13 @@ def _tile_width_definition(typingctx, row):
     return types.intp(row), lambda context, builder, signature, args: context.get_constant(types.intp, width)
 
 
-# lowered in place: a compiled function each (per argument types) cost more first-call time than they do
 lowered_in_place(aligned_zeros, _aligned_zeros_definition)
 lowered_in_place(padded, int64_definition("padded", _padded_ir))
 lowered_in_place(tile_width, _tile_width_definition)
 
 
-@njit(**LEAF_JIT)
+# -- linear attention: register tiles ---------------------------------------------------------------------
+@register_jitable
 def madd_tile_4(a, b, c, i0, j0, depth, accumulate):
     """One register tile of a matrix product, 4 rows by two vectors (w = 2 * lanes)::
 
@@ -202,109 +126,92 @@ def madd_tile_4(a, b, c, i0, j0, depth, accumulate):
 
     for r < 4. The eight vector accumulators stay in registers through the loop over k: each vector
     loaded from b serves four rows, each broadcast of a[., k] two vectors. The sum runs in k order
-    in the work dtype, one multiply and one add per term. a, b, c: 2-D C-contiguous; the caller
-    keeps rows i0..i0+3 of a and c and columns j0..j0+w of b and c inside the (padded) buffers.
+    in the work dtype (:func:`vmadd`). a, b, c: 2-D C-contiguous, addressed by flat index (no row views:
+    nothing to reference-count); the caller keeps rows i0..i0+3 and columns j0..j0+w inside the buffers.
     """
     half = lanes(c)
-    c0, c1, c2, c3 = c[i0], c[i0 + 1], c[i0 + 2], c[i0 + 3]
+    ldc, ldb = c.shape[1], b.shape[1]
+    r0, r1, r2, r3 = i0 * ldc + j0, (i0 + 1) * ldc + j0, (i0 + 2) * ldc + j0, (i0 + 3) * ldc + j0
     if accumulate:
-        s00, s01, s10, s11 = vload(c0, j0), vload(c0, j0 + half), vload(c1, j0), vload(c1, j0 + half)
-        s20, s21, s30, s31 = vload(c2, j0), vload(c2, j0 + half), vload(c3, j0), vload(c3, j0 + half)
+        s00, s01, s10, s11 = vload(c, r0), vload(c, r0 + half), vload(c, r1), vload(c, r1 + half)
+        s20, s21, s30, s31 = vload(c, r2), vload(c, r2 + half), vload(c, r3), vload(c, r3 + half)
     else:
-        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c0)
-    a0, a1, a2, a3 = a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3]
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c)
     for k in range(depth):
-        b_row = b[k]
-        b0 = vload(b_row, j0)
-        b1 = vload(b_row, j0 + half)
-        x = vsplat(a0[k])
+        b0, b1 = vload(b, k * ldb + j0), vload(b, k * ldb + j0 + half)
+        x = vsplat(a[i0, k])
         s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
-        x = vsplat(a1[k])
+        x = vsplat(a[i0 + 1, k])
         s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
-        x = vsplat(a2[k])
+        x = vsplat(a[i0 + 2, k])
         s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
-        x = vsplat(a3[k])
+        x = vsplat(a[i0 + 3, k])
         s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
-    vstore(c0, j0, s00)
-    vstore(c0, j0 + half, s01)
-    vstore(c1, j0, s10)
-    vstore(c1, j0 + half, s11)
-    vstore(c2, j0, s20)
-    vstore(c2, j0 + half, s21)
-    vstore(c3, j0, s30)
-    vstore(c3, j0 + half, s31)
+    vstore(c, r0, s00)
+    vstore(c, r0 + half, s01)
+    vstore(c, r1, s10)
+    vstore(c, r1 + half, s11)
+    vstore(c, r2, s20)
+    vstore(c, r2 + half, s21)
+    vstore(c, r3, s30)
+    vstore(c, r3 + half, s31)
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def madd_tile_8(a, b, c, i0, j0, depth, accumulate):
     """:func:`madd_tile_4` for rows i0..i0+7: sixteen accumulators, each pair of vectors loaded from b serving
     eight rows; the same sums in the same order."""
     half = lanes(c)
-    c0, c1, c2, c3 = c[i0], c[i0 + 1], c[i0 + 2], c[i0 + 3]
-    c4, c5, c6, c7 = c[i0 + 4], c[i0 + 5], c[i0 + 6], c[i0 + 7]
+    ldc, ldb = c.shape[1], b.shape[1]
+    r0, r1, r2, r3 = i0 * ldc + j0, (i0 + 1) * ldc + j0, (i0 + 2) * ldc + j0, (i0 + 3) * ldc + j0
+    r4, r5, r6, r7 = (i0 + 4) * ldc + j0, (i0 + 5) * ldc + j0, (i0 + 6) * ldc + j0, (i0 + 7) * ldc + j0
     if accumulate:
-        s00, s01, s10, s11 = vload(c0, j0), vload(c0, j0 + half), vload(c1, j0), vload(c1, j0 + half)
-        s20, s21, s30, s31 = vload(c2, j0), vload(c2, j0 + half), vload(c3, j0), vload(c3, j0 + half)
-        s40, s41, s50, s51 = vload(c4, j0), vload(c4, j0 + half), vload(c5, j0), vload(c5, j0 + half)
-        s60, s61, s70, s71 = vload(c6, j0), vload(c6, j0 + half), vload(c7, j0), vload(c7, j0 + half)
+        s00, s01, s10, s11 = vload(c, r0), vload(c, r0 + half), vload(c, r1), vload(c, r1 + half)
+        s20, s21, s30, s31 = vload(c, r2), vload(c, r2 + half), vload(c, r3), vload(c, r3 + half)
+        s40, s41, s50, s51 = vload(c, r4), vload(c, r4 + half), vload(c, r5), vload(c, r5 + half)
+        s60, s61, s70, s71 = vload(c, r6), vload(c, r6 + half), vload(c, r7), vload(c, r7 + half)
     else:
-        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c0)
-        s40 = s41 = s50 = s51 = s60 = s61 = s70 = s71 = vzeros(c0)
-    a0, a1, a2, a3 = a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3]
-    a4, a5, a6, a7 = a[i0 + 4], a[i0 + 5], a[i0 + 6], a[i0 + 7]
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c)
+        s40 = s41 = s50 = s51 = s60 = s61 = s70 = s71 = vzeros(c)
     for k in range(depth):
-        b_row = b[k]
-        b0 = vload(b_row, j0)
-        b1 = vload(b_row, j0 + half)
-        x = vsplat(a0[k])
+        b0, b1 = vload(b, k * ldb + j0), vload(b, k * ldb + j0 + half)
+        x = vsplat(a[i0, k])
         s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
-        x = vsplat(a1[k])
+        x = vsplat(a[i0 + 1, k])
         s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
-        x = vsplat(a2[k])
+        x = vsplat(a[i0 + 2, k])
         s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
-        x = vsplat(a3[k])
+        x = vsplat(a[i0 + 3, k])
         s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
-        x = vsplat(a4[k])
+        x = vsplat(a[i0 + 4, k])
         s40, s41 = vmadd(s40, x, b0), vmadd(s41, x, b1)
-        x = vsplat(a5[k])
+        x = vsplat(a[i0 + 5, k])
         s50, s51 = vmadd(s50, x, b0), vmadd(s51, x, b1)
-        x = vsplat(a6[k])
+        x = vsplat(a[i0 + 6, k])
         s60, s61 = vmadd(s60, x, b0), vmadd(s61, x, b1)
-        x = vsplat(a7[k])
+        x = vsplat(a[i0 + 7, k])
         s70, s71 = vmadd(s70, x, b0), vmadd(s71, x, b1)
-    vstore(c0, j0, s00)
-    vstore(c0, j0 + half, s01)
-    vstore(c1, j0, s10)
-    vstore(c1, j0 + half, s11)
-    vstore(c2, j0, s20)
-    vstore(c2, j0 + half, s21)
-    vstore(c3, j0, s30)
-    vstore(c3, j0 + half, s31)
-    vstore(c4, j0, s40)
-    vstore(c4, j0 + half, s41)
-    vstore(c5, j0, s50)
-    vstore(c5, j0 + half, s51)
-    vstore(c6, j0, s60)
-    vstore(c6, j0 + half, s61)
-    vstore(c7, j0, s70)
-    vstore(c7, j0 + half, s71)
+    for r, lo, hi in ((r0, s00, s01), (r1, s10, s11), (r2, s20, s21), (r3, s30, s31),
+                      (r4, s40, s41), (r5, s50, s51), (r6, s60, s61), (r7, s70, s71)):
+        vstore(c, r, lo)
+        vstore(c, r + half, hi)
 
 
 #: the register tile of the chunk products, TILE_ROWS rows (only the one used is compiled)
 madd_tile = madd_tile_8 if TILE_ROWS == 8 else madd_tile_4
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def matmul_tiles(a, b, c, rows, depth, cols):
     """c[:rows, :cols] = a[:rows, :depth] @ b[:depth, :cols] by :func:`madd_tile` (rows and cols rounded up
     to whole tiles: the buffers are padded for that)."""
-    width = tile_width(c[0])
+    width = tile_width(c)
     for i0 in range(0, rows, TILE_ROWS):
         for j0 in range(0, cols, width):
             madd_tile(a, b, c, i0, j0, depth, np.bool_(False))   # a run-time bool: no literal version
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def dot_f64(x, y, n):
     """sum_{j < n} x[j] y[j] in float64 (lanes-wide partial sums of float64 vectors, then across lanes, then the
     last n % lanes terms); x: float32 (each element widened exactly) or float64, y: float64."""
@@ -319,7 +226,7 @@ def dot_f64(x, y, n):
     return total
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
     """Row i of the causal chunk product again, tokens j <= i only, when the tiled product gave it a
     non-finite entry: the tile also multiplies row i's zero weights of tokens j > i (its block's later
@@ -335,7 +242,7 @@ def causal_row(num_row, a_row, s_work, scores_row, values, inter, i, m, dv):
         num_row[c] = acc
 
 
-@njit(inline="always", **HELPER_JIT)
+@register_jitable(inline="always")
 def row_finite(row, n):
     """Whether row[:n] holds no NaN or inf (x - x is 0 exactly for finite x, NaN for inf and NaN: lanes-wide
     partial sums, tested for a NaN lane by one compare, the columns past the last whole vector one by one).
@@ -345,14 +252,14 @@ def row_finite(row, n):
     acc = vzeros(row)
     for c in range(0, full, width):
         x = vload(row, c)
-        acc = _vadd(acc, _vsub(x, x))
+        acc = vadd(acc, vsub(x, x))
     total = 0.0
     for c in range(full, n):
         total += row[c] - row[c]
     return not vany_nan(acc) and total == 0
 
 
-@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
+@register_jitable(inline="always")   # one call site: inlined, no compile of its own
 def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
     """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
     pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half) or (2p, 2p + 1)),
@@ -417,7 +324,7 @@ def _prefetch_row_definition(typingctx, x, g, b, t, h, length, write):
 lowered_in_place(prefetch_row, _prefetch_row_definition)
 
 
-@njit(inline="always", **HELPER_JIT)   # a few instructions in the row loops: inlined, no compile of its own
+@register_jitable(inline="always")   # a few instructions in the row loops: inlined, no compile of its own
 def prefetch_ahead(x, g, b, t0, i, n, h, length, ahead):
     """In a row loop ``for i in range(-ahead, n)``: prefetch row t0 + i + ahead of x when it is one of the
     n rows (the first ``ahead`` iterations, i < 0, only prefetch)."""
@@ -425,7 +332,7 @@ def prefetch_ahead(x, g, b, t0, i, n, h, length, ahead):
         prefetch_row(x, g, b, t0 + i + ahead, h, length, False)
 
 
-@njit(inline="always", **HELPER_JIT)   # a few instructions: inlined, no compile of its own
+@register_jitable(inline="always")   # a few instructions: inlined, no compile of its own
 def next_load(h, first_h, end_h, t, chunk, t_end):
     """(head, first token, rows) of the load after rows t.. of head h in a walk over heads first_h..end_h-1
     inside each chunk of ``chunk`` tokens, chunk after chunk up to token t_end: the next head's rows of
@@ -439,7 +346,7 @@ def next_load(h, first_h, end_h, t, chunk, t_end):
 NO_NEXT_LOAD = (np.int64(0), np.int64(0), np.int64(0))
 
 
-@njit(inline="always", **HELPER_JIT)
+@register_jitable(inline="always")
 def transpose_rows(src, dest, n):
     """dest[j, i] = src[i, j] for i < n, j < src.shape[1]: whole lanes x lanes blocks in registers
     (:func:`.simd.vtranspose`) where the buffers hold them (rows of src and columns of dest padded past n:
@@ -465,7 +372,7 @@ def transpose_rows(src, dest, n):
             dest[j, i] = src[i, j]
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, phi, scratch,
                   rotated, transpose, after):
     """phi(x[b, t0+i, h, :]) for i < n to phi[i, :m] (work dtype: the plain features, widened exactly where
@@ -479,7 +386,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
     """
     m = phi.shape[1]
     width = lanes(phi[0])
-    vector_end = m - m % width if g[4] == 1 and vfeature_covers(phi, feature_map) else 0
+    vector_end = m - m % width if g[4] == 1 else 0
     next_h, next_t, next_n = after
     for i in range(-PREFETCH_ROWS, n):
         prefetch_ahead(x, g, b, t0, i, n, h, m, PREFETCH_ROWS)
@@ -490,7 +397,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
         phi_row = phi[i]
         for j in range(0, vector_end, width):
-            vstore(phi_row, j, vfeature(_vload_flat(x, base + j), feature_map))
+            vstore(phi_row, j, feature(vload(x, base + j), feature_map))
         for j in range(vector_end, m):
             phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
     for i in range(n):
@@ -503,7 +410,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
         transpose_rows(scratch, rotated, n)
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def load_values(x, g, b, h, t0, n, dest, dv, after):
     """dest[i, :dv] = x[b, t0+i, h, :] in the work dtype for i < n (rows fetched 4x further ahead than in
     load_features: a row's copy is short; the next load's rows ``after`` as there)."""
@@ -526,7 +433,7 @@ def load_values(x, g, b, h, t0, n, dest, dv, after):
                 row[j] = load(x, base + j * g[4])
 
 
-@njit(**LEAF_JIT)
+@register_jitable
 def store_row(o, g, b, t, h, acc, dv, scale, stream):
     """o[b, t, h, :] = acc[:dv] * scale, rounded to o's dtype. With ``stream`` (o in the work dtype, a unit-stride
     row of whole vectors at an aligned address), acc is scaled in place (the same rounding: one product,
@@ -574,7 +481,7 @@ def _streams_definition(typingctx, o, acc):
 lowered_in_place(streams, _streams_definition)
 
 
-@njit(inline="always", **HELPER_JIT)   # one call site: inlined, no compile of its own
+@register_jitable(inline="always")   # one call site: inlined, no compile of its own
 def add_state(carried_s, s_work, s_chunk, m, dv, factor, powers):
     """S = factor S + B_hat^T V of one chunk: carried_s (float64) = factor carried_s + s_chunk (work dtype),
     s_work = carried_s in the work dtype (factor = gamma^n with decay, else 1 and not applied: powers is None,
@@ -793,7 +700,7 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 s_chunk_own, s_work_own, carried_s_own, carried_z_own, pw_own, pw_work_own, phi_own, keep))
 
 
-@njit(**HELPER_JIT)
+@register_jitable
 def step_state_update(old, new, b_hat, v_row, a_hat, acc, gamma, decayed):
     """new = gamma old + b_hat v^T (gamma not applied without decay) and acc[g] += sum_j a_hat[g, j] new[j]
     for an (m, dv) state, one pass over it.

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
 from .common import GEO_COPY_TAIL, GEO_HEADS, GEO_OUT, GEO_STREAM, GEO_X, borrowed, element_offset, load, store
-from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _vdeinterleave, _vinterleave,
-                   _vload_flat, _vmul, _vstore_flat, _vsub, _work_dtype, is_aligned16, neg_if, prefetch_write,
-                   store_fence, vcopy_flat, vstore_stream16)
+from .simd import (KERNEL_JIT, VECTOR_BYTES, _work_dtype, is_aligned16, neg_if, prefetch_write, store_fence, vadd,
+                   vcopy_flat, vdeinterleave, vinterleave, vload, vmul, vstore, vstore_stream16, vsub)
 
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row
@@ -29,7 +28,7 @@ from .simd import (HELPER_JIT, KERNEL_JIT, OVERLOAD_JIT, VECTOR_BYTES, _vadd, _v
 # vectorised too (LLVM's own vectoriser fell back to scalar code there: x and out alias).
 
 
-@njit(**HELPER_JIT)
+@register_jitable
 def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_dim, interleaved, inverse,
                   copy_tail, start):
     """Rotate pairs start..half-1 of the head vector at x[xi + j*xsd] (j < head_dim) into o[oi + j*osd] with
@@ -52,7 +51,7 @@ def rotate_vector(x, xi, xsd, o, oi, osd, cos, sin, row, half, rotary_dim, head_
             o[oi + j * osd] = x[xi + j * xsd]
 
 
-@njit(**HELPER_JIT)
+@register_jitable
 def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
                  inverse, streams):
     """Rotate every head of token t (= b*seq_len + s) of item ``item`` with table row rows[b or 0, s] + shift;
@@ -108,7 +107,7 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
                       interleaved, inverse, copy_tail, done)
 
 
-@njit(**HELPER_JIT)
+@register_jitable
 def rows_in_table(rows, shift, table_rows):
     """True when every rows[i, j] + shift is a row of the table (0 <= row < table_rows)."""
     for i in range(rows.shape[0]):
@@ -119,7 +118,7 @@ def rows_in_table(rows, shift, table_rows):
     return True
 
 
-@njit(inline="always", **HELPER_JIT)   # the body of both loops below: inlined, no compile of its own
+@register_jitable(inline="always")   # the body of both loops below: inlined
 def rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
                     inverse, streams):
     """Token t of q (geometry item 0), then of k (item 1)."""
@@ -192,7 +191,7 @@ def simd_covers(x, o, cos, sin, half):
     return False
 
 
-@overload(simd_covers, jit_options=OVERLOAD_JIT)
+@overload(simd_covers)
 def _simd_covers_impl(x, o, cos, sin, half):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
@@ -226,35 +225,35 @@ def _rotate_pairs_overload(stream):
         n = _simd_lanes(x, o, cos, sin)
         if n == 0:
             return lambda x, xi, o, oi, cos, sin, row, half, interleaved, inverse: 0
-        put = vstore_stream16 if stream and o.dtype in (types.float32, types.float64) else _vstore_flat
+        put = vstore_stream16 if stream and o.dtype in (types.float32, types.float64) else vstore
 
         def impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
             table = np.int64(row) * cos.shape[1]
             done = half - half % n
             for i in range(0, done, n):
-                c = _vload_flat(cos, table + i)
-                s = neg_if(_vload_flat(sin, table + i), inverse)
+                c = vload(cos, table + i)
+                s = neg_if(vload(sin, table + i), inverse)
                 if interleaved:
-                    xa, xb = _vdeinterleave(_vload_flat(x, xi + 2 * i), _vload_flat(x, xi + 2 * i + n))
-                    lo, hi = _vinterleave(_vsub(_vmul(xa, c), _vmul(xb, s)), _vadd(_vmul(xb, c), _vmul(xa, s)))
+                    xa, xb = vdeinterleave(vload(x, xi + 2 * i), vload(x, xi + 2 * i + n))
+                    lo, hi = vinterleave(vsub(vmul(xa, c), vmul(xb, s)), vadd(vmul(xb, c), vmul(xa, s)))
                     put(o, oi + 2 * i, lo)
                     put(o, oi + 2 * i + n, hi)
                 else:
-                    xa = _vload_flat(x, xi + i)
-                    xb = _vload_flat(x, xi + half + i)
-                    put(o, oi + i, _vsub(_vmul(xa, c), _vmul(xb, s)))
-                    put(o, oi + half + i, _vadd(_vmul(xb, c), _vmul(xa, s)))
+                    xa = vload(x, xi + i)
+                    xb = vload(x, xi + half + i)
+                    put(o, oi + i, vsub(vmul(xa, c), vmul(xb, s)))
+                    put(o, oi + half + i, vadd(vmul(xb, c), vmul(xa, s)))
             return done
         return impl
     return overload_impl
 
 
 # inlined where they are called: no call per vector
-overload(rotate_pairs_simd, inline="always", jit_options=OVERLOAD_JIT)(_rotate_pairs_overload(False))
-overload(rotate_pairs_stream, inline="always", jit_options=OVERLOAD_JIT)(_rotate_pairs_overload(True))
+overload(rotate_pairs_simd, inline="always")(_rotate_pairs_overload(False))
+overload(rotate_pairs_stream, inline="always")(_rotate_pairs_overload(True))
 
 
-@overload(rotate_heads_simd, jit_options=OVERLOAD_JIT)
+@overload(rotate_heads_simd)
 def _rotate_heads_simd_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse, ahead):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
@@ -279,7 +278,7 @@ def rotate_heads_stream(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, inte
     return 0
 
 
-@overload(rotate_heads_stream, jit_options=OVERLOAD_JIT)
+@overload(rotate_heads_stream)
 def _rotate_heads_stream_impl(x, xi, xsh, o, oi, osh, heads, cos, sin, row, half, interleaved, inverse):
     n = _simd_lanes(x, o, cos, sin)
     if n == 0:
