@@ -84,6 +84,11 @@ def test_reference_in_place_and_array_api_form(dtype, name):
     ref = feature_map(x, name)
     y = x.copy()
     assert feature_map(y, name, out=y) is y and same_bits(y, ref)
+    n = x.size // 2 * 2
+    strided = x[:n].reshape(2, -1).T                    # non-contiguous in and out
+    out = np.empty((2, n // 2), dtype).T
+    assert same_bits(feature_map(strided, name), ref[:n].reshape(2, -1).T)
+    assert same_bits(feature_map(strided, name, out=out), ref[:n].reshape(2, -1).T)
     assert same_bits(feature_map_xp(np, x, name), ref)
     strict = pytest.importorskip("array_api_strict")
     assert same_bits(np.asarray(feature_map_xp(strict, strict.asarray(x), name)), ref)
