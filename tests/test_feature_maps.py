@@ -37,8 +37,13 @@ def values(dtype):
                         (rng.standard_normal(5_000) * 50).astype(dtype), np.linspace(-90, 5, 200_001, dtype=dtype)])
     if dtype == np.float64:
         x = np.concatenate([x, np.linspace(-720, 5, 100_001)])
-    payload_nans = np.array([0x7FC00001, 0xFFC12345, 0x7FFFFFFF], np.uint32).view(np.float32).astype(dtype)
-    return np.concatenate([x, payload_nans] if dtype == np.float32 else [x])
+    # NaNs with payloads, negative, and signalling (0x7FA00001 / 0x7FF4...): phi keeps their bits
+    if dtype == np.float32:
+        nans = np.array([0x7FC00001, 0xFFC12345, 0x7FFFFFFF, 0x7FA00001, 0xFF800001], np.uint32).view(dtype)
+    else:
+        nans = np.array([0x7FF8000000000001, 0xFFF8123456789ABC, 0x7FF4000000000001, 0xFFF0000000000001],
+                        np.uint64).view(dtype)
+    return np.concatenate([x, nans])
 
 
 def same_bits(a, b):

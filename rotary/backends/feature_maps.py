@@ -140,8 +140,9 @@ def feature_map(x, name, out=None):
         below = below if below.any() else None
         _contiguous(_exp_blocks, x, out, 0.0, True)
     else:
-        np.maximum(x, t(0.0), out=out)
-        out += t(0.0)
+        with np.errstate(invalid="ignore"):     # a signalling NaN (restored below)
+            np.maximum(x, t(0.0), out=out)
+            out += t(0.0)
     if below is not None:
         out[below] = t(0.0)
     if nan is not None:
@@ -161,6 +162,8 @@ def feature_map_xp(xp, x, name):
     nan = xp.isnan(x)
     if name == "relu":
         return xp.where((x > zero) | nan, x, zero)
+    x0 = x
+    x = xp.where(nan, zero, x)      # no arithmetic on NaNs (a signalling one would warn); restored at the end
     lo, hi, log2e, l1, l2, poly = EXP_CONSTANTS[name64]
     rnd = np.float64 if name64 == "float64" else np.float32
 
@@ -177,8 +180,8 @@ def feature_map_xp(xp, x, name):
     p = (p * (r * r) + r) + k(1.0)
     first, last = (-126, 127) if name64 == "float32" else (-1022, 1023)   # n's range after the clamp
     powers = xp.asarray([2.0 ** j for j in range(first, last + 1)], dtype=dtype)
-    idx = xp.astype(xp.where(nan, k(0.0), n), xp.int64) - first
+    idx = xp.astype(n, xp.int64) - first
     shape = idx.shape
     scale = xp.reshape(xp.take(powers, xp.reshape(idx, (-1,)), axis=0), shape)
     e = xp.where(x < k(lo), zero, p * scale)
-    return xp.where(x > zero, x + k(1.0), xp.where(nan, x, e))
+    return xp.where(x > zero, x + k(1.0), xp.where(nan, x0, e))
