@@ -30,7 +30,7 @@ from numba.np.arrayobj import populate_array
 from ..feature_maps import CODES as FEATURE_MAPS
 from .common import borrowed, element_offset, element_offset_ir, imax, imin, int64_definition, load, store
 from .rotation import rotate_pairs_simd
-from .simd import (KERNEL_JIT, VECTOR_BYTES, emit_prefetch, feature, is_aligned, lanes, lowered_in_place,
+from .simd import (KERNEL_JIT, VECTOR_BYTES, Vec, emit_prefetch, feature, is_aligned, lanes, lowered_in_place,
                    store_fence, vadd, vany_nan, vload, vload_widened, vmadd, vsplat, vstore, vstore_stream, vsub, vsum,
                    vtranspose, vzeros)
 
@@ -118,87 +118,71 @@ lowered_in_place(tile_width, _tile_width_definition)
 
 
 # -- linear attention: register tiles ---------------------------------------------------------------------
-@register_jitable
-def madd_tile_4(a, b, c, i0, j0, depth, accumulate):
-    """One register tile of a matrix product, 4 rows by two vectors (w = 2 * lanes)::
+def madd_tile(a, b, c, i0, j0, depth, accumulate):
+    """One register tile of a matrix product, TILE_ROWS rows by two vectors (w = :func:`tile_width`)::
 
         c[i0+r, j0:j0+w] = (c[i0+r, j0:j0+w] if accumulate else 0) + sum_{k < depth} a[i0+r, k] b[k, j0:j0+w]
 
-    for r < 4. The eight vector accumulators stay in registers through the loop over k: each vector
-    loaded from b serves four rows, each broadcast of a[., k] two vectors. The sum runs in k order
-    in the work dtype (:func:`vmadd`). a, b, c: 2-D C-contiguous, addressed by flat index (no row views:
-    nothing to reference-count); the caller keeps rows i0..i0+3 and columns j0..j0+w inside the buffers.
-    """
-    half = lanes(c)
-    ldc, ldb = c.shape[1], b.shape[1]
-    r0, r1, r2, r3 = i0 * ldc + j0, (i0 + 1) * ldc + j0, (i0 + 2) * ldc + j0, (i0 + 3) * ldc + j0
-    if accumulate:
-        s00, s01, s10, s11 = vload(c, r0), vload(c, r0 + half), vload(c, r1), vload(c, r1 + half)
-        s20, s21, s30, s31 = vload(c, r2), vload(c, r2 + half), vload(c, r3), vload(c, r3 + half)
-    else:
-        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c)
+    for r < TILE_ROWS, the sum in k order in the work dtype (fused multiply-adds where the CPU has FMA).
+    a, b, c: 2-D C-contiguous; the caller keeps the tile's rows and columns inside the (padded) buffers."""
+    rows, w = TILE_ROWS, tile_width(c)
+    acc = c[i0:i0 + rows, j0:j0 + w].copy() if accumulate else np.zeros((rows, w), c.dtype)
     for k in range(depth):
-        b0, b1 = vload(b, k * ldb + j0), vload(b, k * ldb + j0 + half)
-        x = vsplat(a[i0, k])
-        s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
-        x = vsplat(a[i0 + 1, k])
-        s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
-        x = vsplat(a[i0 + 2, k])
-        s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
-        x = vsplat(a[i0 + 3, k])
-        s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
-    vstore(c, r0, s00)
-    vstore(c, r0 + half, s01)
-    vstore(c, r1, s10)
-    vstore(c, r1 + half, s11)
-    vstore(c, r2, s20)
-    vstore(c, r2 + half, s21)
-    vstore(c, r3, s30)
-    vstore(c, r3 + half, s31)
+        acc += a[i0:i0 + rows, k:k + 1] * b[k, j0:j0 + w]
+    c[i0:i0 + rows, j0:j0 + w] = acc
 
 
-@register_jitable
-def madd_tile_8(a, b, c, i0, j0, depth, accumulate):
-    """:func:`madd_tile_4` for rows i0..i0+7: sixteen accumulators, each pair of vectors loaded from b serving
-    eight rows; the same sums in the same order."""
-    half = lanes(c)
-    ldc, ldb = c.shape[1], b.shape[1]
-    r0, r1, r2, r3 = i0 * ldc + j0, (i0 + 1) * ldc + j0, (i0 + 2) * ldc + j0, (i0 + 3) * ldc + j0
-    r4, r5, r6, r7 = (i0 + 4) * ldc + j0, (i0 + 5) * ldc + j0, (i0 + 6) * ldc + j0, (i0 + 7) * ldc + j0
-    if accumulate:
-        s00, s01, s10, s11 = vload(c, r0), vload(c, r0 + half), vload(c, r1), vload(c, r1 + half)
-        s20, s21, s30, s31 = vload(c, r2), vload(c, r2 + half), vload(c, r3), vload(c, r3 + half)
-        s40, s41, s50, s51 = vload(c, r4), vload(c, r4 + half), vload(c, r5), vload(c, r5 + half)
-        s60, s61, s70, s71 = vload(c, r6), vload(c, r6 + half), vload(c, r7), vload(c, r7 + half)
-    else:
-        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = vzeros(c)
-        s40 = s41 = s50 = s51 = s60 = s61 = s70 = s71 = vzeros(c)
-    for k in range(depth):
-        b0, b1 = vload(b, k * ldb + j0), vload(b, k * ldb + j0 + half)
-        x = vsplat(a[i0, k])
-        s00, s01 = vmadd(s00, x, b0), vmadd(s01, x, b1)
-        x = vsplat(a[i0 + 1, k])
-        s10, s11 = vmadd(s10, x, b0), vmadd(s11, x, b1)
-        x = vsplat(a[i0 + 2, k])
-        s20, s21 = vmadd(s20, x, b0), vmadd(s21, x, b1)
-        x = vsplat(a[i0 + 3, k])
-        s30, s31 = vmadd(s30, x, b0), vmadd(s31, x, b1)
-        x = vsplat(a[i0 + 4, k])
-        s40, s41 = vmadd(s40, x, b0), vmadd(s41, x, b1)
-        x = vsplat(a[i0 + 5, k])
-        s50, s51 = vmadd(s50, x, b0), vmadd(s51, x, b1)
-        x = vsplat(a[i0 + 6, k])
-        s60, s61 = vmadd(s60, x, b0), vmadd(s61, x, b1)
-        x = vsplat(a[i0 + 7, k])
-        s70, s71 = vmadd(s70, x, b0), vmadd(s71, x, b1)
-    for r, lo, hi in ((r0, s00, s01), (r1, s10, s11), (r2, s20, s21), (r3, s30, s31),
-                      (r4, s40, s41), (r5, s50, s51), (r6, s60, s61), (r7, s70, s71)):
-        vstore(c, r, lo)
-        vstore(c, r + half, hi)
+def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
+    """2 * TILE_ROWS vector accumulators kept in registers through the loop over k (allocas LLVM promotes):
+    each pair of vectors loaded from b serves every row, each broadcast of a[i0+r, k] two vectors."""
+    if not all(isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == c.dtype
+               and c.dtype in (types.float32, types.float64) for x in (a, b, c)):
+        raise errors.TypingError(f"madd_tile takes three 2-D C-contiguous float arrays of one dtype, got {a}, {b}, {c}")
+    vec = Vec(c.dtype)
+
+    def codegen(context, builder, signature, args):
+        intp, n, item = context.get_value_type(types.intp), vec.lanes, c.dtype.bitwidth // 8
+        vec_type = context.get_value_type(vec)
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3])]
+        lda, ldb, ldc = (cgutils.unpack_tuple(builder, ary.shape)[1] for ary in arrays)
+        i0_, j0_, depth_ = (context.cast(builder, v, t, types.intp) for v, t in zip(args[3:6], signature.args[3:6]))
+        flag = context.cast(builder, args[6], signature.args[6], types.boolean)
+
+        def vec_ptr(ary, index):
+            return builder.bitcast(builder.gep(ary.data, [index], inbounds=True), vec_type.as_pointer())
+
+        slots = []
+        for r in range(TILE_ROWS):
+            row = builder.add(builder.mul(builder.add(i0_, ir.Constant(intp, r)), ldc), j0_)
+            for h in range(2):
+                slot = cgutils.alloca_once(builder, vec_type)
+                ptr = vec_ptr(arrays[2], builder.add(row, ir.Constant(intp, h * n)))
+                builder.store(builder.select(flag, builder.load(ptr, align=item),
+                                             ir.Constant(vec_type, [0.0] * n)), slot)
+                slots.append((slot, ptr))
+        with cgutils.for_range(builder, depth_) as loop:
+            b_row = builder.add(builder.mul(loop.index, ldb), j0_)
+            bs = [builder.load(vec_ptr(arrays[1], builder.add(b_row, ir.Constant(intp, h * n))), align=item)
+                  for h in range(2)]
+            for r in range(TILE_ROWS):
+                a_ptr = builder.gep(arrays[0].data, [builder.add(builder.mul(builder.add(i0_, ir.Constant(intp, r)), lda),
+                                                                 loop.index)], inbounds=True)
+                x = builder.load(a_ptr)
+                x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec_type, ir.Undefined), x,
+                                                                  ir.Constant(ir.IntType(32), 0)),
+                                           ir.Constant(vec_type, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+                for h in range(2):
+                    slot = slots[2 * r + h][0]
+                    product = builder.fmul(x, bs[h], flags=("contract",))
+                    builder.store(builder.fadd(builder.load(slot), product, flags=("contract",)), slot)
+        for slot, ptr in slots:
+            builder.store(builder.load(slot), ptr, align=item)
+        return context.get_dummy_value()
+
+    return types.none(a, b, c, i0, j0, depth, accumulate), codegen
 
 
-#: the register tile of the chunk products, TILE_ROWS rows (only the one used is compiled)
-madd_tile = madd_tile_8 if TILE_ROWS == 8 else madd_tile_4
+lowered_in_place(madd_tile, _madd_tile_definition)
 
 
 @register_jitable
@@ -526,15 +510,8 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 of batch row 0, with
     state n (sb below; sb = b unpacked).
 
-    One function, not a per-task helper: inlining a helper this size copied its IR block by block (~1.7 s
-    of the first call) and a separate helper is optimised by LLVM again in its caller's module.
-
-    ``powers`` None marks a call without decay (not a flag and an unused array): every decay branch tests
-    ``powers is not None`` on the argument itself, which Numba prunes before typing when powers is None, so
-    the version without decay compiles none of them (~0.4 s of the first call; the decayed version is a
-    second signature, as a decayed call's array always was). ``causal`` likewise: True for the causal form,
-    None for the non-causal one (never False), so each version compiles only its own loop (the causal
-    call's first call 0.3-0.5 s shorter).
+    ``powers`` None marks a call without decay and ``causal`` is True or None (never False): Numba prunes the
+    branches that test them before typing, so each signature compiles only its own loops.
     """
     n_heads = state_s.shape[1]
     keep = (q, k, v, o, geo, cos, sin, rows, powers, state_s, state_z, new_s, new_z)
