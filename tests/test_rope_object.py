@@ -363,12 +363,11 @@ def _unaligned_like(x):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_rope_numba_entry_points_and_what_they_refuse(dtype, rng):
-    """After the first call of a geometry, the Numba path calls the kernel's compiled entry point directly
-    (no dispatcher: the argument types are the plan's). Every later call still equals the float64 oracle;
-    arrays that are not aligned to their item size, and positions that are not C-contiguous, reach the
-    kernel through the dispatcher or the general path, with the same results; the caller's positions stay
-    as they were (values and writeable flag)."""
+def test_rope_numba_plans_and_what_they_refuse(dtype, rng):
+    """After the first call of a geometry, the Numba path runs the plan's prepared rotation. Every later call
+    still equals the float64 oracle; arrays that are not aligned to their item size, and positions that are
+    not C-contiguous, take the general path, with the same results; the caller's positions stay as they
+    were (values and writeable flag)."""
     if not rotary.available_backends()["numba"][0]:
         pytest.skip(rotary.available_backends()["numba"][1])
     spec = RopeSpec(32, base=10000.0)
@@ -388,7 +387,7 @@ def test_rope_numba_entry_points_and_what_they_refuse(dtype, rng):
         np.testing.assert_array_equal(pos, kept)
         assert pos.flags.writeable
     (plan,) = rope._plans.values()
-    assert plan.prepared.entries, "later calls should go to the compiled entry point"
+    assert plan.prepared is not None, "later calls should run the prepared rotation"
     qu, ku = _unaligned_like(q), _unaligned_like(k)
     for x, y in zip((q, k), rope(qu, ku, positions[0], seq_axis=1)):
         testing.assert_close(y, oracle(x, positions[0]), like=x)
