@@ -199,8 +199,8 @@ def test_element_offset_is_int64():
 def test_in_place_helpers_match_their_python_forms(dtype):
     """The helpers lowered in place (no compiled function of their own) against their Python forms: imin / imax /
     padded in int64 (a uint64 argument wraps as np.int64 does), tile_width, aligned_zeros (zeroed, C-contiguous,
-    64-byte aligned, its own memory: it outlives the call), load / store (a negative index wraps around as
-    x[i] does; float16 bits rounded through float32 to nearest even)."""
+    64-byte aligned, its own memory: it outlives the call), load / store (float16 bits rounded through float32
+    to nearest even)."""
     from numba import njit
 
     @njit(cache=False)
@@ -233,7 +233,7 @@ def test_in_place_helpers_match_their_python_forms(dtype):
 
     x = np.arange(6, dtype=dtype)
     out = np.zeros(4, dtype)
-    assert load_store(x, -2, out, -1, 2.25) == 4 and out[-1] == 2.25
+    assert load_store(x, 4, out, 3, 2.25) == 4 and out[3] == 2.25   # flat indices 0..size-1, no wraparound
     bits = np.array([1.0, 65504.0, 2.0**-24], np.float16).view(np.uint16)
     half_out = np.zeros(3, np.uint16)
     for i, value in enumerate((1.0 + 2.0**-11, 1e6, -(2.0**-25) * 1.5)):   # a tie (to even), overflow, a subnormal

@@ -24,58 +24,59 @@ from .simd import float_to_half_ir, half_to_float_ir, lowered_in_place
 GEO_HEADS, GEO_X, GEO_OUT, GEO_COPY_TAIL, GEO_STREAM, GEO_COLUMNS = 0, 1, 6, 11, 12, 13
 
 
-# -- float16 as uint16 bits: exact conversions (integer operations, round to nearest even) -----
+# -- element loads and stores: flat index, float16 bits converted exactly (integer operations) -----------------
 def load(buf, i):
-    """buf[i] in the work dtype: float16 bits (uint16) -> float32, float32/float64 unchanged."""
-    if buf.dtype == np.uint16:
-        return np.float32(buf[i].view(np.float16))
-    return buf[i]
+    """buf.flat[i] in the work dtype (float16 bits (uint16) -> float32, float32/float64 unchanged); compiled on a
+    C-contiguous buffer, i in 0..size-1 addresses the element directly (no wraparound test in the loops)."""
+    value = buf.reshape(-1)[i]
+    return np.float32(value.view(np.float16)) if buf.dtype == np.uint16 else value
 
 
 def store(buf, i, value):
-    """buf[i] = value rounded to buf's dtype (float16 bits for a uint16 buffer: via float32)."""
-    if buf.dtype == np.uint16:
-        buf[i] = np.float16(np.float32(value)).view(np.uint16)
-    else:
-        buf[i] = value
+    """buf.flat[i] = value rounded to buf's dtype (float16 bits for a uint16 buffer: via float32, to nearest even)."""
+    flat = buf.reshape(-1)
+    flat[i] = np.float16(np.float32(value)).view(np.uint16) if buf.dtype == np.uint16 else value
 
 
-def _index_type(i):
-    if not isinstance(i, types.Integer):
-        raise errors.TypingError(f"an element index must be an integer, got {i}")
+def _element_pointer(context, builder, array_type, array, index_type, index):
+    """Pointer to buf.flat[index] of a C-contiguous array; None for another layout (Numba's own indexing then)."""
+    if array_type.layout != "C":
+        return None
+    ary = context.make_array(array_type)(context, builder, array)
+    return builder.gep(ary.data, [context.cast(builder, index, index_type, types.intp)], inbounds=True)
 
 
 def _load_definition(typingctx, buf, i):
-    """load, emitted at the call site: Numba's own ``buf[i]`` (its wraparound of a negative signed index
-    included), then the exact float16 -> float32 widening of uint16 bits (:func:`.simd.half_to_float_ir`)."""
-    if not (isinstance(buf, types.Array) and buf.ndim == 1):
-        raise errors.TypingError(f"load reads a 1-D array, got {buf}")
-    _index_type(i)
+    if not (isinstance(buf, types.Array) and (buf.layout == "C" or buf.ndim == 1) and isinstance(i, types.Integer)):
+        raise errors.TypingError(f"load reads a C-contiguous or 1-D array at an integer index, got {buf}, {i}")
     half = buf.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        value = context.get_function(operator.getitem, buf.dtype(*signature.args))(builder, args)
+        ptr = _element_pointer(context, builder, *signature.args[:1], args[0], signature.args[1], args[1])
+        value = (builder.load(ptr) if ptr is not None
+                 else context.get_function(operator.getitem, buf.dtype(*signature.args))(builder, args))
         return half_to_float_ir(builder, value) if half else value
 
     return (types.float32 if half else buf.dtype)(buf, i), codegen
 
 
 def _store_definition(typingctx, buf, i, value):
-    """store, emitted at the call site: value cast to buf's dtype (float16 bits: to float32, then rounded to
-    nearest even by :func:`.simd.float_to_half_ir`), then Numba's own ``buf[i] = value``."""
-    if not (isinstance(buf, types.Array) and buf.ndim == 1 and isinstance(value, types.Number)):
-        raise errors.TypingError(f"store writes a number into a 1-D array, got {buf} and {value}")
-    _index_type(i)
+    if not (isinstance(buf, types.Array) and (buf.layout == "C" or buf.ndim == 1) and isinstance(i, types.Integer)
+            and isinstance(value, types.Number)):
+        raise errors.TypingError(f"store writes a number into a C-contiguous or 1-D array, got {buf}, {i}, {value}")
 
     def codegen(context, builder, signature, args):
         array_type, index_type, value_type = signature.args
         if array_type.dtype == types.uint16:
-            single = context.cast(builder, args[2], value_type, types.float32)
-            item = float_to_half_ir(builder, single)
+            item = float_to_half_ir(builder, context.cast(builder, args[2], value_type, types.float32))
         else:
             item = context.cast(builder, args[2], value_type, array_type.dtype)
-        setitem = types.none(array_type, index_type, array_type.dtype)
-        context.get_function(operator.setitem, setitem)(builder, (args[0], args[1], item))
+        ptr = _element_pointer(context, builder, array_type, args[0], index_type, args[1])
+        if ptr is not None:
+            builder.store(item, ptr)
+        else:
+            setitem = types.none(array_type, index_type, array_type.dtype)
+            context.get_function(operator.setitem, setitem)(builder, (args[0], args[1], item))
         return context.get_dummy_value()
 
     return types.none(buf, i, value), codegen

@@ -244,24 +244,19 @@ def row_finite(row, n):
 
 
 @register_jitable(inline="always")   # one call site: inlined, no compile of its own
-def rotate_features(x, y, cos_row, sin_row, first, half, rotary_dim, m, interleaved):
-    """y[:m] = R x[:m] for one feature row from pair ``first`` on (the pairs before it done by SIMD): on each
-    pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half) or (2p, 2p + 1)),
-    y_j = x_j from rotary_dim on."""
-    if interleaved:
-        for p in range(first, half):
-            c, s = cos_row[p], sin_row[p]
-            xa, xb = x[2 * p], x[2 * p + 1]
-            y[2 * p] = xa * c - xb * s
-            y[2 * p + 1] = xb * c + xa * s
-    else:
-        for p in range(first, half):
-            c, s = cos_row[p], sin_row[p]
-            xa, xb = x[p], x[p + half]
-            y[p] = xa * c - xb * s
-            y[p + half] = xb * c + xa * s
+def rotate_features(x, xi, y, yi, cos, sin, row, first, half, rotary_dim, m, interleaved):
+    """y.flat[yi:yi+m] = R x.flat[xi:xi+m] for one feature row from pair ``first`` on (the pairs before it done by
+    SIMD), table row ``row``: on each pair ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` (pairs (p, p + half)
+    or (2p, 2p + 1)), y_j = x_j from rotary_dim on. Flat indices, no row views (nothing to reference-count)."""
+    step, second = (2, 1) if interleaved else (1, half)
+    for p in range(first, half):
+        c, s = cos[row, p], sin[row, p]
+        a = p * step
+        xa, xb = load(x, xi + a), load(x, xi + a + second)
+        store(y, yi + a, xa * c - xb * s)
+        store(y, yi + a + second, xb * c + xa * s)
     for j in range(rotary_dim, m):
-        y[j] = x[j]
+        store(y, yi + j, load(x, xi + j))
 
 
 #: rows the linear-attention row loops fetch ahead of use. One head's rows are H*d elements apart, a
@@ -337,7 +332,7 @@ def transpose_rows(src, dest, n):
     the block's extra columns of dest are scratch), the rest in blocks of 8 rows (each dest line written 8
     values at a time)."""
     m = src.shape[1]
-    block = lanes(src[0])
+    block = lanes(src)
     limit = imin(src.shape[0], dest.shape[1])   # rows of src readable, columns of dest writable as scratch
     full_rows = padded(n, block) if padded(n, block) <= limit else n - n % block
     full_cols = m - m % block
@@ -348,9 +343,8 @@ def transpose_rows(src, dest, n):
     for i0 in range(0, n, 8):                   # the columns past the whole blocks, every row
         end = imin(i0 + 8, n)
         for j in range(full_cols, m):
-            dest_row = dest[j]
             for i in range(i0, end):
-                dest_row[i] = src[i, j]
+                dest[j, i] = src[i, j]
     for i in range(full_rows, n):               # the rows past the whole blocks (buffers without padding)
         for j in range(full_cols):
             dest[j, i] = src[i, j]
@@ -369,7 +363,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
     a few ahead arrived late (the load waited out most of a memory latency). g: (offset, sB, sS, sH, sD) of x.
     """
     m = phi.shape[1]
-    width = lanes(phi[0])
+    width = lanes(phi)
     vector_end = m - m % width if g[4] == 1 else 0
     next_h, next_t, next_n = after
     for i in range(-PREFETCH_ROWS, n):
@@ -379,17 +373,16 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
         if i < next_n:
             prefetch_row(x, g, b, next_t + i, next_h, m, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        phi_row = phi[i]
         for j in range(0, vector_end, width):
-            vstore(phi_row, j, feature(vload(x, base + j), feature_map))
+            vstore(phi, i * m + j, feature(vload(x, base + j), feature_map))
         for j in range(vector_end, m):
-            phi_row[j] = feature(load(x, base + j * g[4]), feature_map)
+            phi[i, j] = feature(load(x, base + j * g[4]), feature_map)
+    out = scratch if transpose else rotated     # transposed below
     for i in range(n):
         row = rows[b if rows.shape[0] > 1 else 0, t0 + i]
-        phi_row = phi[i]
-        out_row = scratch[i] if transpose else rotated[i]     # transposed below
-        done = rotate_pairs_simd(phi_row, 0, out_row, 0, cos, sin, row, half, interleaved, False)
-        rotate_features(phi_row, out_row, cos[row], sin[row], done, half, rotary_dim, m, interleaved)
+        oi = i * out.shape[1]
+        done = rotate_pairs_simd(phi, i * m, out, oi, cos, sin, row, half, interleaved, False)
+        rotate_features(phi, i * m, out, oi, cos, sin, row, done, half, rotary_dim, m, interleaved)
     if transpose:
         transpose_rows(scratch, rotated, n)
 
@@ -407,14 +400,12 @@ def load_values(x, g, b, h, t0, n, dest, dv, after):
         if i < next_n:
             prefetch_row(x, g, b, next_t + i, next_h, dv, False)
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        row = dest[i]
         if g[4] == 1:
-            x_row = x[base:base + dv]
             for j in range(dv):
-                row[j] = load(x_row, j)
+                dest[i, j] = load(x, base + j)
         else:
             for j in range(dv):
-                row[j] = load(x, base + j * g[4])
+                dest[i, j] = load(x, base + j * g[4])
 
 
 @register_jitable
@@ -431,9 +422,8 @@ def store_row(o, g, b, t, h, acc, dv, scale, stream):
         for j in range(0, dv, width):
             vstore_stream(o, base + j, vload(acc, j))
     elif g[4] == 1:
-        o_row = o[base:base + dv]
         for j in range(dv):
-            store(o_row, j, acc[j] * scale)
+            store(o, base + j, acc[j] * scale)
     else:
         for j in range(dv):
             store(o, base + j * g[4], acc[j] * scale)
