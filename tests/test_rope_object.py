@@ -423,3 +423,21 @@ def test_apply_qk_plans_refuse_unaligned_arrays(rng):
     for w, y, o in zip(want, got, outs):
         assert y is o
         testing.assert_close(o, w, like=q)
+
+
+def test_rope_defaults_to_the_auto_backend(rng, monkeypatch):
+    """Rope(spec) picks its backend as every entry point does (backend="auto"): it works on an install without
+    numba (the registry refusing it here) and rotates NumPy arrays equal to the float64 oracle."""
+    from rotary import backends as _backends
+
+    rope = rotary.Rope(SPEC)
+    assert rope.backend == "auto"
+    monkeypatch.setattr(_backends, "_loaded", {k: v for k, v in _backends._loaded.items() if k != "numba"})
+    monkeypatch.setattr(_backends, "_errors", {**_backends._errors, "numba": "No module named 'numba'"})
+    rope = rotary.Rope(SPEC, dtype=np.float32)
+    q, k = _qk(rng, np.float32, B=2, S=3, Hq=4, Hk=2, D=SPEC.head_dim)
+    pos = np.arange(3) + 5
+    for _ in range(2):   # the general path, then the plan
+        for x, y in zip((q, k), rope(q, k, pos, seq_axis=1)):
+            want = np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), pos, SPEC.inv_freq()), 1, 2)
+            testing.assert_close(y, want, like=x)

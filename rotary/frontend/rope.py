@@ -1,6 +1,6 @@
 """``Rope``: a prepared rotation for the hot loop (a decode step), the way HF/vLLM users hold a module.
 
-``rope = Rope(spec, backend="numba", dtype=np.float32)`` does once what ``apply_qk`` does per call:
+``rope = Rope(spec, dtype=np.float32)`` (``backend="auto"``, as everywhere) does once what ``apply_qk`` does per call:
 it resolves the backend and holds the spec's cos/sin table (grown when a larger position comes, or
 made for ``max_positions`` up front; far from 0, a cached window of it, so decoding past the dense
 table stays on the prepared path); the first call with a new geometry (shapes, strides, seq_axis,
@@ -39,7 +39,9 @@ class Rope:
     Parameters
     ----------
     spec : RopeSpec
-    backend : {"numba", "numpy", "cupy", "auto"}
+    backend : {"auto", "numba", "numpy", "cupy"}
+        "auto" (default), as everywhere: CuPy for CuPy arrays, Numba for NumPy arrays when numba is
+        installed, else the NumPy reference.
     dtype : float16, float32 or float64
         The dtype of the arrays the fast path is prepared for (others take the general path).
     max_positions : int, optional
@@ -51,7 +53,7 @@ class Rope:
     seqlen_offsets) and give the same results.
     """
 
-    def __init__(self, spec, backend="numba", dtype=np.float32, max_positions=None):
+    def __init__(self, spec, backend="auto", dtype=np.float32, max_positions=None):
         if not isinstance(spec, RopeSpec):
             raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
         try:
