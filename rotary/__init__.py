@@ -41,3 +41,18 @@ __all__ = [
     "set_table_cache_limit",
     "table_cache_info",
 ]
+
+#: submodules imported on first attribute access (``rotary.testing``), so ``import rotary`` stays cheap
+_LAZY_SUBMODULES = ("testing",)
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -35,3 +35,19 @@ def test_cli_info_and_demo():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all backends agree" in res.stdout
     assert "causal linear attention" in res.stdout and "prefill+resume" in res.stdout
+
+
+def test_testing_is_an_attribute_and_import_stays_cheap():
+    """``rotary.testing`` after a plain ``import rotary`` (imported on first access, listed in dir()), and the
+    import itself pulls in no accelerator or framework module."""
+    code = ("import sys, numpy as np, rotary; heavy = ('numba', 'cupy', 'torch', 'jax'); "
+            "before = [m for m in heavy if m in sys.modules]; lazy = 'rotary.testing' in sys.modules; "
+            "listed = 'testing' in dir(rotary); "
+            "y = rotary.testing.rope_2x2(np.ones((3, 4)), np.arange(3), rotary.RopeSpec(4).inv_freq()); "
+            "print(before, lazy, listed, y.shape, [m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] False True (3, 4) []"
+    import rotary.testing
+
+    assert rotary.testing is sys.modules["rotary.testing"]
