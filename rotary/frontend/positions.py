@@ -88,6 +88,11 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
         if not lead_shape:
             raise ValueError(f"{name} of shape {p.shape} has a batch axis but the input has no batch axis before the "
                              f"sequence axis; pass shape {(seq_len, *tail)}")
+        if core[0] == 1 and core[1] == seq_len and lead_shape[0] != 1:   # HF's (1, S) position_ids
+            raise ValueError(f"{name} of shape {p.shape} has one row but the input's batch axis has {lead_shape[0]}: "
+                             f"to use the same positions for every batch row pass {name}[0] (shape "
+                             f"{(seq_len, *tail)}), else one row per batch entry, shape "
+                             f"{(lead_shape[0], seq_len, *tail)}; positions are never broadcast silently")
         if core != (lead_shape[0], seq_len):
             raise ValueError(f"{name} of shape {p.shape} must be {(seq_len, *tail)} or (batch, seq{', n_axes' if n_axes else ''}) "
                              f"= {(lead_shape[0], seq_len, *tail)}; positions are never broadcast onto other axes")
