@@ -290,3 +290,60 @@ def test_inspect_prints_the_vision_tower():
     assert step.startswith("[vision: Step3p7") and "pairs read         0-23 c, 24-47 r" in step
     with pytest.raises(ValueError, match="no vision tower with RoPE"):
         RopeSpec.from_hf_vision_config({"model_type": "llama", "head_dim": 64})
+
+
+def test_from_hf_config_takes_a_path_or_checkpoint_folder(tmp_path):
+    """A config.json path (str or os.PathLike) or a checkpoint folder holding one reads as its dict does, for
+    every from_hf_* reader; a missing file or a folder without config.json names the path."""
+    import json
+
+    folder = tmp_path / "Gemma-3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(GEMMA3))
+    expected = RopeSpec.from_hf_config(GEMMA3, layer_type="full_attention")
+    for source in (folder, str(folder), folder / "config.json", str(folder / "config.json")):
+        assert RopeSpec.from_hf_config(source, layer_type="full_attention") == expected
+        assert RopeSpec.per_layer_from_hf_config(source) == RopeSpec.per_layer_from_hf_config(GEMMA3)
+        assert RopeSpec.layers_from_hf_config(source) == RopeSpec.layers_from_hf_config(GEMMA3)
+    vision = {"model_type": "qwen2_vl", "hidden_size": 3584, "num_attention_heads": 28, "rope_theta": 1e6,
+              "vision_config": {"depth": 32, "embed_dim": 1280, "num_heads": 16, "hidden_size": 3584}}
+    (tmp_path / "vision.json").write_text(json.dumps(vision))
+    assert RopeSpec.from_hf_vision_config(tmp_path / "vision.json") == RopeSpec.from_hf_vision_config(vision)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        RopeSpec.from_hf_config(tmp_path / "nope.json")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="empty.* has no config.json"):
+        RopeSpec.from_hf_config(str(empty))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="list.json.*JSON list, not an object"):
+        RopeSpec.from_hf_config(tmp_path / "list.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*not a JSON file"):
+        RopeSpec.from_hf_config(tmp_path / "bad.json")
+
+
+def test_inspect_cli_reads_a_checkpoint_folder_and_refuses_deep_json(tmp_path, capsys):
+    """`python -m rotary inspect FOLDER` reads FOLDER/config.json; JSON nested past the recursion limit (at the
+    top, or inside a config the family's class rewrites) and a missing path are exit 2 with one line, never
+    a traceback."""
+    import json
+    import subprocess
+    import sys
+
+    from rotary.__main__ import main
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "[full_attention]" in capsys.readouterr().out
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"model_type": "gemma3", "x": ' + "[" * 900 + "]" * 900 + "}")
+    for path, words in ((deep, "deep.json"), (nested, "recursion limit"), (tmp_path / "nope", "nope")):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rotary inspect: ") and words in err and "Traceback" not in err, err
+    out = subprocess.run([sys.executable, "-m", "rotary", "inspect", str(deep)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "recursion limit" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -1,4 +1,5 @@
-"""``python -m rotary inspect config.json [--layer-type T]``: how rotary reads an HF config.
+"""``python -m rotary inspect CONFIG [--layer-type T]``: how rotary reads an HF config (a config.json or a
+checkpoint folder holding one).
 
 Prints, for each RoPE layer type of the config (or the one named), the spec ``RopeSpec.from_hf_config``
 builds: rope type and its parameters, base, head / rotary dims, layout, multi-axis assignment, the
@@ -9,12 +10,12 @@ index to layer type. Exit status 0, or 2 with the error when the config cannot b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 HELP = "print the RoPE spec(s) rotary reads from an HF config.json"
 EPILOG = """examples:
   python -m rotary inspect config.json                                # every RoPE layer type of the config
+  python -m rotary inspect ./Llama-3.1-8B                             # a checkpoint folder (its config.json)
   python -m rotary inspect config.json --layer-type sliding_attention  # one layer type (Gemma 3 style)
   python -m rotary inspect config.json --head qk                      # MLA models: the whole [nope | rope] head"""
 
@@ -88,11 +89,17 @@ def _runs(labels) -> list[str]:
 
 
 def inspect_config(config, layer_type=None, head="rope") -> str:
-    """The text ``python -m rotary inspect`` prints for a config dict (or PretrainedConfig); ``head`` as in
-    ``RopeSpec.from_hf_config`` (MLA: "qk" for the whole [nope | rope] head, "indexer" for DSA's indexer)."""
+    """The text ``python -m rotary inspect`` prints for a config (dict, PretrainedConfig, or the path of a
+    config.json or checkpoint folder); ``head`` as in ``RopeSpec.from_hf_config`` (MLA: "qk" for the whole
+    [nope | rope] head, "indexer" for DSA's indexer)."""
+    import os
+
     from ..spec import hf_config as _hf_config
     from ..spec import hf_vision
     from ..spec.rope_spec import RopeSpec
+
+    if isinstance(config, (str, os.PathLike)):
+        config = _hf_config.load_config(config)
 
     vision = hf_vision.vision_reader(config)
     if vision is not None and vision.where == "config":   # the config is a vision tower's own
@@ -138,11 +145,13 @@ def _vision_lines(config) -> list[str]:
 
 def run_cli(args) -> int:
     try:
-        with open(args.config, encoding="utf-8") as fh:
-            config = json.load(fh)
-        print(inspect_config(config, args.layer_type, args.head))
+        print(inspect_config(args.config, args.layer_type, args.head))
     except (OSError, ValueError, TypeError) as exc:
         print(f"rotary inspect: {exc}", file=sys.stderr)
+        return 2
+    except RecursionError:   # a config nested past Python's recursion limit
+        print(f"rotary inspect: {args.config}: the config nests values deeper than Python's recursion limit "
+              "(not an HF config.json)", file=sys.stderr)
         return 2
     return 0
 
@@ -150,7 +159,7 @@ def run_cli(args) -> int:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("inspect", help=HELP, description=HELP, epilog=EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="path to an HF config.json")
+    parser.add_argument("config", help="path to an HF config.json, or a checkpoint folder holding one")
     parser.add_argument("--layer-type", default=None, help="only this layer type (e.g. full_attention)")
     parser.add_argument("--head", default="rope", choices=("rope", "qk", "indexer"),
                         help="MLA models: the rope part (default), the whole [nope | rope] q/k head, or "

@@ -32,7 +32,9 @@ What is read, in HF's order of precedence:
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 from collections.abc import Mapping
 
 from . import scaling as _scaling
@@ -123,17 +125,41 @@ class ConfigError(ValueError):
     """A config value rotary cannot read (names the config key)."""
 
 
+def load_config(path) -> dict:
+    """The dict of an HF ``config.json``: ``path`` (str or os.PathLike) names the file or a checkpoint folder
+    holding one. FileNotFoundError naming the path when there is none; ConfigError for a file that is not a
+    JSON object (bad JSON, nested past Python's recursion limit, a list, ...)."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        where = f"the folder {path!r} has no config.json" if file != path else f"{path!r} does not exist"
+        raise FileNotFoundError(f"HF config not found: {where} (pass a config.json, a checkpoint folder holding one, "
+                                "a dict or a PretrainedConfig)")
+    try:
+        with open(file, "rb") as fh:
+            config = json.loads(fh.read().decode("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"{file!r} nests JSON deeper than Python's recursion limit: not an HF config.json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file!r} is not a JSON file (an HF config.json): {exc}"[:500]) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file!r} holds a JSON {type(config).__name__}, not an object (an HF config.json)")
+    return config
+
+
 class _Reader:
     """Read access to one config level: attributes of a PretrainedConfig, keys (+ aliases) of a dict."""
 
     def __init__(self, config, where: str = "config", model_type=None):
+        if isinstance(config, (str, os.PathLike)):   # a config.json or a checkpoint folder
+            config = load_config(config)
         if isinstance(config, Mapping):
             self.is_dict = True
         elif callable(getattr(config, "to_dict", None)):
             self.is_dict = False
         else:
-            raise TypeError(f"{where} must be a dict (an HF config.json) or a PretrainedConfig, "
-                            f"got {type(config).__name__}")
+            raise TypeError(f"{where} must be a dict (an HF config.json), a path to a config.json or checkpoint "
+                            f"folder, or a PretrainedConfig, got {type(config).__name__}")
         self.config, self.where = config, where
         self.model_type = self.raw("model_type") or model_type
         if self.model_type is not None and not isinstance(self.model_type, str):
@@ -513,7 +539,11 @@ def as_hf_class_reads(reader: _Reader) -> _Reader:
     rewrite = CLASS_READS.get(_family(reader))
     if rewrite is None and not defaults:
         return reader
-    config = {**copy.deepcopy(dict(reader.config)), **defaults}
+    try:
+        config = {**copy.deepcopy(dict(reader.config)), **defaults}
+    except RecursionError:
+        raise ConfigError(f"{reader.where} nests values deeper than Python's recursion limit: not an HF "
+                          "config") from None
     if rewrite is not None:
         config = rewrite(config)
     return _Reader(config, reader.where, reader.model_type)
