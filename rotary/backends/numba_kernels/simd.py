@@ -184,6 +184,23 @@ def _lanes_definition(typingctx, buf):
     return types.intp(buf), lambda context, builder, signature, args: context.get_constant(types.intp, count)
 
 
+def line_items(buf):
+    """Elements of buf's own dtype in a 64-byte cache line (compiled: a constant)."""
+    return 64 // buf.itemsize
+
+
+def vector_items(buf):
+    """Elements of buf's own dtype in one vector register (compiled: a constant; float16 bits: 2 * lanes)."""
+    return VECTOR_BYTES // buf.itemsize
+
+
+def _items_definition(nbytes):
+    def definition(typingctx, buf):
+        count = nbytes // (buf.dtype.bitwidth // 8)
+        return types.intp(buf), lambda context, builder, signature, args: context.get_constant(types.intp, count)
+    return definition
+
+
 def vload(buf, i):
     """The vector buf.flat[i : i + lanes] in the work dtype (float16 bits widened exactly); buf C-contiguous."""
     flat = buf.reshape(-1)
@@ -603,7 +620,8 @@ def _feature_definition(typingctx, x, feature_map):
 
 
 for _func, _definition in (
-        (lanes, _lanes_definition), (vload, _vload_definition), (vstore, _store_definition()),
+        (lanes, _lanes_definition), (line_items, _items_definition(64)),
+        (vector_items, _items_definition(VECTOR_BYTES)), (vload, _vload_definition), (vstore, _store_definition()),
         (vstore_stream, _store_definition(VECTOR_BYTES, True)), (vstore_stream16, _store_definition(16, True)),
         (is_aligned, _aligned_definition(VECTOR_BYTES)), (is_aligned16, _aligned_definition(16)),
         (store_fence, _store_fence_definition), (vload_widened, _vload_widened_definition),
