@@ -45,6 +45,7 @@ def test_warm_help_names_the_command_and_an_example():
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0
     assert "python -m rotary warm --dtypes float32" in run.stdout and "NUMBA_CACHE_DIR" in run.stdout
+    assert "--refresh" in run.stdout   # recompiles the kernels after an edit to a helper they inline
 
 
 def test_warm_rejects_an_unknown_dtype():
