@@ -347,3 +347,113 @@ def test_inspect_cli_reads_a_checkpoint_folder_and_refuses_deep_json(tmp_path, c
     out = subprocess.run([sys.executable, "-m", "rotary", "inspect", str(deep)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "recursion limit" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_llama3_without_original_max_position_embeddings_warns_and_falls_back():
+    """HF 5 fills a llama3 rope dict's missing original_max_position_embeddings with max_position_embeddings
+    (standardize_rope_params); rotary does the same and says so, naming the key and the value used."""
+    import warnings
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = {"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 5e5, "max_position_embeddings": 131072,
+              "rope_scaling": scaling}
+    with pytest.warns(UserWarning, match=r"original_max_position_embeddings'\] is missing.*"
+                                         r"max_position_embeddings = 131072"):
+        spec = RopeSpec.from_hf_config(config)
+    assert spec.scaling_dict["original_max_position_embeddings"] == 131072
+    with pytest.warns(UserWarning, match="original_max_position_embeddings"):
+        assert RopeSpec(128, base=5e5, scaling=scaling, max_position_embeddings=131072) == spec
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # given (in the rope dict or at the top level): no warning
+        full = {**scaling, "original_max_position_embeddings": 8192}
+        assert RopeSpec.from_hf_config({**config, "rope_scaling": full}).scaling_dict[
+            "original_max_position_embeddings"] == 8192
+        top = RopeSpec.from_hf_config({**config, "original_max_position_embeddings": 8192})
+        assert top.scaling_dict["original_max_position_embeddings"] == 8192
+
+
+# -- extreme scaling values: a spec that evaluates finitely everywhere, or a ConfigError naming the key ------------
+_EXTREMES = (0.0, 5e-324, 1e-308, 1e-300, 1e-7, 0.25, 1e7, 1e300, 1e308, -1.0, -1e308, 10**400, float("nan"),
+             float("inf"))
+_LLAMA = {"hidden_size": 128, "num_attention_heads": 4, "rope_theta": 1e4, "max_position_embeddings": 256}
+_MLA = {"model_type": "deepseek_v3", "hidden_size": 256, "num_attention_heads": 4, "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 32, "rope_theta": 1e4, "max_position_embeddings": 256}
+_RULES = {   # rope dict, the config it sits in, the float keys to push to extremes
+    "linear": ({"rope_type": "linear", "factor": 2.0}, _LLAMA, ("factor",)),
+    "ntk": ({"rope_type": "ntk", "factor": 2.0}, _LLAMA, ("factor",)),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, _LLAMA, ("factor",)),
+    "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, _MLA,
+             ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")),
+    "llama3": ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}, _LLAMA, ("factor", "low_freq_factor", "high_freq_factor")),
+    "longrope": ({"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 64,
+                  "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}, _LLAMA,
+                 ("factor", "attention_factor", "short_factor", "long_factor")),
+    "proportional": ({"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}, _LLAMA,
+                     ("factor", "partial_rotary_factor")),
+}
+_CASES = [(rule, key, value) for rule, (_, _, keys) in _RULES.items() for key in keys for value in _EXTREMES]
+
+
+def _finite_everywhere(spec):
+    """inv_freq finite >= 0 and the attention / softmax factors finite > 0 at the original context and far past
+    it; the rotation of ones finite at positions up to 2**40."""
+    for seq_len in (None, 10**6, 2**40):
+        inv_freq = spec.inv_freq(seq_len)
+        assert np.all(np.isfinite(inv_freq)) and np.all(inv_freq >= 0), (seq_len, inv_freq)
+        attention = spec.attention_scaling_at(seq_len)
+        assert math.isfinite(attention) and attention > 0, (seq_len, attention)
+    assert math.isfinite(spec.softmax_scale_factor) and spec.softmax_scale_factor > 0
+    import rotary
+
+    y = rotary.apply(np.ones((4, spec.head_dim)), np.array([0, 1, 2**20, 2**40]), spec=spec, backend="numpy")
+    assert np.all(np.isfinite(y)), y
+
+
+@pytest.mark.parametrize("rule, key, value", _CASES, ids=[f"{r}-{k}-{v!r:.12}" for r, k, v in _CASES])
+def test_extreme_scaling_values_evaluate_or_name_the_key(rule, key, value):
+    """Every float key of every scaling rule at extreme values: from_hf_config gives a spec whose frequencies,
+    attention factor and rotation stay finite, or a ConfigError naming the key; never NaN, a bare
+    ZeroDivisionError / OverflowError, or ValueError('math domain error')."""
+    import warnings
+
+    from rotary.spec.hf_config import ConfigError
+
+    rope, base_config, _ = _RULES[rule]
+    if key in ("short_factor", "long_factor"):
+        rope = {**rope, key: [value] + rope[key][1:]}
+    else:
+        rope = {**rope, key: value}
+    config = {**base_config, "rope_scaling": rope}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a linear factor < 1 warns
+        try:
+            spec = RopeSpec.from_hf_config(config)
+        except ConfigError as exc:
+            assert f"'{key}'" in str(exc) and "math domain" not in str(exc), str(exc)
+            return
+        _finite_everywhere(spec)
+
+
+@pytest.mark.parametrize("rope, words", [
+    ({"rope_type": "linear", "factor": 1e-308}, ("['factor']", "1e-308")),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1e308},
+     ("['beta_fast']", "1e+308")),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2**70}, ("original_max_position_embeddings",
+                                                                                       str(2**70))),
+    ({"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1e-308] + [1.0] * 15,
+      "long_factor": [1.0] * 16}, ("['short_factor']", "1e-308")),
+])
+def test_scaling_values_past_their_range_are_config_errors(rope, words):
+    """The issue-37 cases: a linear factor of 1e-308 (NaN outputs) and beta_fast=1e308 ("math domain error")
+    are ConfigErrors naming the key and the value; RopeSpec(scaling=...) raises the same as a ValueError."""
+    from rotary.spec.hf_config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RopeSpec.from_hf_config({**_LLAMA, "rope_scaling": rope})
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    with pytest.raises(ValueError) as info:
+        RopeSpec(32, scaling=rope, max_position_embeddings=256)
+    assert all(word in str(info.value) for word in words), str(info.value)

@@ -696,6 +696,8 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
             if attn is not None and attn.get("rope_theta") is not None:
                 base, base_where = attn.get("rope_theta"), attn.name("rope_theta")
     base = 10000.0 if base is None else _number(base, base_where)
+    if not base > 0:   # base ** (-2i/d) below: a 0 divides by zero, a negative base gives complex numbers
+        raise ConfigError(f"{base_where} must be a finite number > 0 (the RoPE base), got {base!r}")
     partial = params.pop("partial_rotary_factor", None)
     partial_where = f"{where}['partial_rotary_factor']"
     if partial is None:
@@ -822,6 +824,9 @@ def _kwargs_from(reader: _Reader, params: dict, where: str) -> dict:
     if family in SOFTMAX_MSCALE_FAMILIES and scaling is not None and scaling.get("mscale_all_dim"):
         factor = _number(scaling.get("factor"), f"{where}['factor']")
         m = _number(scaling["mscale_all_dim"], f"{where}['mscale_all_dim']")
+        if not 0.0 <= m <= _scaling.RATIO_MAX:   # the softmax factor (0.1 m ln(s) + 1)**2 stays finite and > 0
+            raise ConfigError(f"{where}['mscale_all_dim'] must be a finite number >= 0 (at most "
+                              f"{_scaling.RATIO_MAX:g}), got {m!r}")
         out["softmax_scale_factor"] = (0.1 * m * math.log(factor) + 1.0) ** 2 if factor > 1 else 1.0
     interleave = reader.get("rope_interleave")
     if interleave is not None:
@@ -839,7 +844,11 @@ def _refuse_xd_rope(reader, where, section, head_dim, base, scaling):
     if scaling and scaling.get("alpha") and scaling.get("rope_type", scaling.get("type")) == "dynamic":
         # HF's HunYuan-VL module: "dynamic" with a fixed alpha is static NTK-alpha, base * alpha**(d/(d-2))
         alpha = _number(scaling["alpha"], f"{where}['alpha']")
-        base, scaling = base * alpha ** (head_dim / (head_dim - 2)), None
+        try:
+            base, scaling = base * alpha ** (head_dim / (head_dim - 2)), None
+        except ArithmeticError:
+            raise ConfigError(f"{where}['alpha'] = {alpha!r} gives no finite base * alpha**(d/(d-2)) for head_dim "
+                              f"{head_dim}") from None
     plain = f"RopeSpec({head_dim}, base={base!r}" + (f", scaling={scaling!r})" if scaling else ")")
     if section is None:
         raise ConfigError(f"{where} has no mrope_section (or xdrope_section): HF's HunYuan-VL rotary module needs one "

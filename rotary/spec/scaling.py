@@ -39,7 +39,7 @@ Public to the package (used by ``_spec.py`` only):
 
 The canonical form holds the *effective* parameters: HF's defaults are filled in (``beta_fast``
 32, ``beta_slow`` 1, ``truncate`` True, a missing ``factor`` = L/L0, a missing
-``original_max_position_embeddings`` = L), so two specs compare equal exactly when they give
+``original_max_position_embeddings`` = L, with a warning for llama3), so two specs compare equal exactly when they give
 the same rule, and different parameters never compare equal. Keys a rule does not use are
 dropped with a warning (HF warns too).
 """
@@ -47,12 +47,14 @@ dropped with a warning (HF warns too).
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .validators import is_bool, is_real
+from .validators import finite_float, is_bool, is_real
 
 ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "proportional")
 
@@ -74,26 +76,55 @@ _KEYS = {
 
 
 # -- validation helpers ----------------------------------------------------------------------------
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first frame outside the rotary package (the caller's code),
+    for a warning issued by the function that calls this."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+#: the range of the scaling ratios (beta_fast / beta_slow, low / high_freq_factor, mscale, attention_factor,
+#: LongRoPE's factors; linear's factor from below): far wider than any released config uses, narrow enough
+#: that every derived quantity (inv_freq, YaRN's ramp, the attention factor) stays finite and > 0
+RATIO_MIN, RATIO_MAX = 1e-6, 1e6
+_IN_RANGE = f"in [{RATIO_MIN:g}, {RATIO_MAX:g}]"
+#: the largest original_max_position_embeddings (positions are int64)
+_MAX_LENGTH = 2**63 - 1
+
+
 def _real(params: dict, key: str, rope_type: str, *, minimum: float | None = None, strict: bool = False,
-          what: str | None = None) -> float:
-    """params[key] as a finite float, checked against ``minimum`` (``strict``: > instead of >=)."""
+          maximum: float | None = None, what: str | None = None) -> float:
+    """params[key] as a finite float, checked against ``minimum`` (``strict``: > instead of >=) and
+    ``maximum``; the error names the key, what it must be (``what``) and the value."""
     value = params.get(key)
     bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum:g}"
-    need = what or f"a finite number{bound}"
+    need = what or f"a finite number{bound}" + ("" if maximum is None else f" and <= {maximum:g}")
     if value is None:
         raise ValueError(f"scaling['{key}'] is required for rope_type {rope_type!r} ({need})")
-    if not is_real(value) or not math.isfinite(float(value)):
-        raise ValueError(f"scaling['{key}'] must be {need} for rope_type {rope_type!r}; got {value!r}")
-    value = float(value)
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        raise ValueError(f"scaling['{key}'] must be {need} for rope_type {rope_type!r}; got {value!r}")
-    return value
+    number = finite_float(value)
+    if number is None or (minimum is not None and (number <= minimum if strict else number < minimum)) \
+            or (maximum is not None and number > maximum):
+        raise ValueError(f"scaling['{key}'] must be {need} for rope_type {rope_type!r}; got {value!r}"[:400])
+    return number
+
+
+def _ratio(params: dict, key: str, rope_type: str) -> float:
+    """A positive ratio (beta_fast, low_freq_factor, attention_factor, ...) in [RATIO_MIN, RATIO_MAX]."""
+    return _real(params, key, rope_type, minimum=RATIO_MIN, maximum=RATIO_MAX,
+                 what=f"a finite number > 0 ({_IN_RANGE})")
 
 
 def _positive_int(value, key: str, rope_type: str) -> int:
-    if is_real(value) and math.isfinite(float(value)) and float(value) == int(value) and int(value) >= 1:
+    number = finite_float(value)
+    if number is not None and number.is_integer() and 1 <= number and int(value) <= _MAX_LENGTH:
         return int(value)
-    raise ValueError(f"scaling['{key}'] must be a positive integer for rope_type {rope_type!r}; got {value!r}")
+    raise ValueError(f"scaling['{key}'] must be a positive integer (at most 2**63 - 1) for rope_type "
+                     f"{rope_type!r}; got {value!r}"[:400])
 
 
 def _original_length(params: dict, rope_type: str, max_position_embeddings) -> int:
@@ -104,6 +135,11 @@ def _original_length(params: dict, rope_type: str, max_position_embeddings) -> i
             raise ValueError(f"scaling['original_max_position_embeddings'] is required for rope_type "
                              f"{rope_type!r} (HF falls back to max_position_embeddings, which is not set either)")
         value = max_position_embeddings
+        if rope_type == "llama3":   # its band edges are L0 / low_freq_factor and L0 / high_freq_factor
+            warnings.warn(f"scaling['original_max_position_embeddings'] is missing for rope_type 'llama3': using "
+                          f"max_position_embeddings = {value!r}, as HF 5 does (HF 4 refuses the config); the band "
+                          "edges depend on it: set the pre-training context (Llama 3.1: 8192)", UserWarning,
+                          stacklevel=_caller_stacklevel())
     return _positive_int(value, "original_max_position_embeddings", rope_type)
 
 
@@ -115,7 +151,12 @@ def _implicit_factor(params: dict, rope_type: str, original: int, max_position_e
         raise ValueError(f"scaling['factor'] is required for rope_type {rope_type!r} (or set "
                          "max_position_embeddings, and HF's factor = max_position_embeddings / "
                          "original_max_position_embeddings is used)")
-    return max_position_embeddings / original
+    try:
+        return max_position_embeddings / original
+    except OverflowError:
+        raise ValueError(f"max_position_embeddings / scaling['original_max_position_embeddings'] (HF's factor when "
+                         f"scaling['factor'] is not set) = {max_position_embeddings} / {original} is past float's "
+                         f"range for rope_type {rope_type!r}") from None
 
 
 def _factor_list(params: dict, key: str, half: int) -> tuple:
@@ -129,9 +170,14 @@ def _factor_list(params: dict, key: str, half: int) -> tuple:
         raise ValueError(f"scaling['{key}'] must be a list of {half} positive numbers; got {type(value).__name__}")
     if len(value) != half:
         raise ValueError(f"scaling['{key}'] must have length rotary_dim/2 = {half}; got length {len(value)}")
-    if not all(is_real(v) and math.isfinite(float(v)) and float(v) > 0 for v in value):
-        raise ValueError(f"scaling['{key}'] must hold finite numbers > 0; got {list(value)!r}")
-    return tuple(float(v) for v in value)
+    out = []
+    for i, v in enumerate(value):
+        number = finite_float(v)
+        if number is None or not RATIO_MIN <= number <= RATIO_MAX:   # inv_freq / f must stay finite and > 0
+            raise ValueError(f"scaling['{key}'] must hold finite numbers > 0 ({_IN_RANGE}) for rope_type "
+                             f"'longrope'; got {key}[{i}] = {v!r}"[:400])
+        out.append(number)
+    return tuple(out)
 
 
 # -- canonical form --------------------------------------------------------------------------------
@@ -172,18 +218,19 @@ def canonical_scaling(scaling, *, rotary_dim: int, head_dim: int, base: float, m
         params.pop(key, None)
 
     theta = params.pop("rope_theta", None)
-    if theta is not None and (not is_real(theta) or float(theta) != base):
+    if theta is not None and finite_float(theta) != base:
         raise ValueError(f"scaling['rope_theta'] = {theta!r} disagrees with base = {base!r}")
     if rope_type != "proportional" and params.get("partial_rotary_factor") is not None:
         p = params.pop("partial_rotary_factor")
-        if not is_real(p) or int(head_dim * p) != rotary_dim:
+        number = finite_float(p)
+        if number is None or not math.isfinite(head_dim * number) or int(head_dim * number) != rotary_dim:
             raise ValueError(f"scaling['partial_rotary_factor'] = {p!r} disagrees with rotary_dim = {rotary_dim} "
                              f"(HF: rotary_dim = int(head_dim * partial_rotary_factor), head_dim = {head_dim})")
 
     unknown = sorted(k for k, v in params.items() if k not in _KEYS[rope_type])
     if unknown:
         warnings.warn(f"scaling keys {unknown} are not used by rope_type {rope_type!r} and are ignored "
-                      f"(it reads: {', '.join(_KEYS[rope_type]) or 'nothing'})", stacklevel=3)
+                      f"(it reads: {', '.join(_KEYS[rope_type]) or 'nothing'})", stacklevel=_caller_stacklevel())
     if rope_type == "default":
         return None
     canonical = _CANONICAL[rope_type](params, rotary_dim=rotary_dim, head_dim=head_dim,
@@ -201,10 +248,12 @@ def _canonical_factor_only(rope_type):
                              "base * (factor*n/L - (factor-1))**(d/(d-2)))")
         if rope_type != "linear":
             return {"factor": _real(params, "factor", rope_type, minimum=1.0)}
-        factor = _real(params, "factor", rope_type, minimum=0.0, strict=True)
+        factor = _real(params, "factor", rope_type, minimum=RATIO_MIN,   # inv_freq <= 1 / factor stays finite
+                       what=f"a finite number > 0 (at least {RATIO_MIN:g}: frequencies up to {1 / RATIO_MIN:g} rad "
+                            "per position)")
         if factor < 1.0:   # MLX's scale = 1/factor and ggml's freq_scale > 1 (as HF: warn, accept)
             warnings.warn(f"scaling['factor'] = {factor!r} < 1 for rope_type 'linear' speeds the rotation up "
-                          "(positions * 1/factor) instead of stretching the context", stacklevel=4)
+                          "(positions * 1/factor) instead of stretching the context", stacklevel=_caller_stacklevel())
         return {"factor": factor}
     return canonical
 
@@ -218,7 +267,7 @@ def _canonical_yarn(params, *, rotary_dim, head_dim, max_position_embeddings):
                          f"original_max_position_embeddings gives {out['factor']!r}")
     # HF reads `beta_fast or 32`, `beta_slow or 1`: a 0 (or None) means the default.
     for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
-        out[key] = _real(params, key, "yarn", minimum=0.0, strict=True) if params.get(key) else default
+        out[key] = _ratio(params, key, "yarn") if params.get(key) else default
     if out["beta_fast"] < out["beta_slow"]:
         raise ValueError(f"scaling['beta_fast'] ({out['beta_fast']:g}) must be >= scaling['beta_slow'] "
                          f"({out['beta_slow']:g}) for rope_type 'yarn'")
@@ -227,17 +276,17 @@ def _canonical_yarn(params, *, rotary_dim, head_dim, max_position_embeddings):
         raise ValueError(f"scaling['truncate'] must be True or False for rope_type 'yarn'; got {truncate!r}")
     out["truncate"] = bool(truncate)
     if params.get("attention_factor") is not None:
-        out["attention_factor"] = _real(params, "attention_factor", "yarn", minimum=0.0, strict=True)
+        out["attention_factor"] = _ratio(params, "attention_factor", "yarn")
     for key in ("mscale", "mscale_all_dim"):
         if params.get(key) is not None:
-            out[key] = _real(params, key, "yarn", minimum=0.0)   # 0.1 * mscale * ln(s) + 1 must stay > 0
+            out[key] = _real(params, key, "yarn", minimum=0.0, maximum=RATIO_MAX)   # 0.1*m*ln(s) + 1 stays > 0
     return out
 
 
 def _canonical_llama3(params, *, rotary_dim, head_dim, max_position_embeddings):
     out = {"factor": _real(params, "factor", "llama3", minimum=1.0),
-           "low_freq_factor": _real(params, "low_freq_factor", "llama3", minimum=0.0, strict=True),
-           "high_freq_factor": _real(params, "high_freq_factor", "llama3", minimum=0.0, strict=True),
+           "low_freq_factor": _ratio(params, "low_freq_factor", "llama3"),
+           "high_freq_factor": _ratio(params, "high_freq_factor", "llama3"),
            "original_max_position_embeddings": _original_length(params, "llama3", max_position_embeddings)}
     if out["high_freq_factor"] < out["low_freq_factor"]:
         raise ValueError(f"scaling['high_freq_factor'] ({out['high_freq_factor']:g}) must be >= "
@@ -257,7 +306,7 @@ def _canonical_longrope(params, *, rotary_dim, head_dim, max_position_embeddings
     else:
         out["factor"] = _implicit_factor(params, "longrope", original, max_position_embeddings)
     if params.get("attention_factor") is not None:
-        out["attention_factor"] = _real(params, "attention_factor", "longrope", minimum=0.0, strict=True)
+        out["attention_factor"] = _ratio(params, "attention_factor", "longrope")
     elif out["factor"] > 1.0 and original < 2:
         raise ValueError(f"scaling['original_max_position_embeddings'] must be >= 2 for rope_type 'longrope' (its "
                          f"attention factor is sqrt(1 + ln(factor) / ln(original))); got {original}")

@@ -26,6 +26,17 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not is_bool(value)
 
 
+def finite_float(value):
+    """``value`` as a finite float, or None for a non-number, bool, inf, nan or an int too large for a float."""
+    if not is_real(value):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:   # an int past float's range (10**400 in a JSON config)
+        return None
+    return value if math.isfinite(value) else None
+
+
 def as_int(value, name: str, *, error=TypeError, integral_float: bool = False) -> int:
     """``value`` as a Python int (``operator.index``); ``integral_float``: also 4.0 -> 4 (JSON configs)."""
     if is_bool(value):
@@ -48,19 +59,20 @@ def as_bool(value, name: str) -> bool:
 
 def as_finite(value, name: str, *, error=TypeError) -> float:
     """``value`` as a finite float (``error`` for a non-number or bool, ``error`` for inf/nan too)."""
-    if not is_real(value) or not math.isfinite(float(value)):
-        raise error(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
-    return float(value)
+    number = finite_float(value)
+    if number is None:
+        raise error(f"{name} must be a finite number, got {type(value).__name__} {value!r}"[:300])
+    return number
 
 
 def positive_real(value, name: str) -> float:
     """``value`` as a finite float > 0 (TypeError for non-numbers and bools, ValueError otherwise)."""
     if is_bool(value) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
+    number = finite_float(value)
+    if number is None or not number > 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}"[:300])
+    return number
 
 
 def optional_number(value, name: str, *, positive: bool = True, integer: bool = False):
@@ -71,8 +83,8 @@ def optional_number(value, name: str, *, positive: bool = True, integer: bool = 
     if is_bool(value) or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {'an integer' if integer else 'a real number'} or None, "
                         f"got {type(value).__name__}")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"{name} must be finite, got {value}")
+    if finite_float(value) is None:
+        raise ValueError(f"{name} must be finite, got {value}"[:300])
     if positive and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     return int(value) if integer else float(value)
