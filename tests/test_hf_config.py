@@ -440,8 +440,8 @@ def test_extreme_scaling_values_evaluate_or_name_the_key(rule, key, value):
     ({"rope_type": "linear", "factor": 1e-308}, ("['factor']", "1e-308")),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1e308},
      ("['beta_fast']", "1e+308")),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2**70}, ("original_max_position_embeddings",
-                                                                                       str(2**70))),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2**70},
+     ("original_max_position_embeddings", str(2**70))),
     ({"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1e-308] + [1.0] * 15,
       "long_factor": [1.0] * 16}, ("['short_factor']", "1e-308")),
 ])

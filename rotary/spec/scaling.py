@@ -39,9 +39,10 @@ Public to the package (used by ``_spec.py`` only):
 
 The canonical form holds the *effective* parameters: HF's defaults are filled in (``beta_fast``
 32, ``beta_slow`` 1, ``truncate`` True, a missing ``factor`` = L/L0, a missing
-``original_max_position_embeddings`` = L, with a warning for llama3), so two specs compare equal exactly when they give
-the same rule, and different parameters never compare equal. Keys a rule does not use are
-dropped with a warning (HF warns too).
+``original_max_position_embeddings`` = L, with a warning for llama3), so two specs compare equal
+exactly when they give the same rule, and different parameters never compare equal. Keys a rule
+does not use are dropped with a warning (HF warns too). Values past the ranges that keep every
+derived quantity finite (``RATIO_MIN`` / ``RATIO_MAX``) are refused, naming the key and the value.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .validators import finite_float, is_bool, is_real
+from .validators import finite_float, is_bool
 
 ROPE_TYPES = ("default", "linear", "ntk", "dynamic", "yarn", "llama3", "longrope", "proportional")
 
