@@ -34,12 +34,14 @@ ones in another give the softmax of the finite ones, whatever the block size.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from array_api_compat import is_numpy_array
 
 from ..backends.online_softmax import Mask, blocked_attention
+from ..frontend import dispatch as _adapters
 from ..frontend.normalize import (check_float, namespace, normalize_positions, normalize_seq_axis, resolve_spec)
 from ..frontend.rotate import apply, apply_qk
 from ..spec.packing import pack
@@ -77,6 +79,25 @@ def _positions_arg(pos):
     return pos[0] if pos.shape[0] == 1 else pos
 
 
+def _routed(core):
+    """``core`` behind the adapters of :mod:`rotary.frontend.dispatch`: arrays an adapter with an ``attention``
+    takes (JAX arrays, bfloat16 NumPy arrays) go to ``adapter.attention(core, q, k, v, ...)``; the rest
+    (NumPy, CuPy, torch, array-API namespaces) run ``core``, which rotates through the dispatched ``apply``."""
+
+    @functools.wraps(core)
+    def attention(q, k, v, positions=None, **kwargs):
+        if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+                and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f"):   # plain NumPy floats: one check
+            run = getattr(_adapters.adapter_for([q, k, v]), "attention", None)
+            if run is not None:
+                return run(core, q, k, v, positions, **kwargs)
+        return core(q, k, v, positions, **kwargs)
+
+    attention.core = core
+    return attention
+
+
+@_routed
 def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
@@ -116,33 +137,9 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
 
     Returns q's array type and dtype, shape of q with last dim dv.
     """
-    xp = namespace([q, k, v], ["q", "k", "v"])
-    for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        check_float(a, name, xp)
-    ax = normalize_seq_axis(seq_axis, q.ndim, "q")
-    if k.ndim != q.ndim or v.ndim != q.ndim:
-        raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
-    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
-        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} except in the last axis")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
-    gaxis = _gqa_axis(q.shape, k.shape, ax)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(rope, (bool, np.bool_)):
-        raise TypeError(f"rope must be a bool, got {type(rope).__name__}")
-    window = optional_number(window, "window", integer=True)
-    softcap = optional_number(softcap, "softcap")
-    block_size = optional_number(block_size, "block_size", integer=True)
-    if window is not None and not causal:
-        raise ValueError("window (a sliding window) needs causal=True")
-    d = q.shape[-1]
-    if rope or spec is not None or spec_kwargs:
-        spec = resolve_spec(spec, spec_kwargs, int(d), "q")
-    if scale is None:
-        scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(d)
-    else:
-        scale = optional_number(scale, "scale")
+    xp, ax, gaxis, spec, scale, window, softcap, block_size = checked_arguments(
+        q, k, v, causal=causal, scale=scale, spec=spec, seq_axis=seq_axis, rope=rope, window=window, softcap=softcap,
+        block_size=block_size, spec_kwargs=spec_kwargs)
     q_len, k_len = int(q.shape[ax]), int(k.shape[ax])
 
     # positions of q and k tokens (host int64, (Bp, S[, n_axes])), per sequence for packed input
@@ -201,6 +198,39 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     tiles = _numpy_path(q, k, v) and math.prod(q.shape[:-1]) * k_len >= _TILES_MIN_SCORES
     return blocked_attention(xp, q, k, v, ax, gaxis, mask, scale, softcap, block_size, numpy_tiles=tiles,
                              q_is_scratch=rope)
+
+
+def checked_arguments(q, k, v, *, causal, scale, spec, seq_axis, rope, window, softcap, block_size, spec_kwargs):
+    """The checks of :func:`attention`'s arrays and scalars: ``(xp, seq_axis, gqa_axis, spec, scale, window,
+    softcap, block_size)`` normalized (spec None when ``rope=False`` and no spec is given)."""
+    xp = namespace([q, k, v], ["q", "k", "v"])
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        check_float(a, name, xp)
+    ax = normalize_seq_axis(seq_axis, q.ndim, "q")
+    if k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"q, k, v must have the same number of dimensions, got {q.ndim}, {k.ndim}, {v.ndim}")
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]):
+        raise ValueError(f"v {tuple(v.shape)} must match k {tuple(k.shape)} except in the last axis")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    gaxis = _gqa_axis(q.shape, k.shape, ax)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(rope, (bool, np.bool_)):
+        raise TypeError(f"rope must be a bool, got {type(rope).__name__}")
+    window = optional_number(window, "window", integer=True)
+    softcap = optional_number(softcap, "softcap")
+    block_size = optional_number(block_size, "block_size", integer=True)
+    if window is not None and not causal:
+        raise ValueError("window (a sliding window) needs causal=True")
+    d = q.shape[-1]
+    if rope or spec is not None or spec_kwargs:
+        spec = resolve_spec(spec, spec_kwargs, int(d), "q")
+    if scale is None:
+        scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(d)
+    else:
+        scale = optional_number(scale, "scale")
+    return xp, ax, gaxis, spec, scale, window, softcap, block_size
 
 
 def _numpy_path(*arrays):

@@ -1,8 +1,9 @@
 """``ml_dtypes.bfloat16`` NumPy arrays: computed in float32, returned as bfloat16.
 
 NumPy has no bfloat16 of its own; ml_dtypes (JAX's dtype package) adds one. Such arrays are accepted
-wherever float16 is: each is widened to float32 (exact), the call runs on the chosen backend as for
-float32, and the result is rounded back to bfloat16 (round to nearest even). ``out=`` bfloat16 arrays
+wherever float16 is (``apply``, ``apply_qk``, ``rerotate``, ``attention``, ``linear_attention``): each is
+widened to float32 (exact), the call runs on the chosen backend as for float32, and the result is rounded
+back to bfloat16 (round to nearest even; attention returns q's dtype). ``out=`` bfloat16 arrays
 are written in place. The cost is one float32 copy of each input and output.
 """
 
@@ -49,3 +50,10 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     if kwargs.get("return_state", False):
         return result[0].astype(dtype), result[1]
     return result.astype(dtype)
+
+
+def attention(core, q, k, v, positions=None, **kwargs):
+    """``rotary.attention`` for bfloat16 NumPy arrays: q, k, v widened to float32 (the scores and softmax
+    are float32 for 16-bit inputs anyway), the output rounded to q's dtype."""
+    o = core(_widen(q), _widen(k), _widen(v), positions, **kwargs)
+    return o.astype(q.dtype) if is_bf16(q) else o
