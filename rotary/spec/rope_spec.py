@@ -330,8 +330,8 @@ class RopeSpec:
     @classmethod
     def from_hf_config(cls, config, *, layer_type: str | None = None, layout: str | None = None,
                        head: str = "rope") -> "RopeSpec":
-        """Build a spec from an HF ``config.json`` dict or a transformers ``PretrainedConfig``, as the
-        model family's HF code computes it (see ``docs/models.md`` for the families checked).
+        """Build a spec from an HF ``config.json`` (a dict, a transformers ``PretrainedConfig``, or a path to
+        the file or to a checkpoint folder holding it), as the model family's HF code computes it (see ``docs/models.md`` for the families checked).
 
         Reads ``rope_parameters`` (5.x; flat or per layer type) or ``rope_theta`` + ``rope_scaling``
         (4.x), ``partial_rotary_factor``, head_dim (``head_dim`` and its aliases, or ``hidden_size //
@@ -358,7 +358,8 @@ class RopeSpec:
 
     @classmethod
     def from_hf_vision_config(cls, config) -> "RopeSpec":
-        """The axial spec of the vision tower in an HF config (dict or PretrainedConfig: the config itself,
+        """The axial spec of the vision tower in an HF config (a dict, a PretrainedConfig, or a path to a
+        config.json or its checkpoint folder: the config itself,
         its ``vision_config``, SAM 3's ``backbone_config``), as the tower's HF rotary module builds it:
         which coordinate each pair reads, the per-axis frequencies, the pair layout (see
         ``rotary.spec.hf_vision.VISION_TOWERS`` and docs/models.md for the towers and the positions HF
