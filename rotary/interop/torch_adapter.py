@@ -12,6 +12,10 @@ Autograd: when grad is enabled and an input requires grad, rotation runs inside
 flipped (``(a R_p)^T = a R_{-p}``, a the attention scaling); double backward works the same way.
 Linear attention with grad (or a callable feature map) runs the reference array-API path on the
 tensors themselves (torch operations, differentiable by torch); see docs/interop.md.
+
+Importing this module registers rotary's torch custom ops and their ``torch.compile`` handlers
+(:mod:`.torch_ops`; torch 2.4 or later), so a model that has called rotary once compiles with
+``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ def _torch():
     import torch
 
     return torch
+
+
+def _register_ops():
+    """rotary's custom ops and Dynamo handlers (:mod:`.torch_ops`), where this torch has the API."""
+    if hasattr(_torch().library, "custom_op"):   # torch 2.4+
+        from . import torch_ops  # noqa: F401  (the ops now; Dynamo's handlers when torch._dynamo loads)
+
+
+_register_ops()
 
 
 def _needs_grad(tensors) -> bool:
