@@ -121,26 +121,40 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
                               backend)
         if result is not None:
             return result
+    return checked_call(q, k, v, positions, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
+                        seq_axis=seq_axis, state=state, return_state=return_state, backend=backend, chunk=chunk,
+                        decay=decay, normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                        spec_kwargs=spec_kwargs)
+
+
+def checked_call(q, k, v, positions, *, causal, feature_map, eps, spec, seq_axis, state, return_state, backend, chunk,
+                 decay, normalize, cu_seqlens, seqlen_offsets, spec_kwargs, angles=None):
+    """:func:`linear_attention` after its decode fast path: the array checks, then the packed or the general
+    body. ``angles``: see :func:`_linear_attention` (positions then None; not with ``cu_seqlens``)."""
     xp = namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_float(a, name, xp)
     ax = normalize_seq_axis(seq_axis, q.ndim, "q")
     gax, groups = check_shapes(q, k, v, ax)
     if cu_seqlens is not None or seqlen_offsets is not None:
+        if angles is not None:
+            raise ValueError("cu_seqlens/seqlen_offsets with traced positions: pass concrete positions")
         return _packed(xp, q, k, v, positions, ax, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
                        state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
                        normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
                        spec_kwargs=spec_kwargs)
     return _linear_attention(xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps,
                              spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
-                             decay=decay, normalize=normalize, spec_kwargs=spec_kwargs)
+                             decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, angles=angles)
 
 
 def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, feature_map, eps, spec, state, return_state,
-                      backend, chunk, decay, normalize, spec_kwargs, varlen=None):
+                      backend, chunk, decay, normalize, spec_kwargs, varlen=None, angles=None):
     """The body of :func:`linear_attention` after the array checks. ``varlen = (cu_seqlens, next_positions)``:
     a ragged packed batch of N sequences in one backend call: q, k, v are (1, T, ...) (ax = 1), positions
-    per token (1, T, ...), state and decay per sequence (N, ...), cu_seqlens int64 (N + 1,)."""
+    per token (1, T, ...), state and decay per sequence (N, ...), cu_seqlens int64 (N + 1,).
+    ``angles(spec, B, table_dtype) -> (cos, sin, rows, next_position)`` replaces the host positions, the
+    table lookup and the next position (positions None): JAX traced positions (rotary.interop.jax_adapter)."""
     check_scalars(causal, eps, chunk, return_state, normalize)
     check_feature_map(feature_map)
     kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
@@ -172,7 +186,7 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     spec = resolve_spec(spec, spec_kwargs, m, "phi(q)" if callable(feature_map) else "q")
     if state is not None:
         check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, groups)
-        if positions is None:
+        if positions is None and angles is None:
             positions = start_positions(state, lead_shape, seq_len)
 
     # GQA: the axis where k has fewer heads becomes the innermost canonical head axis (a view)
@@ -185,7 +199,8 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     B, _, H, _ = canonical_shape(tuple(a.shape), wax)
     Hk = canonical_shape(tuple(b.shape), wax)[2]
     Bs = B if varlen is None else kv_other[0]   # the states' batch
-    pos = normalize_positions(positions, lead_shape, seq_len, canonical_batch=B, spec=spec)
+    pos = None if angles is not None else normalize_positions(positions, lead_shape, seq_len, canonical_batch=B,
+                                                               spec=spec)
 
     reordered = operm != sorted(operm)   # k's other axes are not in canonical order (GQA on a middle axis)
 
@@ -214,12 +229,17 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
             return o, state
         S = xp.zeros((B, Hk, m, dv), dtype=work, device=dev)
         z = xp.zeros((B, Hk, m), dtype=work, device=dev)
+        if angles is not None:
+            return o, make_state(S, z, angles(spec, B, np.float32)[3])
         return o, make_state(S, z, next_position(pos, lead_shape, 0, positions, None))
 
     module = pick_backend([q, k, v], backend, "linear_attention")
     device_key, convert = table_converter(module, q, xp)
     table_dtype = np.float64 if q.dtype == xp.float64 else np.float32
-    cos, sin, rows = _tables.lookup(spec, pos, dtype=table_dtype, device_key=device_key, convert=convert)
+    if angles is None:
+        cos, sin, rows = _tables.lookup(spec, pos, dtype=table_dtype, device_key=device_key, convert=convert)
+    else:
+        cos, sin, rows, next_pos = angles(spec, B, table_dtype)
     carried = None
     if state is not None:
         def to_canonical_state(x, n_tail):
@@ -256,7 +276,8 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         return o
     if varlen is not None:
         return o, make_state(S, z, varlen[1])
-    next_pos = next_position(pos, lead_shape, seq_len, positions, state)
+    if angles is None:
+        next_pos = next_position(pos, lead_shape, seq_len, positions, state)
     # the plan of a one-token call: the next token's call with this state repeats it without the checks above
     step = make_decode_step(q, k, v, ax, perm, spec, feature_map, decay, causal, normalize, backend, module, cos, sin,
                             rows, next_pos) if seq_len == 1 else None
