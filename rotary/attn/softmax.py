@@ -34,7 +34,6 @@ ones in another give the softmax of the finite ones, whatever the block size.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -79,25 +78,7 @@ def _positions_arg(pos):
     return pos[0] if pos.shape[0] == 1 else pos
 
 
-def _routed(core):
-    """``core`` behind the adapters of :mod:`rotary.frontend.dispatch`: arrays an adapter with an ``attention``
-    takes (JAX arrays, bfloat16 NumPy arrays) go to ``adapter.attention(core, q, k, v, ...)``; the rest
-    (NumPy, CuPy, torch, array-API namespaces) run ``core``, which rotates through the dispatched ``apply``."""
-
-    @functools.wraps(core)
-    def attention(q, k, v, positions=None, **kwargs):
-        if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
-                and q.dtype.kind == k.dtype.kind == v.dtype.kind == "f"):   # plain NumPy floats: one check
-            run = getattr(_adapters.adapter_for([q, k, v]), "attention", None)
-            if run is not None:
-                return run(core, q, k, v, positions, **kwargs)
-        return core(q, k, v, positions, **kwargs)
-
-    attention.core = core
-    return attention
-
-
-@_routed
+@_adapters.dispatch("attention", 3)   # JAX, bfloat16: their adapter's attention; the rest: the core
 def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,

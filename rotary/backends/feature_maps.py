@@ -180,7 +180,7 @@ def feature_map_xp(xp, x, name):
     p = (p * (r * r) + r) + k(1.0)
     first, last = (-126, 127) if name64 == "float32" else (-1022, 1023)   # n's range after the clamp
     powers = xp.asarray([2.0 ** j for j in range(first, last + 1)], dtype=dtype)
-    idx = xp.astype(n, xp.int64) - first
+    idx = xp.astype(n, xp.int32) - first   # n in [first, last]: int32 holds it (JAX without x64 has no int64)
     shape = idx.shape
     scale = xp.reshape(xp.take(powers, xp.reshape(idx, (-1,)), axis=0), shape)
     e = xp.where(x < k(lo), zero, p * scale)

@@ -50,7 +50,9 @@ def adapter_for(arrays):
 def dispatch(kind: str, n_arrays: int):
     """Decorator for a frontend function whose first ``n_arrays`` positional arguments are arrays (or,
     for ``kind="rotate"``, whose first argument is the list of arrays): calls are handed to
-    ``adapter.<kind>(core, *args, **kwargs)`` when an adapter takes the arrays."""
+    ``adapter.<kind>(core, *args, **kwargs)`` when an adapter takes the arrays and has that function (else
+    ``core`` runs: e.g. torch tensors in ``attention``, which the core computes through the dispatched
+    rotations)."""
 
     def wrap(core):
         @functools.wraps(core)
@@ -60,10 +62,10 @@ def dispatch(kind: str, n_arrays: int):
             if type(first) is np.ndarray and first.dtype.kind == "f" and (
                     len(arrays) == 1 or all(type(a) is np.ndarray and a.dtype.kind == "f" for a in arrays)):
                 return core(*args, **kwargs)   # the common case: plain NumPy floats (no bfloat16 among them)
-            adapter = adapter_for(arrays)
-            if adapter is None:
+            run = getattr(adapter_for(arrays), kind, None)   # an adapter without this kind: the core takes them
+            if run is None:
                 return core(*args, **kwargs)
-            return getattr(adapter, kind)(core, *args, **kwargs)
+            return run(core, *args, **kwargs)
 
         frontend.core = core
         return frontend
