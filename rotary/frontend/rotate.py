@@ -8,7 +8,9 @@ primitive (contract in :mod:`rotary.backends`) does the work.
 
 from __future__ import annotations
 
+from ..spec.given_tables import angle_tables, cos_sin_cache_tables
 from . import dispatch as _adapters
+from .axes import normalize_seq_axis
 from .buffers import check_memory
 from .plan import planned
 from .positions import packed_positions
@@ -31,8 +33,35 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     return plan.run(xs, outs, positions, tables)
 
 
+def given_values(x, name, positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles):
+    """``(positions, tables, spec_kwargs)`` of a call that brings its own cos/sin values (``cos_sin_cache`` or
+    ``angles``, see :mod:`rotary.spec.given_tables`), or the arguments unchanged (tables None)."""
+    if cos_sin_cache is None and angles is None:
+        return positions, None, spec_kwargs
+    if cos_sin_cache is not None and angles is not None:
+        raise ValueError("pass cos_sin_cache or angles, not both")
+    if cos_sin_cache is not None:
+        tables, rotary_dim = cos_sin_cache_tables(cos_sin_cache)
+        what = f"cos_sin_cache of {rotary_dim} columns"
+    else:
+        if positions is not None:
+            raise ValueError("angles give every token's angles: pass angles or positions, not both")
+        tables, rotary_dim, positions = angle_tables(angles)
+        seq_len = x.shape[normalize_seq_axis(seq_axis, x.ndim, name)]
+        if positions.shape[-1] != seq_len:
+            raise ValueError(f"angles of {positions.shape[-1]} tokens do not match {name}'s sequence length {seq_len}")
+        what = f"angles of {rotary_dim // 2} pairs"
+    if spec is None:
+        spec_kwargs = {**spec_kwargs}
+        if spec_kwargs.setdefault("rotary_dim", rotary_dim) != rotary_dim:
+            raise ValueError(f"rotary_dim={spec_kwargs['rotary_dim']} does not match {what} (rotary_dim {rotary_dim})")
+    elif getattr(spec, "rotary_dim", rotary_dim) != rotary_dim:
+        raise ValueError(f"spec.rotary_dim ({spec.rotary_dim}) does not match {what} (rotary_dim {rotary_dim})")
+    return positions, tables, spec_kwargs
+
+
 def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", cu_seqlens=None,
-          seqlen_offsets=None, **spec_kwargs):
+          seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
     """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
 
     ``y_a = x_a cos(p w_i) - x_b sin(p w_i)``, ``y_b = x_b cos(p w_i) + x_a sin(p w_i)`` for each pair
@@ -62,17 +91,25 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
     seqlen_offsets : int or integer array (N,), optional
         Per-sequence position offsets with ``cu_seqlens`` (a sequence continuing a cache of L tokens
         has offset L).
+    cos_sin_cache : float array (max_position, rotary_dim), optional
+        The caller's cos/sin table instead of the spec's frequencies (vLLM / SGLang / FlashInfer's
+        ``cos_sin_cache``: cos in the first rotary_dim/2 columns, sin in the rest), read at ``positions``.
+    angles : float array (seq, rotary_dim/2) or (batch, seq, rotary_dim/2), optional
+        Every token's angles instead of positions and frequencies (TransformerEngine's ``freqs``; see
+        :mod:`rotary.spec.given_tables`). With either, the spec gives only the layout, rotary_dim and offset.
     """
     positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, spec=spec)
+    positions, tables, spec_kwargs = given_values(x, "x", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
-                         backend=backend, spec_kwargs=spec_kwargs)[0]
+                         backend=backend, spec_kwargs=spec_kwargs, **({"tables": tables} if tables else {}))[0]
 
 
 def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
-             cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
+             cu_seqlens=None, seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
     """Rotate q and k together (one pass / one launch); head counts may differ (GQA).
 
-    Same arguments as :func:`apply` (``cu_seqlens``/``seqlen_offsets`` for packed q and k); ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
+    Same arguments as :func:`apply` (``cu_seqlens``/``seqlen_offsets`` for packed q and k, ``cos_sin_cache`` /
+    ``angles`` for the caller's own values); ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
     ``out=(q, k)`` rotates in place). Returns ``(q_rot, k_rot)``.
     """
     if out is None:
@@ -82,6 +119,8 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out
     else:
         raise TypeError("out must be None or a pair (q_out, k_out)")
     positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", spec)
+    positions, tables, spec_kwargs = given_values(q, "q", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,
-                                 inverse=inverse, backend=backend, spec_kwargs=spec_kwargs)
+                                 inverse=inverse, backend=backend, spec_kwargs=spec_kwargs,
+                                 **({"tables": tables} if tables else {}))
     return q_rot, k_rot
