@@ -357,7 +357,7 @@ def load_features(x, g, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleav
     float64 sums read them) and its rotation R_{p(t0+i)} phi(...) to rotated[i, :m] or, with ``transpose``,
     to rotated[:m, i] (rotated into scratch[i] first; scratch: the shape of phi).
 
-    Unit-stride rows go through SIMD (:func:`vfeature`, :func:`rotate_pairs_simd`), bit for bit the scalar
+    Unit-stride rows go through SIMD (:func:`.simd.feature` on vectors, :func:`rotate_pairs_simd`), bit for bit the scalar
     forms; rows ahead are prefetched, and with each row i the row i of the next load of x, ``after`` =
     (head, first token, rows) from :func:`next_load`: a whole head's work before it is used, where rows
     a few ahead arrived late (the load waited out most of a memory latency). g: (offset, sB, sS, sH, sD) of x.
