@@ -11,7 +11,7 @@ from .frontend.rotate import apply, apply_qk
 from .attn.softmax import attention
 from .spec.diagnostics import convert_layout, decay_curve, permute_weights
 from .attn.linear import LinearAttentionState, linear_attention
-from .spec.positions import grid_positions, mrope_next_positions, mrope_positions
+from .spec.positions import context_parallel_positions, grid_positions, mrope_next_positions, mrope_positions
 from .attn.rerotate import rerotate
 from .frontend.rope import Rope
 from .spec.rope_spec import LAYOUTS, RopeSpec
@@ -32,6 +32,7 @@ __all__ = [
     "grid_positions",
     "mrope_positions",
     "mrope_next_positions",
+    "context_parallel_positions",
     "decay_curve",
     "convert_layout",
     "permute_weights",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .packing import _host_int_array, check_cu_seqlens
 from .validators import as_int
 
 #: HF ``model_type`` -> how video grids become positions (``get_rope_index`` of each model):
@@ -215,12 +216,88 @@ def mrope_next_positions(positions, num_tokens=1, *, attention_mask=None) -> np.
     return np.repeat(steps[..., None], 3, axis=-1)
 
 
+def context_parallel_positions(seq_len=None, cp_size=None, cp_rank=None, *, cu_seqlens=None):
+    """Global positions of the tokens one context-parallel rank holds (TransformerEngine's split).
+
+    Context parallelism (TransformerEngine, Megatron-LM) splits every sequence over ``cp_size`` ranks
+    load-balanced for causal attention: a sequence of length L is cut into ``2 * cp_size`` equal chunks
+    and rank r holds chunk r followed by chunk ``2 * cp_size - 1 - r``, so its local tokens sit at the
+    global positions ``[r*c, (r+1)*c) ++ [(2*cp_size-1-r)*c, (2*cp_size-r)*c)``, ``c = L / (2 * cp_size)``.
+    E.g. L = 8, cp_size = 2: rank 0 holds positions [0, 1, 6, 7], rank 1 [2, 3, 4, 5]. Rotating the
+    local tokens at these positions is what TE's ``apply_rotary_pos_emb(t, freqs, tensor_format,
+    cu_seqlens=..., cp_size=..., cp_rank=...)`` does (``transformer_engine/pytorch/attention/rope.py``:
+    ``_get_freqs_on_this_cp_rank`` for bshd/sbhd and unfused thd, the fused kernel alike; the thd
+    token split is ``thd_partition_indices_kernel`` in ``transformer_engine/common/fused_attn/``).
+    Checked against TE's source; TE itself is not needed or imported.
+
+    Two forms:
+
+    ``context_parallel_positions(seq_len, cp_size, cp_rank)`` (bshd / sbhd: every sequence of the
+    batch has length ``seq_len``) returns int64 ``(seq_len // cp_size,)``; pass it as ``positions``
+    with the rank's local x, e.g. ``apply(x_local, positions, seq_axis=-3)`` for x_local of shape
+    ``(B, seq_len // cp_size, H, D)``. The positions are also the indices of the local tokens in the
+    full sequence: ``x_local = x[:, positions]``.
+
+    ``context_parallel_positions(cu_seqlens=cu, cp_size=..., cp_rank=...)`` (packed thd): ``cu`` is the
+    global (N+1,) cumulative offsets of the full, unsplit sequences (TE's ``cu_seqlens_padded``),
+    each length a multiple of ``2 * cp_size``. Returns ``(positions, local_cu_seqlens)``, int64
+    ``(T // cp_size,)`` and ``(N+1,)``: the rank holds the two chunks of sequence 0, then of sequence
+    1, ..., ``local_cu_seqlens = cu // cp_size``, and positions restart at every sequence, so
+    ``apply(x_local, positions, seq_axis=0)`` / ``apply_qk`` rotate the rank's (T // cp_size, H, D)
+    tokens right. The local tokens' indices in the full packed batch are
+    ``positions + np.repeat(cu[:-1], np.diff(local_cu_seqlens))``.
+
+    ``cp_size = 1`` gives ``arange`` (any length). For ``cp_size > 1`` every length must be a
+    multiple of ``2 * cp_size`` (TE asserts it too); pad the sequences first.
+    """
+    if cp_size is None or cp_rank is None:
+        raise TypeError("context_parallel_positions needs cp_size= and cp_rank=")
+    cp_size = as_int(cp_size, "cp_size")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    cp_rank = as_int(cp_rank, "cp_rank")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size) = [0, {cp_size}), got {cp_rank}")
+    if (seq_len is None) == (cu_seqlens is None):
+        raise TypeError("pass exactly one of seq_len (bshd / sbhd) or cu_seqlens= (packed thd)")
+    if cu_seqlens is None:
+        seq_len = as_int(seq_len, "seq_len")
+        if seq_len < 0:
+            raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+        if cp_size > 1 and seq_len % (2 * cp_size):
+            raise ValueError(f"seq_len must be a multiple of 2 * cp_size = {2 * cp_size} (2 * cp_size equal "
+                             f"chunks, as TransformerEngine requires), got {seq_len}")
+        return _cp_positions(np.array([seq_len], dtype=np.int64), cp_size, cp_rank)
+    cu = _host_int_array(cu_seqlens, "cu_seqlens")
+    cu = check_cu_seqlens(cu, int(cu[-1]) if cu.ndim == 1 and cu.shape[0] else 0, "cu_seqlens")
+    lengths = np.diff(cu)
+    if cp_size > 1:
+        bad = np.flatnonzero(lengths % (2 * cp_size))
+        if bad.size:
+            n = int(bad[0])
+            raise ValueError(f"cu_seqlens: every sequence length must be a multiple of 2 * cp_size = {2 * cp_size} "
+                             f"(as TransformerEngine requires; pad the sequences), sequence {n} has "
+                             f"{int(lengths[n])} tokens (cu_seqlens[{n}:{n + 2}] = {cu[n:n + 2].tolist()})")
+    return _cp_positions(lengths, cp_size, cp_rank), cu // cp_size
+
+
 # -- helpers ---------------------------------------------------------------------------------------
 def _positive(value, name):
     value = as_int(value, name)
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return value
+
+
+def _cp_positions(lengths, cp_size, cp_rank):
+    """int64 positions of rank ``cp_rank``'s tokens of sequences of ``lengths``, concatenated."""
+    local = lengths // cp_size                               # tokens of each sequence on this rank
+    i = np.arange(int(local.sum()), dtype=np.int64) - np.repeat(np.cumsum(local) - local, local)
+    if cp_size == 1:
+        return i
+    c = np.repeat(local // 2, local)                         # chunk length: L / (2 * cp_size)
+    # the first c local tokens are chunk cp_rank, the next c chunk 2 * cp_size - 1 - cp_rank
+    return np.where(i < c, cp_rank * c + i, (2 * cp_size - 2 - cp_rank) * c + i)
 
 
 def _vision_block(p, t, h, w, time_scale):
