@@ -32,6 +32,8 @@ QUICK = (
     "tests/test_exact_angles.py",
     "tests/test_hf_config.py",
     "tests/test_rope_object.py",
+    "tests/test_plan.py",
+    "tests/test_given_tables.py",
     "tests/test_attention_softmax.py",
     "tests/test_linear_attention.py::test_matches_oracle",
     "tests/test_layers.py",
