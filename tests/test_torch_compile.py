@@ -122,6 +122,27 @@ def test_opcheck_every_op():
         torch.library.opcheck(op, args)
 
 
+def test_ops_gradcheck_float64():
+    """The ops' autograd: rotation's (inverse rotation, twice differentiable) and the attention ops'
+    (a VJP of the recomputed eager path), against finite differences (the NumPy backend: no float64
+    Numba compile)."""
+    key = torch_ops.spec_key(rotary.RopeSpec(4, base=100.0), {}, 4)
+    pos = torch.arange(2, 6)
+    q = _rand(1, 4, 2, 4).double().requires_grad_(True)
+    k = _rand(1, 4, 1, 4, seed=1).double().requires_grad_(True)
+    v = _rand(1, 4, 1, 2, seed=2).double().requires_grad_(True)
+    ops = torch.ops.rotary
+    rotate = lambda x: ops.rotate(x, pos, 0, key, -3, False, "numpy")  # noqa: E731
+    assert torch.autograd.gradcheck(rotate, (q,)) and torch.autograd.gradgradcheck(rotate, (q,))
+    assert torch.autograd.gradcheck(lambda q, k: ops.rotate_qk(q, k, None, 3, key, -3, True, "numpy"), (q, k))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ops.attention(q, k, v, pos, 0, None, None, key, -3, True, None, True, 3, 4.0, 2, "numpy"),
+        (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ops.linear_attention(q, k, v, pos, 0, key, -3, True, "elu", 1e-6, 2, None, True, "numpy"),
+        (q, k, v))
+
+
 def test_forms_without_an_op_run_eagerly_with_a_graph_break():
     """out= (and the other forms the ops do not take) run eagerly: right results, a graph break, and
     fullgraph=True names the reason."""

@@ -1,4 +1,4 @@
-"""rotary as torch custom ops, for ``torch.compile`` (``fullgraph=True``) and ``torch.export``.
+"""rotary as torch custom ops, for ``torch.compile`` (``fullgraph=True``).
 
 Four ops in the ``rotary`` namespace (``torch.library.custom_op``): ``torch.ops.rotary.rotate``,
 ``rotate_qk``, ``attention`` and ``linear_attention``, each with a fake (meta) implementation and
@@ -322,69 +322,100 @@ def _tensors(*arrays):
     return all(isinstance(a, torch.Tensor) for a in arrays)
 
 
+def _signature(fn):
+    """(positional parameter names, {keyword: default}) of a frontend function, read once at registration
+    (the handlers follow the frontend's signature, whatever keywords it gains)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    named = frozenset(p.name for p in params if p.kind is not p.VAR_KEYWORD)
+    return positional, defaults, named
+
+
+def _handler(original, arrays, taken, to_op):
+    """A Dynamo handler for ``original``: ``to_op(call, spec_kwargs)`` builds the op call when the call
+    passes ``arrays`` as torch tensors, positions the ops take, and no keyword outside ``taken`` away from
+    its default; any other call runs eagerly (:func:`_eager_copy`)."""
+    positional, defaults, named = _signature(original)
+    eager = _eager_copy(original)
+    others = tuple((name, default) for name, default in defaults.items() if name not in taken)
+
+    @torch.compiler.substitute_in_graph(original, skip_signature_check=True)
+    def handler(*args, **kwargs):
+        if len(args) <= len(positional):
+            call = dict(zip(positional, args))
+            call.update(kwargs)
+            spec_kwargs = {name: value for name, value in kwargs.items() if name not in named}
+            plain = (_tensors(*(call.get(name) for name in arrays)) and _split(call.get("positions")) is not None
+                     and all(call.get(name, default) is default for name, default in others))
+            if plain:
+                result = to_op(call, spec_kwargs)
+                if result is not None:
+                    return result
+        return eager(*args, **kwargs)
+
+    return handler
+
+
+def _get(call, name, default):
+    return call[name] if name in call else default
+
+
 def _handlers():
-    plain_apply, plain_apply_qk = _eager_copy(_apply), _eager_copy(_apply_qk)
-    plain_attention, plain_linear = _eager_copy(_attention), _eager_copy(_linear_attention)
-    substitute = torch.compiler.substitute_in_graph
+    def rotate_op(call, spec_kwargs):
+        x = call["x"]
+        tensor, offset = _split(call.get("positions"))
+        key = spec_key(_get(call, "spec", None), spec_kwargs, x.shape[-1])
+        return torch.ops.rotary.rotate(x, tensor, offset, key, _get(call, "seq_axis", -2),
+                                       _get(call, "inverse", False), _get(call, "backend", "auto"))
 
-    @substitute(_apply)
-    def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
-              cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
-        pos = _split(positions)
-        if pos is None or out is not None or cu_seqlens is not None or seqlen_offsets is not None or not _tensors(x):
-            return plain_apply(x, positions, spec=spec, seq_axis=seq_axis, inverse=inverse, out=out, backend=backend,
-                               cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets, **spec_kwargs)
-        key = spec_key(spec, spec_kwargs, x.shape[-1])
-        return torch.ops.rotary.rotate(x, pos[0], pos[1], key, seq_axis, inverse, backend)
+    def rotate_qk_op(call, spec_kwargs):
+        q, k = call["q"], call["k"]
+        tensor, offset = _split(call.get("positions"))
+        key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
+        return torch.ops.rotary.rotate_qk(q, k, tensor, offset, key, _get(call, "seq_axis", -2),
+                                          _get(call, "inverse", False), _get(call, "backend", "auto"))
 
-    @substitute(_apply_qk)
-    def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
-                 cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
-        pos = _split(positions)
-        if (pos is None or out is not None or cu_seqlens is not None or seqlen_offsets is not None
-                or not _tensors(q, k)):
-            return plain_apply_qk(q, k, positions, spec=spec, seq_axis=seq_axis, inverse=inverse, out=out,
-                                  backend=backend, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
-                                  **spec_kwargs)
-        key = spec_key(spec, spec_kwargs, q.shape[-1], "q")
-        return torch.ops.rotary.rotate_qk(q, k, pos[0], pos[1], key, seq_axis, inverse, backend)
-
-    @substitute(_attention)
-    def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
-                  rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
-                  cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None,
-                  block_size=512, **spec_kwargs):
-        pos = _split(positions)
-        explicit = q_positions is not None or k_positions is not None
-        if (pos is None or not _tensors(q, k, v) or cu_seqlens is not None or cu_seqlens_k is not None
-                or seqlen_offsets is not None or q_mask_positions is not None or k_mask_positions is not None
-                or (explicit and (positions is not None or not _tensors(q_positions, k_positions)))):
-            return plain_attention(q, k, v, positions, causal=causal, scale=scale, spec=spec, seq_axis=seq_axis,
-                                   backend=backend, rope=rope, q_positions=q_positions, k_positions=k_positions,
-                                   window=window, softcap=softcap, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
-                                   seqlen_offsets=seqlen_offsets, q_mask_positions=q_mask_positions,
-                                   k_mask_positions=k_mask_positions, block_size=block_size, **spec_kwargs)
+    def attention_op(call, spec_kwargs):
+        q, k, v = call["q"], call["k"], call["v"]
+        positions = call.get("positions")
+        qp, kp = call.get("q_positions"), call.get("k_positions")
+        if qp is not None or kp is not None:
+            if positions is not None or not _tensors(qp, kp):
+                return None
+        tensor, offset = _split(positions)
+        spec, rope = _get(call, "spec", None), _get(call, "rope", True)
         with_spec = rope or spec is not None or spec_kwargs
         key = spec_key(spec, spec_kwargs, q.shape[-1] if with_spec else None, "q")
-        return torch.ops.rotary.attention(q, k, v, pos[0], pos[1], q_positions, k_positions, key, seq_axis,
-                                          causal, scale, rope, window, softcap, block_size, backend)
+        return torch.ops.rotary.attention(
+            q, k, v, tensor, offset, qp, kp, key, _get(call, "seq_axis", -2), _get(call, "causal", False),
+            _get(call, "scale", None), rope, _get(call, "window", None), _get(call, "softcap", None),
+            _get(call, "block_size", 512), _get(call, "backend", "auto"))
 
-    @substitute(_linear_attention)
-    def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
-                         seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, decay=None,
-                         normalize=True, cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
-        pos = _split(positions)
-        if (pos is None or not _tensors(q, k, v) or not isinstance(feature_map, str) or state is not None
-                or return_state or cu_seqlens is not None or seqlen_offsets is not None):
-            return plain_linear(q, k, v, positions, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
-                                seq_axis=seq_axis, state=state, return_state=return_state, backend=backend,
-                                chunk=chunk, decay=decay, normalize=normalize, cu_seqlens=cu_seqlens,
-                                seqlen_offsets=seqlen_offsets, **spec_kwargs)
-        key = spec_key(spec, spec_kwargs, q.shape[-1], "q")
-        return torch.ops.rotary.linear_attention(q, k, v, pos[0], pos[1], key, seq_axis, causal, feature_map, eps,
-                                                 chunk, decay, normalize, backend)
+    def linear_op(call, spec_kwargs):
+        q, k, v = call["q"], call["k"], call["v"]
+        feature_map = _get(call, "feature_map", "elu")
+        if not isinstance(feature_map, str):
+            return None
+        tensor, offset = _split(call.get("positions"))
+        key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
+        return torch.ops.rotary.linear_attention(
+            q, k, v, tensor, offset, key, _get(call, "seq_axis", -2), _get(call, "causal", False), feature_map,
+            _get(call, "eps", 1e-6), _get(call, "chunk", 64), _get(call, "decay", None),
+            _get(call, "normalize", True), _get(call, "backend", "auto"))
 
-    return apply, apply_qk, attention, linear_attention
+    common = {"positions", "spec", "seq_axis", "backend"}
+    return (
+        _handler(_apply, ("x",), common | {"x", "inverse"}, rotate_op),
+        _handler(_apply_qk, ("q", "k"), common | {"q", "k", "inverse"}, rotate_qk_op),
+        _handler(_attention, ("q", "k", "v"), common | {"q", "k", "v", "causal", "scale", "rope", "q_positions",
+                                                        "k_positions", "window", "softcap", "block_size"},
+                 attention_op),
+        _handler(_linear_attention, ("q", "k", "v"), common | {"q", "k", "v", "causal", "feature_map", "eps",
+                                                               "chunk", "decay", "normalize"}, linear_op),
+    )
 
 
 def _run_eagerly(fn):
