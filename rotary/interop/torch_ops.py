@@ -37,10 +37,10 @@ import types
 
 import torch
 
-from .. import attention as _attention
-from .. import apply as _apply
-from .. import apply_qk as _apply_qk
-from .. import linear_attention as _linear_attention
+from ..attn.linear import linear_attention as _linear_attention
+from ..attn.softmax import attention as _attention
+from ..frontend.rotate import apply as _apply
+from ..frontend.rotate import apply_qk as _apply_qk
 from ..frontend.normalize import resolve_spec
 from ..spec.rope_spec import RopeSpec
 
