@@ -278,3 +278,24 @@ def test_handlers_register_when_dynamo_loads(setup, before):
     code = _FRESH.format(setup=setup, before=before)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_first_torch_call_of_rotary_under_compile():
+    """The issue's case: a fresh process whose first rotary call on a torch tensor is compiled. That first
+    compile traces rotary's Python up to the adapter's import (graph breaks, right results); from then
+    on the handlers are there and fullgraph=True compiles."""
+    import subprocess
+    import sys
+
+    code = """
+import torch, rotary
+s = rotary.RopeSpec(8)
+x = torch.randn(1, 5, 2, 8)
+f = torch.compile(lambda x: rotary.apply(x, 5, spec=s, seq_axis=-3), backend="eager")
+y = f(x)
+g = torch.compile(lambda x: rotary.apply(x, 5, spec=s, seq_axis=-3) * 1, fullgraph=True, backend="eager")
+assert torch.equal(y, rotary.apply(x, 5, spec=s, seq_axis=-3)) and torch.equal(g(x), y)
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]

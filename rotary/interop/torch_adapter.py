@@ -20,6 +20,8 @@ Importing this module registers rotary's torch custom ops and their ``torch.comp
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .. import backends as _backends
@@ -34,11 +36,31 @@ def _torch():
 
 def _register_ops():
     """rotary's custom ops and Dynamo handlers (:mod:`.torch_ops`), where this torch has the API."""
-    if hasattr(_torch().library, "custom_op"):   # torch 2.4+
+    torch = _torch()
+    if not hasattr(torch.library, "custom_op"):   # torch 2.4+
+        return
+    if "torch._dynamo" in sys.modules:   # maybe inside a call Dynamo compiles: register with Dynamo off
+        from . import torch_hook
+
+        torch_hook.install()
+    else:
         from . import torch_ops  # noqa: F401  (the ops now; Dynamo's handlers when torch._dynamo loads)
 
 
 _register_ops()
+
+
+def _eager_under_dynamo():
+    """With Dynamo loaded (this import may come from a call that torch.compile is tracing, before the
+    handlers of :mod:`.torch_ops` existed): the adapter's entry points run eagerly under Dynamo (a graph
+    break) instead of Dynamo tracing them (NumPy views of fake tensors cannot work)."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    disable = _torch().compiler.disable
+    reason = "rotary's torch adapter runs eagerly (this call has no custom op, see docs/interop.md)"
+    glob = globals()
+    for name in ("rotate", "linear_attention"):
+        glob[name] = disable(glob[name], reason=reason)
 
 
 def _needs_grad(tensors) -> bool:
@@ -239,3 +261,5 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
         like = torch.empty(0, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
         return bridge.from_core(o, q), with_arrays(st, bridge.from_core(st.S, like), bridge.from_core(st.z, like))
 
+
+_eager_under_dynamo()

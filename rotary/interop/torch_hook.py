@@ -18,7 +18,10 @@ _DYNAMO = "torch._dynamo"
 
 
 def _register():
-    importlib.import_module("rotary.interop.torch_ops").register()
+    """Import the ops and install the handlers with Dynamo off: this may run inside a call that Dynamo
+    compiles (the first torch call of rotary under torch.compile), whose new frames Dynamo would trace."""
+    disable = sys.modules["torch"].compiler.disable
+    disable(lambda: importlib.import_module("rotary.interop.torch_ops").register())()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

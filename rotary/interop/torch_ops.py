@@ -31,7 +31,6 @@ model once eagerly, or ``import rotary.interop.torch_ops`` first.
 
 from __future__ import annotations
 
-import functools
 import json
 import types
 
@@ -431,14 +430,21 @@ def _run_eagerly(fn):
         set_code_exec_strategy(c, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
-@functools.cache
+_HANDLERS = []
+
+
 def register():
-    """Install the Dynamo handlers (once; the ops themselves are registered by importing this module).
-    Imports ``torch._dynamo`` (about a second): :func:`.torch_hook.install` calls it when Dynamo loads."""
+    """Install the Dynamo handlers (once, even after a failure: Dynamo refuses a second handler for a
+    function; the ops themselves are registered by importing this module). Imports ``torch._dynamo``
+    (about a second): :func:`.torch_hook.install` calls it when Dynamo loads."""
+    if _HANDLERS:
+        return _HANDLERS[0]
+    _HANDLERS.append(None)
     torch.compiler.assume_constant_result(spec_key)   # marks spec_key in place: Dynamo calls it at trace time
     for fn in (_apply, _apply_qk, _attention, _linear_attention):
         _run_eagerly(fn)
-    return _handlers()
+    _HANDLERS[0] = _handlers()
+    return _HANDLERS[0]
 
 
 from . import torch_hook  # noqa: E402
