@@ -19,14 +19,17 @@ through rotary's differentiable eager path (torch operations on the tensors, rot
 kernels) and takes its vector-Jacobian product; they have no double backward.
 
 Calls the ops cannot express (``out=``, ``cu_seqlens``, a callable feature map, a linear-attention
-``state``, positions that are neither a tensor nor an int, non-tensor inputs) run eagerly: a graph
-break (``fullgraph=True`` raises, naming the reason).
+``state``, positions that are neither a tensor nor an int, non-tensor inputs: any keyword of the
+frontend's signature outside what an op takes, set away from its default) run eagerly: a graph break
+(``fullgraph=True`` raises, naming the reason).
 
 :mod:`.torch_adapter` imports this module (the first rotary call on a torch tensor registers the ops);
 the Dynamo handlers (:func:`register`) follow when ``torch._dynamo`` is loaded (at once if it is, else
-by an import hook: ``torch.compile`` loads it before tracing). A model compiled before rotary ever saw
-a torch tensor and before this module was imported traces rotary's Python (graph breaks): call the
-model once eagerly, or ``import rotary.interop.torch_ops`` first.
+by an import hook, :mod:`.torch_hook`: ``torch.compile`` loads it before tracing). A model compiled
+before rotary ever saw a torch tensor gets graph breaks on its first compile (Dynamo traces rotary's
+Python up to the adapter's import, after which the adapter runs eagerly); ``import
+rotary.interop.torch_ops`` or ``rotary.interop.torch_hook.install()`` (torch-free) before compiling
+avoids that.
 """
 
 from __future__ import annotations
