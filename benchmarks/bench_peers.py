@@ -330,7 +330,7 @@ def rope_case(name, q, k, positions, spec, args, skipped, *, decode):
                                                                         backend="numba", out=(qo, ko)),
                        family="rotary")]
     if decode:
-        rope = rotary.Rope(spec, backend="numba", dtype=np.float32, max_positions=8192)
+        rope = rotary.Rope(spec, backend="numba", dtype=np.float32, max_positions=8192, seq_axis=-2)
         ro_q, ro_k = np.empty_like(q), np.empty_like(k)
         qi, ki = q.copy(), k.copy()
         cands += [Contender("rotary.Rope, new outputs", lambda: rope(q, k, pos2, seq_axis=1), family="rotary"),

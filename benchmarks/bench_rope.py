@@ -73,7 +73,7 @@ def kernel_choice(seconds: float, busy: int):
     q = rng.standard_normal((32, 1, 32, 128), dtype=np.float32)
     k = rng.standard_normal((32, 1, 8, 128), dtype=np.float32)
     positions = rng.integers(0, 8000, (32, 1))
-    rope = rotary.Rope(rotary.RopeSpec(128), backend="numba", max_positions=8192)
+    rope = rotary.Rope(rotary.RopeSpec(128), backend="numba", max_positions=8192, seq_axis=-2)
     for _ in range(50):
         rope(q, k, positions, seq_axis=1)
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
@@ -119,7 +119,7 @@ def main():
     k = rng.standard_normal((B, 1, Hk, D), dtype=np.float32)
     positions = rng.integers(100, 8000, size=(B, 1))
     spec = rotary.RopeSpec(D, base=500000.0)
-    rope = rotary.Rope(spec, backend="numba", dtype=np.float32, max_positions=8192)
+    rope = rotary.Rope(spec, backend="numba", dtype=np.float32, max_positions=8192, seq_axis=-2)
     qi, ki = q.copy(), k.copy()
 
     q_out, k_out = np.empty_like(q), np.empty_like(k)
@@ -173,7 +173,7 @@ def main():
     # device arrays: their address is looked up (as cheap as CuPy's a.data.ptr), device positions are an
     # ndarray subclass from a "cupy" module (used as table rows with no host round trip, as on CuPy)
     launches = []
-    dev_rope = rotary.Rope(spec, backend="numpy", dtype=np.float32, max_positions=8192)
+    dev_rope = rotary.Rope(spec, backend="numpy", dtype=np.float32, max_positions=8192, seq_axis=-2)
     addresses = {id(a): a.ctypes.data for a in (qi, ki)}
     hooks = dict(address=lambda a: addresses[id(a)] if id(a) in addresses else a.ctypes.data,
                  kernel=lambda grid, block, args, shared_mem=0: launches.append(args), empty=np.empty,

@@ -49,7 +49,7 @@ def main():
         print(f"| apply_qk prefill 4096 tokens at offset {offset}, out= | {t:.2f} ms |")
     qd = rng.standard_normal((32, 1, 32, 128), dtype=np.float32)
     kd = rng.standard_normal((32, 1, 8, 128), dtype=np.float32)
-    rope = rotary.Rope(spec, backend=args.backend, dtype=np.float32)
+    rope = rotary.Rope(spec, backend=args.backend, dtype=np.float32, seq_axis=-2)
     for near in (500, 500_000):
         pos = near + rng.integers(0, 2000, size=(32, 1))
         t = best_us(lambda: rope(qd, kd, pos, seq_axis=1, out=(qd, kd)), 200, args.rounds)

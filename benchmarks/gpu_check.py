@@ -297,9 +297,9 @@ def main(argv=None) -> int:
     step("prefill_multi_axis_fp16", lambda: prefill_multi_axis(cupy, rotary, cupy.float16, tokens))
     peak = results["device"].get("GFLOPs", float("nan"))
     step("linear_attention_causal_fp32",
-         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, seq_axis=-2))
     step("linear_attention_retention_fp32",
-         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True))
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True, seq_axis=-2))
     step("linear_attention_ragged_packed_fp32",
          lambda: linear_attention_ragged(cupy, cb, n_seqs=16 if args.quick else 64))
     plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))

@@ -132,18 +132,18 @@ def _demo_linear_attention(seq, rng) -> int:
         to_host = to_host or np.asarray
         qb, kb, vb = (to_backend(a) for a in (q, k, v))
         t0 = time.perf_counter()
-        o = to_host(rotary.linear_attention(qb, kb, vb, causal=True, spec=spec, backend=name))
+        o = to_host(rotary.linear_attention(qb, kb, vb, causal=True, spec=spec, layout="bhsd", backend=name))
         first = time.perf_counter() - t0
         reps = 5
         t0 = time.perf_counter()
         for _ in range(reps):
-            o = rotary.linear_attention(qb, kb, vb, causal=True, spec=spec, backend=name)
+            o = rotary.linear_attention(qb, kb, vb, causal=True, spec=spec, layout="bhsd", backend=name)
         o = to_host(o)
         per = (time.perf_counter() - t0) / reps
         o1, state = rotary.linear_attention(qb[:, :, :cut], kb[:, :, :cut], vb[:, :, :cut], causal=True, spec=spec,
-                                            return_state=True, backend=name)
+                                            layout="bhsd", return_state=True, backend=name)
         o2 = rotary.linear_attention(qb[:, :, cut:], kb[:, :, cut:], vb[:, :, cut:], causal=True, state=state,
-                                     backend=name)
+                                     layout="bhsd", backend=name)
         resumed = np.concatenate([to_host(o1), to_host(o2)], axis=2)
         err, err_resumed = (float(np.abs(a - ref).max() / rms) for a in (o, resumed))
         failures += max(err, err_resumed) > _conformance.LINEAR_TOLERANCES["float32"]

@@ -47,7 +47,7 @@ def test_kv_cache_end_aligned_causal_gqa(backend, dtype, blocks, rng):
     q, k, v = _bhsd(rng, dtype)
     off = 40
     kp = off + np.arange(11)
-    o = rotary.attention(q, k, v, off, causal=True, spec=SPEC, backend=backend, block_size=blocks)
+    o = rotary.attention(q, k, v, off, causal=True, spec=SPEC, backend=backend, block_size=blocks, seq_axis=-2)
     ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, SPEC.inv_freq(), causal=True)
     testing.assert_close(o, ref, like=q, **_tol(dtype))
     # BSHD gives the same
@@ -62,7 +62,7 @@ def test_window_softcap_and_explicit_positions(backend, blocks, rng):
     kp = np.stack([np.arange(13) * 2, np.arange(13) + 5])        # per-batch, gaps
     qp = np.stack([np.arange(7) * 3 + 1, np.arange(7) + 11])
     o = rotary.attention(q, k, v, q_positions=qp, k_positions=kp, causal=True, window=4, softcap=2.5, scale=0.7,
-                         spec=SPEC, backend=backend, block_size=blocks)
+                         spec=SPEC, backend=backend, block_size=blocks, seq_axis=-2)
     ref = testing.attention_quadratic(q, k, v, qp, kp, SPEC.inv_freq(), causal=True, window=4, softcap=2.5,
                                       scale=0.7)
     testing.assert_close(o, ref, like=q)
@@ -71,7 +71,7 @@ def test_window_softcap_and_explicit_positions(backend, blocks, rng):
 def test_row_without_visible_keys_is_zero(rng):
     q, k, v = _bhsd(rng, np.float64, Sq=1, Sk=4)
     o = rotary.attention(q, k, v, q_positions=np.array([100]), k_positions=np.arange(4), causal=True, window=3,
-                         spec=SPEC, backend="numpy")
+                         spec=SPEC, backend="numpy", seq_axis=-2)
     assert np.all(o == 0)
 
 
@@ -80,19 +80,19 @@ def test_pre_rotated_mode_and_sliding_window_decode(backend, blocks, rng):
     """rope=False on q, k rotated by the caller equals rope=True; a decode step over a rotated cache."""
     q, k, v = _bhsd(rng, np.float32, Sq=1, Sk=20)
     kp = np.arange(20) + 7
-    k_rot = rotary.apply(k, kp, spec=SPEC, backend=backend)
-    q_rot = rotary.apply(q, kp[-1:], spec=SPEC, backend=backend)
-    o = rotary.attention(q_rot, k_rot, v, 7, causal=True, window=6, rope=False, backend=backend, block_size=blocks)
+    k_rot = rotary.apply(k, kp, spec=SPEC, backend=backend, seq_axis=-2)
+    q_rot = rotary.apply(q, kp[-1:], spec=SPEC, backend=backend, seq_axis=-2)
+    o = rotary.attention(q_rot, k_rot, v, 7, causal=True, window=6, rope=False, backend=backend, block_size=blocks, seq_axis=-2)
     ref = testing.attention_quadratic(q, k, v, kp[-1:], kp, SPEC.inv_freq(), causal=True, window=6)
     testing.assert_close(o, ref, like=q)
-    o2 = rotary.attention(q, k, v, 7, causal=True, window=6, spec=SPEC, backend=backend, block_size=blocks)
+    o2 = rotary.attention(q, k, v, 7, causal=True, window=6, spec=SPEC, backend=backend, block_size=blocks, seq_axis=-2)
     np.testing.assert_allclose(o2, o, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_non_causal_more_queries_than_keys(backend, rng):
     q, k, v = _bhsd(rng, np.float64, Sq=9, Sk=4)
-    o = rotary.attention(q, k, v, spec=SPEC, backend=backend, block_size=2)
+    o = rotary.attention(q, k, v, spec=SPEC, backend=backend, block_size=2, seq_axis=-2)
     ref = testing.attention_quadratic(q, k, v, np.arange(-5, 4), np.arange(4), SPEC.inv_freq())
     testing.assert_close(o, ref, like=q)
 
@@ -196,12 +196,12 @@ def test_mrope_mask_is_token_order_unless_mask_positions_given(blocks, rng):
     q = rng.standard_normal((4, Sq, 16))
     k, v = rng.standard_normal((2, 2, Sk, 16))
     kpos3 = _image_positions(Sk)
-    o = rotary.attention(q, k, v, kpos3, causal=True, window=5, spec=MROPE, block_size=blocks)
+    o = rotary.attention(q, k, v, kpos3, causal=True, window=5, spec=MROPE, block_size=blocks, seq_axis=-2)
     ref = _mrope_oracle(q, k, v, kpos3[-Sq:], kpos3, np.arange(Sk - Sq, Sk), np.arange(Sk), window=5)
     testing.assert_close(o, ref)
     k_mask = np.concatenate([np.arange(9), 20 + np.arange(Sk - 9)])   # a gap of 11 after the 9th token
     o2 = rotary.attention(q, k, v, kpos3, causal=True, window=5, spec=MROPE, block_size=blocks,
-                          q_mask_positions=k_mask[-Sq:], k_mask_positions=k_mask)
+                          q_mask_positions=k_mask[-Sq:], k_mask_positions=k_mask, seq_axis=-2)
     ref2 = _mrope_oracle(q, k, v, kpos3[-Sq:], kpos3, k_mask[-Sq:], k_mask, window=5)
     testing.assert_close(o2, ref2)
     assert not np.allclose(o2, o)
@@ -246,7 +246,7 @@ def test_heads_over_threads_and_serial_fallback(blas_per_thread, monkeypatch, rn
     monkeypatch.setattr(_blocks, "_numba_threads", lambda: 8)
     monkeypatch.setattr(_attention, "_TILES_MIN_SCORES", 0)
     q, k, v = _bhsd(rng, np.float32, B=2, Hq=8, Hk=2, Sq=9, Sk=30)
-    o = rotary.attention(q, k, v, 5, causal=True, window=11, spec=SPEC, block_size=4)
+    o = rotary.attention(q, k, v, 5, causal=True, window=11, spec=SPEC, block_size=4, seq_axis=-2)
     kp = 5 + np.arange(30)
     ref = testing.attention_quadratic(q, k, v, kp[-9:], kp, SPEC.inv_freq(), causal=True, window=11)
     testing.assert_close(o, ref, like=q, **_tol(np.float32))
@@ -291,7 +291,7 @@ def test_blas_limited_during_the_section_and_restored(monkeypatch):
             try:
                 r = np.random.default_rng(seed)
                 q, k, v = _bhsd(r, np.float32, B=1, Hq=4, Hk=4, Sq=64, Sk=64)
-                o = rotary.attention(q, k, v, causal=True, spec=SPEC, block_size=8)
+                o = rotary.attention(q, k, v, causal=True, spec=SPEC, block_size=8, seq_axis=-2)
                 kp = np.arange(64)
                 ref = testing.attention_quadratic(q, k, v, kp, kp, SPEC.inv_freq(), causal=True)
                 testing.assert_close(o, ref, like=q, **_tol(np.float32))
@@ -323,7 +323,7 @@ def test_softmax_scale_factor_of_the_spec(rng, monkeypatch):
     q, k, v = _bhsd(rng, np.float64)
     spec = RopeSpec(16, base=500.0)
     monkeypatch.setattr(RopeSpec, "softmax_scale_factor", 1.7, raising=False)
-    o = rotary.attention(q, k, v, causal=True, spec=spec, backend="numpy")
+    o = rotary.attention(q, k, v, causal=True, spec=spec, backend="numpy", seq_axis=-2)
     kp = np.arange(11)
     ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, spec.inv_freq(), causal=True, scale=1.7 / 4.0)
     testing.assert_close(o, ref, like=q)
@@ -333,7 +333,7 @@ def test_torch_inputs_through_the_array_api_path(rng):
     torch = pytest.importorskip("torch")
     q, k, v = _bhsd(rng, np.float64)
     o = rotary.attention(*(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=3, softcap=3.0,
-                         spec=SPEC, block_size=4)
+                         spec=SPEC, block_size=4, seq_axis=-2)
     assert isinstance(o, torch.Tensor)
     kp = np.arange(11)
     ref = testing.attention_quadratic(q, k, v, kp[-5:], kp, SPEC.inv_freq(), causal=True, window=3, softcap=3.0)
@@ -343,23 +343,23 @@ def test_torch_inputs_through_the_array_api_path(rng):
 def test_inference_bad_input(rng):
     q, k, v = _bhsd(rng, np.float32, Sq=5, Sk=3)
     with pytest.raises(ValueError, match=r"q_len \(5\) > k_len \(3\) with causal=True"):
-        rotary.attention(q, k, v, causal=True, spec=SPEC)
+        rotary.attention(q, k, v, causal=True, spec=SPEC, seq_axis=-2)
     q, k, v = _bhsd(rng, np.float32)
     for bad in (0, -2):
         with pytest.raises(ValueError, match="window must be > 0"):
-            rotary.attention(q, k, v, causal=True, window=bad, spec=SPEC)
+            rotary.attention(q, k, v, causal=True, window=bad, spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="window .* needs causal=True"):
-        rotary.attention(q, k, v, window=3, spec=SPEC)
+        rotary.attention(q, k, v, window=3, spec=SPEC, seq_axis=-2)
     with pytest.raises(TypeError, match="window must be an integer"):
-        rotary.attention(q, k, v, causal=True, window=2.5, spec=SPEC)
+        rotary.attention(q, k, v, causal=True, window=2.5, spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="softcap must be > 0"):
-        rotary.attention(q, k, v, softcap=0.0, spec=SPEC)
+        rotary.attention(q, k, v, softcap=0.0, spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="both q_positions and k_positions"):
-        rotary.attention(q, k, v, q_positions=np.arange(5), spec=SPEC)
+        rotary.attention(q, k, v, q_positions=np.arange(5), spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="not both"):
-        rotary.attention(q, k, v, 3, q_positions=np.arange(5), k_positions=np.arange(11), spec=SPEC)
+        rotary.attention(q, k, v, 3, q_positions=np.arange(5), k_positions=np.arange(11), spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="k_positions of shape"):
-        rotary.attention(q, k, v, q_positions=np.arange(5), k_positions=np.arange(10), spec=SPEC)
+        rotary.attention(q, k, v, q_positions=np.arange(5), k_positions=np.arange(10), spec=SPEC, seq_axis=-2)
     qp, kp, vp = (np.swapaxes(a[0], 0, 1) for a in (q, k, v))   # packed (T, H, d)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([1, 5]), cu_seqlens_k=np.array([0, 11]))
@@ -374,14 +374,14 @@ def test_inference_bad_input(rng):
         rotary.attention(qp, kp, vp, seq_axis=0, cu_seqlens=np.array([0, 5]), cu_seqlens_k=np.array([0, 11]),
                          seqlen_offsets=[1, 2])
     with pytest.raises(ValueError, match="seq_axis=0"):
-        rotary.attention(q, k, v, cu_seqlens=np.array([0, 5]))
+        rotary.attention(q, k, v, cu_seqlens=np.array([0, 5]), seq_axis=-2)
     with pytest.raises(ValueError, match="both q_mask_positions and k_mask_positions"):
-        rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5), spec=SPEC)
+        rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5), spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="need causal=True"):
-        rotary.attention(q, k, v, q_mask_positions=np.arange(5), k_mask_positions=np.arange(11), spec=SPEC)
+        rotary.attention(q, k, v, q_mask_positions=np.arange(5), k_mask_positions=np.arange(11), spec=SPEC, seq_axis=-2)
     with pytest.raises(ValueError, match="k_mask_positions of shape"):
         rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5), k_mask_positions=np.arange(4),
-                         spec=SPEC)
+                         spec=SPEC, seq_axis=-2)
     with pytest.raises(TypeError, match="q_mask_positions must have an integer dtype"):
         rotary.attention(q, k, v, causal=True, q_mask_positions=np.arange(5.0), k_mask_positions=np.arange(11),
-                         spec=SPEC)
+                         spec=SPEC, seq_axis=-2)

@@ -40,7 +40,7 @@ def test_attention_matches_oracle_gqa(dtype, layout, causal, backend, rng):
     k = rng.standard_normal((2, 2, 6, 16)).astype(dtype)
     v = rng.standard_normal((2, 2, 6, 5)).astype(dtype)
     spec = rotary.RopeSpec(16, layout=layout, base=100.0)
-    o = rotary.attention(q, k, v, 3, causal=causal, spec=spec, backend=backend)
+    o = rotary.attention(q, k, v, 3, causal=causal, spec=spec, backend=backend, seq_axis=-2)
     assert_close(o, oracle(q, k, v, np.arange(6) + 3, spec, causal), like=q,
                  **({} if dtype == np.float64 else dict(rtol=2e-5, atol=2e-5)))
 
@@ -50,19 +50,19 @@ def test_attention_bshd_equals_bhsd(rng):
     k = rng.standard_normal((1, 5, 1, 8))
     v = rng.standard_normal((1, 5, 1, 3))
     o1 = rotary.attention(q, k, v, causal=True, seq_axis=-3)
-    o2 = rotary.attention(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), causal=True)
+    o2 = rotary.attention(*(np.swapaxes(a, 1, 2) for a in (q, k, v)), causal=True, seq_axis=-2)
     np.testing.assert_allclose(o1, np.swapaxes(o2, 1, 2), atol=1e-12)
 
 
 def test_attention_bad_input(rng):
     q = np.zeros((1, 3, 5, 8))
     with pytest.raises(ValueError, match="multiple"):
-        rotary.attention(q, np.zeros((1, 2, 5, 8)), np.zeros((1, 2, 5, 8)))
+        rotary.attention(q, np.zeros((1, 2, 5, 8)), np.zeros((1, 2, 5, 8)), seq_axis=-2)
     with pytest.raises(ValueError, match="v"):
-        rotary.attention(q, q, np.zeros((1, 3, 4, 8)))
+        rotary.attention(q, q, np.zeros((1, 3, 4, 8)), seq_axis=-2)
     with pytest.raises(ValueError, match="head_dim"):
-        rotary.attention(q, np.zeros((1, 3, 5, 6)), np.zeros((1, 3, 5, 6)))
+        rotary.attention(q, np.zeros((1, 3, 5, 6)), np.zeros((1, 3, 5, 6)), seq_axis=-2)
     with pytest.raises(TypeError, match="causal"):
-        rotary.attention(q, q, q, causal="yes")
+        rotary.attention(q, q, q, causal="yes", seq_axis=-2)
     with pytest.raises(TypeError, match="scale"):
-        rotary.attention(q, q, q, scale="big")
+        rotary.attention(q, q, q, scale="big", seq_axis=-2)

@@ -425,7 +425,7 @@ def test_linear_attention_frontend_prefill_then_decode(use_backend, causal, rng)
     name = use_backend(threads=32)
     q, k = (rng.standard_normal((2, 3, 30, 16)).astype(np.float32) for _ in range(2))
     v = rng.standard_normal((2, 3, 30, 10)).astype(np.float32)
-    kw = dict(causal=causal, spec=RopeSpec(16, layout="interleaved"), return_state=True, chunk=8)
+    kw = dict(causal=causal, spec=RopeSpec(16, layout="interleaved"), return_state=True, chunk=8, seq_axis=-2)
     results = {}
     for backend in ("numpy", name):
         o1, st = linear_attention(q[:, :, :25], k[:, :, :25], v[:, :, :25], backend=backend, **kw)
@@ -471,7 +471,7 @@ def test_linear_attention_gqa_decay_normalize(use_backend, case, threads, rng):
     if not causal:   # calls chained by a state are block-causal
         ref[:, :, :20] = linear_attention_quadratic(q[:, :, :20], rep(k)[:, :, :20], rep(v)[:, :, :20],
                                                     np.arange(20), spec.inv_freq(), normalize=normalize)
-    kw = dict(causal=causal, spec=spec, return_state=True, chunk=8, decay=decay, normalize=normalize, backend=name)
+    kw = dict(causal=causal, spec=spec, return_state=True, chunk=8, decay=decay, normalize=normalize, backend=name, seq_axis=-2)
     pieces, st = [], None
     cuts = (0, 20, 21, 22, 27) if causal else (0, 20, 27)
     for s0, s1 in zip(cuts, cuts[1:]):

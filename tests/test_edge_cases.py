@@ -264,7 +264,7 @@ def test_linear_attention_state_across_backends(first, second, case, rng):
     q, k = randn(rng, (B, H, T, m), dtype), randn(rng, (B, H, T, m), dtype)
     v = randn(rng, (B, H, T, dv), dtype)
     spec = rotary.RopeSpec(m)
-    kw = dict(causal=True, chunk=c["chunk"], feature_map=c["feature_map"])
+    kw = dict(causal=True, chunk=c["chunk"], feature_map=c["feature_map"], seq_axis=-2)
     o1, state = rotary.linear_attention(q[:, :, :split], k[:, :, :split], v[:, :, :split], spec=spec,
                                         backend=first, return_state=True, **kw)
     S0, z0 = state.S.copy(), state.z.copy()
@@ -286,7 +286,7 @@ def test_linear_attention_several_groups(backend, causal, T, dv, rng):
     v = randn(rng, (B, H, T, dv), np.float32)
     spec = rotary.RopeSpec(m)
     inputs = [a.copy() for a in (q, k, v)]
-    o = rotary.linear_attention(q, k, v, spec=spec, causal=causal, chunk=16, backend=backend)
+    o = rotary.linear_attention(q, k, v, spec=spec, causal=causal, chunk=16, backend=backend, seq_axis=-2)
     assert all(np.array_equal(a, b) for a, b in zip(inputs, (q, k, v)))
     ref = linear_attention_quadratic(q, k, v, np.arange(T), spec.inv_freq(), causal=causal)
     assert_close(o, ref, like=q, rtol=3e-5, atol=3e-5)
@@ -298,7 +298,7 @@ def test_linear_attention_empty_batch_or_heads(backend):
         q = np.zeros(shape, np.float32)
         v = np.zeros(shape[:-1] + (4,), np.float32)
         for causal in (True, False):
-            o, state = rotary.linear_attention(q, q, v, causal=causal, backend=backend, return_state=True)
+            o, state = rotary.linear_attention(q, q, v, causal=causal, backend=backend, return_state=True, seq_axis=-2)
             assert o.shape == shape[:-1] + (4,) and o.dtype == np.float32
             assert state.S.shape == shape[:2] + (8, 4)
 

@@ -28,7 +28,7 @@ X = np.zeros((2, 5, 8), dtype=np.float32)
 ])
 def test_bad_spec_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        rotary.apply(X, **kwargs)
+        rotary.apply(X, seq_axis=-2, **kwargs)
 
 
 def test_bad_head_dim():
@@ -40,11 +40,11 @@ def test_bad_head_dim():
 
 def test_spec_and_keywords_conflict_and_head_dim_mismatch():
     with pytest.raises(TypeError, match="either spec"):
-        rotary.apply(X, spec=rotary.RopeSpec(8), base=5.0)
+        rotary.apply(X, spec=rotary.RopeSpec(8), base=5.0, seq_axis=-2)
     with pytest.raises(ValueError, match=r"spec.head_dim \(16\) does not match x.shape\[-1\] \(8\)"):
-        rotary.apply(X, spec=rotary.RopeSpec(16))
+        rotary.apply(X, spec=rotary.RopeSpec(16), seq_axis=-2)
     with pytest.raises(TypeError, match="spec must be a rotary.RopeSpec"):
-        rotary.apply(X, spec={"base": 1.0})
+        rotary.apply(X, spec={"base": 1.0}, seq_axis=-2)
 
 
 @pytest.mark.parametrize("positions, exc, match", [
@@ -59,15 +59,15 @@ def test_spec_and_keywords_conflict_and_head_dim_mismatch():
 ])
 def test_bad_positions(positions, exc, match):
     with pytest.raises(exc, match=match):
-        rotary.apply(X, positions)
+        rotary.apply(X, positions, seq_axis=-2)
 
 
 def test_positions_on_heads_axis_are_rejected():
     x = np.zeros((2, 4, 5, 8), dtype=np.float32)     # (B, H, S, D): positions (H, S) must not pass as (B, S)
     with pytest.raises(ValueError, match="positions"):
-        rotary.apply(x, np.zeros((4, 5), dtype=int))
+        rotary.apply(x, np.zeros((4, 5), dtype=int), seq_axis=-2)
     with pytest.raises(ValueError, match="no batch axis"):
-        rotary.apply(np.zeros((5, 8), dtype=np.float32), np.zeros((1, 5), dtype=int))
+        rotary.apply(np.zeros((5, 8), dtype=np.float32), np.zeros((1, 5), dtype=int), seq_axis=-2)
 
 
 @pytest.mark.parametrize("x, exc, match", [
@@ -78,7 +78,7 @@ def test_positions_on_heads_axis_are_rejected():
 ])
 def test_bad_x(x, exc, match):
     with pytest.raises(exc, match=match):
-        rotary.apply(x)
+        rotary.apply(x, seq_axis=-2)
 
 
 @pytest.mark.parametrize("seq_axis, exc, match", [
@@ -97,20 +97,20 @@ def test_bad_seq_axis(seq_axis, exc, match):
 ])
 def test_bad_out(out, exc, match):
     with pytest.raises(exc, match=match):
-        rotary.apply(X, out=out)
+        rotary.apply(X, out=out, seq_axis=-2)
 
 
 def test_out_partially_overlapping_input_is_rejected():
     buf = np.zeros((3, 5, 8), dtype=np.float32)
     with pytest.raises(ValueError, match="overlaps"):
-        rotary.apply(buf[:2], out=buf[1:])
+        rotary.apply(buf[:2], out=buf[1:], seq_axis=-2)
 
 
 def test_out_read_only_is_rejected():
     out = np.zeros_like(X)
     out.setflags(write=False)
     with pytest.raises(ValueError, match="read-only"):
-        rotary.apply(X, out=out)
+        rotary.apply(X, out=out, seq_axis=-2)
 
 
 def test_apply_qk_mismatches():
@@ -122,14 +122,14 @@ def test_apply_qk_mismatches():
     with pytest.raises(ValueError, match="number of dimensions"):
         rotary.apply_qk(q, np.zeros((5, 4, 8), dtype=np.float32), seq_axis=-3)
     with pytest.raises(TypeError, match="pair"):
-        rotary.apply_qk(q, q, out=q)
+        rotary.apply_qk(q, q, out=q, seq_axis=-2)
 
 
 def test_bad_backend_and_inverse():
     with pytest.raises(ValueError, match="backend must be"):
-        rotary.apply(X, backend="tpu")
+        rotary.apply(X, backend="tpu", seq_axis=-2)
     with pytest.raises(TypeError, match="inverse"):
-        rotary.apply(X, inverse=1)
+        rotary.apply(X, inverse=1, seq_axis=-2)
 
 
 def test_missing_backend_says_what_to_install(monkeypatch):
@@ -139,7 +139,7 @@ def test_missing_backend_says_what_to_install(monkeypatch):
     backends._reset_for_tests()
     try:
         with pytest.raises(BackendUnavailableError, match=r"pip install 'rotary\[numba\]'"):
-            rotary.apply(X, backend="numba")
+            rotary.apply(X, backend="numba", seq_axis=-2)
         ok, reason = rotary.available_backends()["numba"]
         assert not ok and "pip install" in reason
     finally:

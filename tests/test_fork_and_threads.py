@@ -115,7 +115,7 @@ def test_one_rope_and_one_spec_from_8_threads(backend):
     """8 threads share one Rope (its table grows: each thread moves to positions far beyond the others')
     and one spec (rotary.apply, the shared table cache); every result equals the serial call's."""
     spec = rotary.RopeSpec(32, base=10000.0, layout="interleaved")
-    rope = rotary.Rope(spec, backend=backend, dtype=np.float32, max_positions=16)
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float32, max_positions=16, seq_axis=-2)
     rng = np.random.default_rng(8)
     plans = []   # per thread: (q, k, [positions offsets]) -- growing and jumping
     for i in range(8):
@@ -123,13 +123,13 @@ def test_one_rope_and_one_spec_from_8_threads(backend):
         k = rng.standard_normal((1, 2, 3, 32)).astype(np.float32)
         offsets = [i * 37 + step * (1 + i) ** 3 for step in range(12)] + [10**6 * (i + 1), 5]
         plans.append((q, k, offsets))
-    serial = [[(rotary.apply_qk(q, k, p, spec=spec, backend=backend)) for p in offsets] for q, k, offsets in plans]
+    serial = [[(rotary.apply_qk(q, k, p, spec=spec, backend=backend, seq_axis=-2)) for p in offsets] for q, k, offsets in plans]
     results = [[None] * len(plans[i][2]) for i in range(8)]
 
     def work(i):
         q, k, offsets = plans[i]
         for j, p in enumerate(offsets):
-            qr, kr = rope(q, k, p) if j % 2 == 0 else rotary.apply_qk(q, k, p, spec=spec, backend=backend)
+            qr, kr = rope(q, k, p) if j % 2 == 0 else rotary.apply_qk(q, k, p, spec=spec, backend=backend, seq_axis=-2)
             results[i][j] = (qr.copy(), kr.copy())
 
     errors = run_in_threads(work, 8)
@@ -171,7 +171,7 @@ def test_table_cache_under_concurrent_eviction():
         def work(i):
             for rep in range(30):
                 p = offsets[(i + rep) % len(offsets)]
-                np.testing.assert_allclose(rotary.apply(x, p, spec=spec, backend="numpy"), want[p], atol=1e-12,
+                np.testing.assert_allclose(rotary.apply(x, p, spec=spec, backend="numpy", seq_axis=-2), want[p], atol=1e-12,
                                            rtol=1e-12)
 
         errors = run_in_threads(work, 6)

@@ -24,7 +24,7 @@ def test_numpy_rows():
     x = np.random.default_rng(0).standard_normal((3, 10, 32))
     spec = rotary.RopeSpec(32)
     for backend in [b for b in ("numba", "numpy") if b in AVAILABLE]:
-        assert_close(rotary.apply(x, 4, spec=spec, backend=backend), rope_complex(x, np.arange(10) + 4, spec.inv_freq()))
+        assert_close(rotary.apply(x, 4, spec=spec, backend=backend, seq_axis=-2), rope_complex(x, np.arange(10) + 4, spec.inv_freq()))
 
 
 @pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_cupy_rows():
 
     x = np.random.default_rng(0).standard_normal((3, 10, 32)).astype(np.float32)
     spec = rotary.RopeSpec(32)
-    y = rotary.apply(cupy.asarray(x), 4, spec=spec)
+    y = rotary.apply(cupy.asarray(x), 4, spec=spec, seq_axis=-2)
     assert isinstance(y, cupy.ndarray)
     assert_close(cupy.asnumpy(y), rope_complex(x, np.arange(10) + 4, spec.inv_freq()))
 
@@ -47,11 +47,11 @@ def test_array_api_strict_rows():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 12, 16))
     spec = rotary.RopeSpec(16)
-    y = rotary.apply(xps.asarray(x), spec=spec)
+    y = rotary.apply(xps.asarray(x), spec=spec, seq_axis=-2)
     assert type(y) is type(xps.asarray(x))
     assert_close(np.asarray(y), rope_complex(x, np.arange(12), spec.inv_freq()))
-    y2 = rotary.apply(xps.asarray(x), spec=spec)              # a second call: the per-call table conversion
+    y2 = rotary.apply(xps.asarray(x), spec=spec, seq_axis=-2)              # a second call: the per-call table conversion
     assert_close(np.asarray(y2), rope_complex(x, np.arange(12), spec.inv_freq()))
     q, k, v = (rng.standard_normal((2, 12, 16)) for _ in range(3))
-    o = rotary.linear_attention(*(xps.asarray(a) for a in (q, k, v)), causal=True, spec=spec)
+    o = rotary.linear_attention(*(xps.asarray(a) for a in (q, k, v)), causal=True, spec=spec, seq_axis=-2)
     assert_close(np.asarray(o), linear_attention_quadratic(q, k, v, np.arange(12), spec.inv_freq(), causal=True))

@@ -112,7 +112,7 @@ def test_matches_oracle(backend, dtype, layout, causal, T, chunk):
         o = np.swapaxes(to_numpy64(o), 1, 2)
     else:
         args = [xb(a) for a in (q, k, v)]
-        o = rotary.linear_attention(*args, causal=causal, chunk=chunk, backend=backend)
+        o = rotary.linear_attention(*args, causal=causal, chunk=chunk, backend=backend, seq_axis=-2)
         assert type(o) is type(args[0]) and o.dtype == args[0].dtype
     assert rel_rms(o, expected) <= TOL[dtype]
 
@@ -126,7 +126,7 @@ def test_long_sequence_float32(backend, causal):
     q, k, v = _inputs(rng, (1, 2, T, 32), 16, np.float32)
     spec = rotary.RopeSpec(32)
     xb = _to_backend(backend)
-    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=causal, spec=spec, backend=backend)
+    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=causal, spec=spec, backend=backend, seq_axis=-2)
     assert rel_rms(o, oracle(q, k, v, np.arange(T), spec, causal=causal)) <= 1e-5
 
 
@@ -161,7 +161,7 @@ def test_positions_dims_and_maps(backend, causal, case):
     expected = oracle(q, k, v, oracle_pos, spec, causal=causal, feature_map=feature_map)
     xb = _to_backend(backend)
     o = rotary.linear_attention(xb(q), xb(k), xb(v), positions, causal=causal, feature_map=feature_map,
-                                spec=spec, chunk=8, backend=backend)
+                                spec=spec, chunk=8, backend=backend, seq_axis=-2)
     angle_error = 2e-16 * np.abs(oracle_pos).max()   # float64 p * theta at large p, in either computation
     assert rel_rms(o, expected) <= 1e-12 + angle_error
     for a, b in zip((q, k, v), before):
@@ -194,7 +194,7 @@ def test_float16_computes_in_float32(backend):
     rng = np.random.default_rng(3)
     q, k, v = _inputs(rng, (2, 2, 70, 8), 8, np.float16)
     xb = _to_backend(backend)
-    o, state = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, return_state=True, backend=backend)
+    o, state = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, return_state=True, backend=backend, seq_axis=-2)
     assert o.dtype == np.float16 and state.S.dtype == np.float32 and state.z.dtype == np.float32
     expected = oracle(q, k, v, np.arange(70), rotary.RopeSpec(8), causal=True)
     assert rel_rms(o, expected) <= TOL["float16"]
@@ -205,7 +205,7 @@ def test_yarn_attention_scaling_multiplies_the_numerator():
     spec = rotary.RopeSpec(8, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     assert spec.attention_scaling != 1.0
     q, k, v = _inputs(rng, (1, 2, 30, 8), 3)
-    o = rotary.linear_attention(q, k, v, causal=True, spec=spec, backend="numpy")
+    o = rotary.linear_attention(q, k, v, causal=True, spec=spec, backend="numpy", seq_axis=-2)
     assert rel_rms(o, oracle(q, k, v, np.arange(30), spec, causal=True)) <= 1e-12
 
 
@@ -235,9 +235,9 @@ def test_array_api_strict_inputs(causal):
     q, k, v = _inputs(rng, (2, 3, 19, 8), 5)
     xq, xk, xv = (xps.asarray(a) for a in (q, k, v))
     o1, state = rotary.linear_attention(xq[:, :, :9, ...], xk[:, :, :9, ...], xv[:, :, :9, ...], causal=causal, chunk=4,
-                                        return_state=True)
+                                        return_state=True, seq_axis=-2)
     o2 = rotary.linear_attention(xq[:, :, 9:, ...], xk[:, :, 9:, ...], xv[:, :, 9:, ...], causal=causal, chunk=4,
-                                 state=state)
+                                 state=state, seq_axis=-2)
     assert type(o1) is type(xq) and o1.dtype == xps.float64 and type(state.S) is type(xq)
     T = 19
     mask = np.tril(np.ones((T, T)))
@@ -261,16 +261,16 @@ def test_split_and_resume_at_every_cut(backend, dtype):
     xb = _to_backend(backend)
     q, k, v = xb(q), xb(k), xb(v)
     full, full_state = rotary.linear_attention(q, k, v, positions, causal=True, chunk=4, return_state=True,
-                                               backend=backend)
+                                               backend=backend, seq_axis=-2)
     for cut in range(T + 1):
         o1, state = rotary.linear_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], positions[:, :cut],
-                                            causal=True, chunk=4, return_state=True, backend=backend)
+                                            causal=True, chunk=4, return_state=True, backend=backend, seq_axis=-2)
         if cut:
             np.testing.assert_array_equal(state.next_position, positions[:, cut - 1] + 1)
         carried = to_numpy64(state.S), to_numpy64(state.z)
         o2, state2 = rotary.linear_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], positions[:, cut:],
                                              causal=True, chunk=4, state=state, return_state=True,
-                                             backend=backend)
+                                             backend=backend, seq_axis=-2)
         np.testing.assert_array_equal(to_numpy64(state.S), carried[0])   # the state is not consumed
         np.testing.assert_array_equal(to_numpy64(state.z), carried[1])
         joined = np.concatenate([to_numpy64(o1), to_numpy64(o2)], axis=2)
@@ -289,12 +289,12 @@ def test_decode_token_by_token_continues_positions(backend):
     expected = oracle(*(to_numpy64(a) for a in (q, k, v)), 500 + np.arange(12), spec, causal=True)
     outs = []
     o, state = rotary.linear_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], 500, causal=True, spec=spec,
-                                       return_state=True, backend=backend)
+                                       return_state=True, backend=backend, seq_axis=-2)
     outs.append(o)
     for t in range(5, 12):   # positions=None and no spec: the state's next position and spec
         assert state.next_position == 500 + t
         o, state = rotary.linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True,
-                                           state=state, return_state=True, backend=backend)
+                                           state=state, return_state=True, backend=backend, seq_axis=-2)
         outs.append(o)
     assert rel_rms(np.concatenate([to_numpy64(o) for o in outs], axis=2), expected) <= 1e-12
 
@@ -304,11 +304,11 @@ def test_per_batch_next_position_continues():
     q, k, v = _inputs(rng, (2, 3, 10, 4), 2)
     starts = np.array([0, 70])
     positions = starts[:, None] + np.arange(10)
-    full = rotary.linear_attention(q, k, v, positions, causal=True)
+    full = rotary.linear_attention(q, k, v, positions, causal=True, seq_axis=-2)
     o1, state = rotary.linear_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], positions[:, :6], causal=True,
-                                        return_state=True)
+                                        return_state=True, seq_axis=-2)
     np.testing.assert_array_equal(state.next_position, starts + 6)
-    o2 = rotary.linear_attention(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], causal=True, state=state)
+    o2 = rotary.linear_attention(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], causal=True, state=state, seq_axis=-2)
     assert rel_rms(np.concatenate([o1, o2], axis=2), full) <= 1e-12
 
 
@@ -316,7 +316,7 @@ def test_non_causal_state_is_the_sum_of_all_tokens():
     rng = np.random.default_rng(24)
     q, k, v = _inputs(rng, (2, 9, 4), 3)   # no batch axis before seq: (H, T, d)
     spec = rotary.RopeSpec(4)
-    _, state = rotary.linear_attention(q, k, v, causal=False, return_state=True)
+    _, state = rotary.linear_attention(q, k, v, causal=False, return_state=True, seq_axis=-2)
     b = phi64(k, "elu")
     np.testing.assert_allclose(state.z, b.sum(-2), rtol=1e-13)
     np.testing.assert_allclose(state.S, np.swapaxes(rotate64(b, np.arange(9), spec), -1, -2) @ v, rtol=1e-12)
@@ -326,17 +326,17 @@ def test_non_causal_state_is_the_sum_of_all_tokens():
 def test_empty_sequence_keeps_the_state():
     rng = np.random.default_rng(25)
     q, k, v = _inputs(rng, (1, 2, 5, 4), 3)
-    o, state = rotary.linear_attention(q, k, v, causal=True, return_state=True)
+    o, state = rotary.linear_attention(q, k, v, causal=True, return_state=True, seq_axis=-2)
     o0, state0 = rotary.linear_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], causal=True, state=state,
-                                         return_state=True)
+                                         return_state=True, seq_axis=-2)
     assert o0.shape == (1, 2, 0, 3) and state0 is state
-    o0, fresh = rotary.linear_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], 7, causal=True, return_state=True)
+    o0, fresh = rotary.linear_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], 7, causal=True, return_state=True, seq_axis=-2)
     assert fresh.next_position == 7 and not np.any(fresh.S) and fresh.S.dtype == np.float64
 
 
 def test_state_is_immutable_and_float32_for_float16():
     q, k, v = _inputs(np.random.default_rng(26), (1, 4, 4), 2, np.float16)
-    _, state = rotary.linear_attention(q, k, v, causal=True, return_state=True)
+    _, state = rotary.linear_attention(q, k, v, causal=True, return_state=True, seq_axis=-2)
     assert state.S.dtype == np.float32 and state.S.shape == (1, 4, 2) and state.z.shape == (1, 4)
     with pytest.raises(AttributeError):
         state.next_position = 3
@@ -354,7 +354,7 @@ def test_state_pickles_and_copies():
         pytest.skip("RopeSpec does not pickle here")
     q, k, v = _inputs(np.random.default_rng(27), (2, 6, 4), 3)
     positions = np.array([[0, 1, 2, 3, 4, 5], [9, 10, 11, 12, 13, 14]])
-    _, state = rotary.linear_attention(q, k, v, positions, causal=True, spec=spec, return_state=True)
+    _, state = rotary.linear_attention(q, k, v, positions, causal=True, spec=spec, return_state=True, seq_axis=-2)
     for other in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
         assert other.spec == spec and other.feature_map == "elu"
         np.testing.assert_array_equal(other.S, state.S)
@@ -371,7 +371,7 @@ _settings = settings(max_examples=25, deadline=None, suppress_health_check=[Heal
 def test_equal_positions_give_plain_linear_attention(seed, T, p, causal):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, (2, T, 6), 3)
-    o = rotary.linear_attention(q, k, v, np.full(T, p), causal=causal, chunk=5)
+    o = rotary.linear_attention(q, k, v, np.full(T, p), causal=causal, chunk=5, seq_axis=-2)
     a, b = phi64(q, "elu"), phi64(k, "elu")
     mask = np.tril(np.ones((T, T))) if causal else np.ones((T, T))
     w = (a @ np.swapaxes(b, -1, -2)) * mask
@@ -386,7 +386,7 @@ def test_shift_invariance_float32(seed, T, causal, layout):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, (2, 2, T, 8), 4, np.float32)
     spec = rotary.RopeSpec(8, layout=layout)
-    shifted = rotary.linear_attention(q, k, v, 10**9, causal=causal, spec=spec, chunk=16)
+    shifted = rotary.linear_attention(q, k, v, 10**9, causal=causal, spec=spec, chunk=16, seq_axis=-2)
     expected = oracle(q, k, v, np.arange(T), spec, causal=causal)
     assert rel_rms(shifted, expected) <= 1e-5
 
@@ -396,9 +396,9 @@ def test_shift_invariance_float32(seed, T, causal, layout):
 def test_interleaved_equals_half_on_permuted_features(seed, T, d, causal):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, (2, T, d), 3)
-    inter = rotary.linear_attention(q, k, v, 17, causal=causal, layout="interleaved", chunk=4)
+    inter = rotary.linear_attention(q, k, v, 17, causal=causal, layout="interleaved", chunk=4, seq_axis=-2)
     qh, kh = (rotary.convert_layout(x, to="half") for x in (q, k))
-    half = rotary.linear_attention(qh, kh, v, 17, causal=causal, layout="half", chunk=4)
+    half = rotary.linear_attention(qh, kh, v, 17, causal=causal, layout="half", chunk=4, seq_axis=-2)
     assert rel_rms(half, inter) <= 1e-12
 
 
@@ -414,7 +414,7 @@ def test_a_chain_of_calls_equals_the_oracle(seed, lengths, chunk, causal):
     mask = np.zeros((T, T))
     for n in lengths:
         o, state = rotary.linear_attention(q[:, start:start + n], k[:, start:start + n], v[:, start:start + n],
-                                           causal=causal, chunk=chunk, state=state, return_state=True)
+                                           causal=causal, chunk=chunk, state=state, return_state=True, seq_axis=-2)
         outs.append(o)
         mask[start:start + n, :start + n] = 1
         start += n
@@ -442,8 +442,8 @@ def test_positive_row_scale_on_phi_q_cancels(seed, T, causal):
     q = q * 3.0
     k = k - k.mean(-1, keepdims=True)   # the callable's scale is 1 on every key row
     scaled = rotary.linear_attention(q, k, v, causal=causal, eps=0.0, feature_map=_elu_plus_one_times_row_scale,
-                                     chunk=7)
-    plain = rotary.linear_attention(q, k, v, causal=causal, eps=0.0, chunk=7)
+                                     chunk=7, seq_axis=-2)
+    plain = rotary.linear_attention(q, k, v, causal=causal, eps=0.0, chunk=7, seq_axis=-2)
     assert rel_rms(scaled, plain) <= 1e-12
 
 
@@ -454,7 +454,7 @@ def test_no_nan_for_positive_eps(seed, T, scale, feature_map, eps, causal):
     rng = np.random.default_rng(seed)
     q, k, v = _inputs(rng, (1, 2, T, 8), 4, np.float32)
     o, state = rotary.linear_attention(q * scale, k * scale, v, causal=causal, feature_map=feature_map, eps=eps,
-                                       return_state=True, chunk=16)
+                                       return_state=True, chunk=16, seq_axis=-2)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(state.S)) and np.all(np.isfinite(state.z))
 
 
@@ -464,7 +464,7 @@ def test_chunk_length_does_not_change_the_result(backend, chunk):
     rng = np.random.default_rng(31)
     q, k, v = _inputs(rng, (2, 2, 37, 8), 8)
     xb = _to_backend(backend)
-    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, chunk=chunk, backend=backend)
+    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, chunk=chunk, backend=backend, seq_axis=-2)
     assert rel_rms(o, oracle(q, k, v, np.arange(37), rotary.RopeSpec(8), causal=True)) <= 1e-12
 
 
@@ -481,7 +481,7 @@ def test_callable_feature_map_on_every_backend(backend, dtype):
         xp = array_api_compat.array_namespace(x)
         return xp.log(1 + xp.exp(x))
 
-    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, feature_map=softplus, backend=backend)
+    o = rotary.linear_attention(xb(q), xb(k), xb(v), causal=True, feature_map=softplus, backend=backend, seq_axis=-2)
     assert o.dtype == np.dtype(dtype)
     a, b = (np.log1p(np.exp(np.asarray(x, dtype=np.float64))) for x in (q, k))
     expected = oracle(a, b, v, np.arange(20), rotary.RopeSpec(6), causal=True, feature_map="identity")
@@ -496,7 +496,7 @@ def test_callable_may_change_the_feature_dim():
         return np.concatenate([np.exp(x), np.exp(-x)], axis=-1)
 
     spec = rotary.RopeSpec(6)
-    o = rotary.linear_attention(q, k, v, causal=True, feature_map=doubled, spec=spec)
+    o = rotary.linear_attention(q, k, v, causal=True, feature_map=doubled, spec=spec, seq_axis=-2)
     expected = oracle(doubled(q), doubled(k), v, np.arange(11), spec, causal=True, feature_map="identity")
     assert rel_rms(o, expected) <= 1e-12
 
@@ -527,6 +527,7 @@ def _qkv(T=(5, 5, 5), d=(4, 4), dv=3):
     ({"backend": "nope"}, _qkv(), ValueError, "backend"),
 ])
 def test_bad_input_names_the_argument(kwargs, args, exc, match):
+    kwargs.setdefault("seq_axis", -2)
     with pytest.raises(exc, match=match):
         rotary.linear_attention(*args, **kwargs)
 
@@ -534,29 +535,29 @@ def test_bad_input_names_the_argument(kwargs, args, exc, match):
 def test_bad_arrays():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="q"):
-        rotary.linear_attention(q.astype(np.int64), k, v)
+        rotary.linear_attention(q.astype(np.int64), k, v, seq_axis=-2)
     with pytest.raises(TypeError, match="dtype"):
-        rotary.linear_attention(q, k.astype(np.float32), v)
+        rotary.linear_attention(q, k.astype(np.float32), v, seq_axis=-2)
     with pytest.raises(ValueError, match="v"):
-        rotary.linear_attention(q, k, v[:1])
+        rotary.linear_attention(q, k, v[:1], seq_axis=-2)
     with pytest.raises(ValueError, match="feature_map"):
-        rotary.linear_attention(q, k, v, feature_map=lambda x: x[..., :-1, :])
+        rotary.linear_attention(q, k, v, feature_map=lambda x: x[..., :-1, :], seq_axis=-2)
 
 
 def test_state_from_another_call_is_rejected():
     q, k, v = _qkv()
-    _, state = rotary.linear_attention(q, k, v, causal=True, return_state=True)
+    _, state = rotary.linear_attention(q, k, v, causal=True, return_state=True, seq_axis=-2)
     with pytest.raises(ValueError, match="state"):   # another batch shape
-        rotary.linear_attention(q[:1], k[:1], v[:1], causal=True, state=state)
+        rotary.linear_attention(q[:1], k[:1], v[:1], causal=True, state=state, seq_axis=-2)
     with pytest.raises(ValueError, match="state"):   # another dv
-        rotary.linear_attention(q, k, v[..., :2], causal=True, state=state)
+        rotary.linear_attention(q, k, v[..., :2], causal=True, state=state, seq_axis=-2)
     with pytest.raises(ValueError, match="state"):   # another spec
-        rotary.linear_attention(q, k, v, causal=True, state=state, base=500.0)
+        rotary.linear_attention(q, k, v, causal=True, state=state, base=500.0, seq_axis=-2)
     with pytest.raises(ValueError, match="state"):   # another feature map
-        rotary.linear_attention(q, k, v, causal=True, state=state, feature_map="relu")
+        rotary.linear_attention(q, k, v, causal=True, state=state, feature_map="relu", seq_axis=-2)
     torch = pytest.importorskip("torch")
     with pytest.raises(TypeError, match="state"):    # another array library
-        rotary.linear_attention(*(torch.asarray(a) for a in (q, k, v)), causal=True, state=state)
+        rotary.linear_attention(*(torch.asarray(a) for a in (q, k, v)), causal=True, state=state, seq_axis=-2)
 
 
 # -- the docs page and its figure script ---------------------------------------------------------

@@ -52,6 +52,7 @@ def _run(backend, q, k, v, bshd=False, **kw):
     if bshd:
         q, k, v = (np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in (q, k, v))
         kw["seq_axis"] = -3
+    kw.setdefault("seq_axis", -2)   # (B, H, T, d)
     out = rotary.linear_attention(to(q), to(k), to(v), backend=backend, **kw)
     if kw.get("return_state"):
         o, st = out
@@ -85,7 +86,7 @@ def test_gqa_state_is_the_kv_heads_sum():
     spec = rotary.RopeSpec(6, base=50.0)
     q, k, v = _data(rng, 1, 4, 2, 9, 6, 3, np.float64)
     _, st = rotary.linear_attention(q, k, v, causal=True, spec=spec, return_state=True, backend="numpy",
-                                    feature_map="identity")
+                                    feature_map="identity", seq_axis=-2)
     from rotary.testing import rope_complex
 
     bh = rope_complex(k, np.arange(9), spec.inv_freq())
@@ -242,7 +243,7 @@ def test_retention_long_gamma_near_one_float32_stays_accurate():
 def test_state_records_decay_normalize_groups_and_pickles():
     rng = np.random.default_rng(8)
     q, k, v = _data(rng, 1, 4, 2, 6, 4, 3, np.float64)
-    _, st = rotary.linear_attention(q, k, v, causal=True, decay=[0.5, 0.25], normalize=False, return_state=True)
+    _, st = rotary.linear_attention(q, k, v, causal=True, decay=[0.5, 0.25], normalize=False, return_state=True, seq_axis=-2)
     assert st.z is None and not st.normalize and st.groups == 2
     np.testing.assert_array_equal(st.decay, [[0.5, 0.25]])
     with pytest.raises(ValueError):
@@ -274,33 +275,33 @@ def test_bad_decay_and_normalize(kwargs, exc, match):
     q, k, v = _small()
     kwargs.setdefault("causal", True)
     with pytest.raises(exc, match=match):
-        rotary.linear_attention(q, k, v, **kwargs)
+        rotary.linear_attention(q, k, v, seq_axis=-2, **kwargs)
 
 
 def test_gqa_ratio_that_does_not_divide():
     rng = np.random.default_rng(10)
     q, k, v = _data(rng, 2, 4, 3, 5, 4, 3, np.float64)
     with pytest.raises(ValueError, match="k of shape \\(2, 3, 5, 4\\).*multiple"):
-        rotary.linear_attention(q, k, v)
+        rotary.linear_attention(q, k, v, seq_axis=-2)
     with pytest.raises(ValueError, match="batch"):                      # fewer k/v along the batch axis
-        rotary.linear_attention(q, q[:1], q[:1])
+        rotary.linear_attention(q, q[:1], q[:1], seq_axis=-2)
     with pytest.raises(ValueError, match="v of shape"):
-        rotary.linear_attention(q, k[:, :2], v)
+        rotary.linear_attention(q, k[:, :2], v, seq_axis=-2)
 
 
 def test_state_from_another_configuration_is_rejected():
     q, k, v = _small()
-    _, st = rotary.linear_attention(q, k, v, causal=True, decay=0.5, return_state=True)
+    _, st = rotary.linear_attention(q, k, v, causal=True, decay=0.5, return_state=True, seq_axis=-2)
     with pytest.raises(ValueError, match="state was made with decay"):
-        rotary.linear_attention(q, k, v, causal=True, decay=0.25, state=st)
+        rotary.linear_attention(q, k, v, causal=True, decay=0.25, state=st, seq_axis=-2)
     with pytest.raises(ValueError, match="state was made with decay"):
-        rotary.linear_attention(q, k, v, causal=True, state=st)
+        rotary.linear_attention(q, k, v, causal=True, state=st, seq_axis=-2)
     with pytest.raises(ValueError, match="state was made with normalize=True"):
-        rotary.linear_attention(q, k, v, causal=True, decay=0.5, normalize=False, state=st)
+        rotary.linear_attention(q, k, v, causal=True, decay=0.5, normalize=False, state=st, seq_axis=-2)
     with pytest.raises(ValueError, match="GQA groups"):                 # same k/v heads, other q heads
-        rotary.linear_attention(q[:, :2], k, v, causal=True, decay=0.5, state=st)
+        rotary.linear_attention(q[:, :2], k, v, causal=True, decay=0.5, state=st, seq_axis=-2)
     with pytest.raises(ValueError, match="state belongs to inputs"):    # other k/v heads
-        rotary.linear_attention(q, k[:, :1], v[:, :1], causal=True, decay=0.5, state=st)
+        rotary.linear_attention(q, k[:, :1], v[:, :1], causal=True, decay=0.5, state=st, seq_axis=-2)
 
 
 # -- peer: flash-linear-attention's naive references -------------------------------------------------
@@ -405,7 +406,7 @@ def test_bidirectional_retention_recipe_of_the_docs(backend):
     q, k, v = rng.standard_normal((3, 1, 2, 12, 8))
     spec = rotary.RopeSpec(8, base=100.0)
     pos = np.arange(12)
-    kw = dict(causal=True, decay=0.9, normalize=False, feature_map="identity", spec=spec)
+    kw = dict(causal=True, decay=0.9, normalize=False, feature_map="identity", spec=spec, seq_axis=-2)
     forward = _run(backend, q, k, v, positions=pos, **kw)[0]
     backward = _run(backend, q[:, :, ::-1], k[:, :, ::-1], v[:, :, ::-1], positions=pos[::-1], **kw)[0][:, :, ::-1]
     o = forward + backward - np.einsum("bhtd,bhtd->bht", q, k)[..., None] * v

@@ -117,7 +117,7 @@ def test_large_coordinates_take_the_direct_path(rng):
     x = rng.standard_normal((6, 32))
     ref = testing.rope_complex(x, pos, spec.inv_freq(), pair_axes=spec.pair_axes())
     for backend in ("numpy", "numba"):
-        testing.assert_close(rotary.apply(x, pos, spec=spec, backend=backend), ref, rtol=1e-9, atol=1e-9)
+        testing.assert_close(rotary.apply(x, pos, spec=spec, backend=backend, seq_axis=-2), ref, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -138,7 +138,7 @@ def test_relative_position_property_per_axis(rng):
     q, k = rng.standard_normal((2, 32))
     shift = np.array([7, -3])
     p, pk = np.array([[2, 5]]), np.array([[9, 1]])
-    dot = lambda a, b: float((rotary.apply(q[None], a, spec=spec) @ rotary.apply(k[None], b, spec=spec).T)[0, 0])
+    dot = lambda a, b: float((rotary.apply(q[None], a, spec=spec, seq_axis=-2) @ rotary.apply(k[None], b, spec=spec, seq_axis=-2).T)[0, 0])
     np.testing.assert_allclose(dot(p, pk), dot(p + shift, pk + shift), rtol=1e-12)
 
 
@@ -148,7 +148,7 @@ def test_softmax_attention_with_mrope(rng):
     q = rng.standard_normal((1, 2, 10, 16))
     k, v = rng.standard_normal((2, 1, 2, 10, 16))
     pos = rng.integers(0, 30, size=(1, 10, 3))
-    o = rotary.attention(q, k, v, pos, causal=True, spec=spec)
+    o = rotary.attention(q, k, v, pos, causal=True, spec=spec, seq_axis=-2)
     axes = spec.pair_axes()
     qr = testing.rope_complex(q, pos[:, None], spec.inv_freq(), pair_axes=axes)
     kr = testing.rope_complex(k, pos[:, None], spec.inv_freq(), pair_axes=axes)
@@ -163,9 +163,9 @@ def test_linear_attention_state_continues_mrope(rng):
     spec = RopeSpec(12, mrope_section=(2, 2, 2))
     q, k, v = rng.standard_normal((3, 1, 2, 6, 12))
     pos = np.array([[[0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 3, 2], [2, 3, 3]]])
-    _, state = rotary.linear_attention(q, k, v, pos, causal=True, spec=spec, return_state=True)
+    _, state = rotary.linear_attention(q, k, v, pos, causal=True, spec=spec, return_state=True, seq_axis=-2)
     assert state.next_position == 4
-    o = rotary.linear_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], spec=spec, state=state, causal=True)
+    o = rotary.linear_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], spec=spec, state=state, causal=True, seq_axis=-2)
     full_pos = np.concatenate([pos, [[[4, 4, 4]]]], axis=1)
     qq, kk, vv = (np.concatenate([a, a[:, :, :1]], axis=2) for a in (q, k, v))
     ref = testing.linear_attention_quadratic(qq, kk, vv, full_pos[:, None], spec.inv_freq(), causal=True,
@@ -215,19 +215,19 @@ def test_bad_positions():
     mrope = RopeSpec(16, mrope_section=(4, 2, 2))
     x = np.zeros((2, 5, 16), np.float32)
     with pytest.raises(ValueError, match=r"positions of shape \(5, 2\) must carry the spec's 3 coordinates"):
-        rotary.apply(x, np.zeros((5, 2), np.int64), spec=mrope)
+        rotary.apply(x, np.zeros((5, 2), np.int64), spec=mrope, seq_axis=-2)
     with pytest.raises(ValueError, match=r"np.moveaxis\(position_ids, 0, -1\)"):
-        rotary.apply(x, np.zeros((3, 2, 5), np.int64), spec=mrope)
+        rotary.apply(x, np.zeros((3, 2, 5), np.int64), spec=mrope, seq_axis=-2)
     with pytest.raises(TypeError, match="float_positions=True"):
-        rotary.apply(x, np.zeros((5, 3)), spec=mrope)
+        rotary.apply(x, np.zeros((5, 3)), spec=mrope, seq_axis=-2)
     with pytest.raises(ValueError, match="this spec is 1-D"):
-        rotary.apply(x, np.zeros((5, 3), np.int64), spec=RopeSpec(16))
+        rotary.apply(x, np.zeros((5, 3), np.int64), spec=RopeSpec(16), seq_axis=-2)
     axial = RopeSpec.axial(16, axes=2)
     with pytest.raises(ValueError, match="only M-RoPE specs take None or an offset"):
-        rotary.apply(x, None, spec=axial)
+        rotary.apply(x, None, spec=axial, seq_axis=-2)
     with pytest.raises(ValueError, match="must be finite"):
-        rotary.apply(x, np.full((5, 2), np.nan), spec=RopeSpec.axial(16, axes=2, float_positions=True))
+        rotary.apply(x, np.full((5, 2), np.nan), spec=RopeSpec.axial(16, axes=2, float_positions=True), seq_axis=-2)
     with pytest.raises(ValueError, match=r"\(batch, seq, n_axes\) = \(2, 5, 3\)"):
-        rotary.apply(x, np.zeros((3, 5, 3), np.int64), spec=mrope)
+        rotary.apply(x, np.zeros((3, 5, 3), np.int64), spec=mrope, seq_axis=-2)
     with pytest.raises(ValueError, match=r"trailing axis"):
         mrope.cos_sin(np.zeros((4,), np.int64))

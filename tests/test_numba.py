@@ -614,7 +614,7 @@ for dtype, tol in ((np.float32, 3e-5), (np.float64, 1e-10)):
     v = rng.standard_normal((2, 3, 45, 7)).astype(dtype)
     spec = rotary.RopeSpec(11, rotary_dim=8, layout="interleaved")
     for causal in (True, False):
-        o = rotary.linear_attention(q, k, v, 5, causal=causal, chunk=16, spec=spec, backend="numba")
+        o = rotary.linear_attention(q, k, v, 5, causal=causal, chunk=16, spec=spec, seq_axis=-2, backend="numba")
         ref = testing.linear_attention_quadratic(q, k, v, 5 + np.arange(45), spec.inv_freq(), layout="interleaved",
                                                  causal=causal)
         err = np.abs(o - ref).max() / np.sqrt((ref ** 2).mean())

@@ -164,3 +164,32 @@ for dtype, tol in ((np.float16, 2e-3), (np.float32, 2e-6), (np.float64, 1e-12)):
 print("ok")
 """
     _run(code, tmp_path, NUMBA_DISABLE_JIT="1")
+
+
+def test_an_edited_helper_recompiles_the_kernels(tmp_path):
+    """A helper file the cached kernels inline (simd.py) is edited in a copy of the package: on the next import
+    the kernel files are marked changed (Numba then compiles them again instead of loading stale machine code);
+    an import with nothing edited leaves them alone."""
+    import shutil
+
+    import rotary
+
+    tree = tmp_path / "tree"
+    shutil.copytree(os.path.dirname(rotary.__file__), tree / "rotary",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    kernels = tree / "rotary" / "backends" / "numba_kernels"
+    probe = ("import os, rotary.backends.numba_kernels as nk; "
+             "print(os.stat(os.path.join(os.path.dirname(nk.__file__), 'rotation.py')).st_mtime_ns)")
+
+    def kernel_mtime():
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONPATH=str(tree)))
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    first = kernel_mtime()            # no digest recorded yet: marked once
+    assert kernel_mtime() == first    # nothing edited: left alone
+    with open(kernels / "simd.py", "a") as f:
+        f.write("\n# an edit\n")
+    os.utime(kernels / "rotation.py", ns=(first - 10**9, first - 10**9))
+    assert kernel_mtime() > first - 10**9   # the edit marked the kernels changed

@@ -52,7 +52,7 @@ def test_matches_the_oracle_across_groups(groups, dtype, causal, T, chunk):
     B, H, d, dv = 2, 3, 8, 5
     q, k, v = _inputs(rng, (B, H, T, d), dv, dtype)
     spec = rotary.RopeSpec(d)
-    o = rotary.linear_attention(q, k, v, causal=causal, chunk=chunk, backend="numpy")
+    o = rotary.linear_attention(q, k, v, causal=causal, chunk=chunk, backend="numpy", seq_axis=-2)
     assert type(o) is np.ndarray and o.dtype == q.dtype and o.shape == (B, H, T, dv)
     assert _rel_rms(o, _oracle(q, k, v, np.arange(T), spec, causal=causal)) <= TOL[dtype]
 
@@ -86,7 +86,7 @@ def test_dims_maps_layouts_positions(groups, causal, case):
         o = np.swapaxes(o, 1, 2)
     else:
         o = rotary.linear_attention(q, k, v, positions, spec=spec, causal=causal, chunk=chunk,
-                                    feature_map=feature_map, eps=eps, backend="numpy")
+                                    feature_map=feature_map, eps=eps, backend="numpy", seq_axis=-2)
     assert _rel_rms(o, expected) <= 1e-12
     for a, b in zip((q, k, v), before):
         np.testing.assert_array_equal(a, b)
@@ -101,14 +101,14 @@ def test_state_resume_at_several_cuts(groups, dtype, causal):
     positions = np.array([11, 400])[:, None] + np.arange(T)
     spec = rotary.RopeSpec(d)
     full, full_state = rotary.linear_attention(q, k, v, positions, spec=spec, causal=causal, chunk=chunk,
-                                               return_state=True, backend="numpy")
+                                               return_state=True, backend="numpy", seq_axis=-2)
     for cut in (0, 1, 4, 5, 6, 17, 36, 37):
         sl, sr = slice(None, cut), slice(cut, None)
         o1, st = rotary.linear_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], positions[:, sl], spec=spec,
-                                         causal=causal, chunk=chunk, return_state=True, backend="numpy")
+                                         causal=causal, chunk=chunk, return_state=True, backend="numpy", seq_axis=-2)
         S_before, z_before = st.S.copy(), st.z.copy()
         o2, st2 = rotary.linear_attention(q[:, :, sr], k[:, :, sr], v[:, :, sr], positions[:, sr],
-                                          causal=causal, chunk=chunk, state=st, return_state=True, backend="numpy")
+                                          causal=causal, chunk=chunk, state=st, return_state=True, backend="numpy", seq_axis=-2)
         np.testing.assert_array_equal(st.S, S_before)              # the state passed in is not written
         np.testing.assert_array_equal(st.z, z_before)
         assert st2.S.dtype == st2.z.dtype == np.dtype(dtype)
@@ -125,7 +125,7 @@ def test_state_resume_at_several_cuts(groups, dtype, causal):
 def test_float16_state_is_float32(groups):
     rng = np.random.default_rng(4)
     q, k, v = _inputs(rng, (1, 2, 50, 8), 6, np.float16)
-    o, st = rotary.linear_attention(q, k, v, causal=True, chunk=8, return_state=True, backend="numpy")
+    o, st = rotary.linear_attention(q, k, v, causal=True, chunk=8, return_state=True, backend="numpy", seq_axis=-2)
     assert o.dtype == np.float16 and st.S.dtype == np.float32 and st.z.dtype == np.float32
     assert _rel_rms(o, _oracle(q, k, v, np.arange(50), rotary.RopeSpec(8), causal=True)) <= TOL["float16"]
 
@@ -137,7 +137,7 @@ def test_long_float32_stays_within_1e_5(causal):
     T = 4099
     q, k, v = _inputs(rng, (1, 2, T, 32), 16, np.float32)
     spec = rotary.RopeSpec(32)
-    o, st = rotary.linear_attention(q, k, v, causal=causal, spec=spec, return_state=True, backend="numpy")
+    o, st = rotary.linear_attention(q, k, v, causal=causal, spec=spec, return_state=True, backend="numpy", seq_axis=-2)
     assert _rel_rms(o, _oracle(q, k, v, np.arange(T), spec, causal=causal)) <= 1e-5
     z = np.where(k > 0, k.astype(np.float64) + 1, np.exp(np.minimum(k.astype(np.float64), 0))).sum(axis=2)
     assert _rel_rms(st.z, z) <= 1e-6
@@ -167,13 +167,13 @@ def test_token_by_token_decode_equals_one_call(groups, dtype):
     """One token per call (the K = 1 outer-product path, state carried in the work dtype)."""
     rng = np.random.default_rng(12)
     q, k, v = _inputs(rng, (3, 4, 9, 8), 6, dtype)
-    full = rotary.linear_attention(q, k, v, causal=True, chunk=4, backend="numpy")
+    full = rotary.linear_attention(q, k, v, causal=True, chunk=4, backend="numpy", seq_axis=-2)
     o, st = rotary.linear_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], causal=True, chunk=4, return_state=True,
-                                    backend="numpy")
+                                    backend="numpy", seq_axis=-2)
     pieces = [o]
     for t in range(2, 9):
         o, st = rotary.linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], causal=True, chunk=4,
-                                        state=st, return_state=True, backend="numpy")
+                                        state=st, return_state=True, backend="numpy", seq_axis=-2)
         pieces.append(o)
     assert _rel_rms(np.concatenate(pieces, axis=2), full) <= TOL[dtype]
     assert _rel_rms(np.concatenate(pieces, axis=2), _oracle(q, k, v, np.arange(9), rotary.RopeSpec(8),

@@ -124,7 +124,7 @@ def test_apply_packed_bad_input(rng):
     with pytest.raises(ValueError, match="cu_seqlens must end at the token count"):
         rotary.apply(q, spec=SPEC, seq_axis=0, cu_seqlens=np.array([0, T - 1]))
     with pytest.raises(ValueError, match="pass seq_axis=0"):
-        rotary.apply(q, spec=SPEC, cu_seqlens=cu)   # seq_axis=-2 reads the heads axis as tokens
+        rotary.apply(q, spec=SPEC, cu_seqlens=cu, seq_axis=-2)   # seq_axis=-2 reads the heads axis as tokens
     with pytest.raises(ValueError, match="non-decreasing"):
         rotary.apply_qk(q, k, spec=SPEC, seq_axis=0, cu_seqlens=np.array([0, 4, 2, T]))
     with pytest.raises(ValueError, match="seqlen_offsets must have one offset per sequence"):

@@ -112,7 +112,7 @@ def test_mrope_every_layout(spec, backend, S, B, dtype, text):
     else:
         coords = rng.integers(0, 300, size=(B, S, 3))
         positions = coords
-    y = rotary.apply(x, positions, spec=spec, backend=backend)
+    y = rotary.apply(x, positions, spec=spec, backend=backend, seq_axis=-2)
     want = P.spec_oracle(x, coords, spec)
     P.assert_matches(y, want, dtype)
 
@@ -135,7 +135,7 @@ def test_axial_specs_with_grid_positions(spec, backend, h, w, dtype):
         assert grid.dtype.kind in "iu"
     S = grid.shape[0]
     x = np.random.default_rng(h * 5 + w).standard_normal((1, 3, S, spec.head_dim)).astype(dtype)
-    y = rotary.apply(x, grid, spec=spec, backend=backend)
+    y = rotary.apply(x, grid, spec=spec, backend=backend, seq_axis=-2)
     P.assert_matches(y, P.spec_oracle(x, grid, spec), dtype)
 
 
@@ -167,7 +167,7 @@ def test_rerotate_equals_rotating_at_the_destination(spec, backend, S, seed, big
     src = rng.integers(-lim, lim, size=S, dtype=np.int64)
     dst = rng.integers(-lim, lim, size=S, dtype=np.int64)
     k = rng.standard_normal((2, S, spec.head_dim)).astype(dtype)
-    moved = rotary.rerotate(rotary.apply(k, src, spec=spec, backend=backend), src, dst, spec=spec, backend=backend)
+    moved = rotary.rerotate(rotary.apply(k, src, spec=spec, backend=backend, seq_axis=-2), src, dst, spec=spec, backend=backend, seq_axis=-2)
     # float32 tables at |p| ~ 2**62: both sides round their own angles; compare with the exact oracle
     P.assert_matches(moved, P.spec_oracle(k, dst, spec), "float32" if dtype == "float32" else "float64")
 
@@ -179,7 +179,7 @@ def test_rerotate_equals_rotating_at_the_destination(spec, backend, S, seed, big
 def test_rope_decode_loop_grows_and_windows_its_tables(spec, start, steps, backend, dtype, max_positions):
     """One Rope object over a decode loop: prefill then steps of 1-4 tokens far beyond its tables (grown
     on demand, or windowed around positions near 10**9), each equal to the oracle."""
-    rope = rotary.Rope(spec, backend=backend, dtype=dtype, max_positions=max_positions)
+    rope = rotary.Rope(spec, backend=backend, dtype=dtype, max_positions=max_positions, seq_axis=-2)
     rng = np.random.default_rng(start)
     pos = start
     for n in steps:
@@ -198,7 +198,7 @@ def test_rope_decode_loop_grows_and_windows_its_tables(spec, start, steps, backe
 def test_rope_with_attention_decode_steps(spec, prompt, steps, backend, window):
     """Prefill then decode: keys rotated once by a Rope and cached, each step's query attends to the
     cache with rope=False; equals softmax attention over the oracle's rotated q and k."""
-    rope = rotary.Rope(spec, backend=backend, dtype=np.float64)
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float64, seq_axis=-2)
     rng = np.random.default_rng(prompt * 10 + steps)
     T = prompt + steps
     q_all = rng.standard_normal((1, 2, T, spec.head_dim))
@@ -211,7 +211,7 @@ def test_rope_with_attention_decode_steps(spec, prompt, steps, backend, window):
         cache.append(kr)
         keys = np.concatenate(cache, axis=2)
         o = rotary.attention(qr, keys, v_all[:, :, :s1], q_positions=np.arange(s0, s1), k_positions=np.arange(s1),
-                             causal=True, window=window, rope=False, backend=backend)
+                             causal=True, window=window, rope=False, backend=backend, seq_axis=-2)
         qo = P.spec_oracle(q_all[:, :, s0:s1], np.arange(s0, s1), spec)
         ko = P.spec_oracle(k_all[:, :, :s1], np.arange(s1), spec)
         t, s = np.arange(s0, s1)[:, None], np.arange(s1)[None, :]
@@ -240,7 +240,7 @@ def test_float_positions(spec, S, seed, backend, scale):
     """Real-valued coordinates (DINOv3-style), small and large, against exact angles of the float64 values."""
     coords = np.random.default_rng(seed).uniform(-1, 1, size=(S, spec.n_axes)) * scale
     x = np.random.default_rng(seed + 1).standard_normal((2, S, spec.head_dim))
-    y = rotary.apply(x, coords, spec=spec, backend=backend)
+    y = rotary.apply(x, coords, spec=spec, backend=backend, seq_axis=-2)
     P.assert_matches(y, P.spec_oracle(x, coords, spec), "float64")
 
 
@@ -254,7 +254,7 @@ def test_empty_and_zero_size_calls(backend):
         for p in (None, 5, [], np.zeros(S, np.int64)):
             if isinstance(p, list) and S:
                 continue
-            assert rotary.apply(x, p, spec=spec, backend=backend).shape == shape
+            assert rotary.apply(x, p, spec=spec, backend=backend, seq_axis=-2).shape == shape
 
 
 @P.examples(40)
@@ -268,7 +268,7 @@ def test_aliased_outputs_are_refused_or_exact(call, backend, mode):
     want = oracle_for(x0, seq_axis, positions, spec)
     o = np.empty_like(x)
     k = x.copy()
-    rope = rotary.Rope(spec, backend=backend, dtype=x.dtype) if mode.startswith("rope") else None
+    rope = rotary.Rope(spec, backend=backend, dtype=x.dtype, seq_axis=-2) if mode.startswith("rope") else None
     calls = {
         "q-as-k-inplace": lambda: rotary.apply_qk(x, x, positions, spec=spec, seq_axis=seq_axis, out=(x, x),
                                                   backend=backend),
@@ -337,7 +337,7 @@ def test_mrope_positions_helpers_and_rotation(runs, merge, steps, backend):
     spec = rotary.RopeSpec(16, mrope_section=[2, 3, 3])
     x = np.random.default_rng(len(kinds)).standard_normal((1, 2, len(kinds) + steps, 16))
     allpos = np.concatenate([pos, nxt])
-    P.assert_matches(rotary.apply(x, allpos, spec=spec, backend=backend), P.spec_oracle(x, allpos, spec), "float64")
+    P.assert_matches(rotary.apply(x, allpos, spec=spec, backend=backend, seq_axis=-2), P.spec_oracle(x, allpos, spec), "float64")
 
 
 @P.examples(40)
@@ -358,7 +358,7 @@ def test_packed_rotation(spec, lens, offsets, entry, backend, dtype, seed):
     elif entry == "apply_qk":
         y = rotary.apply_qk(x, x[:, :1], spec=spec, backend=backend, **kw)[0]
     else:
-        y = rotary.Rope(spec, backend=backend, dtype=x.dtype)(x, x[:, :1], **kw)[0]
+        y = rotary.Rope(spec, backend=backend, dtype=x.dtype, seq_axis=-2)(x, x[:, :1], **kw)[0]
     base = np.zeros(len(lens), np.int64) if so is None else np.broadcast_to(so, (len(lens),))
     p = np.concatenate([np.arange(n) + b for n, b in zip(lens, base)]).astype(np.int64)
     if spec.multi_axis:

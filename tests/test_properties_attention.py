@@ -51,7 +51,7 @@ def test_softmax_attention_matches_the_quadratic_oracle(spec, B, hk, groups, sq,
     v = P.data(data.draw, (B, hk, sk, 3), dtype, nonfinite=True)
     with softmax_path(path):
         o = rotary.attention(q, k, v, offset, spec=spec, causal=causal, window=window, softcap=softcap,
-                             block_size=block, backend=backend)
+                             block_size=block, backend=backend, seq_axis=-2)
     kp = np.arange(sk) + offset
     qp = kp[sk - sq:]
     qo, ko = rotated(q, qp, spec), rotated(k, kp, spec)
@@ -135,7 +135,7 @@ def test_linear_attention_matches_the_quadratic_oracle(call, backend, split, dat
     k = P.data(data.draw, (B, hk, T, d), c["dtype"], nonfinite=nonfinite)
     v = P.data(data.draw, (B, hk, T, 3), c["dtype"], nonfinite=nonfinite)
     kw = dict(spec=spec, causal=c["causal"], feature_map=c["feature_map"], normalize=c["normalize"],
-              decay=c["decay"], chunk=c["chunk"], backend=backend)
+              decay=c["decay"], chunk=c["chunk"], backend=backend, seq_axis=-2)
     o = rotary.linear_attention(q, k, v, c["offset"], **kw)
     pos = np.arange(T) + c["offset"]
     okw = dict(causal=c["causal"], feature_map=c["feature_map"], decay=1.0 if c["decay"] is None else c["decay"],

@@ -52,13 +52,13 @@ def test_torch_attention_and_linear_attention(spec, T, causal, seed):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((1, 2, T, spec.head_dim)) for _ in range(3))
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k, v))
-    o = rotary.attention(tq, tk, tv, spec=spec, causal=causal)
+    o = rotary.attention(tq, tk, tv, spec=spec, causal=causal, seq_axis=-2)
     pos = np.arange(T)
     vis = np.ones((T, T), bool) if not causal else pos[None, :] <= pos[:, None]
     want = P.softmax_attention_oracle(P.spec_oracle(q, pos, spec), P.spec_oracle(k, pos, spec), v, vis,
                                       spec.head_dim ** -0.5)
     P.assert_matches(o.numpy(), want, "float64")
-    ol = rotary.linear_attention(tq, tk, tv, spec=spec, causal=causal)
+    ol = rotary.linear_attention(tq, tk, tv, spec=spec, causal=causal, seq_axis=-2)
     a, b = P.feature64(q, "elu"), P.feature64(k, "elu")
     want = P.linear_attention_oracle(a[0], b[0], P.spec_oracle(a, pos, spec)[0], P.spec_oracle(b, pos, spec)[0],
                                      v[0], causal=causal, decay=np.ones(2), normalize=True, eps=1e-6)
@@ -78,7 +78,7 @@ def test_jax_arrays_under_jit(call, linear):
         P.assert_matches(np.asarray(y), oracle_bshd(x.astype(dtype), np.arange(x.shape[1]) + offset, spec), dtype)
         return
     xs = np.moveaxis(x, 1, 2)   # (B, H, S, D)
-    o = jax.jit(lambda a: rotary.linear_attention(a, a, a, spec=spec, causal=True))(jax.numpy.asarray(xs.astype(dtype)))
+    o = jax.jit(lambda a: rotary.linear_attention(a, a, a, spec=spec, causal=True, seq_axis=-2))(jax.numpy.asarray(xs.astype(dtype)))
     pos = np.arange(xs.shape[2])
     xd = xs.astype(dtype).astype(np.float64)
     a = P.feature64(xd, "elu")
@@ -117,7 +117,7 @@ def test_dask_rotation(spec, S, chunk, form, seed, backend):
     if form == "dask":
         host = rng.integers(0, 40, S)
         p = da.from_array(host, chunks=max(1, chunk - 1))
-    y = rotary.apply(da.from_array(x, chunks=(1, chunk, spec.head_dim)), p, spec=spec, backend=backend).compute()
+    y = rotary.apply(da.from_array(x, chunks=(1, chunk, spec.head_dim)), p, spec=spec, backend=backend, seq_axis=-2).compute()
     P.assert_matches(y, P.spec_oracle(x, host, spec, seq_len=int(host.max()) + 1), "float64")
 
 
@@ -130,7 +130,7 @@ def test_dask_linear_attention(spec, T, chunk, causal, seed):
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((1, 2, T, spec.head_dim)) for _ in range(3))
     qd, kd, vd = (da.from_array(a, chunks=(1, 2, chunk, spec.head_dim)) for a in (q, k, v))
-    o = rotary.linear_attention(qd, kd, vd, spec=spec, causal=causal).compute()
+    o = rotary.linear_attention(qd, kd, vd, spec=spec, causal=causal, seq_axis=-2).compute()
     pos = np.arange(T)
     a, b = P.feature64(q, "elu"), P.feature64(k, "elu")
     want = P.linear_attention_oracle(a[0], b[0], P.spec_oracle(a, pos, spec, seq_len=T)[0],
@@ -162,7 +162,7 @@ def test_jax_softmax_attention_under_jit(spec, T, causal, block, seed, nan_at):
     q, k, v = (rng.standard_normal((1, 2, T, spec.head_dim)).astype(np.float32) for _ in range(3))
     if nan_at is not None and nan_at < T:
         v[0, 0, nan_at, 0] = np.nan
-    f = jax.jit(lambda a, b, c: rotary.attention(a, b, c, spec=spec, causal=causal, block_size=block))
+    f = jax.jit(lambda a, b, c: rotary.attention(a, b, c, spec=spec, causal=causal, block_size=block, seq_axis=-2))
     o = np.asarray(f(*(jax.numpy.asarray(a) for a in (q, k, v))))
     pos = np.arange(T)
     vis = np.ones((T, T), bool) if not causal else pos[None, :] <= pos[:, None]

@@ -35,7 +35,7 @@ def assert_clear_error(call, names):
 def test_state_of_another_configuration(change, causal, backend, seed):
     r = np.random.default_rng(seed)
     q = r.standard_normal((2, 2, 4, 8)).astype(np.float32)
-    kw = dict(causal=True, backend=backend) if change == "decay" else dict(causal=causal, backend=backend)
+    kw = dict(causal=True, backend=backend, seq_axis=-2) if change == "decay" else dict(causal=causal, backend=backend, seq_axis=-2)
     _, state = rotary.linear_attention(q, q, q, return_state=True, **kw)
     a = b = c = q
     extra = {}
@@ -101,7 +101,7 @@ def entry_points(x, cu, backend, extra=None):
     return [
         lambda: rotary.apply(x, seq_axis=0, cu_seqlens=cu, backend=backend, **extra),
         lambda: rotary.apply_qk(x, x, seq_axis=0, cu_seqlens=cu, backend=backend, **extra),
-        lambda: rotary.Rope(rotary.RopeSpec(x.shape[-1]), backend=backend)(x, x, seq_axis=0, cu_seqlens=cu, **extra),
+        lambda: rotary.Rope(rotary.RopeSpec(x.shape[-1]), backend=backend, seq_axis=-2)(x, x, seq_axis=0, cu_seqlens=cu, **extra),
         lambda: rotary.attention(x, x, x, seq_axis=0, cu_seqlens=cu, backend=backend, **extra),
         lambda: rotary.linear_attention(x, x, x, seq_axis=0, cu_seqlens=cu, backend=backend, **extra),
     ]
@@ -192,14 +192,14 @@ def test_bad_positions(S, data, backend, entry):
     p = data.draw(bad_positions(S))
     x = np.zeros((2, 3, S, 8), np.float32)   # batch 2 (a batch of 5 positions is wrong)
     calls = {
-        "apply": (lambda: rotary.apply(x, p, backend=backend), ["positions"]),
-        "apply_qk": (lambda: rotary.apply_qk(x, x, p, backend=backend), ["positions"]),
-        "Rope": (lambda: rotary.Rope(rotary.RopeSpec(8), backend=backend)(x, x, p), ["positions"]),
-        "attention": (lambda: rotary.attention(x, x, x, p, backend=backend), ["positions"]),
-        "linear_attention": (lambda: rotary.linear_attention(x, x, x, p, backend=backend), ["positions"]),
-        "rerotate-from": (lambda: rotary.rerotate(x, p, 0, backend=backend), ["from_positions"]),
-        "rerotate-to": (lambda: rotary.rerotate(x, 0, p, backend=backend), ["to_positions"]),
-        "q_positions": (lambda: rotary.attention(x, x, x, q_positions=p, k_positions=np.arange(S), backend=backend),
+        "apply": (lambda: rotary.apply(x, p, backend=backend, seq_axis=-2), ["positions"]),
+        "apply_qk": (lambda: rotary.apply_qk(x, x, p, backend=backend, seq_axis=-2), ["positions"]),
+        "Rope": (lambda: rotary.Rope(rotary.RopeSpec(8), backend=backend, seq_axis=-2)(x, x, p), ["positions"]),
+        "attention": (lambda: rotary.attention(x, x, x, p, backend=backend, seq_axis=-2), ["positions"]),
+        "linear_attention": (lambda: rotary.linear_attention(x, x, x, p, backend=backend, seq_axis=-2), ["positions"]),
+        "rerotate-from": (lambda: rotary.rerotate(x, p, 0, backend=backend, seq_axis=-2), ["from_positions"]),
+        "rerotate-to": (lambda: rotary.rerotate(x, 0, p, backend=backend, seq_axis=-2), ["to_positions"]),
+        "q_positions": (lambda: rotary.attention(x, x, x, q_positions=p, k_positions=np.arange(S), backend=backend, seq_axis=-2),
                         ["q_positions"]),
     }
     call, names = calls[entry]
@@ -214,4 +214,4 @@ def test_bad_multi_axis_positions(S, n_axes, backend, how):
     p = {"nan": np.full((S, n_axes), np.nan), "inf": np.full((S, n_axes), np.inf), "1d": np.arange(S),
          "wrong-axes": np.zeros((S, n_axes + 1), np.int64), "int-offset": 3}[how]
     x = np.zeros((1, S, 12), np.float32)
-    assert_clear_error(lambda: rotary.apply(x, p, spec=spec, backend=backend), ["positions"])
+    assert_clear_error(lambda: rotary.apply(x, p, spec=spec, backend=backend, seq_axis=-2), ["positions"])

@@ -53,12 +53,12 @@ def test_empty_list_positions(backend):
     """[] is float64 to NumPy: it was refused as "float positions" even for zero tokens; now it is zero
     integer positions (and a length mismatch is reported as one)."""
     x = np.zeros((2, 0, 8), np.float32)
-    assert rotary.apply(x, [], backend=backend).shape == x.shape
-    q, k = rotary.apply_qk(x, x, [], backend=backend)
+    assert rotary.apply(x, [], backend=backend, seq_axis=-2).shape == x.shape
+    q, k = rotary.apply_qk(x, x, [], backend=backend, seq_axis=-2)
     assert q.shape == k.shape == x.shape
     assert rotary.RopeSpec(8).cos_sin([])[0].shape == (0, 4)
     with pytest.raises(ValueError, match="positions.*sequence length 3"):
-        rotary.apply(np.zeros((3, 8), np.float32), [], backend=backend)
+        rotary.apply(np.zeros((3, 8), np.float32), [], backend=backend, seq_axis=-2)
 
 
 # -- 2: causal linear attention: a later token's NaN/inf ----------------------------------------------
@@ -214,7 +214,7 @@ def test_softmax_masked_key_nan_does_not_leak(softmax_path):
     """A NaN (or inf) in v of a key the causal mask hides leaked into the outputs of the queries it is
     hidden from (p = 0 times NaN in p @ V); a masked key contributes nothing now."""
     _check_masked_key_nan(lambda q, k, v, window: rotary.attention(q, k, v, causal=True, window=window,
-                                                                   block_size=4, rope=False))
+                                                                   block_size=4, rope=False, seq_axis=-2))
 
 
 def test_softmax_masked_key_nan_does_not_leak_device_path():
@@ -222,7 +222,7 @@ def test_softmax_masked_key_nan_does_not_leak_device_path():
     tile loop that CuPy arrays take too (no kernel of its own: rotary/attn/softmax.py is array-API code)."""
     torch = pytest.importorskip("torch")
     _check_masked_key_nan(lambda q, k, v, window: rotary.attention(
-        *(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=window, block_size=4, rope=False).numpy())
+        *(torch.from_numpy(a) for a in (q, k, v)), causal=True, window=window, block_size=4, rope=False, seq_axis=-2).numpy())
 
 
 def test_softmax_all_minus_inf_visible_scores(softmax_path):
@@ -235,18 +235,18 @@ def test_softmax_all_minus_inf_visible_scores(softmax_path):
     v = np.arange(32, dtype=np.float32).reshape(1, 1, 8, 4)
     k[..., :4, :] = -np.inf                      # keys 0..3: score -inf for every query
     q[..., 0, :] = 1.0
-    o = rotary.attention(q, k, v, rope=False, block_size=4)
+    o = rotary.attention(q, k, v, rope=False, block_size=4, seq_axis=-2)
     want = softmax_oracle(q, k, v, np.ones((4, 8), bool), 0.5)
     np.testing.assert_allclose(o, want, rtol=1e-6)   # finite: the -inf keys get weight 0
     for causal in (False, True):                 # unmasked and masked tiles alike
-        o = rotary.attention(q, k[..., :4, :], v[..., :4, :], rope=False, block_size=2, causal=causal)
+        o = rotary.attention(q, k[..., :4, :], v[..., :4, :], rope=False, block_size=2, causal=causal, seq_axis=-2)
         np.testing.assert_array_equal(o, 0)      # every visible score -inf: 0
     torch = pytest.importorskip("torch")
     ref = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(np.ascontiguousarray(a))
                                                              for a in (q, k[..., :4, :], v[..., :4, :])))
     np.testing.assert_array_equal(ref.numpy(), 0)   # the same as torch's
     hidden = rotary.attention(q, k, v, q_positions=np.arange(4), k_positions=np.arange(8) + 10, causal=True,
-                              rope=False)
+                              rope=False, seq_axis=-2)
     np.testing.assert_array_equal(hidden, 0)     # no visible key: 0
 
 
@@ -259,8 +259,8 @@ def test_rerotate_large_int64_offsets_do_not_wrap(backend):
     k = r.standard_normal((1, 4, 8))
     src = np.array([2**62, 2**62 + 1, -(2**62), 5], np.int64)
     dst = np.array([-(2**62), 2**62, 2**62, 2**61], np.int64)
-    moved = rotary.rerotate(rotary.apply(k, src, backend=backend), src, dst, backend=backend)
-    np.testing.assert_allclose(moved, rotary.apply(k, dst, backend=backend), rtol=1e-9, atol=1e-9)
+    moved = rotary.rerotate(rotary.apply(k, src, backend=backend, seq_axis=-2), src, dst, backend=backend, seq_axis=-2)
+    np.testing.assert_allclose(moved, rotary.apply(k, dst, backend=backend, seq_axis=-2), rtol=1e-9, atol=1e-9)
 
 
 # -- 6: Dask with length-dependent specs --------------------------------------------------------------
@@ -276,8 +276,8 @@ def test_dask_length_dependent_spec_uses_the_whole_length(scaling, mpe, position
     x = np.random.default_rng(7).standard_normal((2, 40, 16))
     p = {"array": np.arange(40) * 2, "dask": da.from_array(np.arange(40) * 2, chunks=9)}.get(positions, positions)
     host_p = np.arange(40) * 2 if isinstance(positions, str) else p
-    want = rotary.apply(x, host_p, spec=spec, backend="numpy")
-    got = rotary.apply(da.from_array(x, chunks=(1, 7, 16)), p, spec=spec, backend="numpy").compute()
+    want = rotary.apply(x, host_p, spec=spec, backend="numpy", seq_axis=-2)
+    got = rotary.apply(da.from_array(x, chunks=(1, 7, 16)), p, spec=spec, backend="numpy", seq_axis=-2).compute()
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     pos = np.arange(40) * 2 if isinstance(positions, str) else np.arange(40) + (positions or 0)
     seq_len = int(pos.max()) + 1
@@ -294,14 +294,14 @@ def test_dask_linear_attention_length_dependent_spec(causal):
     r = np.random.default_rng(9)
     q, k, v = (r.standard_normal((1, 2, 30, 8)) for _ in range(3))
     chunks = (1, 2, 7, 8)
-    want = rotary.linear_attention(q, k, v, spec=spec, causal=causal)
-    got = rotary.linear_attention(*(da.from_array(a, chunks=chunks) for a in (q, k, v)), spec=spec, causal=causal)
+    want = rotary.linear_attention(q, k, v, spec=spec, causal=causal, seq_axis=-2)
+    got = rotary.linear_attention(*(da.from_array(a, chunks=chunks) for a in (q, k, v)), spec=spec, causal=causal, seq_axis=-2)
     np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
     _, state = rotary.linear_attention(q[:, :, :10], k[:, :, :10], v[:, :, :10], spec=spec, causal=causal,
-                                       return_state=True)
-    want = rotary.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=causal, state=state)
+                                       return_state=True, seq_axis=-2)
+    want = rotary.linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], causal=causal, state=state, seq_axis=-2)
     got, after = rotary.linear_attention(*(da.from_array(a[:, :, 10:], chunks=chunks) for a in (q, k, v)),
-                                         causal=causal, state=state, return_state=True)
+                                         causal=causal, state=state, return_state=True, seq_axis=-2)
     np.testing.assert_allclose(got.compute(), want, rtol=1e-12, atol=1e-12)
     assert after.spec == spec
 
@@ -321,8 +321,8 @@ def test_numba_relu_of_minus_inf_is_zero(backend, dtype, m, request):
     k[0, 0, 0, 0] = -np.inf
     k[0, 0, 1, 1] = np.nan
     for causal in (False, True):
-        a = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend=backend)
-        b = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numpy")
+        a = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend=backend, seq_axis=-2)
+        b = rotary.linear_attention(q, k, q, feature_map="relu", normalize=False, causal=causal, backend="numpy", seq_axis=-2)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-5, atol=1e-6)
         assert np.isfinite(a[0, 0, 0]).all() == bool(causal)   # token 0 sees only itself when causal
@@ -341,7 +341,7 @@ def test_linear_attention_nonfinite_features_match_numpy(backend, feature_map, r
     if feature_map != "identity":   # identity: -inf is a value like any other (inf - inf orders differ)
         q[0, 0, 3, 1] = np.nan
     for causal in (False, True):
-        kw = dict(feature_map=feature_map, causal=causal, normalize=feature_map != "identity")
+        kw = dict(feature_map=feature_map, causal=causal, normalize=feature_map != "identity", seq_axis=-2)
         a = rotary.linear_attention(q, k, v, backend=backend, **kw)
         b = rotary.linear_attention(q, k, v, backend="numpy", **kw)
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"causal={causal}")

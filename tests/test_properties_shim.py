@@ -55,7 +55,7 @@ def test_shim_linear_attention(use_backend, spec, T, hk, groups, causal, decay, 
     if T and seed % 3 == 0:   # a NaN value: reaches exactly the outputs that see its token
         v[0, 0, seed % T, 1] = np.nan
     o = rotary.linear_attention(q, k, v, spec=spec, causal=causal, decay=decay, normalize=normalize, chunk=chunk,
-                                backend=name)
+                                backend=name, seq_axis=-2)
     k64, v64 = (np.repeat(a.astype(np.float64), groups, axis=1) for a in (k, v))
     a, b = P.feature64(q, "elu"), P.feature64(k64, "elu")
     pos = np.arange(T)
@@ -75,7 +75,7 @@ def test_shim_causal_linear_attention_later_nan_stays_later(use_backend, decay, 
     q = np.random.default_rng(0).standard_normal((1, 2, 10, 8)).astype(np.float32)
     v = q.copy()
     v[0, 0, 6, 1] = np.nan
-    o = rotary.linear_attention(q, q, v, causal=True, chunk=chunk, decay=decay, backend=name)
+    o = rotary.linear_attention(q, q, v, causal=True, chunk=chunk, decay=decay, backend=name, seq_axis=-2)
     assert np.isfinite(o[0, 0, :6]).all() and np.isnan(o[0, 0, 6:, 1]).all() and np.isfinite(o[0, 1]).all()
 
 
@@ -87,5 +87,5 @@ def test_shim_causal_linear_attention_later_nan_small_heads(use_backend, T, t): 
     q = np.random.default_rng(0).standard_normal((1, 1, T, 2)).astype(np.float32)
     v = np.random.default_rng(1).standard_normal((1, 1, T, 3)).astype(np.float32)
     v[0, 0, t, 1] = np.nan
-    o = rotary.linear_attention(q, q, v, causal=True, chunk=64, backend=name)
+    o = rotary.linear_attention(q, q, v, causal=True, chunk=64, backend=name, seq_axis=-2)
     assert np.isfinite(o[0, 0, :t]).all()

@@ -37,7 +37,7 @@ POSITIONS = {
 def test_rope_equals_apply_qk(backend, dtype, kind, rng):
     if backend == "cupy":
         pytest.skip("the CuPy path is checked on the GPU (benchmarks/gpu_check.py) and through the host shim")
-    rope = rotary.Rope(SPEC, backend=backend, dtype=dtype)
+    rope = rotary.Rope(SPEC, backend=backend, dtype=dtype, seq_axis=-2)
     q, k = _qk(rng, dtype)
     for step in range(3):   # first call: validation + preparation; later calls: the prepared path
         pos = POSITIONS[kind](rng, 3, 2)
@@ -56,7 +56,7 @@ def test_rope_equals_apply_qk(backend, dtype, kind, rng):
 def test_rope_in_place_bhsd_packed_and_oracle(backend, rng):
     if backend == "cupy":
         pytest.skip("checked through the host shim here")
-    rope = rotary.Rope(SPEC, backend=backend, dtype=np.float64, max_positions=1024)
+    rope = rotary.Rope(SPEC, backend=backend, dtype=np.float64, max_positions=1024, seq_axis=-2)
     q, k = (np.swapaxes(a, 1, 2).copy() for a in _qk(rng, np.float64))   # BHSD
     for _ in range(2):
         pos = rng.integers(0, 1024, size=(3, 2))
@@ -75,7 +75,7 @@ def test_rope_in_place_bhsd_packed_and_oracle(backend, rng):
 
 def _shim_rope(kernels, rng):  # noqa: F811
     """A Rope whose CuPy launch path is prepared with the host shim (NumPy arrays, the shim's launcher)."""
-    rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32)
+    rope = rotary.Rope(SPEC, backend="numpy", dtype=np.float32, seq_axis=-2)
     q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2)
     hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
                  to_device=lambda a: a)
@@ -107,7 +107,7 @@ def test_rope_cupy_device_positions(in_place, rng):
         pytest.skip(reasons["cupy"][1])
     import cupy
 
-    rope = rotary.Rope(SPEC, backend="cupy", dtype=np.float32, max_positions=4096)
+    rope = rotary.Rope(SPEC, backend="cupy", dtype=np.float32, max_positions=4096, seq_axis=-2)
     q, k = (cupy.asarray(a) for a in _qk(rng, np.float32, B=32, S=1, Hq=8, Hk=2))
     for _ in range(3):
         pos = cupy.asarray(rng.integers(0, 4096, size=(32, 1)))
@@ -125,14 +125,14 @@ def test_rope_cupy_device_positions(in_place, rng):
 
 def test_rope_bad_input(rng):
     with pytest.raises(TypeError, match="spec must be a rotary.RopeSpec"):
-        rotary.Rope(32)
+        rotary.Rope(32, seq_axis=-2)
     with pytest.raises(TypeError, match="dtype must be float16, float32 or float64"):
-        rotary.Rope(SPEC, dtype=np.int32)
+        rotary.Rope(SPEC, dtype=np.int32, seq_axis=-2)
     with pytest.raises(ValueError, match="max_positions must be > 0"):
-        rotary.Rope(SPEC, max_positions=0)
+        rotary.Rope(SPEC, max_positions=0, seq_axis=-2)
     with pytest.raises(ValueError, match="backend must be"):
-        rotary.Rope(SPEC, backend="tpu")
-    rope = rotary.Rope(SPEC, backend="numpy")
+        rotary.Rope(SPEC, backend="tpu", seq_axis=-2)
+    rope = rotary.Rope(SPEC, backend="numpy", seq_axis=-2)
     q, k = _qk(rng, np.float32)
     rope(q, k, seq_axis=1)
     rope(q, k, seq_axis=1)
@@ -152,7 +152,7 @@ OFFSET_SPEC = RopeSpec(48, rotary_dim=16, rotary_offset=24, layout="interleaved"
 @pytest.mark.parametrize("in_place", [False, True])
 def test_rope_fast_path_with_rotary_offset(dtype, seq_axis, in_place, rng):
     """The prepared Numba path rotates from the offset on: bit for bit apply_qk, nope part untouched."""
-    rope = rotary.Rope(OFFSET_SPEC, backend="numba", dtype=dtype)
+    rope = rotary.Rope(OFFSET_SPEC, backend="numba", dtype=dtype, seq_axis=-2)
     q, k = _qk(rng, dtype, D=48)
     if seq_axis == 2:
         q, k = (np.swapaxes(a, 1, 2).copy() for a in (q, k))   # BHSD, contiguous
@@ -174,7 +174,7 @@ def test_rope_fast_path_with_rotary_offset(dtype, seq_axis, in_place, rng):
 @pytest.mark.parametrize("in_place", [False, True])
 def test_rope_cuda_launch_path_with_rotary_offset(kernels, in_place, rng):  # noqa: F811
     """The CuPy launch path's pointers start at the offset; the nope part is copied or left alone."""
-    rope = rotary.Rope(OFFSET_SPEC, backend="numpy", dtype=np.float32)
+    rope = rotary.Rope(OFFSET_SPEC, backend="numpy", dtype=np.float32, seq_axis=-2)
     q, k = _qk(rng, np.float32, B=5, S=1, Hq=8, Hk=2, D=48)
     hooks = dict(address=host.address, launch=lambda plan, name: kernels.launch(plan), empty=np.empty,
                  to_device=lambda a: a)
@@ -193,7 +193,7 @@ def test_rope_cuda_launch_path_with_rotary_offset(kernels, in_place, rng):  # no
 def test_rope_fast_path_bhsd_out_of_place(dtype, rng):
     """A BHSD call with a new output: the prepared geometry must be that of the output the call allocates
     (x's shape: a transposed canonical view), not of a BSHD-ordered buffer (calls 2.. were wrong)."""
-    rope = rotary.Rope(SPEC, backend="numba", dtype=dtype)
+    rope = rotary.Rope(SPEC, backend="numba", dtype=dtype, seq_axis=-2)
     q, k = (np.swapaxes(a, 1, 2).copy() for a in _qk(rng, dtype))   # (B, H, S, D)
     for _ in range(3):
         pos = rng.integers(0, 600, size=(3, 2))
@@ -209,7 +209,7 @@ def test_rope_decoding_far_from_zero_stays_prepared(backend, rng):
     if not rotary.available_backends()[backend][0]:
         pytest.skip(rotary.available_backends()[backend][1])
     spec = RopeSpec(64, base=5e5)
-    rope = rotary.Rope(spec, backend=backend, dtype=np.float64)
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float64, seq_axis=-2)
     q, k = _qk(rng, np.float64, B=4, S=1, Hq=4, Hk=2, D=64)
     start = 3_000_000 - 100
     for step in range(0, 700, 7):
@@ -245,7 +245,7 @@ def test_rope_numba_positions_checked_by_the_kernel(dtype, rng):
     table and writes nothing when one falls outside): in place, a step past the table grows it and still
     equals the float64 oracle; positions near the int64 limit give apply_qk's error, not wrapped rows."""
     spec = RopeSpec(32, base=10000.0)
-    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=16)
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=16, seq_axis=-2)
     q, k = _qk(rng, dtype, B=3, S=1)
     qi, ki = q.copy(), k.copy()
     for pos in (np.array([[1], [2], [3]]), np.array([[4], [40_000], [5]]), np.array([[7], [8], [9]]), 12):
@@ -285,7 +285,7 @@ def test_rope_separate_out_buffers_take_the_prepared_path(spec, dtype, rng, monk
     float64 oracle and to apply_qk bit for bit; the inputs are not modified."""
     if not rotary.available_backends()["numba"][0]:
         pytest.skip(rotary.available_backends()["numba"][1])
-    rope = rotary.Rope(spec, backend="numba", dtype=dtype)
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype, seq_axis=-2)
     q, k = _qk(rng, dtype, B=4, S=1, Hq=8, Hk=2, D=spec.head_dim)
     q0, k0 = q.copy(), k.copy()
     q_out, k_out = np.empty_like(q), np.empty_like(k)
@@ -312,7 +312,7 @@ def test_rope_separate_out_buffers_keep_the_overlap_rules(rng, monkeypatch):
     the general path's errors after a geometry was prepared (no silent fast path)."""
     if not rotary.available_backends()["numba"][0]:
         pytest.skip(rotary.available_backends()["numba"][1])
-    rope = rotary.Rope(SPEC, backend="numba", dtype=np.float32)
+    rope = rotary.Rope(SPEC, backend="numba", dtype=np.float32, seq_axis=-2)
     q, k = _qk(rng, np.float32, B=4, S=1, Hq=2, Hk=2)
     q_out, k_out = np.empty_like(q), np.empty_like(k)
     rope(q, k, 5, seq_axis=1, out=(q_out, k_out))   # prepares the geometry
@@ -371,7 +371,7 @@ def test_rope_numba_plans_and_what_they_refuse(dtype, rng):
     if not rotary.available_backends()["numba"][0]:
         pytest.skip(rotary.available_backends()["numba"][1])
     spec = RopeSpec(32, base=10000.0)
-    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=4096)
+    rope = rotary.Rope(spec, backend="numba", dtype=dtype, max_positions=4096, seq_axis=-2)
     q, k = _qk(rng, dtype, B=4, S=1, Hq=4, Hk=2)
 
     def oracle(x, pos):
@@ -430,11 +430,11 @@ def test_rope_defaults_to_the_auto_backend(rng, monkeypatch):
     numba (the registry refusing it here) and rotates NumPy arrays equal to the float64 oracle."""
     from rotary import backends as _backends
 
-    rope = rotary.Rope(SPEC)
+    rope = rotary.Rope(SPEC, seq_axis=-2)
     assert rope.backend == "auto"
     monkeypatch.setattr(_backends, "_loaded", {k: v for k, v in _backends._loaded.items() if k != "numba"})
     monkeypatch.setattr(_backends, "_errors", {**_backends._errors, "numba": "No module named 'numba'"})
-    rope = rotary.Rope(SPEC, dtype=np.float32)
+    rope = rotary.Rope(SPEC, dtype=np.float32, seq_axis=-2)
     q, k = _qk(rng, np.float32, B=2, S=3, Hq=4, Hk=2, D=SPEC.head_dim)
     pos = np.arange(3) + 5
     for _ in range(2):   # the general path, then the plan

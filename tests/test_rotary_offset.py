@@ -83,12 +83,12 @@ def test_strided_views_and_inverse(backend, rng):
     fused = rng.standard_normal((2, 9, 3, 2 * 40))            # (B, S, H, [q | k]) -> q is a strided view
     q = fused[..., :40].transpose(0, 2, 1, 3)                 # (B, H, S, d), seq_axis=-2
     q0, k_part = q.copy(), fused[..., 40:].copy()
-    y = rotary.apply(q, 5, spec=spec, backend=backend)
+    y = rotary.apply(q, 5, spec=spec, backend=backend, seq_axis=-2)
     np.testing.assert_allclose(y, np.swapaxes(peer_rope(np.swapaxes(q, 1, 2), np.arange(9) + 5, spec), 1, 2),
                                rtol=1e-12, atol=1e-12)
-    rotary.apply(q, 5, spec=spec, backend=backend, out=q)
+    rotary.apply(q, 5, spec=spec, backend=backend, out=q, seq_axis=-2)
     assert np.array_equal(q, y) and np.array_equal(fused[..., 40:], k_part)   # the neighbour untouched
-    back = rotary.apply(q, 5, spec=spec, backend=backend, inverse=True)
+    back = rotary.apply(q, 5, spec=spec, backend=backend, inverse=True, seq_axis=-2)
     np.testing.assert_allclose(back, q0, rtol=1e-12, atol=1e-12)
     assert np.array_equal(back[..., _passthrough(spec)], q0[..., _passthrough(spec)])
 
@@ -103,7 +103,7 @@ def test_apply_qk_gqa_and_the_rope_object(backend, rng):
     rtol, atol = tolerance("float32")
     np.testing.assert_allclose(rq, peer_rope(q, pos, spec), rtol=rtol, atol=atol)
     np.testing.assert_allclose(rk, peer_rope(k, pos, spec), rtol=rtol, atol=atol)
-    rope = rotary.Rope(spec, backend=backend, dtype=np.float32)
+    rope = rotary.Rope(spec, backend=backend, dtype=np.float32, seq_axis=-2)
     for _ in range(3):   # first call validates, later calls would take the prepared path
         oq, ok = rope(q, k, pos, seq_axis=-3)
         assert np.array_equal(oq, rq) and np.array_equal(ok, rk)
@@ -115,8 +115,8 @@ def test_apply_qk_gqa_and_the_rope_object(backend, rng):
 
 def test_spec_keywords_on_apply(rng):
     x = rng.standard_normal((5, 20))
-    a = rotary.apply(x, rotary_offset=4, rotary_dim=8, layout="interleaved")
-    b = rotary.apply(x, spec=RopeSpec(20, rotary_dim=8, rotary_offset=4, layout="interleaved"))
+    a = rotary.apply(x, rotary_offset=4, rotary_dim=8, layout="interleaved", seq_axis=-2)
+    b = rotary.apply(x, spec=RopeSpec(20, rotary_dim=8, rotary_offset=4, layout="interleaved"), seq_axis=-2)
     assert np.array_equal(a, b)
     np.testing.assert_allclose(a, peer_rope(x[:, None], np.arange(5), RopeSpec(20, rotary_dim=8, rotary_offset=4,
                                                                                   layout="interleaved"))[:, 0],
@@ -192,20 +192,20 @@ def test_bad_rotary_offset(kwargs, error, words):
 
 def test_head_dim_mismatch_names_the_offset():
     with pytest.raises(ValueError, match=r"spec.head_dim \(24\) does not match x.shape\[-1\] \(20\).*rotary_offset=8"):
-        rotary.apply(np.ones((3, 20)), spec=RopeSpec(24, rotary_offset=8))
+        rotary.apply(np.ones((3, 20)), spec=RopeSpec(24, rotary_offset=8), seq_axis=-2)
 
 
 # -- rerotate, attention, linear attention --------------------------------------------------------
 def test_rerotate_moves_keys_and_keeps_the_nope_part(rng):
     spec = RopeSpec(40, rotary_dim=16, rotary_offset=24, layout="interleaved")
     k = rng.standard_normal((2, 8, 40))
-    rotated = rotary.apply(k, 10, spec=spec)
-    moved = rotary.rerotate(rotated, 10, 3, spec=spec)
+    rotated = rotary.apply(k, 10, spec=spec, seq_axis=-2)
+    moved = rotary.rerotate(rotated, 10, 3, spec=spec, seq_axis=-2)
     np.testing.assert_allclose(moved, peer_rope(np.swapaxes(k, 0, 1), np.arange(8) + 3, spec).swapaxes(0, 1),
                                rtol=1e-12, atol=1e-12)
     assert np.array_equal(moved[..., :24], k[..., :24])
     with pytest.raises(ValueError, match="rotary_offset"):
-        rotary.rerotate(rotated, 10, 3, spec=spec, to_spec=spec.replace(rotary_offset=0))
+        rotary.rerotate(rotated, 10, 3, spec=spec, to_spec=spec.replace(rotary_offset=0), seq_axis=-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -214,7 +214,7 @@ def test_attention_rotates_q_and_k_from_the_offset(backend, rng):
     q = rng.standard_normal((2, 4, 6, 24))     # (B, H, S, d)
     k = rng.standard_normal((2, 2, 9, 24))
     v = rng.standard_normal((2, 2, 9, 5))
-    o = rotary.attention(q, k, v, spec=spec, causal=True, backend=backend)
+    o = rotary.attention(q, k, v, spec=spec, causal=True, backend=backend, seq_axis=-2)
     kp = np.arange(9)
     want = attention_quadratic(q, k, v, kp[3:], kp, spec.inv_freq(), layout="interleaved", causal=True,
                                scale=1.5 / np.sqrt(24), rotary_offset=16)
@@ -227,13 +227,13 @@ def test_linear_attention_from_the_offset_and_resume(backend, causal, rng):
     spec = RopeSpec(12, rotary_dim=6, rotary_offset=4, base=100.0)
     q, k = rng.standard_normal((2, 3, 10, 12)), rng.standard_normal((2, 3, 10, 12))
     v = rng.standard_normal((2, 3, 10, 5))
-    o = rotary.linear_attention(q, k, v, spec=spec, causal=causal, backend=backend)
+    o = rotary.linear_attention(q, k, v, spec=spec, causal=causal, backend=backend, seq_axis=-2)
     want = linear_attention_quadratic(q, k, v, np.arange(10), spec.inv_freq(), causal=causal, rotary_offset=4)
     np.testing.assert_allclose(o, want, rtol=1e-10, atol=1e-10)
     if causal:   # split and resume: the state carries the head's own feature order
         o1, state = rotary.linear_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], spec=spec, causal=True,
-                                            backend=backend, return_state=True)
-        o2 = rotary.linear_attention(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], causal=True, backend=backend, state=state)
+                                            backend=backend, return_state=True, seq_axis=-2)
+        o2 = rotary.linear_attention(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], causal=True, backend=backend, state=state, seq_axis=-2)
         np.testing.assert_allclose(np.concatenate([o1, o2], axis=2), want, rtol=1e-10, atol=1e-10)
         # z sums phi(k) over the tokens: coordinate j of the state is coordinate j of the head
         z = np.asarray(state.z).reshape(2, 3, 12)
@@ -257,7 +257,7 @@ def test_convert_layout_and_permute_weights_with_offset(rng):
 
 # -- adapters -------------------------------------------------------------------------------------
 def _reference(x, spec, pos):
-    return rotary.apply(np.asarray(x, np.float32), pos, spec=spec, backend="numpy")
+    return rotary.apply(np.asarray(x, np.float32), pos, spec=spec, backend="numpy", seq_axis=-2)
 
 
 def test_torch_adapter(rng):
@@ -265,14 +265,14 @@ def test_torch_adapter(rng):
     spec = RopeSpec(24, rotary_dim=8, rotary_offset=12, layout="interleaved")
     x = rng.standard_normal((2, 6, 24)).astype(np.float32)
     t = torch.tensor(x, requires_grad=True)
-    y = rotary.apply(t, 3, spec=spec)
+    y = rotary.apply(t, 3, spec=spec, seq_axis=-2)
     assert isinstance(y, torch.Tensor)
     np.testing.assert_array_equal(y.detach().numpy(), _reference(x, spec, 3))
     y.sum().backward()   # the gradient of a rotation is the inverse rotation of ones
-    np.testing.assert_allclose(t.grad.numpy(), rotary.apply(np.ones_like(x), 3, spec=spec, inverse=True),
+    np.testing.assert_allclose(t.grad.numpy(), rotary.apply(np.ones_like(x), 3, spec=spec, inverse=True, seq_axis=-2),
                                rtol=1e-6, atol=1e-6)
     tb = torch.tensor(x).to(torch.bfloat16)
-    yb = rotary.apply(tb, 3, spec=spec)
+    yb = rotary.apply(tb, 3, spec=spec, seq_axis=-2)
     assert yb.dtype == torch.bfloat16 and torch.equal(yb[..., :12], tb[..., :12])
 
 
@@ -283,8 +283,8 @@ def test_jax_adapter_concrete_and_traced(rng):
     spec = RopeSpec(24, rotary_dim=8, rotary_offset=12)
     x = rng.standard_normal((2, 6, 24)).astype(np.float32)
     want = _reference(x, spec, np.arange(6) + 3)
-    np.testing.assert_allclose(np.asarray(rotary.apply(jnp.asarray(x), 3, spec=spec)), want, rtol=2e-6, atol=2e-6)
-    traced = jax.jit(lambda a, p: rotary.apply(a, p, spec=spec))(jnp.asarray(x), jnp.arange(6) + 3)
+    np.testing.assert_allclose(np.asarray(rotary.apply(jnp.asarray(x), 3, spec=spec, seq_axis=-2)), want, rtol=2e-6, atol=2e-6)
+    traced = jax.jit(lambda a, p: rotary.apply(a, p, spec=spec, seq_axis=-2))(jnp.asarray(x), jnp.arange(6) + 3)
     np.testing.assert_allclose(np.asarray(traced), want, rtol=2e-6, atol=2e-6)
     assert np.array_equal(np.asarray(traced)[..., :12], x[..., :12])
 
@@ -293,7 +293,7 @@ def test_dask_adapter(rng):
     da = pytest.importorskip("dask.array")
     spec = RopeSpec(24, rotary_dim=8, rotary_offset=12)
     x = rng.standard_normal((4, 10, 24)).astype(np.float32)
-    y = rotary.apply(da.from_array(x, chunks=(2, 5, 24)), spec=spec)
+    y = rotary.apply(da.from_array(x, chunks=(2, 5, 24)), spec=spec, seq_axis=-2)
     np.testing.assert_array_equal(y.compute(), _reference(x, spec, None))
 
 
@@ -301,7 +301,7 @@ def test_bfloat16_numpy(rng):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     spec = RopeSpec(24, rotary_dim=8, rotary_offset=12)
     x = rng.standard_normal((2, 6, 24)).astype(ml_dtypes.bfloat16)
-    y = rotary.apply(x, spec=spec)
+    y = rotary.apply(x, spec=spec, seq_axis=-2)
     assert y.dtype == x.dtype and np.array_equal(y[..., :12].view(np.uint16), x[..., :12].view(np.uint16))
     np.testing.assert_allclose(y.astype(np.float64), peer_rope(x.astype(np.float64)[:, :, None], np.arange(6), spec)[:, :, 0],
                                rtol=1.6e-2, atol=1.6e-2)
@@ -350,7 +350,7 @@ def test_mla_qk_head_matches_hf_attention(family, rng):
     interleave = getattr(config, "rope_interleave", True) or family in ("deepseek_v32", "glm_moe_dsa")
     fn = module.apply_rotary_pos_emb_interleave if interleave else module.apply_rotary_pos_emb
     hf = torch.cat((q_pass, fn(q_rot, q_rot, cos, sin)[0]), dim=-1).numpy()
-    ours = rotary.apply(q, positions, spec=spec)
+    ours = rotary.apply(q, positions, spec=spec, seq_axis=-2)
     if interleave:   # HF's interleave helper reads pairs (2i, 2i+1) and writes them de-interleaved (same scores)
         ours = rotary.convert_layout(ours, to="half", rotary_offset=nope)
     np.testing.assert_allclose(ours, hf, rtol=1e-12, atol=1e-12)

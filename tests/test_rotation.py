@@ -21,7 +21,7 @@ def test_three_oracles_float64(oracle, layout, backend, rng):
     spec = rotary.RopeSpec(12, rotary_dim=10, base=500.0, layout=layout)
     x = rng.standard_normal((3, 7, 12))
     pos = np.array([0, 1, 2, 5, 100, 4095, 70000])
-    y = rotary.apply(x, pos, spec=spec, backend=backend)
+    y = rotary.apply(x, pos, spec=spec, backend=backend, seq_axis=-2)
     # float64 angles p*w carry a rounding of about p * 2**-53 rad (1e-11 at p = 70000), on both sides
     T.assert_close(y, oracle(x, pos, spec.inv_freq(), layout=layout), like=x, atol=1e-10)
 
@@ -80,7 +80,7 @@ def test_fp32_exact_at_position_2_31_minus_1(base, backend, rng):
     spec = rotary.RopeSpec(128, base=base)
     x = rng.standard_normal((1, 128)).astype(np.float32)
     p = 2**31 - 1
-    y = rotary.apply(x, p, spec=spec, backend=backend)
+    y = rotary.apply(x, p, spec=spec, backend=backend, seq_axis=-2)
     exact = _exact_rotation(x.astype(np.float64), p, spec.inv_freq(), "half")
     err = np.abs(y.astype(np.float64) - exact).max() / np.abs(x).max()
     assert err < 2e-6
@@ -99,7 +99,7 @@ positions = st.integers(min_value=0, max_value=2**31 - 1)
 def test_norm_preserved_per_pair(dims, p, layout, seed):
     d, r = dims
     x = np.random.default_rng(seed).standard_normal((1, d))
-    y = rotary.apply(x, p, rotary_dim=r, layout=layout, backend="numpy")
+    y = rotary.apply(x, p, rotary_dim=r, layout=layout, backend="numpy", seq_axis=-2)
     a, b = rotary.RopeSpec(d, rotary_dim=r, layout=layout).pair_indices()
     np.testing.assert_allclose(np.hypot(y[0, a], y[0, b]), np.hypot(x[0, a], x[0, b]), rtol=1e-12)
     np.testing.assert_array_equal(y[0, r:], x[0, r:])
@@ -112,9 +112,9 @@ def test_inner_product_depends_on_offset_only(dims, m, n, layout, seed):
     d, r = dims
     rng = np.random.default_rng(seed)
     q, k = rng.standard_normal((2, 1, d))
-    lhs = rotary.apply(q, m, rotary_dim=r, layout=layout) @ rotary.apply(k, n, rotary_dim=r, layout=layout)[0]
-    rhs = q @ rotary.apply(k, n - m, rotary_dim=r, layout=layout)[0] if n >= m else \
-        rotary.apply(q, m - n, rotary_dim=r, layout=layout) @ k[0]
+    lhs = rotary.apply(q, m, rotary_dim=r, layout=layout, seq_axis=-2) @ rotary.apply(k, n, rotary_dim=r, layout=layout, seq_axis=-2)[0]
+    rhs = q @ rotary.apply(k, n - m, rotary_dim=r, layout=layout, seq_axis=-2)[0] if n >= m else \
+        rotary.apply(q, m - n, rotary_dim=r, layout=layout, seq_axis=-2) @ k[0]
     np.testing.assert_allclose(lhs, rhs, rtol=1e-9, atol=1e-9)
 
 
@@ -124,8 +124,8 @@ def test_inverse_undoes_rotation_and_position_zero_is_identity(dims, p, layout, 
     d, r = dims
     x = np.random.default_rng(seed).standard_normal((3, d))
     pos = np.array([p, 0, p // 2])
-    y = rotary.apply(x, pos, rotary_dim=r, layout=layout)
-    np.testing.assert_allclose(rotary.apply(y, pos, rotary_dim=r, layout=layout, inverse=True), x, atol=1e-12)
+    y = rotary.apply(x, pos, rotary_dim=r, layout=layout, seq_axis=-2)
+    np.testing.assert_allclose(rotary.apply(y, pos, rotary_dim=r, layout=layout, inverse=True, seq_axis=-2), x, atol=1e-12)
     np.testing.assert_array_equal(y[1], x[1])
 
 
@@ -134,9 +134,9 @@ def test_inverse_undoes_rotation_and_position_zero_is_identity(dims, p, layout, 
 def test_interleaved_equals_permuted_half(dims, p, seed):
     d, r = dims
     x = np.random.default_rng(seed).standard_normal((2, d))
-    y_int = rotary.apply(x, p, rotary_dim=r, layout="interleaved")
+    y_int = rotary.apply(x, p, rotary_dim=r, layout="interleaved", seq_axis=-2)
     to_half = rotary.convert_layout(x, to="half", rotary_dim=r)
-    y_half = rotary.apply(to_half, p, rotary_dim=r, layout="half")
+    y_half = rotary.apply(to_half, p, rotary_dim=r, layout="half", seq_axis=-2)
     np.testing.assert_allclose(rotary.convert_layout(y_int, to="half", rotary_dim=r), y_half, atol=1e-12)
     np.testing.assert_allclose(rotary.convert_layout(y_half, to="interleaved", rotary_dim=r), y_int, atol=1e-12)
 
@@ -144,19 +144,19 @@ def test_interleaved_equals_permuted_half(dims, p, seed):
 # -- positions, axes, out --------------------------------------------------------------------------
 def test_positions_forms_agree(rng):
     x = rng.standard_normal((2, 3, 5, 8))        # (B, H, S, D)
-    base = rotary.apply(x, np.arange(5) + 3)
-    np.testing.assert_array_equal(rotary.apply(x, 3), base)
-    np.testing.assert_array_equal(rotary.apply(x, np.int32(3)), base)
-    np.testing.assert_array_equal(rotary.apply(x, np.tile(np.arange(5) + 3, (2, 1))), base)
-    np.testing.assert_array_equal(rotary.apply(x, np.arange(5, dtype=np.uint16) + 3), base)
+    base = rotary.apply(x, np.arange(5) + 3, seq_axis=-2)
+    np.testing.assert_array_equal(rotary.apply(x, 3, seq_axis=-2), base)
+    np.testing.assert_array_equal(rotary.apply(x, np.int32(3), seq_axis=-2), base)
+    np.testing.assert_array_equal(rotary.apply(x, np.tile(np.arange(5) + 3, (2, 1)), seq_axis=-2), base)
+    np.testing.assert_array_equal(rotary.apply(x, np.arange(5, dtype=np.uint16) + 3, seq_axis=-2), base)
 
 
 def test_batch_positions_apply_per_batch_row(rng):
     x = rng.standard_normal((2, 3, 5, 8))        # BHSD, positions (B, S) broadcast over heads
     pos = np.array([[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]])
-    y = rotary.apply(x, pos)
-    np.testing.assert_array_equal(y[0], rotary.apply(x[0], pos[0]))
-    np.testing.assert_array_equal(y[1], rotary.apply(x[1], pos[1]))
+    y = rotary.apply(x, pos, seq_axis=-2)
+    np.testing.assert_array_equal(y[0], rotary.apply(x[0], pos[0], seq_axis=-2))
+    np.testing.assert_array_equal(y[1], rotary.apply(x[1], pos[1], seq_axis=-2))
 
 
 def test_bshd_equals_bhsd(rng):
@@ -185,13 +185,13 @@ def test_out_on_non_mergeable_view(rng):
     base = rng.standard_normal((4, 3, 5, 8))
     x = base[:, ::2].transpose(1, 0, 2, 3)   # (2, 4, 5, 8) with odd strides
     out = np.zeros((2, 4, 5, 8))
-    rotary.apply(x, 3, out=out)
-    np.testing.assert_allclose(out, rotary.apply(np.ascontiguousarray(x), 3))
+    rotary.apply(x, 3, out=out, seq_axis=-2)
+    np.testing.assert_allclose(out, rotary.apply(np.ascontiguousarray(x), 3, seq_axis=-2))
     y = x.copy()
     view = np.empty((4, 2, 5, 8))[:, ::1].transpose(1, 0, 2, 3)
     view[...] = y
-    rotary.apply(view, 3, out=view)
-    np.testing.assert_allclose(view, rotary.apply(y, 3))
+    rotary.apply(view, 3, out=view, seq_axis=-2)
+    np.testing.assert_allclose(view, rotary.apply(y, 3, seq_axis=-2))
 
 
 def test_input_never_modified(rng):
@@ -205,7 +205,7 @@ def test_input_never_modified(rng):
 
 def test_readonly_and_broadcast_inputs_work(rng):
     x = np.broadcast_to(rng.standard_normal((1, 6, 8)), (3, 6, 8))
-    y = rotary.apply(x, 2)
+    y = rotary.apply(x, 2, seq_axis=-2)
     np.testing.assert_allclose(y[0], y[2])
 
 
@@ -222,16 +222,16 @@ def test_apply_qk_matches_two_applies(rng):
 def test_array_api_strict_roundtrip(rng):
     xps = pytest.importorskip("array_api_strict")
     x = rng.standard_normal((2, 5, 8)).astype(np.float32)
-    y = rotary.apply(xps.asarray(x), 4, layout="interleaved")
+    y = rotary.apply(xps.asarray(x), 4, layout="interleaved", seq_axis=-2)
     assert type(y) is type(xps.asarray(x)) and y.dtype == xps.float32
-    np.testing.assert_allclose(np.asarray(y), rotary.apply(x, 4, layout="interleaved"), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y), rotary.apply(x, 4, layout="interleaved", seq_axis=-2), rtol=1e-6, atol=1e-6)
 
 
 def test_array_api_strict_other_device(rng):
     xps = pytest.importorskip("array_api_strict")
     dev = xps.Device("device1")
     x = xps.asarray(rng.standard_normal((5, 8)).astype(np.float32), device=dev)
-    y = rotary.apply(x, 4)
+    y = rotary.apply(x, 4, seq_axis=-2)
     assert y.device == dev
 
 
@@ -254,24 +254,24 @@ def test_torch_roundtrip_and_bf16(rng):
 def test_jax_roundtrip(rng):
     jnp = pytest.importorskip("jax.numpy")
     x = rng.standard_normal((5, 8)).astype(np.float32)
-    y = rotary.apply(jnp.asarray(x), 4)
-    np.testing.assert_allclose(np.asarray(y), rotary.apply(x, 4), rtol=1e-6, atol=1e-6)
+    y = rotary.apply(jnp.asarray(x), 4, seq_axis=-2)
+    np.testing.assert_allclose(np.asarray(y), rotary.apply(x, 4, seq_axis=-2), rtol=1e-6, atol=1e-6)
     with pytest.raises(TypeError, match="JAX"):
-        rotary.apply(jnp.asarray(x), 4, out=jnp.asarray(x))
+        rotary.apply(jnp.asarray(x), 4, out=jnp.asarray(x), seq_axis=-2)
 
 
 # -- tables ----------------------------------------------------------------------------------------
 def test_tables_grow_and_never_share_between_specs(rng):
     rotary.clear_cache()
     x = rng.standard_normal((3, 8))
-    a = rotary.apply(x, 10, base=100.0)
-    b = rotary.apply(x, 10, base=1000.0)
+    a = rotary.apply(x, 10, base=100.0, seq_axis=-2)
+    b = rotary.apply(x, 10, base=1000.0, seq_axis=-2)
     assert not np.allclose(a, b)
-    big = rotary.apply(x, 100_000, base=100.0)         # grows the dense table
+    big = rotary.apply(x, 100_000, base=100.0, seq_axis=-2)         # grows the dense table
     np.testing.assert_allclose(big, T.rope_complex(x, np.arange(3) + 100_000, rotary.RopeSpec(8, base=100.0).inv_freq()),
                                atol=1e-12)
-    np.testing.assert_array_equal(rotary.apply(x, 10, base=100.0), a)
-    neg = rotary.apply(x, -5, base=100.0)              # negative positions: compact table
+    np.testing.assert_array_equal(rotary.apply(x, 10, base=100.0, seq_axis=-2), a)
+    neg = rotary.apply(x, -5, base=100.0, seq_axis=-2)              # negative positions: compact table
     np.testing.assert_allclose(neg, T.rope_complex(x, np.arange(3) - 5, rotary.RopeSpec(8, base=100.0).inv_freq()),
                                atol=1e-12)
 
@@ -285,7 +285,7 @@ def test_tables_thread_safe(rng):
         try:
             for j in range(30):
                 p = (i * 1000 + j * 997) % 300_000
-                y = rotary.apply(x, p, base=1e4 + (i % 3))
+                y = rotary.apply(x, p, base=1e4 + (i % 3), seq_axis=-2)
                 ref = T.rope_complex(x, np.arange(4) + p, rotary.RopeSpec(16, base=1e4 + (i % 3)).inv_freq())
                 T.assert_close(y, ref)
         except Exception as exc:  # pragma: no cover - reported below

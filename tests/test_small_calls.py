@@ -134,7 +134,7 @@ def test_three_dimensional_and_seq_first_inputs(rng, backend):
     """Shapes whose canonical view merges or adds axes (not the transposition shortcut)."""
     spec = rotary.RopeSpec(8)
     x = rng.standard_normal((3, 5, 8)).astype(np.float32)   # (H, S, D), seq_axis=-2
-    y = rotary.apply(x, 7, spec=spec, backend=backend)
+    y = rotary.apply(x, 7, spec=spec, backend=backend, seq_axis=-2)
     testing.assert_close(y, testing.rope_2x2(x, np.arange(5) + 7, spec.inv_freq()), like=x)
     x = rng.standard_normal((5, 3, 8)).astype(np.float32)   # (S, H, D), seq_axis=0
     y = rotary.apply(x, None, spec=spec, seq_axis=0, backend=backend)
@@ -170,7 +170,7 @@ def test_decode_kernel_can_be_fixed(rng, monkeypatch):
     assert nb.PARALLEL_MIN_ELEMENTS <= q.size + k.size < nb.DECODE_PARALLEL_MIN_ELEMENTS
     spec = rotary.RopeSpec(128, base=500000.0)
     positions = rng.integers(0, 8000, size=(32, 1))
-    rope = rotary.Rope(spec, backend="numba", max_positions=8192)
+    rope = rotary.Rope(spec, backend="numba", max_positions=8192, seq_axis=-2)
     ran = []
     for name in ("rotate_qk_serial", "rotate_qk_parallel"):
         kernel = getattr(rotation, name)

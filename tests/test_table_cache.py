@@ -45,7 +45,7 @@ def test_far_positions_are_exact_and_cached(fresh_cache, backend, offset, rng):
 def test_lone_far_call_builds_a_small_table(fresh_cache, rng):
     """One token at 131071 builds a window of 512 rows, not a dense table of 131072 rows (64 MiB)."""
     x = rng.standard_normal((1, 128)).astype(np.float32)
-    y = rotary.apply(x, 131_071)
+    y = rotary.apply(x, 131_071, seq_axis=-2)
     T.assert_close(y, _oracle(x, [131_071], rotary.RopeSpec(128)), like=x)
     info = rotary.table_cache_info()
     assert info["entries"] == 1 and info["bytes"] == 2 * 512 * 64 * 4, info
@@ -59,7 +59,7 @@ def test_decoding_past_the_dense_table(fresh_cache, backend, rng):
     start = 300_000 - 5
     for step in range(600):
         p = start + step
-        T.assert_close(rotary.apply(x, p, spec=spec, backend=backend), _oracle(x, [p], spec), like=x)
+        T.assert_close(rotary.apply(x, p, spec=spec, backend=backend, seq_axis=-2), _oracle(x, [p], spec), like=x)
     assert rotary.table_cache_info()["misses"] <= 4
 
 
@@ -69,7 +69,7 @@ def test_batch_decode_mixed_positions_share_a_window(fresh_cache, rng):
     x = rng.standard_normal((32, 1, 64))
     for step in range(3):
         positions = (200_000 + np.arange(32) * 150 + step)[:, None]
-        y = rotary.apply(x, positions, spec=spec)
+        y = rotary.apply(x, positions, spec=spec, seq_axis=-2)
         T.assert_close(y, np.stack([_oracle(x[b], positions[b], spec) for b in range(32)]), like=x)
     assert rotary.table_cache_info()["misses"] == 1
 
@@ -79,11 +79,11 @@ def test_cache_is_bounded_by_bytes(fresh_cache, rng):
     rotary.set_table_cache_limit(2**20)
     for i in range(40):
         spec = rotary.RopeSpec(64, base=1e4 + i)
-        T.assert_close(rotary.apply(x, 1000, spec=spec), _oracle(x, 1000 + np.arange(64), spec), like=x)
+        T.assert_close(rotary.apply(x, 1000, spec=spec, seq_axis=-2), _oracle(x, 1000 + np.arange(64), spec), like=x)
         assert rotary.table_cache_info()["bytes"] <= 2**20
     # the least recently used went first: the last spec's table is still there
     info = rotary.table_cache_info()
-    rotary.apply(x, 1000, spec=rotary.RopeSpec(64, base=1e4 + 39))
+    rotary.apply(x, 1000, spec=rotary.RopeSpec(64, base=1e4 + 39), seq_axis=-2)
     assert rotary.table_cache_info()["misses"] == info["misses"]
 
 
@@ -91,14 +91,14 @@ def test_limit_zero_keeps_nothing_and_stays_exact(fresh_cache, rng):
     rotary.set_table_cache_limit(0)
     x = rng.standard_normal((5, 16))
     for p in (0, 7, 100_000):
-        T.assert_close(rotary.apply(x, p), _oracle(x, p + np.arange(5), rotary.RopeSpec(16)), like=x)
+        T.assert_close(rotary.apply(x, p, seq_axis=-2), _oracle(x, p + np.arange(5), rotary.RopeSpec(16)), like=x)
     assert rotary.table_cache_info()["entries"] == 0 and rotary.table_cache_info()["bytes"] == 0
 
 
 def test_lowering_the_limit_evicts_now(fresh_cache, rng):
     x = rng.standard_normal((8, 64)).astype(np.float32)
     for i in range(4):
-        rotary.apply(x, 5000 * i, spec=rotary.RopeSpec(64, base=100.0 + i))
+        rotary.apply(x, 5000 * i, spec=rotary.RopeSpec(64, base=100.0 + i), seq_axis=-2)
     assert rotary.table_cache_info()["entries"] >= 4
     previous = rotary.set_table_cache_limit(0)
     assert previous == 256 * 2**20 and rotary.table_cache_info()["bytes"] == 0
@@ -108,7 +108,7 @@ def test_multi_axis_sub_tables_count_in_the_budget(fresh_cache, rng):
     spec = rotary.RopeSpec(64, mrope_section=(8, 12, 12))
     x = rng.standard_normal((1, 10, 64))
     pos = np.stack([np.arange(10), np.arange(10) % 3, np.arange(10) // 3], axis=-1)[None]
-    rotary.apply(x, pos, spec=spec)
+    rotary.apply(x, pos, spec=spec, seq_axis=-2)
     info = rotary.table_cache_info()
     assert info["bytes"] == sum(nbytes for _, nbytes in _tables._cache.values()) and info["entries"] >= 2
 
@@ -145,7 +145,7 @@ def test_a_table_read_by_prepared_calls_stays_recently_used(fresh_cache, rng):
     assert _tables.cached_dense(hot_key) is not None
     for other in others:
         made = rotary.table_cache_info()["misses"]
-        rotary.apply(x, np.arange(64), spec=other)   # a table of another spec (same size)
+        rotary.apply(x, np.arange(64), spec=other, seq_axis=-2)   # a table of another spec (same size)
         for _ in range(2):
             got = hot_call()                          # prepared calls: cached_dense, not lookup
         # one table made (the other spec's); an evicted hot table would have been made again

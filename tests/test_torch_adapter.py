@@ -116,14 +116,14 @@ def test_autograd_only_inputs_that_require_grad():
 def test_errors_name_the_fix():
     x = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match=r"backend='cupy' needs CUDA tensors.*\.cuda\(\)"):
-        rotary.apply(x, backend="cupy")
+        rotary.apply(x, backend="cupy", seq_axis=-2)
     xg = x.clone().requires_grad_()
     with pytest.raises(ValueError, match="out= is not supported when an input requires grad"):
-        rotary.apply(xg, out=torch.empty_like(x))
+        rotary.apply(xg, out=torch.empty_like(x), seq_axis=-2)
     with pytest.raises(TypeError, match="out for x must be a torch tensor"):
-        rotary.apply(x, out=np.empty((1, 4, 2, 8), np.float32))
+        rotary.apply(x, out=np.empty((1, 4, 2, 8), np.float32), seq_axis=-2)
     with pytest.raises(TypeError, match="real floating"):
-        rotary.apply(torch.ones(1, 4, 2, 8, dtype=torch.int32))
+        rotary.apply(torch.ones(1, 4, 2, 8, dtype=torch.int32), seq_axis=-2)
 
 
 @pytest.mark.interop("torch", "cpu", "numba, numpy", "linear attention; its autograd on the reference path")
@@ -156,7 +156,7 @@ def test_linear_attention_kernels_and_reference_autograd(causal):
     assert_close(o, np.moveaxis(linear_attention_quadratic(*(np.moveaxis(to_numpy64(a), 2, 1) for a in args),
                                                            np.arange(6), spec.inv_freq(), causal=causal), 1, 2))
     with pytest.raises(ValueError, match="backend='numba' cannot run"):
-        rotary.linear_attention(*args, backend="numba")
+        rotary.linear_attention(*args, backend="numba", seq_axis=-2)
 
 
 def _cuda_or_skip():
@@ -186,7 +186,7 @@ def test_cuda_tensors_zero_copy_out_and_autograd():
     on = rotary.linear_attention(*(a.cpu() for a in qkv), causal=True, seq_axis=-3)
     assert o.is_cuda and torch.allclose(o.cpu(), on, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="backend='numba' runs on the CPU"):
-        rotary.apply(x.detach(), backend="numba")
+        rotary.apply(x.detach(), backend="numba", seq_axis=-2)
 
 
 def test_linear_attention_gqa_decay_state_and_multi_axis_positions():

@@ -104,7 +104,7 @@ def precision_data(base: float = 5e5, d: int = D, points: int = 36):
         return np.concatenate([v[:h] * c - v[h:] * s, v[h:] * c + v[:h] * s], axis=-1)
 
     reference = rotate(x32.astype(np.float64), exact)
-    ours_out = rotary.apply(np.broadcast_to(x32, (len(positions), d)).copy(), positions, spec=spec).astype(np.float64)
+    ours_out = rotary.apply(np.broadcast_to(x32, (len(positions), d)).copy(), positions, spec=spec, seq_axis=-2).astype(np.float64)
     c32, s32 = np.cos(hf).astype(np.float32), np.sin(hf).astype(np.float32)
     hf_out = np.concatenate([x32[:h] * c32 - x32[h:] * s32, x32[h:] * c32 + x32[:h] * s32], axis=-1).astype(np.float64)
     return {

@@ -80,7 +80,7 @@ class Decoder:
     def __init__(self, cfg: Config, weights: dict, backend: str = "auto"):
         self.cfg, self.w, self.backend = cfg, weights, backend
         self.spec = rotary.RopeSpec(cfg.head_dim, base=cfg.rope_theta)
-        self.rope = rotary.Rope(self.spec, backend=backend, dtype=weights["lm_head.weight"].dtype)
+        self.rope = rotary.Rope(self.spec, backend=backend, dtype=weights["lm_head.weight"].dtype, seq_axis=-2)
 
     def new_sequence(self) -> Sequence:
         return Sequence(self.cfg.num_hidden_layers)

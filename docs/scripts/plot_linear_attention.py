@@ -33,7 +33,7 @@ def mass(base: float) -> np.ndarray:
     q = rng.standard_normal((HEADS, T, D))
     k = rng.standard_normal((HEADS, T, D))
     ones = np.ones((HEADS, T, 1))
-    o = rotary.linear_attention(q, k, ones, causal=True, eps=0.0, base=base, backend="numpy")
+    o = rotary.linear_attention(q, k, ones, causal=True, eps=0.0, base=base, backend="numpy", seq_axis=-2)
     return o[..., 0]
 
 

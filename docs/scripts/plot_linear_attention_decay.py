@@ -33,7 +33,7 @@ def weights(gamma) -> np.ndarray:
     q = rng.standard_normal((HEADS, T, D))
     k = rng.standard_normal((HEADS, T, D))
     eye = np.broadcast_to(np.eye(T), (HEADS, T, T))
-    return rotary.linear_attention(q, k, eye, causal=True, eps=0.0, decay=gamma, backend="numpy")
+    return rotary.linear_attention(q, k, eye, causal=True, eps=0.0, decay=gamma, backend="numpy", seq_axis=-2)
 
 
 def label(gamma) -> str:

@@ -52,7 +52,7 @@ def _other_perm(ndim, ax, perm):
 
 @_adapters.dispatch("linear_attention", 3)   # torch, JAX, Dask: rotary/_torch.py, _jax.py, _dask.py
 def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
-                     seq_axis=-2, state=None, return_state=False, backend="auto", chunk=64, decay=None,
+                     seq_axis=None, state=None, return_state=False, backend="auto", chunk=64, decay=None,
                      normalize=True, cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
     """Linear attention with RoPE on the feature-mapped q and k, numerator only (RoFormer eq. 19).
 
@@ -81,8 +81,9 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
     spec : RopeSpec, optional
         Or the spec keywords (``base=``, ``layout=``, ...). With a ``state`` and no spec given, the
         state's spec. The spec's attention scaling multiplies the numerator by its square.
-    seq_axis : int
-        The sequence axis (default -2; -3 for (batch, seq, heads, d)).
+    seq_axis : int or str
+        The sequence axis, or the layout of q's axes ("bshd", "bhsd", "thd", ...; also as ``layout=``), as in
+        :func:`rotary.apply`: named for 3 or more dimensions.
     state : LinearAttentionState, optional
         The sums of earlier tokens (from ``return_state=True``). Causal: token t sees the state's
         tokens and this call's s <= t. Non-causal: every token of this call sees the state's tokens

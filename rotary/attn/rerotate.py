@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..frontend.axes import take_tensor_layout
 from ..frontend.normalize import canonical_shape, namespace, normalize_positions, normalize_seq_axis, resolve_spec
 from ..frontend.rotate import rotate_arrays
 from ..spec.rope_spec import RopeSpec
 
 
 def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_len=None, to_seq_len=None,
-             seq_axis=-2, out=None, backend="auto", **spec_kwargs):
+             seq_axis=None, out=None, backend="auto", **spec_kwargs):
     """Move keys rotated at ``from_positions`` (by ``spec``) to ``to_positions`` (by ``to_spec``).
 
     ``y = R^{to_spec}_{to} R^{spec}_{from}^{-1} k`` in one pass, per pair a rotation by
@@ -37,10 +38,13 @@ def rerotate(k, from_positions, to_positions, *, spec=None, to_spec=None, seq_le
         The spec of the result (default ``spec``); same head_dim, rotary_dim, layout and rotary_offset.
     seq_len, to_seq_len : int, optional
         The sequence length each spec's frequencies were taken at (dynamic / LongRoPE rules).
+    seq_axis : int or str
+        k's sequence axis, or the layout of its axes ("bshd", ...; also as ``layout=``), as in :func:`rotary.apply`.
     out : array, optional
         Where to write; ``out=k`` for in place.
     """
     xp = namespace([k], ["k"])
+    seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
     ax = normalize_seq_axis(seq_axis, k.ndim, "k")
     spec = resolve_spec(spec, spec_kwargs, int(k.shape[-1]), "k")
     if to_spec is None:

@@ -79,7 +79,7 @@ def _positions_arg(pos):
 
 
 @_adapters.dispatch("attention", 3)   # JAX, bfloat16: their adapter's attention; the rest: the core
-def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
+def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
               **spec_kwargs):
@@ -88,6 +88,8 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     Parameters
     ----------
     q : array (..., q_len, ..., d)
+        ``seq_axis`` (or ``layout=``, e.g. "bshd") names the sequence axis of q, k and v, as in
+        :func:`rotary.apply`: required for 3 or more dimensions.
     k : array (..., k_len, ..., d), possibly fewer heads on one axis (GQA); k_len >= q_len when causal
     v : array, k's shape with its own last dim dv
     positions : None, int or integer array

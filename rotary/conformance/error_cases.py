@@ -115,6 +115,10 @@ def _cases() -> list:
     big = 2**63
     return [
         # -- silent wrong results ----------------------------------------------------------------
+        ErrorCase("4-D input naming no sequence axis (was rotated along its heads)", lambda: _apply(_x((1, 16, 4, 8))),
+                  ValueError, ("seq_axis=1", "layout='bshd'")),
+        ErrorCase("layout and seq_axis that disagree", lambda: _apply(_x((1, 16, 4, 8)), seq_axis=2, layout="bshd"),
+                  ValueError, ("layout='bshd'", "seq_axis=2")),
         ErrorCase("offset wraps past int64", lambda: _apply(_x(), big - 2), ValueError, ("offset", "int64")),
         ErrorCase("uint64 offset above int64", lambda: _apply(_x(), np.uint64(big + 5)), ValueError, ("int64",)),
         ErrorCase("offset 2**63 (was a bare OverflowError)", lambda: _apply(_x(), big), ValueError, ("int64",)),
@@ -148,7 +152,7 @@ def _cases() -> list:
                   ("int64",)),
         # -- crashes -----------------------------------------------------------------------------
         ErrorCase("batch of size 0 with (batch, seq) positions",
-                  lambda: _apply(_x((0, 3, 8)), np.zeros((0, 3), np.int64)), check=lambda y: y.shape == (0, 3, 8)),
+                  lambda: _apply(_x((0, 3, 8)), np.zeros((0, 3), np.int64), seq_axis=1), check=lambda y: y.shape == (0, 3, 8)),
         ErrorCase("longrope original_max_position_embeddings=1", lambda: _spec(8, scaling={
                   "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
                   "original_max_position_embeddings": 1}, max_position_embeddings=8), ValueError,
@@ -288,7 +292,7 @@ def _softmax_masked_nan() -> bool:
     v[0, 7, 0] = np.nan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        o = attention(q, q, v, causal=True, block_size=4)
+        o = attention(q, q, v, causal=True, block_size=4, seq_axis=1)
     return bool(np.isfinite(o[0, :7]).all() and np.isnan(o[0, 7:, 0]).all())
 
 

@@ -12,20 +12,70 @@ import numpy as np
 from array_api_compat import is_cupy_array, is_numpy_array
 
 
+#: what ``layout=`` means when it is not a pair layout of the spec ("half" / "interleaved"): the order of an
+#: input's axes, one letter each, "s" (or "t": packed tokens) the sequence and "d" the last (head_dim)
+TENSOR_LAYOUT_LETTERS = "bshdtgn"
+_PAIR_LAYOUTS = ("half", "interleaved")
+_EXAMPLES = {3: "seq_axis=0 / layout='shd' for (seq, heads, head_dim) or packed 'thd', seq_axis=1 / layout='bsd' "
+                "for (batch, seq, dim) or 'hsd' for (heads, seq, head_dim)",
+             4: "seq_axis=1 / layout='bshd' for (batch, seq, heads, head_dim), seq_axis=2 / layout='bhsd' for "
+                "(batch, heads, seq, head_dim), seq_axis=0 / layout='sbhd' for (seq, batch, heads, head_dim)"}
+
+
+def take_tensor_layout(seq_axis, spec_kwargs: dict):
+    """``(seq_axis, spec_kwargs)`` with a tensor layout given as ``layout=`` (e.g. "bshd"; a pair layout
+    "half" / "interleaved" stays a spec keyword) moved into ``seq_axis`` (a string, or ``(layout, seq_axis)``
+    when both are given: :func:`normalize_seq_axis` checks that they agree)."""
+    layout = spec_kwargs.get("layout") if spec_kwargs else None
+    if not isinstance(layout, str) or layout in _PAIR_LAYOUTS:
+        return seq_axis, spec_kwargs
+    rest = {key: value for key, value in spec_kwargs.items() if key != "layout"}
+    return (layout if seq_axis is None else (layout, seq_axis)), rest
+
+
+def layout_seq_axis(layout: str, ndim: int, name: str = "x") -> int:
+    """The sequence axis a tensor layout names ("bshd" -> 1, "bhsd" -> 2, "thd" -> 0, ...)."""
+    letters = layout.lower()
+    if (len(set(letters)) != len(letters) or set(letters) - set(TENSOR_LAYOUT_LETTERS) or not letters.endswith("d")
+            or sum(c in "st" for c in letters) != 1):
+        raise ValueError(f"layout must be 'half' / 'interleaved' (the spec's pairs) or the order of {name}'s axes, one "
+                         f"letter each with 's' (or 't', packed tokens) the sequence and 'd' last (e.g. 'bshd', "
+                         f"'bhsd', 'thd'), got {layout!r}")
+    if len(letters) != ndim:
+        raise ValueError(f"layout={layout!r} names {len(letters)} axes, {name} has {ndim}")
+    return letters.index("s") if "s" in letters else letters.index("t")
+
+
 def normalize_seq_axis(seq_axis, ndim: int, name: str = "x") -> int:
+    """The sequence axis (0 <= ax < ndim - 1) that ``seq_axis`` names: an int, a tensor layout string, both
+    (``(layout, int)``, see :func:`take_tensor_layout`), or None: a 2-D ``(seq, dim)`` input only. An input of
+    3 or more dimensions must name it (its axes are read no other way: never a silent guess)."""
+    if ndim < 2:
+        raise ValueError(f"{name} must have at least 2 dimensions (..., seq, dim), got shape with ndim={ndim}")
+    if isinstance(seq_axis, tuple):
+        layout, given = seq_axis
+        ax, other = layout_seq_axis(layout, ndim, name), normalize_seq_axis(given, ndim, name)
+        if ax != other:
+            raise ValueError(f"layout={layout!r} puts {name}'s sequence on axis {ax}, seq_axis={given} on axis {other}: "
+                             "pass one of them")
+        return ax
+    if isinstance(seq_axis, str):
+        return layout_seq_axis(seq_axis, ndim, name)
+    if seq_axis is None:
+        if ndim == 2:
+            return 0
+        raise ValueError(f"{name} has {ndim} dimensions: name its sequence axis, "
+                         f"{_EXAMPLES.get(ndim, 'seq_axis=<the axis> or layout=<one letter per axis>')}")
     if isinstance(seq_axis, bool):
         raise TypeError("seq_axis must be an integer, got bool")
     try:
         seq_axis = operator.index(seq_axis)
     except TypeError:
-        raise TypeError(f"seq_axis must be an integer, got {type(seq_axis).__name__}") from None
-    if ndim < 2:
-        raise ValueError(f"{name} must have at least 2 dimensions (..., seq, dim), got shape with ndim={ndim}")
+        raise TypeError(f"seq_axis must be an integer, a layout string or None, got {type(seq_axis).__name__}") from None
     if not -ndim <= seq_axis < ndim or seq_axis % ndim == ndim - 1:
         raise ValueError(f"seq_axis must name an axis of {name} (ndim={ndim}) other than the last (head_dim) axis: "
                          f"one of {list(range(ndim - 1))} or {list(range(-ndim, -1))}, got {seq_axis}")
     return seq_axis % ndim
-
 
 
 def _merge(shape, strides):

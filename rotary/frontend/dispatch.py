@@ -14,6 +14,8 @@ import importlib
 
 import numpy as np
 
+from .axes import take_tensor_layout
+
 _MODULES = {"torch": "rotary.interop.torch_adapter", "jax": "rotary.interop.jax_adapter", "jaxlib": "rotary.interop.jax_adapter", "dask": "rotary.interop.dask_adapter",
             "bfloat16": "rotary.interop.bf16_adapter"}
 
@@ -57,6 +59,10 @@ def dispatch(kind: str, n_arrays: int):
     def wrap(core):
         @functools.wraps(core)
         def frontend(*args, **kwargs):
+            if "layout" in kwargs:   # a tensor layout ("bshd") names the sequence axis, for the adapters too
+                kwargs["seq_axis"], rest = take_tensor_layout(kwargs.get("seq_axis"), {"layout": kwargs["layout"]})
+                if not rest:
+                    del kwargs["layout"]
             arrays = args[0] if kind == "rotate" else args[:n_arrays]
             first = arrays[0]
             if type(first) is np.ndarray and first.dtype.kind == "f" and (

@@ -46,7 +46,7 @@ def plan_key(xs, outs, seq_axis, inverse, backend, spec, spec_kwargs=None, devic
     """The key of a call whose checks a plan can stand for, else None: NumPy arrays (CuPy too with
     ``device_arrays``), an int ``seq_axis``, a bool ``inverse``, a string ``backend``, hashable spec keywords.
     Each out is None, its input itself (in place) or an array of the input's type (its own geometry)."""
-    if type(seq_axis) is not int or type(inverse) is not bool or type(backend) is not str:
+    if type(seq_axis) not in (int, str, tuple, type(None)) or type(inverse) is not bool or type(backend) is not str:
         return None
     key = [seq_axis, inverse, backend, id(spec)]   # the plan holds the spec: its id is not reused while cached
     for x, o in zip(xs, outs):

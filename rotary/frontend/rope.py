@@ -25,6 +25,7 @@ from .. import backends as _backends
 from ..backends import OUTSIDE_TABLE
 from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
+from .axes import layout_seq_axis, take_tensor_layout
 from .buffers import check_memory
 from .plan import build_plan, plan_key
 from .positions import packed_positions
@@ -46,6 +47,10 @@ class Rope:
         The dtype of the arrays the fast path is prepared for (others take the general path).
     max_positions : int, optional
         Build the cos/sin table for positions ``0 .. max_positions-1`` now (else it grows on demand).
+    seq_axis, layout : int / str, optional
+        The sequence axis of the arrays this Rope rotates, held once (``layout="bshd"``, ``"bhsd"``, ``"thd"``,
+        ... or ``seq_axis=1``); a call's own ``seq_axis=`` overrides it. Inputs of 3 or more dimensions need
+        one or the other.
 
     Notes
     -----
@@ -53,7 +58,7 @@ class Rope:
     seqlen_offsets) and give the same results.
     """
 
-    def __init__(self, spec, backend="auto", dtype=np.float32, max_positions=None):
+    def __init__(self, spec, backend="auto", dtype=np.float32, max_positions=None, *, seq_axis=None, layout=None):
         if not isinstance(spec, RopeSpec):
             raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
         try:
@@ -69,6 +74,11 @@ class Rope:
                 raise TypeError(f"max_positions must be an int or None, got {type(max_positions).__name__}")
             if max_positions <= 0:
                 raise ValueError(f"max_positions must be > 0, got {max_positions}")
+        if layout is not None and not isinstance(layout, str):
+            raise TypeError(f"layout must be a string such as 'bshd', got {type(layout).__name__}")
+        if layout is not None:
+            layout_seq_axis(layout, len(layout), "the inputs")   # a valid tensor layout
+        self.seq_axis = seq_axis if layout is None else (layout if seq_axis is None else (layout, seq_axis))
         self.spec, self.backend, self.dtype, self.max_positions = spec, backend, dt, max_positions
         self._module = None if backend == "auto" else _backends.get(backend)
         self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
@@ -79,12 +89,15 @@ class Rope:
             self._grow(0, int(max_positions) - 1)
 
     def __repr__(self):
-        return f"Rope({self.spec!r}, backend={self.backend!r}, dtype={self.dtype.name}, max_positions={self.max_positions})"
+        axis = "" if self.seq_axis is None else f", seq_axis={self.seq_axis!r}"
+        return (f"Rope({self.spec!r}, backend={self.backend!r}, dtype={self.dtype.name}, "
+                f"max_positions={self.max_positions}{axis})")
 
     # -- public calls --------------------------------------------------------------------------------
-    def __call__(self, q, k, positions=None, *, seq_axis=-2, inverse=False, out=None, cu_seqlens=None,
-                 seqlen_offsets=None):
+    def __call__(self, q, k, positions=None, *, seq_axis=None, inverse=False, out=None, cu_seqlens=None,
+                 seqlen_offsets=None, layout=None):
         """Rotate q and k (one pass); as :func:`rotary.apply_qk`. Returns ``(q_rot, k_rot)``."""
+        seq_axis = self._axis(seq_axis, layout)
         if out is None:
             outs = (None, None)
         elif isinstance(out, (tuple, list)) and len(out) == 2:
@@ -95,11 +108,19 @@ class Rope:
             positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", self.spec)
         return tuple(self._rotate((q, k), outs, ("q", "k"), positions, seq_axis, inverse))
 
-    def apply(self, x, positions=None, *, seq_axis=-2, inverse=False, out=None, cu_seqlens=None, seqlen_offsets=None):
+    def apply(self, x, positions=None, *, seq_axis=None, inverse=False, out=None, cu_seqlens=None, seqlen_offsets=None,
+              layout=None):
         """Rotate one array; as :func:`rotary.apply`."""
+        seq_axis = self._axis(seq_axis, layout)
         if cu_seqlens is not None or seqlen_offsets is not None:
             positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, "x", self.spec)
         return self._rotate((x,), (out,), ("x",), positions, seq_axis, inverse)[0]
+
+    def _axis(self, seq_axis, layout):
+        """A call's sequence axis: its own ``seq_axis`` / ``layout`` (a tensor layout), else the one held."""
+        if layout is not None:
+            return take_tensor_layout(seq_axis, {"layout": layout})[0]
+        return self.seq_axis if seq_axis is None else seq_axis
 
     # -- the prepared path -----------------------------------------------------------------------------
     def _rotate(self, xs, outs, names, positions, seq_axis, inverse):
@@ -158,7 +179,7 @@ class Rope:
             return None
         return plan if plan.prepare(xs, outs, self._table, module=module, hooks=hooks) else None
 
-    def _prepare_device_path(self, xs, outs=None, seq_axis=-2, inverse=False, *, backend, **hooks):
+    def _prepare_device_path(self, xs, outs=None, seq_axis=None, inverse=False, *, backend, **hooks):
         """Prepare (and keep) ``backend``'s prepared path (a backend module, e.g. the CuPy one with the host
         shim's hooks) for this geometry (tests, benchmarks)."""
         outs = outs or (None,) * len(xs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..spec.given_tables import angle_tables, cos_sin_cache_tables
 from . import dispatch as _adapters
-from .axes import normalize_seq_axis
+from .axes import normalize_seq_axis, take_tensor_layout
 from .buffers import check_memory
 from .plan import planned
 from .positions import packed_positions
@@ -60,7 +60,7 @@ def given_values(x, name, positions, spec, seq_axis, spec_kwargs, cos_sin_cache,
     return positions, tables, spec_kwargs
 
 
-def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto", cu_seqlens=None,
+def apply(x, positions=None, *, spec=None, seq_axis=None, inverse=False, out=None, backend="auto", cu_seqlens=None,
           seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
     """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
 
@@ -71,12 +71,16 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
     Parameters
     ----------
     x : array, real floating
-        ``seq_axis`` names the sequence axis (default -2, i.e. ``(..., seq, dim)``; use -3 for BSHD).
+        ``(seq, dim)``, or any number of axes with the sequence axis named by ``seq_axis``.
     positions : None, int or integer array
         None -> 0..seq-1; int -> offset + 0..seq-1; shape (seq,) or (batch, seq), batch = x.shape[0].
     spec : RopeSpec, optional
         Or give ``base=``, ``layout=``, ``rotary_dim=``, ``scaling=``, ``max_position_embeddings=``,
         ``rotary_offset=``.
+    seq_axis : int or str, required for 3 or more dimensions
+        The sequence axis (e.g. 1 for BSHD, 2 for BHSD), or the layout of x's axes ("bshd", "bhsd", "thd",
+        "shd", ...; also accepted as ``layout=``, whose "half" / "interleaved" stay the spec's pair layout).
+        A 2-D x is ``(seq, dim)``; any other x must name it (no default that could rotate along the heads).
     inverse : bool
         Rotate by -angle (undo a rotation; the backward of RoPE).
     out : array, optional
@@ -98,13 +102,14 @@ def apply(x, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None,
         Every token's angles instead of positions and frequencies (TransformerEngine's ``freqs``; see
         :mod:`rotary.spec.given_tables`). With either, the spec gives only the layout, rotary_dim and offset.
     """
+    seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
     positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, spec=spec)
     positions, tables, spec_kwargs = given_values(x, "x", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
                          backend=backend, spec_kwargs=spec_kwargs, **({"tables": tables} if tables else {}))[0]
 
 
-def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out=None, backend="auto",
+def apply_qk(q, k, positions=None, *, spec=None, seq_axis=None, inverse=False, out=None, backend="auto",
              cu_seqlens=None, seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
     """Rotate q and k together (one pass / one launch); head counts may differ (GQA).
 
@@ -118,6 +123,7 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=-2, inverse=False, out
         outs = list(out)
     else:
         raise TypeError("out must be None or a pair (q_out, k_out)")
+    seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
     positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", spec)
     positions, tables, spec_kwargs = given_values(q, "q", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,

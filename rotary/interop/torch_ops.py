@@ -43,6 +43,7 @@ from ..attn.linear import linear_attention as _linear_attention
 from ..attn.softmax import attention as _attention
 from ..frontend.rotate import apply as _apply
 from ..frontend.rotate import apply_qk as _apply_qk
+from ..frontend.axes import normalize_seq_axis, take_tensor_layout
 from ..frontend.normalize import resolve_spec
 from ..spec.rope_spec import RopeSpec
 
@@ -365,23 +366,36 @@ def _get(call, name, default):
     return call[name] if name in call else default
 
 
+def _axis(call, spec_kwargs, x, name):
+    """The call's sequence axis as the int the ops take (``seq_axis`` or a tensor ``layout=``, which leaves the
+    spec keywords), with the frontend's own rule: named for 3 or more dimensions."""
+    seq_axis, rest = take_tensor_layout(call.get("seq_axis"), spec_kwargs)
+    if rest is not spec_kwargs:
+        spec_kwargs.clear()
+        spec_kwargs.update(rest)
+    return normalize_seq_axis(seq_axis, x.ndim, name)
+
+
 def _handlers():
     def rotate_op(call, spec_kwargs):
         x = call["x"]
+        axis = _axis(call, spec_kwargs, x, "x")
         tensor, offset = _split(call.get("positions"))
         key = spec_key(_get(call, "spec", None), spec_kwargs, x.shape[-1])
-        return torch.ops.rotary.rotate(x, tensor, offset, key, _get(call, "seq_axis", -2),
+        return torch.ops.rotary.rotate(x, tensor, offset, key, axis,
                                        _get(call, "inverse", False), _get(call, "backend", "auto"))
 
     def rotate_qk_op(call, spec_kwargs):
         q, k = call["q"], call["k"]
+        axis = _axis(call, spec_kwargs, q, "q")
         tensor, offset = _split(call.get("positions"))
         key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
-        return torch.ops.rotary.rotate_qk(q, k, tensor, offset, key, _get(call, "seq_axis", -2),
+        return torch.ops.rotary.rotate_qk(q, k, tensor, offset, key, axis,
                                           _get(call, "inverse", False), _get(call, "backend", "auto"))
 
     def attention_op(call, spec_kwargs):
         q, k, v = call["q"], call["k"], call["v"]
+        axis = _axis(call, spec_kwargs, q, "q")
         positions = call.get("positions")
         qp, kp = call.get("q_positions"), call.get("k_positions")
         if qp is not None or kp is not None:
@@ -392,7 +406,7 @@ def _handlers():
         with_spec = rope or spec is not None or spec_kwargs
         key = spec_key(spec, spec_kwargs, q.shape[-1] if with_spec else None, "q")
         return torch.ops.rotary.attention(
-            q, k, v, tensor, offset, qp, kp, key, _get(call, "seq_axis", -2), _get(call, "causal", False),
+            q, k, v, tensor, offset, qp, kp, key, axis, _get(call, "causal", False),
             _get(call, "scale", None), rope, _get(call, "window", None), _get(call, "softcap", None),
             _get(call, "block_size", 512), _get(call, "backend", "auto"))
 
@@ -401,10 +415,11 @@ def _handlers():
         feature_map = _get(call, "feature_map", "elu")
         if not isinstance(feature_map, str):
             return None
+        axis = _axis(call, spec_kwargs, q, "q")
         tensor, offset = _split(call.get("positions"))
         key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
         return torch.ops.rotary.linear_attention(
-            q, k, v, tensor, offset, key, _get(call, "seq_axis", -2), _get(call, "causal", False), feature_map,
+            q, k, v, tensor, offset, key, axis, _get(call, "causal", False), feature_map,
             _get(call, "eps", 1e-6), _get(call, "chunk", 64), _get(call, "decay", None),
             _get(call, "normalize", True), _get(call, "backend", "auto"))
 
