@@ -111,7 +111,7 @@ def rotate(core, xs, outs, names, positions, **kwargs):
             raise TypeError(f"out= is not supported for Dask arrays (they are lazy): use the returned array for "
                             f"{name}, and dask.array.store(result, target) to write it into a buffer")
     x0 = xs[0]
-    ax = normalize_seq_axis(kwargs.get("seq_axis", -2), x0.ndim, names[0])
+    ax = normalize_seq_axis(kwargs.get("seq_axis"), x0.ndim, names[0])
     spec = _spec_of(kwargs, x0.shape[-1], names[0])
     block_kwargs = dict(kwargs, spec=spec, spec_kwargs={})
     if kwargs.get("tables") is not None:   # per-token tables made by the caller (rerotate): rows become positions
@@ -216,7 +216,7 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
             raise TypeError(f"{name} must be a Dask array like q, got {type(a).__name__}")
         _check_float(a, name)
         _check_head_dim(a, name)
-    ax = normalize_seq_axis(kwargs.get("seq_axis", -2), q.ndim, "q")
+    ax = normalize_seq_axis(kwargs.get("seq_axis"), q.ndim, "q")
     for a, name in zip((q, k, v), names):
         extra = [i for i in range(a.ndim) if i != ax and len(a.chunks[i]) > 1]
         if extra:

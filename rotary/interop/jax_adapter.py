@@ -119,7 +119,7 @@ def traced_cos_sin(spec: RopeSpec, p, work):
     return jnp.where(ok[..., None], c, nan), jnp.where(ok[..., None], s, nan)
 
 
-def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=-2, inverse=False, backend="auto",
+def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=None, inverse=False, backend="auto",
                    spec_kwargs=None, **unknown):
     import jax.numpy as jnp
 
@@ -244,7 +244,7 @@ def attention(core, q, k, v, positions=None, **kwargs):
     return _attention_traced(q, k, v, positions, **kwargs)
 
 
-def _attention_traced(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=-2, backend="auto",
+def _attention_traced(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
                       rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
                       cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None,
                       block_size=512, **spec_kwargs):
