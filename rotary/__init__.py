@@ -57,3 +57,8 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
+
+from .interop import torch_hook as _torch_hook   # noqa: E402
+
+_torch_hook.install()   # rotary's torch.compile handlers once torch._dynamo loads (imports nothing now)
