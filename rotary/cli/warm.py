@@ -8,15 +8,15 @@ packed sequences, and the one-token decode step). The cache lives where Numba pu
 installed package (``__pycache__``) or under ``NUMBA_CACHE_DIR``, so run it as the user and with the
 environment of the programs that will use it. Running it again costs a cache load per kernel.
 
-Numba invalidates a cached kernel when the kernel's own source file changes, not when a helper it inlines
-(``numba_kernels/simd.py``, ``common.py``) does: ``--refresh`` marks the kernel files as changed (their
+Numba invalidates a cached kernel when the kernel's own source file changes; an edit to a helper it inlines
+(``numba_kernels/simd.py``, ``common.py``) is caught on import by a digest of those files
+(``numba_kernels.refresh_after_helper_edits``). ``--refresh`` marks the kernel files as changed by hand (their
 modification time set to now) before compiling, so every process recompiles them once.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -90,10 +90,9 @@ def run_cli(args) -> int:
     import numba
 
     if getattr(args, "refresh", False):
-        from ..backends.numba_kernels import linear_attention, rotation
+        from ..backends import numba_kernels
 
-        for module in (rotation, linear_attention):
-            os.utime(module.__file__)   # Numba's cache stamp: the kernel file's modification time and size
+        numba_kernels.mark_kernels_changed()   # Numba's cache stamp: the kernel files' modification time and size
     total = time.perf_counter()
     where = numba.config.CACHE_DIR or "unset: next to the package"
     print(f"compiling into Numba's on-disk cache (NUMBA_CACHE_DIR={where}):")
