@@ -160,8 +160,8 @@ def test_parallel_and_serial_kernels_agree_on_decode(rng, monkeypatch):
 
 
 def test_decode_kernel_can_be_fixed(rng, monkeypatch):
-    """Rope decode in the middle size range runs the kernel DECODE_KERNEL names ("auto": the size rule, parallel;
-    "serial"; "parallel"), every one with equal bits and the oracle's values."""
+    """Rope decode in the middle size range runs the kernel DECODE_KERNEL names ("auto": the size rule, parallel,
+    serial under OMP_WAIT_POLICY=PASSIVE; "serial"; "parallel"), every one with equal bits and the oracle's values."""
     pytest.importorskip("numba")
     from rotary.backends import numba as nb
     from rotary.backends.numba_kernels import rotation
@@ -176,8 +176,10 @@ def test_decode_kernel_can_be_fixed(rng, monkeypatch):
         kernel = getattr(rotation, name)
         monkeypatch.setattr(rotation, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
     results = {}
-    for mode, expected in (("auto", "parallel"), ("serial", "serial"), ("parallel", "parallel")):
+    for mode, passive, expected in (("auto", False, "parallel"), ("auto", True, "serial"), ("serial", False, "serial"),
+                                    ("parallel", True, "parallel")):
         monkeypatch.setattr(nb, "DECODE_KERNEL", mode)
+        monkeypatch.setattr(nb, "_PASSIVE_WORKERS", passive)   # OMP_WAIT_POLICY=PASSIVE: auto keeps decode serial
         rope(q, k, positions, seq_axis=ax)                    # validated: the general path; the plan from here on
         ran.clear()
         results[mode] = rope(q, k, positions, seq_axis=ax)

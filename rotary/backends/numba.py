@@ -28,22 +28,28 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 #: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
 #: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
 #: The size rule: >= PARALLEL_MIN_ELEMENTS and >= PARALLEL_MIN_TOKENS tokens runs parallel. One-token-per-sequence
-#: calls (decode) below DECODE_PARALLEL_MIN_ELEMENTS follow DECODE_KERNEL: parallel by default (Rope decode B=32,
-#: 32/8 heads, d=128: 18-19 us against 27-29 serial on a quiet machine); on a busy machine a parallel call now and
-#: then waits for a preempted worker (means of 190-420 us were seen), and ROTARY_NUMBA_DECODE_KERNEL=serial keeps
-#: those calls on the calling thread.
+#: calls (decode) below DECODE_PARALLEL_MIN_ELEMENTS follow DECODE_KERNEL: "auto" runs them parallel where the
+#: workers spin between calls (Rope decode B=32, 32/8 heads, d=128: 18-19 us against 27-29 serial on a quiet
+#: machine) and serial under OMP_WAIT_POLICY=PASSIVE, where every parallel call wakes sleeping workers (the
+#: parallel kernel alone 87-107 us against 25-38 serial, measured in bench_numba.py, which sets it). On a busy
+#: machine a parallel call now and then waits for a preempted worker (means of 190-420 us were seen):
+#: ROTARY_NUMBA_DECODE_KERNEL=serial keeps those calls on the calling thread (docs/getting-started.md).
 PARALLEL_MIN_ELEMENTS = 1 << 16
 PARALLEL_MIN_TOKENS = 8
 DECODE_PARALLEL_MIN_ELEMENTS = 1 << 20
 #: the kernel of decode calls between PARALLEL_MIN_ELEMENTS and DECODE_PARALLEL_MIN_ELEMENTS: "auto"
-#: (the size rule above: parallel), "serial" or "parallel"; the environment variable ROTARY_NUMBA_DECODE_KERNEL
-#: sets it at import ("measured", the name of the run-time timing this rule replaced, is read as "auto")
+#: (the rule above: parallel, serial under OMP_WAIT_POLICY=PASSIVE), "serial" or "parallel"; the environment
+#: variable ROTARY_NUMBA_DECODE_KERNEL sets it at import ("measured", the name of the run-time timing this rule
+#: replaced, is read as "auto")
 DECODE_KERNEL = os.environ.get("ROTARY_NUMBA_DECODE_KERNEL", "auto")
 if DECODE_KERNEL == "measured":
     DECODE_KERNEL = "auto"
 if DECODE_KERNEL not in ("auto", "serial", "parallel"):
     raise ValueError(f"environment variable ROTARY_NUMBA_DECODE_KERNEL must be 'auto', 'serial' or "
                      f"'parallel', got {DECODE_KERNEL!r}")
+#: OpenMP's documented wait policy: PASSIVE workers sleep between parallel regions (each wake costs more than a
+#: decode call's work), ACTIVE (or unset: GNU OpenMP spins a while) they are ready
+_PASSIVE_WORKERS = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 #: True in a child made by os.fork(): GNU OpenMP (numba's default threading layer) cannot run in a
 #: forked child of a process that used it ("fork() called from a process already using GNU OpenMP"),
@@ -278,7 +284,9 @@ def rotate_kernel(elements: int, n_batch: int, seq_len: int):
     DECODE_PARALLEL_MIN_ELEMENTS as DECODE_KERNEL says); serial in a forked child."""
     if _in_forked_child or n_batch * seq_len < PARALLEL_MIN_TOKENS or elements < PARALLEL_MIN_ELEMENTS:
         return rotation.rotate_qk_serial
-    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS or DECODE_KERNEL != "serial":
+    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS or DECODE_KERNEL == "parallel":
+        return rotation.rotate_qk_parallel
+    if DECODE_KERNEL == "auto" and not _PASSIVE_WORKERS:
         return rotation.rotate_qk_parallel
     return rotation.rotate_qk_serial
 
