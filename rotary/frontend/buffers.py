@@ -5,8 +5,6 @@ between calls whose shapes, strides and dtypes are the same."""
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 from array_api_compat import array_namespace, device as xp_device, is_cupy_array, is_jax_array, is_numpy_array
 
@@ -55,47 +53,24 @@ def out_names(names):
     return ("out",) if len(names) == 1 else tuple(f"out for {name}" for name in names)
 
 
-def check_memory(xs, outs, names, memo=None) -> bool:
+def check_memory(xs, outs, names) -> bool:
     """The rules on the memory of a call's arrays, checked on every call (a plan's key fixes shapes, strides and
     dtypes, not addresses or the writeable flag): a NumPy out is writable and either its input's own view (in
     place) or shares no memory with it; with two inputs (q, k), :func:`check_cross_overlap`. Returns True when
     every separate out (not its input itself) shares no memory with any array of the call, False when one is
-    its input's memory through another view object (valid: in place).
-
-    ``memo`` (a list a plan keeps, for calls of its key): when a call passes the very array objects of the last
-    call that passed (weak references), their memory cannot have moved (a live array's buffer is fixed, the
-    key fixes shapes and strides), so only the outs' writeable flags are read again."""
-    if memo:
-        refs, apart = memo
-        if len(refs) == len(xs) + len(outs) and all(a is None if ref is None else ref() is a
-                                                    for ref, a in zip(refs, (*xs, *outs))):
-            for x, out, name in zip(xs, outs, out_names(names)):
-                if out is not None and type(out) is np.ndarray and not out.flags.writeable:
-                    raise ValueError(f"{name} is read-only")
-            return apart
-    apart = _check_memory(xs, outs, names)
-    if memo is not None:
-        try:
-            memo[:] = (tuple(None if a is None else weakref.ref(a) for a in (*xs, *outs)), apart)
-        except TypeError:   # an array type without weak references: no memo
-            memo.clear()
-    return apart
-
-
-def _check_memory(xs, outs, names) -> bool:
+    its input's memory through another view object (valid: in place)."""
     apart = True
-    for x, out, name, xname in zip(xs, outs, out_names(names), names):
-        if out is None or out is x:
-            if out is x and type(out) is np.ndarray and not out.flags.writeable:
-                raise ValueError(f"{name} is read-only")
+    for i, out in enumerate(outs):
+        if out is None:
             continue
+        x = xs[i]
         if type(out) is np.ndarray or is_numpy_array(out):
             if not out.flags.writeable:
-                raise ValueError(f"{name} is read-only")
-            if np.may_share_memory(out, x):
+                raise ValueError(f"{out_names(names)[i]} is read-only")
+            if out is not x and np.may_share_memory(out, x):
                 if not same_view(out, x):
-                    raise ValueError(f"{name} overlaps {xname} without being {xname} itself; pass out={xname} "
-                                     "for in place or a separate buffer")
+                    raise ValueError(f"{out_names(names)[i]} overlaps {names[i]} without being {names[i]} itself; "
+                                     f"pass out={names[i]} for in place or a separate buffer")
                 apart = False
     if len(xs) == 2 and (outs[0] is not None or outs[1] is not None):
         check_cross_overlap(xs, outs, names)

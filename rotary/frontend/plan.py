@@ -76,7 +76,7 @@ class RotationPlan:
     :meth:`run`, the general execution on canonical views)."""
 
     __slots__ = ("xp", "names", "ax", "spec", "inverse", "module", "works", "device_key", "convert", "shapes",
-                 "prepared", "rows_args", "dense_key", "memo")
+                 "prepared", "rows_args", "dense_key")
 
     def current(self) -> bool:
         """Whether the backend module is still the registry's (tests replace and reset backends)."""
@@ -247,7 +247,6 @@ def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs
     plan.device_key, plan.convert = table_converter(module, x0, xp)
     plan.shapes = [tuple(x.shape) for x in xs]
     plan.prepared = plan.rows_args = None
-    plan.memo = []   # check_memory's memo of the last call's arrays
     if not (spec.multi_axis or spec.float_positions):   # what prepared_rows parses: (seq_len, lead0, batch_rep, 0..S-1)
         seq_len, lead0 = x0.shape[ax], x0.shape[0] if ax > 0 else -1   # no batch axis: no (batch, S) form
         B = canonical_shape(plan.shapes[0], ax)[0]

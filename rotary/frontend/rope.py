@@ -127,7 +127,7 @@ class Rope:
         key = plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True) if self._fast_ok else None
         plan = None if key is None else self._plans.get(key)
         if plan is not None:   # checked for this geometry: the memory rules, then the prepared rotation
-            if check_memory(xs, outs, names, plan.memo):
+            if check_memory(xs, outs, names):
                 given = plan.rows(positions)
                 if given is not None:
                     result = plan.prepared.run(xs, outs, given[0], given[1], self._table)

@@ -25,7 +25,7 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     normalized positions ``pos`` (rerotate gives table rows of angle differences)."""
     plan = planned(xs, outs, names, spec=spec, seq_axis=seq_axis, inverse=inverse, backend=backend,
                    spec_kwargs=spec_kwargs)
-    apart = check_memory(xs, outs, plan.names, plan.memo)
+    apart = check_memory(xs, outs, plan.names)
     if plan.prepared is not None and tables is None and apart:
         result = plan.run_prepared(xs, outs, positions)
         if result is not None:
