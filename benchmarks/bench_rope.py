@@ -1,10 +1,10 @@
 """rotary.Rope on a decode step: 32 sequences x 1 token, q 32 heads, k 8 heads, d=128, fp32.
 
     PYTHONPATH=. python benchmarks/bench_rope.py [--rounds 7]
-    PYTHONPATH=. python benchmarks/bench_rope.py --kernel-choice 20 [--busy 2]   # serial / parallel / measured
+    PYTHONPATH=. python benchmarks/bench_rope.py --kernel-choice 20 [--busy 2]   # decode kernel: serial / parallel
 
-``--kernel-choice SECONDS``: Rope decode calls with the Numba kernel forced serial, forced parallel and
-measured (the default, ``KernelChoice``), 300 calls per mode in turn for SECONDS; median, p90, p99 and
+``--kernel-choice SECONDS``: Rope decode calls with the Numba kernel forced serial and forced parallel
+(``ROTARY_NUMBA_DECODE_KERNEL``; "auto" is one of the two by its rule), 300 calls per mode in turn for SECONDS; median, p90, p99 and
 mean per mode. ``--busy N`` runs N busy-looping processes meanwhile (a machine whose cores are taken).
 
 Numba: per-call time of ``rope(q, k, positions)`` (new outputs, separate ``out=`` buffers and in place) next
@@ -63,7 +63,7 @@ def round_ratio(per_round, a, b):
 
 
 def kernel_choice(seconds: float, busy: int):
-    """Per-call times of Rope decode with DECODE_KERNEL serial, parallel and measured, in turn."""
+    """Per-call times of Rope decode with DECODE_KERNEL serial and parallel, in turn."""
     import subprocess
     import sys
 
@@ -77,7 +77,8 @@ def kernel_choice(seconds: float, busy: int):
     for _ in range(50):
         rope(q, k, positions, seq_axis=1)
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    modes = ("serial", "parallel", "measured")
+    modes = ("serial", "parallel")
+    before = nb.DECODE_KERNEL
     times = {m: [] for m in modes}
     try:
         end = time.time() + seconds
@@ -91,7 +92,7 @@ def kernel_choice(seconds: float, busy: int):
     finally:
         for p in loops:
             p.kill()
-        nb.DECODE_KERNEL = "measured"
+        nb.DECODE_KERNEL = before
     print(f"Rope decode (32, 1, 32/8, 128) fp32, numba threads {__import__('numba').get_num_threads()}, "
           f"{busy} busy-looping processes, {seconds:g} s")
     print("| kernel | calls | median us | p90 us | p99 us | mean us |\n|---|---|---|---|---|---|")
@@ -106,7 +107,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--kernel-choice", type=float, default=None, metavar="SECONDS",
-                    help="serial / parallel / measured decode kernel, in turn for SECONDS")
+                    help="serial / parallel decode kernel, in turn for SECONDS")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes during --kernel-choice")
     args = ap.parse_args()
     if args.kernel_choice is not None:
