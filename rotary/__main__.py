@@ -156,7 +156,7 @@ def _demo_linear_attention(seq, rng) -> int:
 EPILOG = """examples:
   python -m rotary info                       # version, backends and why any is unavailable
   python -m rotary demo                       # every backend against the float64 oracle (Numba compiles once)
-  python -m rotary conformance --quick        # the cross-backend conformance suite, about a second per backend
+  python -m rotary conformance --quick        # the cross-backend conformance suite, a representative subset
   python -m rotary inspect config.json        # the RoPE spec rotary reads from an HF config.json
   python -m rotary warm                       # compile every Numba kernel into the on-disk cache ahead of use
   python -m rotary VERB --help                # one verb's options and an example"""

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``conformance`` options to ``parser`` (a subparser of ``python -m rotary``)."""
     parser.add_argument("--backend", "-b", action="extend", nargs="+", choices=names(), dest="backends", metavar="B",
                         help=f"backend(s) to test, from {', '.join(names())} (repeatable); default: every available one")
-    parser.add_argument("--quick", action="store_true", help="a representative subset of cases (about a second)")
+    parser.add_argument("--quick", action="store_true", help="a representative subset of cases (docs/benchmarks.md: its first run compiles Numba's kernels)")
     parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
     parser.add_argument("--errors", action="store_true",
                         help="run the bad-input catalogue instead (each case's exception and message, or exact value)")
