@@ -13,6 +13,7 @@ from .spec.diagnostics import convert_layout, decay_curve, permute_weights
 from .attn.linear import LinearAttentionState, linear_attention
 from .spec.positions import context_parallel_positions, grid_positions, mrope_next_positions, mrope_positions
 from .attn.rerotate import rerotate
+from .attn.bound import BoundSpec, bind
 from .frontend.rope import Rope
 from .spec.rope_spec import LAYOUTS, RopeSpec
 from .spec.tables import clear_cache, set_table_cache_limit, table_cache_info
@@ -25,6 +26,8 @@ __all__ = [
     "apply",
     "apply_qk",
     "Rope",
+    "bind",
+    "BoundSpec",
     "rerotate",
     "attention",
     "linear_attention",

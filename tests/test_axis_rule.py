@@ -96,3 +96,24 @@ def test_gqa_attention_without_axis_points_at_the_axis(rng):
     with pytest.raises(ValueError, match="name its sequence axis") as err:
         rotary.attention(q, kv, kv, causal=True, spec=spec)
     assert "q_len" not in str(err.value)
+
+
+def test_a_bound_spec_holds_the_axis_for_every_entry_point(rng):
+    """rotary.bind(spec, layout="bshd") passes the spec, the axis and the backend to each function it wraps: the same
+    arrays as the functions called with them; a call's own keywords win."""
+    b = rotary.bind(SPEC, layout="bshd", backend="numpy")
+    q, k, v = _bshd(rng, H=4), _bshd(rng, H=2), _bshd(rng, H=2)
+    kw = dict(spec=SPEC, seq_axis=1, backend="numpy")
+    np.testing.assert_array_equal(b.apply(q, 3), rotary.apply(q, 3, **kw))
+    for a, w in zip(b.apply_qk(q, k, 3), rotary.apply_qk(q, k, 3, **kw)):
+        np.testing.assert_array_equal(a, w)
+    np.testing.assert_array_equal(b.attention(q, k, v, causal=True), rotary.attention(q, k, v, causal=True, **kw))
+    np.testing.assert_array_equal(b.linear_attention(q, k, v, causal=True),
+                                  rotary.linear_attention(q, k, v, causal=True, **kw))
+    np.testing.assert_array_equal(b.rerotate(k, 0, 5), rotary.rerotate(k, 0, 5, **kw))
+    bhsd = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(b.apply(bhsd, 3, seq_axis=2), rotary.apply(q, 3, **kw).transpose(0, 2, 1, 3))
+    with pytest.raises(TypeError, match="RopeSpec"):
+        rotary.bind("llama")
+    with pytest.raises(ValueError, match="one letter each"):
+        rotary.bind(SPEC, layout="half")
