@@ -78,6 +78,18 @@ def _positions_arg(pos):
     return pos[0] if pos.shape[0] == 1 else pos
 
 
+def mask_positions_given(q_mask_positions, k_mask_positions, causal) -> bool:
+    """Whether the call places its mask by its own positions; both or neither, and only with causal=True."""
+    if q_mask_positions is None and k_mask_positions is None:
+        return False
+    if q_mask_positions is None or k_mask_positions is None:
+        raise ValueError("pass both q_mask_positions and k_mask_positions (or neither)")
+    if not causal:
+        raise ValueError("q_mask_positions/k_mask_positions need causal=True (they place the causal mask "
+                         "and window)")
+    return True
+
+
 @_adapters.dispatch("attention", 3)   # JAX, bfloat16: their adapter's attention; the rest: the core
 def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
@@ -160,12 +172,7 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     if not packed:
         mq, mk = _mask_positions(qpos, q_len, k_len), _mask_positions(kpos, k_len, k_len)
         q_seq = k_seq = None
-    if q_mask_positions is not None or k_mask_positions is not None:
-        if q_mask_positions is None or k_mask_positions is None:
-            raise ValueError("pass both q_mask_positions and k_mask_positions (or neither)")
-        if not causal:
-            raise ValueError("q_mask_positions/k_mask_positions need causal=True (they place the causal mask "
-                             "and window)")
+    if mask_positions_given(q_mask_positions, k_mask_positions, causal):
         mq = normalize_positions(q_mask_positions, () if packed else tuple(q.shape[:ax]), q_len, "q_mask_positions")
         mk = normalize_positions(k_mask_positions, () if packed else tuple(k.shape[:ax]), k_len, "k_mask_positions")
     if gaxis == 0 and max(qpos.shape[0], kpos.shape[0], mq.shape[0], mk.shape[0]) > 1:

@@ -286,12 +286,7 @@ def _attention_traced(q, k, v, positions=None, *, causal=False, scale=None, spec
         else:   # non-causal, more queries than keys: end-aligned, the first queries before position 0
             qpos = kpos[:, :1] + jnp.arange(k_len - q_len, k_len, dtype=kpos.dtype)[None, :]
     mq, mk = qpos, kpos
-    if q_mask_positions is not None or k_mask_positions is not None:
-        if q_mask_positions is None or k_mask_positions is None:
-            raise ValueError("pass both q_mask_positions and k_mask_positions (or neither)")
-        if not causal:
-            raise ValueError("q_mask_positions/k_mask_positions need causal=True (they place the causal mask "
-                             "and window)")
+    if softmax.mask_positions_given(q_mask_positions, k_mask_positions, causal):
         mq = _jax_positions(q_mask_positions, q_lead, q_len, "q_mask_positions")
         mk = _jax_positions(k_mask_positions, k_lead, k_len, "k_mask_positions")
     if gaxis == 0 and max(qpos.shape[0], kpos.shape[0], mq.shape[0], mk.shape[0]) > 1:
