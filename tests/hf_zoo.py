@@ -422,7 +422,7 @@ def compare_rotation(case: Case, layer_type, spec, rng) -> list[str]:
     hq, hk = hq.double().numpy(), hk.double().numpy()
     if kind == "deinterleaved":   # HF returns the interleaved rotation as cat(y[0::2], y[1::2])
         hq, hk = (np.stack([h[..., : width // 2], h[..., width // 2:]], axis=-1).reshape(h.shape) for h in (hq, hk))
-    oq, ok = rotary.apply_qk(q, k, small, spec=spec.replace(head_dim=width), backend="numpy")
+    oq, ok = rotary.apply_qk(q, k, small, spec=spec.replace(head_dim=width), backend="numpy", seq_axis=-2)
     err = max(np.max(np.abs(oq - hq)), np.max(np.abs(ok - hk)))
     if err > 2e-4 * max(1.0, spec.attention_scaling):
         return [f"rotation with HF's {fn.__name__} differs by {err:.3g} (layout {spec.layout!r})"]

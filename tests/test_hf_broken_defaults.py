@@ -108,7 +108,7 @@ def test_hunyuan_vl_xd_rope_is_not_a_rotation_on_image_tokens():
         cos, sin = module(torch.zeros(1), same)
         hq, _ = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(q), cos, sin)
     np.testing.assert_allclose(spec.inv_freq(), module.inv_freq.double().numpy(), rtol=2e-6)   # HF: NTK-alpha
-    out = rotary.apply(q, np.arange(6), spec=spec, backend="numpy")
+    out = rotary.apply(q, np.arange(6), spec=spec, backend="numpy", seq_axis=-2)
     np.testing.assert_allclose(out, hq.numpy(), rtol=0, atol=1e-5 * np.abs(q).max())
     image = same.clone()
     image[1:, 0, 2:] = torch.tensor([[0, 1, 2, 3], [0, 0, 1, 1], [0, 0, 0, 0]])   # w, h, image index

@@ -231,7 +231,7 @@ def test_apply_qk_matches_hf_gpt_neox_partial_rotary():
     with torch.no_grad():
         cos, sin = rope(torch.from_numpy(q), torch.from_numpy(positions))
         hf_q, hf_k = neox.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
-    ours_q, ours_k = rotary.apply_qk(q, k, positions, spec=spec)
+    ours_q, ours_k = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=-2)
     error = _hf_angle_error(rope.inv_freq, positions, spec.inv_freq())
     for ours, hf, x in ((ours_q, hf_q, q), (ours_k, hf_k, k)):
         np.testing.assert_allclose(ours, hf.numpy(), rtol=0, atol=_tolerance(error, 1.0, x))

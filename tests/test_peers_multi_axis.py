@@ -207,7 +207,7 @@ def test_pixtral_vision_matches_hf():
     _check_vision(q, k, hf_q, hf_k, ours_q, ours_k, _angle_bound(spec, pos.max()))
     # the strided frequency split is what makes it Pixtral: the per-axis one disagrees
     per_axis = rotary.apply(q, pos, spec=spec.replace(frequencies=rotary.RopeSpec.axial(
-        config.head_dim, axes=2, base=config.rope_parameters["rope_theta"]).frequencies))
+        config.head_dim, axes=2, base=config.rope_parameters["rope_theta"]).frequencies), seq_axis=-2)
     assert np.max(np.abs(per_axis - hf_q.numpy())) > 0.1
 
 

@@ -53,17 +53,17 @@ def test_neomme_positions_as_the_model_builds_them(layer_type):
             cos, sin = rope(torch.zeros(1), position_ids, layer_type)
             hq, hk = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
         pos = np.moveaxis(position_ids.numpy(), 0, -1)        # (batch, seq, 2)
-        oq, ok = rotary.apply_qk(q, k, pos, spec=spec)
+        oq, ok = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=-2)
         np.testing.assert_allclose(oq, hq.numpy(), rtol=0, atol=2e-5 * np.abs(q).max())
         np.testing.assert_allclose(ok, hk.numpy(), rtol=0, atol=2e-5 * np.abs(k).max())
     # 1-D ids: repeated onto both axes, as HF expands them; passed bare they are a clear error
-    oq = rotary.apply(q, np.repeat(ids.numpy()[..., None], 2, axis=-1), spec=spec)
+    oq = rotary.apply(q, np.repeat(ids.numpy()[..., None], 2, axis=-1), spec=spec, seq_axis=-2)
     with torch.no_grad():
         cos, sin = rope(torch.zeros(1), hf_ids, layer_type)
         hq, _ = mod.apply_rotary_pos_emb(torch.from_numpy(q), torch.from_numpy(k), cos, sin)
     np.testing.assert_allclose(oq, hq.numpy(), rtol=0, atol=2e-5 * np.abs(q).max())
     with pytest.raises(ValueError, match=r"np.repeat\(ids\[\.\.\., None\], 2, axis=-1\)"):
-        rotary.apply(q, ids.numpy(), spec=spec)
+        rotary.apply(q, ids.numpy(), spec=spec, seq_axis=-2)
 
 
 def test_nanochat_turns_pairs_by_minus_theta():
@@ -79,10 +79,10 @@ def test_nanochat_turns_pairs_by_minus_theta():
     hq = hq.numpy()
     tol = 1e-4 * np.abs(q).max()   # HF's float32 angles at positions ~111
     spec = RopeSpec.from_hf_config(config)
-    np.testing.assert_allclose(rotary.apply(q, pos, spec=spec), hq, rtol=0, atol=tol)
+    np.testing.assert_allclose(rotary.apply(q, pos, spec=spec, seq_axis=-2), hq, rtol=0, atol=tol)
     plain = RopeSpec(head_dim, base=spec.base)
-    np.testing.assert_allclose(rotary.apply(q, pos, spec=plain, inverse=True), hq, rtol=0, atol=tol)
-    assert np.max(np.abs(rotary.apply(q, pos, spec=plain) - hq)) > 0.5   # the plain half-split spec disagrees
+    np.testing.assert_allclose(rotary.apply(q, pos, spec=plain, inverse=True, seq_axis=-2), hq, rtol=0, atol=tol)
+    assert np.max(np.abs(rotary.apply(q, pos, spec=plain, seq_axis=-2) - hq)) > 0.5   # the plain half-split spec disagrees
 
 
 def test_musicflamingo_audio_time_rope_fits_the_multi_axis_contract():
@@ -118,7 +118,7 @@ def test_musicflamingo_audio_time_rope_fits_the_multi_axis_contract():
     spec = RopeSpec.axial(config.head_dim, axes=2, rotary_dim=2 * d, base=config.rope_parameters["rope_theta"],
                           layout="interleaved", float_positions=True)
     np.testing.assert_allclose(spec.inv_freq()[: d // 2], rope.inv_freq.double().numpy(), rtol=2e-6)
-    ours = rotary.apply(x, coords, spec=spec)
+    ours = rotary.apply(x, coords, spec=spec, seq_axis=-2)
     # HF forms the angles in float32: |angle| <= max|c| * max(omega), error ~ 1e-7 of that
     bound = float(np.max(np.abs(coords))) * 2e-7 + 1e-6
     np.testing.assert_allclose(ours, hf, rtol=0, atol=float(np.abs(x).max()) * math.sqrt(2) * bound)
