@@ -15,6 +15,7 @@ from .spec.positions import context_parallel_positions, grid_positions, mrope_ne
 from .attn.rerotate import rerotate
 from .attn.bound import BoundSpec, bind
 from .frontend.rope import Rope
+from .kvcache import KVCache, KVCacheFullError
 from .spec.rope_spec import LAYOUTS, RopeSpec
 from .spec.tables import clear_cache, set_table_cache_limit, table_cache_info
 from .backends import BackendUnavailableError, available_backends
@@ -26,6 +27,8 @@ __all__ = [
     "apply",
     "apply_qk",
     "Rope",
+    "KVCache",
+    "KVCacheFullError",
     "bind",
     "BoundSpec",
     "rerotate",

@@ -91,10 +91,10 @@ def mask_positions_given(q_mask_positions, k_mask_positions, causal) -> bool:
 
 
 @_adapters.dispatch("attention", 3)   # JAX, bfloat16: their adapter's attention; the rest: the core
-def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
+def attention(q, k, v=None, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
-              **spec_kwargs):
+              attention_mask=None, seq_ids=None, **spec_kwargs):
     """Softmax attention with RoPE applied to q and k (see the module docstring for the formula).
 
     Parameters
@@ -130,8 +130,33 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     block_size : int
         Keys per block of the online softmax.
 
+    attention_mask : array (batch, k_len) of 0/1, optional
+        Hugging Face's padding mask: keys with 0 are hidden; positions are counted from each row's first
+        real token (``cumsum(mask) - 1``, HF's position_ids) unless ``positions`` gives them. A query that
+        sees no key (a left-padding row) gets 0.
+    seq_ids : with a :class:`rotary.KVCache` as ``k``: which sequences q's rows are (all when None).
+
+    ``attention(q, cache, causal=True, ...)`` with a :class:`rotary.KVCache` attends over the cache: q are the
+    last tokens of each sequence (see :mod:`rotary.kvcache.attend`); ``v``, positions and spec come from the cache.
+
     Returns q's array type and dtype, shape of q with last dim dv.
     """
+    if _is_cache(k):
+        return _cache_call(q, k, v, positions, causal=causal, scale=scale, spec=spec, seq_axis=seq_axis,
+                           backend=backend, rope=rope, q_positions=q_positions, k_positions=k_positions, window=window,
+                           softcap=softcap, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
+                           seqlen_offsets=seqlen_offsets, q_mask_positions=q_mask_positions,
+                           k_mask_positions=k_mask_positions, block_size=block_size, attention_mask=attention_mask,
+                           seq_ids=seq_ids, spec_kwargs=spec_kwargs)
+    if v is None:
+        raise TypeError("attention() needs v (the values), unless k is a rotary.KVCache")
+    if seq_ids is not None:
+        raise ValueError("seq_ids goes with a rotary.KVCache as k")
+    if attention_mask is not None:
+        return _padded_attention(q, k, v, positions, attention_mask, causal=causal, scale=scale, spec=spec,
+                                 seq_axis=seq_axis, backend=backend, rope=rope, q_positions=q_positions,
+                                 k_positions=k_positions, window=window, softcap=softcap, cu_seqlens=cu_seqlens,
+                                 q_mask_positions=q_mask_positions, block_size=block_size, spec_kwargs=spec_kwargs)
     xp, ax, gaxis, spec, scale, window, softcap, block_size = checked_arguments(
         q, k, v, causal=causal, scale=scale, spec=spec, seq_axis=seq_axis, rope=rope, window=window, softcap=softcap,
         block_size=block_size, spec_kwargs=spec_kwargs)
@@ -188,6 +213,88 @@ def attention(q, k, v, positions=None, *, causal=False, scale=None, spec=None, s
     tiles = _numpy_path(q, k, v) and math.prod(q.shape[:-1]) * k_len >= _TILES_MIN_SCORES
     return blocked_attention(xp, q, k, v, ax, gaxis, mask, scale, softcap, block_size, numpy_tiles=tiles,
                              q_is_scratch=rope)
+
+
+def _is_cache(k) -> bool:
+    return type(k).__name__ == "KVCache" and type(k).__module__ == "rotary.kvcache.store"
+
+
+def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backend, rope, q_positions, k_positions,
+                window, softcap, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_mask_positions, k_mask_positions,
+                block_size, attention_mask, seq_ids, spec_kwargs):
+    """attention(q, cache, ...): the arguments a cache takes, then :func:`rotary.kvcache.attend.cache_attention`."""
+    from ..kvcache.attend import cache_attention
+
+    given = {"v": v, "positions": positions, "k_positions": k_positions, "cu_seqlens_k": cu_seqlens_k,
+             "seqlen_offsets": seqlen_offsets, "q_mask_positions": q_mask_positions,
+             "k_mask_positions": k_mask_positions, "attention_mask": attention_mask}
+    wrong = [name for name, value in given.items() if value is not None]
+    if wrong or spec_kwargs:
+        raise TypeError(f"attention(q, cache) takes its keys, values, positions and mask from the cache; got "
+                        f"{', '.join(wrong + sorted(spec_kwargs))}")
+    if spec is not None and spec is not cache.spec:
+        raise ValueError("spec must be None or the cache's own spec (the cache rotated its keys with it)")
+    if not rope:
+        raise ValueError("attention(q, cache) rotates q at its positions in the cache (rope=False does not apply)")
+    if seq_axis is not None and seq_axis not in (cache.layout, 1 if cache.layout == "bshd" else 2):
+        raise ValueError(f"seq_axis={seq_axis!r} does not match the cache's layout {cache.layout!r}")
+    if backend != "auto" and backend != cache.backend:
+        raise ValueError(f"backend={backend!r}: the cache runs on its own backend ({cache.backend!r})")
+    return cache_attention(q, cache, causal=causal, seq_ids=seq_ids, cu_seqlens=cu_seqlens, q_positions=q_positions,
+                           scale=scale, window=window, softcap=softcap, block_size=block_size)
+
+
+#: the mask coordinate of a padding key: never <= a query's, so never visible
+_HIDDEN = np.int64(1) << 62
+
+
+def _padded_attention(q, k, v, positions, attention_mask, *, causal, scale, spec, seq_axis, backend, rope,
+                      q_positions, k_positions, window, softcap, cu_seqlens, q_mask_positions, block_size,
+                      spec_kwargs):
+    """attention with Hugging Face's ``attention_mask`` (batch, k_len) of 0/1 (padding keys hidden).
+
+    Rotation positions (unless given): ``cumsum(mask) - 1`` per row, 1 at padding (HF's position_ids). The mask is
+    placed by token index (end-aligned queries), each padding key at a coordinate no query reaches; without
+    ``causal`` every query sits past every real key."""
+    if cu_seqlens is not None:
+        raise ValueError("attention_mask is for padded batches; a packed batch (cu_seqlens) has no padding")
+    if q_mask_positions is not None:
+        raise ValueError("pass attention_mask or q_mask_positions/k_mask_positions, not both")
+    ax = normalize_seq_axis(seq_axis, q.ndim, "q")
+    if ax == 0:
+        raise ValueError("attention_mask needs a batch axis 0 before the sequence axis")
+    m = attention_mask
+    m = np.asarray(m.detach().cpu() if hasattr(m, "detach") else m)
+    batch, q_len, k_len = int(q.shape[0]), int(q.shape[ax]), int(k.shape[ax])
+    if m.shape != (batch, k_len):
+        raise ValueError(f"attention_mask must have shape (batch, k_len) = ({batch}, {k_len}), got {m.shape}")
+    if m.dtype != bool and (m.dtype.kind not in "iuf" or not np.all((m == 0) | (m == 1))):
+        raise ValueError("attention_mask must hold 0/1 (or bool) values: 1 for real tokens, 0 for padding")
+    real = m.astype(bool)
+    if q_positions is None and k_positions is None:
+        if positions is None:
+            kpos = np.where(real, np.cumsum(real, axis=1) - 1, 1).astype(np.int64)
+        else:
+            kpos = normalize_positions(positions, tuple(k.shape[:ax]), k_len, spec=None)
+            kpos = np.broadcast_to(kpos, (batch, k_len)) if kpos.shape[0] == 1 else kpos
+        if q_len > k_len:
+            raise ValueError(f"q_len ({q_len}) > k_len ({k_len}) with attention_mask: queries are the last q_len "
+                             "tokens; pass q_positions/k_positions")
+        q_positions, k_positions = kpos[:, k_len - q_len:], kpos
+    elif positions is not None:
+        raise ValueError("pass positions or q_positions/k_positions, not both")
+    index = np.arange(k_len, dtype=np.int64)
+    mk = np.where(real, index[None, :], _HIDDEN)
+    if causal:
+        mq = np.broadcast_to(index[None, k_len - q_len:], (batch, q_len)) if q_len <= k_len else None
+        if mq is None:
+            raise ValueError(f"q_len ({q_len}) > k_len ({k_len}) with causal=True and attention_mask")
+    else:
+        mq = np.full((batch, q_len), _HIDDEN - 1, dtype=np.int64)
+    return attention(q, k, v, causal=True, scale=scale, spec=spec, seq_axis=ax, backend=backend, rope=rope,
+                     q_positions=q_positions, k_positions=k_positions, window=window if causal else None,
+                     softcap=softcap, q_mask_positions=np.ascontiguousarray(mq), k_mask_positions=mk,
+                     block_size=block_size, **spec_kwargs)
 
 
 def checked_arguments(q, k, v, *, causal, scale, spec, seq_axis, rope, window, softcap, block_size, spec_kwargs):

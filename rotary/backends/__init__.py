@@ -28,6 +28,18 @@ decay=None, normalize=True[, cu_seqlens=None])``
     offsets; q, k, v of batch 1, rows ``(1, T)``): a packed batch of N sequences in one call, sequence n
     its tokens ``cu_seqlens[n]:cu_seqlens[n + 1]`` with state and decay row n (state ``(N, Hk, ...)``).
 
+``append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)``
+    A KV cache's append (:class:`rotary.KVCache`): k ``(T, Hk, D)`` and v ``(T, Hk, D)`` (any strides, the
+    cache's dtype) are T tokens; token t's key is rotated with table row ``rows[t]`` (cos/sin as for
+    ``rotate``, pairs in ``[offset, offset + rotary_dim)``, the other coordinates unrotated) and written with
+    its value into slot ``slots[t]`` (distinct) of ``stores = (k_entries, v_entries, k_scales, v_scales)``:
+    entries ``(P, Hk, D)`` C-contiguous, scales ``(P, Hk)`` in the work dtype or None. ``kv_dtype`` None: the
+    entries are the cache's dtype (one rounding of the work-dtype rotation); "int8" / "float8_e4m3": quantized
+    per (token, head) as :mod:`rotary.backends.kv_entries` defines (float8 stored as uint8 bits). rows and slots
+    are int64 arrays of the backend's array type. :func:`rotary.backends.kv_entries.append_kv` is the reference
+    (any array-API namespace); a module without ``append_kv``, or whose ``KV_DTYPES`` tuple (None for float
+    entries, "int8", "float8_e4m3") lacks the cache's kv_dtype, gets the reference.
+
 Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, never for a backend by name):
 
 ``prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table) -> prepared or None``
@@ -41,6 +53,13 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     written (the caller grows the table and runs again); None when it cannot take the call (the caller
     takes the general path). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
     (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
+``cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal) -> o``
+    Attention over a KV cache where its entries lie: q ``(n, s, Hq, D)`` rotated, C-contiguous, the cache's
+    dtype, Hq a multiple of Hk; ``block_table`` ``(n, W)`` and ``lengths`` ``(n,)`` int64 (backend arrays) of
+    the n sequences; key p of sequence i is in slot ``block_table[i, p // page_size] * page_size + p %
+    page_size``; query j of sequence i sits at position ``lengths[i] - s + j`` and sees keys ``p <= it`` (with
+    ``causal``; ``it - p < window`` too) with softcap and scale as :func:`rotary.attention`; entries
+    dequantized as in ``append_kv`` (the module's ``KV_DTYPES``). Returns o ``(n, s, Hq, D)`` in q's dtype.
 ``table_converter(x) -> (device_key, convert)``
     Where the backend's cos/sin tables live (device tables cached per device key).
 A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may

@@ -1,0 +1,111 @@
+"""KV-cache entries in plain array-API code: the reference append (rotate, quantize, write) and dequantization.
+
+A cache holds, per slot (one token of one sequence) and k/v head, a rotated key and a value, each either
+in the cache's float dtype or quantized with one scale per (token, head):
+
+    w      = the rotated key (the value) in the work dtype (float32; float64 for float64 caches)
+    amax   = max_d |w_d|,  scale = amax / LIMIT  (LIMIT 127 for "int8", 448 for "float8_e4m3")
+    entry  = Q(w / scale) if scale > 0 else Q(w)     Q: round half to even, clipped to +-127 (int8);
+                                                      round to nearest even float8_e4m3fn (stored as its bits)
+    w'     = entry * scale                            (dequantized, work dtype; then the cache's dtype)
+
+Rotation of pair (a, b) with the token's table row (c, s): ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``
+(one multiply and one add per term, as every backend rounds it). Coordinates before ``offset`` and from
+``offset + rotary_dim`` on pass through unrotated.
+
+:func:`append_kv` is the primitive of the NumPy backend and the reference the kernels of the other
+backends are tested against (see :mod:`rotary.backends` for the contract).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: the kv dtypes a cache may quantize to, and the largest magnitude each represents
+KV_LIMITS = {"int8": 127.0, "float8_e4m3": 448.0}
+
+
+def _fp8_decode_table() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns (sign, 4 exponent bits with bias 7,
+    3 mantissa bits, no infinities, NaN at S.1111.111): ``m 2^-9`` for exponent 0, else ``(8 + m) 2^(e - 10)``."""
+    bits = np.arange(256)
+    e, m = (bits >> 3) & 15, bits & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (8 + m) * np.exp2(e - 10.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(bits >> 7, -mag, mag).astype(np.float32)
+
+
+FP8_VALUES = _fp8_decode_table()
+
+
+def fp8_encode(w: np.ndarray) -> np.ndarray:
+    """uint8 bits of float8_e4m3fn nearest to ``w`` (host, through ml_dtypes: round to nearest even)."""
+    try:
+        import ml_dtypes
+    except ImportError as exc:   # pragma: no cover - ml_dtypes comes with the bf16 extra
+        raise ImportError("kv_dtype='float8_e4m3' on host arrays needs ml_dtypes: pip install 'rotary[bf16]'") from exc
+    if w.dtype != np.float32:
+        raise TypeError("float8_e4m3 entries are quantized from float32 work values")
+    return w.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def quantize(xp, w, kv_dtype):
+    """(entries, scales) of work values ``w`` (..., d) for ``kv_dtype`` "int8" or "float8_e4m3" (see the module
+    docstring); scales (...) in w's dtype."""
+    amax = xp.max(xp.abs(w), axis=-1)
+    scale = amax / KV_LIMITS[kv_dtype]
+    safe = xp.where(scale > 0, scale, xp.ones_like(scale))
+    y = w / safe[..., None]
+    if kv_dtype == "int8":
+        return xp.astype(xp.clip(xp.round(y), -127.0, 127.0), xp.int8), scale
+    return xp.asarray(fp8_encode(np.asarray(y))), scale
+
+
+def dequantize(xp, entries, scales, kv_dtype, work):
+    """Work-dtype values of quantized ``entries`` (..., d) with their ``scales`` (...)."""
+    if kv_dtype == "float8_e4m3":
+        values = xp.take(xp.asarray(FP8_VALUES), xp.reshape(xp.astype(entries, xp.int64), (-1,)), axis=0)
+        values = xp.reshape(values, entries.shape)
+    else:
+        values = entries
+    return xp.astype(values, work) * xp.astype(scales, work)[..., None]
+
+
+def rotate_work(xp, x, cos_tok, sin_tok, rotary_dim, layout, offset, work):
+    """x (..., d) rotated in the work dtype (not rounded back to x's dtype); cos_tok/sin_tok broadcast against
+    x[..., :rotary_dim // 2]."""
+    w = xp.astype(x, work)
+    part = w[..., offset:offset + rotary_dim]
+    half = rotary_dim // 2
+    if layout == "half":
+        xa, xb = part[..., :half], part[..., half:]
+    else:
+        pairs = xp.reshape(part, (*part.shape[:-1], half, 2))
+        xa, xb = pairs[..., 0], pairs[..., 1]
+    ya = xa * cos_tok - xb * sin_tok
+    yb = xb * cos_tok + xa * sin_tok
+    rotated = xp.concat([ya, yb], axis=-1) if layout == "half" else xp.reshape(xp.stack([ya, yb], axis=-1), part.shape)
+    return xp.concat([w[..., :offset], rotated, w[..., offset + rotary_dim:]], axis=-1)
+
+
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+    """Rotate k at its table rows, quantize k and v (``kv_dtype`` None: cast), and write them into their slots
+    (the backend contract in :mod:`rotary.backends`)."""
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(k)
+    k_store, v_store, k_scale, v_scale = stores
+    work = xp.float64 if cos.dtype == xp.float64 else xp.float32
+    cos_tok = xp.astype(xp.take(cos, rows, axis=0), work)[:, None, :]
+    sin_tok = xp.astype(xp.take(sin, rows, axis=0), work)[:, None, :]
+    wk = rotate_work(xp, k, cos_tok, sin_tok, rotary_dim, layout, offset, work)
+    if kv_dtype is None:
+        k_store[slots, ...] = xp.astype(wk, k_store.dtype)
+        v_store[slots, ...] = xp.astype(v, v_store.dtype)
+        return
+    entries, scales = quantize(xp, wk, kv_dtype)
+    k_store[slots, ...] = entries
+    k_scale[slots, ...] = scales
+    entries, scales = quantize(xp, xp.astype(v, work), kv_dtype)
+    v_store[slots, ...] = entries
+    v_scale[slots, ...] = scales
