@@ -91,7 +91,7 @@ def mask_positions_given(q_mask_positions, k_mask_positions, causal) -> bool:
 
 
 @_adapters.dispatch("attention", 3)   # JAX, bfloat16: their adapter's attention; the rest: the core
-def attention(q, k, v=None, positions=None, *, causal=False, scale=None, spec=None, seq_axis=None, backend="auto",
+def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=None, seq_axis=None, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
               attention_mask=None, seq_ids=None, **spec_kwargs):
@@ -107,7 +107,8 @@ def attention(q, k, v=None, positions=None, *, causal=False, scale=None, spec=No
     positions : None, int or integer array
         Positions of the keys ((k_len,) or (batch, k_len)); queries take the last q_len of them.
     causal : bool
-        Mask key s from query t unless ``p_s <= p_t`` (end-aligned when q_len < k_len).
+        Mask key s from query t unless ``p_s <= p_t`` (end-aligned when q_len < k_len). Default False, and
+        True over a :class:`rotary.KVCache`.
     scale : float, optional
         Default ``head_dim**-0.5`` times the spec's ``softmax_scale_factor`` (if it has one).
     rope : bool
@@ -133,7 +134,7 @@ def attention(q, k, v=None, positions=None, *, causal=False, scale=None, spec=No
     attention_mask : array (batch, k_len) of 0/1, optional
         Hugging Face's padding mask: keys with 0 are hidden; positions are counted from each row's first
         real token (``cumsum(mask) - 1``, HF's position_ids) unless ``positions`` gives them. A query that
-        sees no key (a left-padding row) gets 0.
+        sees no key (a left-padding row with causal=True) gets 0.
     seq_ids : with a :class:`rotary.KVCache` as ``k``: which sequences q's rows are (all when None).
 
     ``attention(q, cache, causal=True, ...)`` with a :class:`rotary.KVCache` attends over the cache: q are the
@@ -141,6 +142,8 @@ def attention(q, k, v=None, positions=None, *, causal=False, scale=None, spec=No
 
     Returns q's array type and dtype, shape of q with last dim dv.
     """
+    if causal is None:
+        causal = _is_cache(k)
     if _is_cache(k):
         return _cache_call(q, k, v, positions, causal=causal, scale=scale, spec=spec, seq_axis=seq_axis,
                            backend=backend, rope=rope, q_positions=q_positions, k_positions=k_positions, window=window,

@@ -250,6 +250,8 @@ class KVCache:
         return a if self.layout == "bshd" else a.transpose(0, 2, 1, 3)
 
     def _check_entries(self, a, name, heads):
+        """a's type and dtype are the cache's; its (dense: in the cache's layout) heads and head size are
+        ``heads`` and head_dim."""
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{name} must be an array, got {type(a).__name__}")
         if np.dtype(a.dtype) != self.dtype:
@@ -258,9 +260,12 @@ class KVCache:
         if not self.module.accepts(a) and self.module is not _backends.get("numpy"):
             raise TypeError(f"{name} is a {type(a).__module__}.{type(a).__name__}; this cache lives on backend "
                             f"{self.module.NAME!r}")
-        if a.shape[-1] != self.head_dim or a.shape[-2] != heads:
-            raise ValueError(f"{name} has {a.shape[-2]} heads of size {a.shape[-1]}, the cache {heads} of size "
-                             f"{self.head_dim}")
+        h = a.shape[1] if a.ndim == 4 and self.layout == "bhsd" else a.shape[-2] if a.ndim >= 2 else None
+        if a.ndim < 3 or a.shape[-1] != self.head_dim or (heads is not None and h != heads):
+            raise ValueError(f"{name} of shape {tuple(a.shape)} has {h} heads of size {a.shape[-1]}; the cache takes "
+                             f"{'' if heads is None else heads} heads of size {self.head_dim} "
+                             f"({'(n, s, heads, d)' if self.layout == 'bshd' else '(n, heads, s, d)'}, or packed "
+                             "(tokens, heads, d) with cu_seqlens)")
 
     def append(self, k, v, seq_ids=None, *, cu_seqlens=None, positions=None):
         """Append the next tokens of sequences ``seq_ids`` (all when None): k rotated at each sequence's
