@@ -3,6 +3,7 @@
 import pytest
 
 from rotary.conformance import cases as conformance
+from rotary.conformance import kv_cases as kv_conformance
 
 from .conftest import backend_params
 
@@ -21,6 +22,35 @@ def test_linear_case(case, backend):
     to_backend, to_host = conformance.array_converters(backend)
     result = conformance.run_linear_case(case, backend, to_backend=to_backend, to_host=to_host)
     assert result.passed, f"{case.name} on {backend}: error {result.max_error:.3g} (tol {result.tolerance:.1g}) {result.detail}"
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", kv_conformance.kv_cases(), ids=lambda c: c.name)
+def test_kv_case(case, backend):
+    to_backend, to_host = conformance.array_converters(backend)
+    result = kv_conformance.run_kv_case(case, backend, to_backend=to_backend, to_host=to_host)
+    assert result.passed, f"{case.name} on {backend}: error {result.max_error:.3g} (tol {result.tolerance:.1g}) {result.detail}"
+
+
+@pytest.mark.parametrize("wrong", ["rotation", "slot"])
+def test_kv_case_fails_on_a_wrong_append(monkeypatch, wrong):
+    """The KV check can fail: an append that rotates one position late, or writes one slot off, is caught."""
+    import numpy as np
+
+    from rotary.backends import kv_entries
+
+    original = kv_entries.append_kv
+
+    def off(k, v, cos, sin, rows, slots, stores, **kw):
+        if wrong == "rotation":
+            rows = np.minimum(rows + 1, cos.shape[0] - 1)
+        else:
+            slots = np.where(slots > 0, slots - 1, slots)
+        return original(k, v, cos, sin, rows, slots, stores, **kw)
+
+    monkeypatch.setattr(kv_entries, "append_kv", off)
+    result = kv_conformance.run_kv_case(kv_conformance.kv_cases()[0], "numpy")
+    assert not result.passed
 
 
 def test_linear_case_fails_on_a_wrong_backend(monkeypatch):

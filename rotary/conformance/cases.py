@@ -1,7 +1,7 @@
 """The cross-backend conformance cases, shared by the pytest suite and ``python -m rotary conformance``.
 
 Each :class:`Case` describes one call of ``apply``/``apply_qk`` (shape, axes, spec, positions,
-dtype, inverse, in place, strided input). :func:`run_case` makes seeded inputs, runs the call on
+dtype, inverse, in place, strided input, output pair layout). :func:`run_case` makes seeded inputs, runs the call on
 a backend and compares with the float64 complex-multiplication oracle of ``rotary.testing``
 (computed from the spec's frequencies, independently of tables, views and backends).
 
@@ -81,6 +81,7 @@ class Case:
     axes: str | None = None       # a MULTI_AXIS convention: positions (seq, n) / (batch, seq, n)
     custom: bool = False          # caller-supplied frequencies (some negative) with an attention factor
     rotary_offset: int = 0        # the spec rotates coordinates from this one on ([nope | rope | rest] heads)
+    out_pairs: str | None = None  # the outputs' pair layout (DeepSeek MLA: interleaved in, half-split out)
 
     def spec(self) -> RopeSpec:
         if self.rotary_offset:   # the spec of the head from the offset on, moved behind rotary_offset coordinates
@@ -173,12 +174,24 @@ def cases(quick: bool = False) -> list[Case]:
         Case("offset-axial2-inplace", (2, 12, 2, 20), seq_axis=-3, axes="axial2", rotary_offset=4, positions="tokens",
              inplace=True, k_heads=1),
     ]
+    out += [   # out_pairs: pairs read in the spec's layout, written in the other one (never in place)
+        Case("pairs-deepseek-mla", (2, 7, 4, 64), seq_axis=-3, layout="interleaved", out_pairs="half", k_heads=1,
+             positions="batch"),
+        Case("pairs-inte-to-half-partial-fp16", (2, 6, 3, 24), seq_axis=-3, layout="interleaved", rotary_dim=16,
+             out_pairs="half", dtype="float16", k_heads=3),
+        Case("pairs-half-to-inte-strided", (2, 6, 3, 20), seq_axis=-3, rotary_dim=12, out_pairs="interleaved",
+             strided=True, k_heads=1, positions="offset"),
+        Case("pairs-half-to-inte-inverse-fp64", (2, 5, 2, 16), seq_axis=-3, out_pairs="interleaved", inverse=True,
+             dtype="float64", k_heads=2, positions="huge"),
+        Case("pairs-offset-mla", (2, 7, 3, 24), seq_axis=-3, layout="interleaved", rotary_offset=8,
+             out_pairs="half", k_heads=1, positions="batch"),
+    ]
     known = set(_scaling.ROPE_TYPES)
     out = [c for c in out if c.scaling is None or SCALINGS[c.scaling]["rope_type"] in known]
     if quick:
         keep = ("basic", "bshd-gqa", "partial", "odd-dim", "inplace", "fp16", "huge-pos", "strided")
         extra = ("scaling-yarn", "mrope-batch", "mrope-il-batch", "axial2-sam", "axial2-dinov3-float",
-                 "offset-half-mla", "offset-inte-inplace")
+                 "offset-half-mla", "offset-inte-inplace", "pairs-deepseek-mla")
         out = [c for c in out if c.name.split("-", 1)[1] in keep and not c.axes] + [c for c in out if c.name in extra]
     return out
 
@@ -273,7 +286,20 @@ def expected(case: Case, x, pos):
     y = xs.copy()
     y[..., off:] = rope_complex(xs[..., off:], p, -inv_freq if case.inverse else inv_freq, layout=spec.layout,
                                 scale=scale, pair_axes=pair_axes)
+    if case.out_pairs is not None and case.out_pairs != spec.layout:   # pair i moved to its out_pairs coordinates
+        rotated = y[..., off:off + spec.rotary_dim].copy()
+        for src, dst in zip(_pair_coordinates(spec.rotary_dim, spec.layout),
+                            _pair_coordinates(spec.rotary_dim, case.out_pairs)):
+            y[..., off + dst] = rotated[..., src]
     return np.moveaxis(y, -2, ax)
+
+
+def _pair_coordinates(rotary_dim: int, layout: str):
+    """(a coordinates, b coordinates) of the pairs of ``layout`` within ``rotary_dim``."""
+    half = rotary_dim // 2
+    if layout == "half":
+        return np.arange(half), np.arange(half, rotary_dim)
+    return np.arange(0, rotary_dim, 2), np.arange(1, rotary_dim, 2)
 
 
 @dataclasses.dataclass
@@ -299,6 +325,8 @@ def run_case(case: Case, backend: str, *, to_backend=None, to_host=None, seed: i
     originals = [to_host(a).copy() for a in xs]
     pos_arg = to_backend(pos) if isinstance(pos, np.ndarray) else pos
     kwargs = dict(spec=case.spec(), seq_axis=case.seq_axis, inverse=case.inverse, backend=backend)
+    if case.out_pairs is not None:
+        kwargs["out_pairs"] = case.out_pairs
     t0 = time.perf_counter()
     try:
         if k is None:
@@ -514,7 +542,7 @@ def array_converters(backend: str):
 
 
 def run(backends=None, quick: bool = False) -> list[Result]:
-    """Run every case (rotation, then linear attention) on every requested (default: available) backend."""
+    """Run every case (rotation, linear attention, then the KV cache) on every requested (default: available) backend."""
     from ..backends import available_backends, get
 
     avail = available_backends()
@@ -527,4 +555,8 @@ def run(backends=None, quick: bool = False) -> list[Result]:
         if hasattr(get(name), "linear_attention"):
             for case in linear_cases(quick):
                 results.append(run_linear_case(case, name, to_backend=to_backend, to_host=to_host))
+        from .kv_cases import kv_cases, run_kv_case   # (kv_cases builds on this module)
+
+        for case in kv_cases(quick):
+            results.append(run_kv_case(case, name, to_backend=to_backend, to_host=to_host))
     return results

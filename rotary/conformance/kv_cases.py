@@ -1,0 +1,143 @@
+"""Conformance cases of :class:`rotary.KVCache`: appends and attention over the cache against float64 oracles.
+
+Each :class:`KVCase` fills a cache of 3 sequences on a backend (a packed ragged prefill of 5, 1 and 8 tokens,
+then ``steps`` dense decode appends of one token each) and checks:
+
+- every sequence's keys (``cache.keys(b)``, dequantized) against :func:`rotary.testing.rope_complex` of the
+  appended keys at positions 0.. with the spec's frequencies and attention scaling, and its values;
+- ``attention(q, cache)`` of the last ``q_len`` tokens of each sequence against
+  :func:`rotary.testing.attention_quadratic` on the same (quantized: dequantized) keys and values.
+
+Float caches use the rotation tolerances of :data:`rotary.testing.TOLERANCES`; quantized caches a bound on
+``max |error| / max |reference|`` per sequence: int8 rounds to half a step of amax/127 (0.4 %), float8_e4m3
+to 2^-4 relative (6.25 %), with margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..spec.rope_spec import RopeSpec
+from ..testing import attention_quadratic, rope_complex, tolerance
+from .cases import SCALINGS, Result
+
+#: max |error| / max |reference| of quantized entries (half a step plus the rotation's rounding)
+KV_ENTRY_TOLERANCES = {"int8": 0.5 / 127 * 1.01 + 1e-6, "float8_e4m3": 2.0 ** -4 * 1.01}
+#: max |o - o_ref| / max |o_ref| of attention over a quantized cache against the oracle on its dequantized entries
+KV_ATTENTION_TOLERANCE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCase:
+    name: str
+    paged: bool = False
+    dtype: str = "float32"
+    kv_dtype: str | None = None
+    layout: str = "half"
+    rotary_dim: int | None = None
+    scaling: str | None = None
+    q_len: int = 1
+    window: int | None = None
+    softcap: float | None = None
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    steps: int = 2
+
+    def spec(self) -> RopeSpec:
+        scaling = SCALINGS[self.scaling] if self.scaling else None
+        return RopeSpec(self.head_dim, rotary_dim=self.rotary_dim, layout=self.layout, scaling=scaling,
+                        max_position_embeddings=64 if scaling else None)
+
+
+def kv_cases(quick: bool = False) -> list[KVCase]:
+    every = [
+        KVCase("kv-contiguous-f32"),
+        KVCase("kv-paged-f32", paged=True),
+        KVCase("kv-paged-f64-interleaved", paged=True, dtype="float64", layout="interleaved"),
+        KVCase("kv-f16-partial", dtype="float16", rotary_dim=8),
+        KVCase("kv-yarn-chunk", scaling="yarn", q_len=3, paged=True),
+        KVCase("kv-llama3-window-softcap", scaling="llama3", window=4, softcap=20.0),
+        KVCase("kv-int8-paged", kv_dtype="int8", paged=True),
+        KVCase("kv-int8-f64", kv_dtype="int8", dtype="float64", layout="interleaved"),
+        KVCase("kv-float8", kv_dtype="float8_e4m3", paged=True),
+        KVCase("kv-mqa-d64", heads=8, kv_heads=1, head_dim=64, q_len=2),
+    ]
+    return [c for c in every if c.name in ("kv-paged-f32", "kv-int8-paged")] if quick else every
+
+
+def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:
+    """Fill a cache on ``backend`` (inputs moved with ``to_backend``, results back with ``to_host``) and compare
+    its keys, values and attention with the float64 oracles (see the module docstring)."""
+    from ..attn.softmax import attention
+    from ..kvcache.store import KVCache
+    from ..spec.validators import to_numpy
+
+    to_backend = to_backend or (lambda a: a)
+    to_host = to_host or (lambda a: to_numpy(a))
+    if case.kv_dtype == "float8_e4m3":
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            return Result(case.name, backend, float("nan"), 0.0, True, 0.0, "skipped: ml_dtypes is not installed")
+    rng = np.random.default_rng(seed)
+    spec = case.spec()
+    dt = np.dtype(case.dtype)
+    hk, d = case.kv_heads, case.head_dim
+    counts = [5, 1, 8]
+    size = dict(page_size=4, num_pages=32) if case.paged else dict(capacity=16)
+    t0 = time.perf_counter()
+    try:
+        cache = KVCache(spec, batch=3, kv_heads=hk, head_dim=d, dtype=dt, kv_dtype=case.kv_dtype, backend=backend,
+                        **size)
+        ks = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
+        vs = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        cache.append(to_backend(np.concatenate(ks)), to_backend(np.concatenate(vs)), cu_seqlens=cu)
+        for _ in range(case.steps):
+            k1 = rng.standard_normal((3, 1, hk, d)).astype(dt)
+            v1 = rng.standard_normal((3, 1, hk, d)).astype(dt)
+            cache.append(to_backend(k1), to_backend(v1))
+            ks = [np.concatenate([a, k1[b, :1]]) for b, a in enumerate(ks)]
+            vs = [np.concatenate([a, v1[b, :1]]) for b, a in enumerate(vs)]
+        q = rng.standard_normal((3, case.q_len, case.heads, d)).astype(dt)
+        o = to_host(attention(to_backend(q), cache, window=case.window, softcap=case.softcap))
+        held = [(to_host(cache.keys(b)).astype(np.float64), to_host(cache.values(b)).astype(np.float64))
+                for b in range(3)]
+    except Exception as exc:  # reported as a failure, not raised, so the runner can print a table
+        return Result(case.name, backend, float("nan"), 0.0, False, 0.0, f"{type(exc).__name__}: {exc}")
+    seconds = time.perf_counter() - t0
+    inv = spec.inv_freq()
+    rtol, atol = tolerance(case.dtype)
+    worst, ok = 0.0, True
+    for b, (keys, values) in enumerate(held):
+        pos = np.arange(len(ks[b]))
+        want = rope_complex(ks[b].astype(np.float64).transpose(1, 0, 2), pos, inv, layout=spec.layout,
+                            scale=spec.attention_scaling).transpose(1, 0, 2)
+        for got, ref in ((keys, want), (values, vs[b].astype(np.float64))):
+            if case.kv_dtype is None:
+                err = np.abs(got - ref)
+                worst = max(worst, float(err.max()))
+                ok &= bool(np.all(err <= atol + rtol * np.abs(ref)))
+            else:
+                # per (token, head): the step is amax of that head's exact values / LIMIT
+                err = np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
+                worst = max(worst, float(err.max()))
+                ok &= bool(err.max() <= KV_ENTRY_TOLERANCES[case.kv_dtype])
+        # attention of the last q_len tokens over the held (dequantized) keys, which are already rotated
+        L = len(ks[b])
+        qpos = np.arange(L - case.q_len, L)
+        qr = rope_complex(q[b].astype(np.float64).transpose(1, 0, 2), qpos, inv, layout=spec.layout,
+                          scale=spec.attention_scaling)
+        ref_o = attention_quadratic(qr, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), qpos, pos,
+                                    scale=getattr(spec, "softmax_scale_factor", 1.0) / np.sqrt(d), causal=True,
+                                    window=case.window, softcap=case.softcap).transpose(1, 0, 2)
+        rel = float(np.abs(o[b].astype(np.float64) - ref_o).max() / max(np.abs(ref_o).max(), 1e-30))
+        limit = {"float64": 1e-10, "float32": 2e-5, "float16": 4e-3}[case.dtype]
+        worst = max(worst, rel)
+        ok &= rel <= limit
+    return Result(case.name, backend, worst, float(KV_ENTRY_TOLERANCES.get(case.kv_dtype, atol)), ok, seconds,
+                  "" if ok else "keys, values or attention off the oracle")
