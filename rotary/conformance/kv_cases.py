@@ -79,9 +79,9 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
     to_backend = to_backend or (lambda a: a)
     to_host = to_host or (lambda a: to_numpy(a))
     if case.kv_dtype == "float8_e4m3":
-        try:
-            import ml_dtypes  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("ml_dtypes") is None:
             return Result(case.name, backend, float("nan"), 0.0, True, 0.0, "skipped: ml_dtypes is not installed")
     rng = np.random.default_rng(seed)
     spec = case.spec()
