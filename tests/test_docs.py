@@ -27,6 +27,7 @@ import pytest
 import rotary
 from rotary.cli import conformance as _cli_conformance
 from rotary.conformance import cases as _conformance
+from rotary.conformance import kv_cases as _kv_conformance
 from rotary.testing import rope_complex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -327,6 +328,7 @@ def test_conformance_cli_quick():
 
     per_backend = {b: len(_conformance.cases(quick=True))
                    + (len(_conformance.linear_cases(quick=True)) if hasattr(get(b), "linear_attention") else 0)
+                   + len(_kv_conformance.kv_cases(quick=True))
                    for b in available}
     assert len(rows) == sum(per_backend.values())
     assert {r[1] for r in rows} >= {c.name for c in _conformance.linear_cases(quick=True)}
