@@ -3,7 +3,7 @@
 Every backend module implements the same primitives on *canonical views* made by the frontend.
 They never compute frequencies: they receive cos/sin tables (from ``rotary.spec.tables``) and rows.
 
-``rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse) -> list``
+``rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None) -> list``
     items: sequence of ``(x, out)``. ``x`` is a 4-D array ``(B, S, H, D)`` of the backend's array
     type with arbitrary strides (B = batch-like axes merged, S = sequence, H = head-like axes
     merged, D = head_dim). ``out`` is None (allocate) or an array of the same shape and dtype,
@@ -13,7 +13,11 @@ They never compute frequencies: they receive cos/sin tables (from ``rotary.spec.
     already multiplied in. rows: ``(Bp, S)`` int64 with Bp in {1, B}; token (b, s) uses table row
     ``rows[b if Bp > 1 else 0, s]``. Pair i of layout "half" is (i, i + rotary_dim/2), of layout
     "interleaved" (2i, 2i+1); ``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s`` with s negated when
-    ``inverse``. Coordinates >= rotary_dim are copied unchanged. fp16/bf16 are computed in fp32.
+    ``inverse``. Pairs are read in ``layout`` and written in ``out_layout`` (None: ``layout``): with the
+    other layout, y_a and y_b of pair i go to the output coordinates of pair i in ``out_layout`` (the
+    frontend's ``out_pairs``; DeepSeek's interleaved-to-half rotation), and no out is its x (the frontend
+    never passes one; a backend may refuse it). The frontend passes ``out_layout`` only when it differs
+    from ``layout``. Coordinates >= rotary_dim are copied unchanged. fp16/bf16 are computed in fp32.
     Returns the output arrays in item order.
 
 ``linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
@@ -42,7 +46,7 @@ decay=None, normalize=True[, cu_seqlens=None])``
 
 Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, never for a backend by name):
 
-``prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table) -> prepared or None``
+``prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table[, out_layout]) -> prepared or None``
     A rotation prepared for one geometry (``rotary.Rope``'s decode path): ``views`` are canonical views
     of the inputs from ``offset`` on, ``out_views`` those of outputs like the ones a call makes (the view
     itself: in place). ``prepared.run(xs, outs, rows, start, table)`` rotates C-contiguous ``xs`` into
@@ -51,7 +55,9 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     ``base .. end-1`` in rows 0.. (``on_device(to_device)`` gives the cos/sin on a device, cached). It
     returns the outputs; :data:`OUTSIDE_TABLE` when a position falls outside the table and nothing was
     written (the caller grows the table and runs again); None when it cannot take the call (the caller
-    takes the general path). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
+    takes the general path). ``out_layout`` (passed only when it differs from ``layout``): the outputs' pair
+    layout, as for ``rotate``; a backend that cannot write it returns None from ``prepare_rotation`` (the
+    general path takes those calls). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
     (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
 ``cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal) -> o``
     Attention over a KV cache where its entries lie: q ``(n, s, Hq, D)`` rotated, C-contiguous, the cache's

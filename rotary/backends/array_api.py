@@ -10,11 +10,12 @@ def _compute_dtype(dtype, xp):
     return xp.float64 if dtype == xp.float64 else xp.float32
 
 
-def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0):
+def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0, out_layout=None):
     """Functional version for any array-API namespace; returns a new array. With ``rotary_offset``
-    the coordinates before it pass through and the rotation starts there."""
+    the coordinates before it pass through and the rotation starts there. Pairs are read in ``layout`` and
+    written in ``out_layout`` (None: ``layout``)."""
     if rotary_offset:
-        rotated = _rotate_xp(xp, x[..., rotary_offset:], cos_tok, sin_tok, rotary_dim, layout)
+        rotated = _rotate_xp(xp, x[..., rotary_offset:], cos_tok, sin_tok, rotary_dim, layout, out_layout=out_layout)
         return xp.concat([x[..., :rotary_offset], rotated], axis=-1)
     dtype = x.dtype
     work = _compute_dtype(dtype, xp)
@@ -27,7 +28,7 @@ def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0):
         xa, xb = pairs[..., 0], pairs[..., 1]
     ya = xa * cos_tok - xb * sin_tok
     yb = xb * cos_tok + xa * sin_tok
-    if layout == "half":
+    if (out_layout or layout) == "half":
         y = xp.concat([ya, yb], axis=-1)
     else:
         y = xp.reshape(xp.stack([ya, yb], axis=-1), xr.shape)

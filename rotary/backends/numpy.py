@@ -118,10 +118,25 @@ def _pairswap_add(p, q, rotary_dim, layout, out=None):
         np.add(p[..., 1::2], q[..., 0::2], out=out[..., 1::2])
 
 
-def _rotate_numpy_block(x, out, c2, s2, rotary_dim, layout, p, q):
+def _write_pairs(dst, src, rotary_dim, layout, out_layout):
+    """dst[..., :rotary_dim] = src (pairs in ``layout``) with pair i moved to its coordinates in ``out_layout``
+    (unsafe casting: src may be the work dtype, or the fp16 bits as uint32)."""
+    half = rotary_dim // 2
+    a, b = (src[..., :half], src[..., half:rotary_dim]) if layout == "half" else (src[..., 0:rotary_dim:2],
+                                                                                src[..., 1:rotary_dim:2])
+    if out_layout == "half":
+        da, db = dst[..., :half], dst[..., half:rotary_dim]
+    else:
+        da, db = dst[..., 0:rotary_dim:2], dst[..., 1:rotary_dim:2]
+    np.copyto(da, a, casting="unsafe")
+    np.copyto(db, b, casting="unsafe")
+
+
+def _rotate_numpy_block(x, out, c2, s2, rotary_dim, layout, p, q, out_layout=None):
     """Rotate x[..., :rotary_dim] into out[..., :rotary_dim] (both (nb, ns, H, D) views, any strides)
     with block tables c2/s2 (nb or 1, ns, 1, rotary_dim); p, q: work buffers of the block's shape.
-    Safe when out is x (x is read in full before out is written).
+    Safe when out is x (x is read in full before out is written). ``out_layout`` (not None: another pair
+    layout than ``layout``): the block is rotated in ``layout`` into p and written out with its pairs moved.
 
     y_a = x_a c - x_b s is computed as (x_a c) + (x_b (-s)) and y_b = x_b c + x_a s as is: IEEE
     a - b == a + (-b) and (-b) s == b (-s), so the bits are those of the two-product formula."""
@@ -129,13 +144,20 @@ def _rotate_numpy_block(x, out, c2, s2, rotary_dim, layout, p, q):
     if xr.dtype == p.dtype:
         np.multiply(xr, s2, out=q)
         np.multiply(xr, c2, out=p)
-        _pairswap_add(p, q, rotary_dim, layout, out=outr)
+        if out_layout is None:
+            _pairswap_add(p, q, rotary_dim, layout, out=outr)
+        else:
+            _pairswap_add(p, q, rotary_dim, layout)
+            _write_pairs(outr, p, rotary_dim, layout, out_layout)
         return
     np.copyto(p, xr, casting="unsafe")
     np.multiply(p, s2, out=q)
     np.multiply(p, c2, out=p)
     _pairswap_add(p, q, rotary_dim, layout)
-    np.copyto(outr, p, casting="unsafe")
+    if out_layout is None:
+        np.copyto(outr, p, casting="unsafe")
+    else:
+        _write_pairs(outr, p, rotary_dim, layout, out_layout)
 
 
 _MAX = np.maximum.reduce
@@ -163,9 +185,10 @@ def _f16_round_bits(p, q, t, floor):
     return True
 
 
-def _rotate_f16_group(xs, outs, c2, s2, rotary_dim, layout, p, q, t, floor):
+def _rotate_f16_group(xs, outs, c2, s2, rotary_dim, layout, p, q, t, floor, out_layout=None):
     """fp16 items of one token block, heads side by side in the (nb, ns, sum H, rotary_dim) buffers
-    p, q, t (fp32) and floor (2**-14 everywhere); c2/s2 are the tables times 2**112 (see above)."""
+    p, q, t (fp32) and floor (2**-14 everywhere); c2/s2 are the tables times 2**112 (see above).
+    ``out_layout``: the pairs written in another layout (see :func:`_rotate_numpy_block`)."""
     pi32 = p.view(np.int32)
     heads = []
     h0 = 0
@@ -186,7 +209,10 @@ def _rotate_f16_group(xs, outs, c2, s2, rotary_dim, layout, p, q, t, floor):
         return False
     pi = p.view(np.uint32)
     for x, out, hs in zip(xs, outs, heads):
-        np.copyto(out[..., :rotary_dim].view(np.uint16), pi[:, :, hs], casting="unsafe")
+        if out_layout is None:
+            np.copyto(out[..., :rotary_dim].view(np.uint16), pi[:, :, hs], casting="unsafe")
+        else:
+            _write_pairs(out[..., :rotary_dim].view(np.uint16), pi[:, :, hs], rotary_dim, layout, out_layout)
     return True
 
 
@@ -198,10 +224,11 @@ def _block_list(B, S, tokens_per_block):
     return [(b, b + 1, s0, min(S, s0 + tokens_per_block)) for b in range(B) for s0 in range(0, S, tokens_per_block)]
 
 
-def _rotate_numpy(items, cos_tok, sin_tok, rotary_dim, layout):
+def _rotate_numpy(items, cos_tok, sin_tok, rotary_dim, layout, out_layout=None):
     """Rotate every ``(x, out)`` of items ((B, S, H, D) NumPy arrays, same B, S and D, any H) with
     cos_tok/sin_tok (Bp, S, 1, half) in the work dtype, token block by token block; the items of a
-    block share its tables, and fp16 items share one set of buffers (one pass per step for all)."""
+    block share its tables, and fp16 items share one set of buffers (one pass per step for all).
+    ``out_layout``: None, or the other pair layout, which the outputs are written in."""
     items = [(x, out) for x, out in items if x.size]   # nothing to do for an empty item (H = 0 included)
     if not items:
         return
@@ -241,18 +268,22 @@ def _rotate_numpy(items, cos_tok, sin_tok, rotary_dim, layout):
             xs = [x[b0:b1, s0:s1] for x, _ in f16]
             outs = [out[b0:b1, s0:s1] for _, out in f16]
             if not _rotate_f16_group(xs, outs, c2, s2, rotary_dim, layout,
-                                     *(shaped(buf, n_b, n_s, h16) for buf in bufs), shaped(floor, n_b, n_s, h16)):
+                                     *(shaped(buf, n_b, n_s, h16) for buf in bufs), shaped(floor, n_b, n_s, h16),
+                                     out_layout):
                 fallback = f16
         if other or fallback:
             c2, s2 = _block_tables(c_blk, s_blk, rotary_dim, layout, 1.0, tab[0, 0, :m, :n_s], tab[0, 1, :m, :n_s])
             for x, out in other + fallback:
                 h = x.shape[2]
                 _rotate_numpy_block(x[b0:b1, s0:s1], out[b0:b1, s0:s1], c2, s2, rotary_dim, layout,
-                                    shaped(bufs[0], n_b, n_s, h), shaped(bufs[1], n_b, n_s, h))
+                                    shaped(bufs[0], n_b, n_s, h), shaped(bufs[1], n_b, n_s, h), out_layout)
 
 
-def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
-    """Rotate every ``(x, out)`` of ``items``; see ``rotary.backends`` for the contract."""
+def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
+    """Rotate every ``(x, out)`` of ``items``; see ``rotary.backends`` for the contract (``out_layout``: the
+    outputs' pair layout, None: ``layout``)."""
+    if out_layout == layout:
+        out_layout = None
     results = []
     xp = array_namespace(items[0][0])
     gathered = {}
@@ -268,7 +299,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
             numpy_items.append((x, out))
             results.append(out)
         else:
-            y = _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout)
+            y = _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, out_layout=out_layout)
             if out is not None:
                 out[...] = y
                 y = out
@@ -277,6 +308,6 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     for x, out in numpy_items:
         by_work.setdefault(_compute_dtype(x.dtype, xp), []).append((x, out))
     for work, group in by_work.items():
-        _rotate_numpy(group, *gathered[work], rotary_dim, layout)
+        _rotate_numpy(group, *gathered[work], rotary_dim, layout, out_layout)
     return results
 

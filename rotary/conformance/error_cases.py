@@ -54,6 +54,12 @@ def _convert_layout(**kwargs):
     return convert_layout(_x(), to="half", **kwargs)
 
 
+def _out_pairs_into(make_out):
+    """An interleaved-to-half rotation (``out_pairs``) into ``make_out(x)``."""
+    x = _x()
+    return _apply(x, layout="interleaved", out_pairs="half", out=make_out(x))
+
+
 def _from_config(**values):
     from .. import RopeSpec
 
@@ -188,6 +194,13 @@ def _cases() -> list:
                   ("rotary_offset", ">= 0")),
         ErrorCase("convert_layout rotary_offset + rotary_dim > head", lambda: _convert_layout(rotary_offset=6, rotary_dim=4),
                   ValueError, ("rotary_offset", "rotary_dim", "x.shape[-1] (8)")),
+        # -- out_pairs (pairs written in another layout than read: never in place) ----------------
+        ErrorCase("apply(out_pairs='full')", lambda: _apply(_x(), out_pairs="full"), ValueError,
+                  ("out_pairs", "'half'", "'interleaved'", "'full'")),
+        ErrorCase("apply(out_pairs=...) in place", lambda: _out_pairs_into(lambda x: x), ValueError,
+                  ("out is x itself", "out_pairs='half'", "separate buffer")),
+        ErrorCase("apply(out_pairs=...) into a view of x", lambda: _out_pairs_into(lambda x: x.view()), ValueError,
+                  ("out shares memory with x", "out_pairs", "separate buffer")),
         ErrorCase("seq_axis out of range", lambda: _apply(_x((2, 4, 8)), seq_axis=5), ValueError,
                   ("seq_axis", "[0, 1]", "[-3, -2]", "got 5")),
         # -- HF config values (named by their config key, never truncated) -------------------------

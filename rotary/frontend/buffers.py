@@ -53,17 +53,22 @@ def out_names(names):
     return ("out",) if len(names) == 1 else tuple(f"out for {name}" for name in names)
 
 
-def check_memory(xs, outs, names) -> bool:
+def check_memory(xs, outs, names, separate=False) -> bool:
     """The rules on the memory of a call's arrays, checked on every call (a plan's key fixes shapes, strides and
     dtypes, not addresses or the writeable flag): a NumPy out is writable and either its input's own view (in
     place) or shares no memory with it; with two inputs (q, k), :func:`check_cross_overlap`. Returns True when
     every separate out (not its input itself) shares no memory with any array of the call, False when one is
-    its input's memory through another view object (valid: in place)."""
+    its input's memory through another view object (valid: in place). ``separate`` (a call that writes its
+    pairs in another layout than it reads them, ``out_pairs``): an out that shares any memory with its input
+    is a ValueError naming the out."""
     apart = True
     for i, out in enumerate(outs):
         if out is None:
             continue
         x = xs[i]
+        if separate and (out is x or overlaps(out, x)):
+            raise ValueError(f"{out_names(names)[i]} shares memory with {names[i]}, but out_pairs writes the pairs to "
+                             f"other coordinates than it reads them from (no call in place): pass a separate buffer")
         if type(out) is np.ndarray or is_numpy_array(out):
             if not out.flags.writeable:
                 raise ValueError(f"{out_names(names)[i]} is read-only")

@@ -4,11 +4,12 @@ Every rotation (``apply``, ``apply_qk``, ``Rope``, ``rerotate``) runs the same t
 
 1. :func:`build_plan` makes every check that the call's *geometry key* (:func:`plan_key`: array types,
    dtypes, shapes, strides and contiguity, which inputs are rotated in place or into separate outs,
-   ``seq_axis``, ``inverse``, the spec, ``backend``) fixes: float dtypes, the sequence axis, matching
-   shapes, the spec against head_dim, the outs' type/shape/dtype/device, the backend and its tables.
+   ``seq_axis``, ``inverse``, the spec, ``backend``, ``out_pairs``) fixes: float dtypes, the sequence axis,
+   matching shapes, the spec against head_dim, the output pair layout (``out_pairs``: no call in place when it
+   differs from the spec's layout), the outs' type/shape/dtype/device, the backend and its tables.
 2. :func:`~.buffers.check_memory` checks what can change between calls with the same key: an out's
-   writeable flag and the memory the call's arrays share (out vs. its input, q's out vs. k). It runs on
-   every call, planned or not.
+   writeable flag and the memory the call's arrays share (out vs. its input, q's out vs. k; with a plan's
+   ``out_layout``, an out that shares any memory with its input). It runs on every call, planned or not.
 3. The run: positions are parsed (:func:`~.positions.prepared_rows` for the common forms, else
    :func:`~.positions.normalize_positions`), cos/sin rows looked up, and the backend rotates, through its
    prepared rotation (the ``prepare_rotation`` capability, made once per plan) or its ``rotate`` primitive
@@ -33,6 +34,8 @@ from .buffers import check_memory, check_out, out_names, same_view
 from .positions import normalize_positions, prepared_rows
 
 _PLANS_MAX = 64
+#: the pair layouts a call may write (``out_pairs``; None: the spec's own layout)
+OUT_PAIRS = ("half", "interleaved")
 
 
 def _array_part(x):
@@ -42,13 +45,15 @@ def _array_part(x):
     return t, x.dtype, x.shape, x.strides, flags.c_contiguous, flags.aligned if t is np.ndarray else True
 
 
-def plan_key(xs, outs, seq_axis, inverse, backend, spec, spec_kwargs=None, device_arrays=False):
+def plan_key(xs, outs, seq_axis, inverse, backend, spec, spec_kwargs=None, device_arrays=False, out_pairs=None):
     """The key of a call whose checks a plan can stand for, else None: NumPy arrays (CuPy too with
-    ``device_arrays``), an int ``seq_axis``, a bool ``inverse``, a string ``backend``, hashable spec keywords.
-    Each out is None, its input itself (in place) or an array of the input's type (its own geometry)."""
-    if type(seq_axis) not in (int, str, tuple, type(None)) or type(inverse) is not bool or type(backend) is not str:
+    ``device_arrays``), an int ``seq_axis``, a bool ``inverse``, a string ``backend``, hashable spec keywords,
+    ``out_pairs`` None or a string. Each out is None, its input itself (in place) or an array of the input's type
+    (its own geometry)."""
+    if (type(seq_axis) not in (int, str, tuple, type(None)) or type(inverse) is not bool or type(backend) is not str
+            or type(out_pairs) not in (str, type(None))):
         return None
-    key = [seq_axis, inverse, backend, id(spec)]   # the plan holds the spec: its id is not reused while cached
+    key = [seq_axis, inverse, backend, id(spec), out_pairs]   # the plan holds the spec: its id is not reused while cached
     for x, o in zip(xs, outs):
         t = type(x)
         if t is not np.ndarray and not (device_arrays and t.__module__.startswith("cupy")):
@@ -73,10 +78,11 @@ class RotationPlan:
     """What :func:`build_plan` proved of one geometry, and how to run calls of it (see the module docstring).
 
     ``prepared`` is the backend's prepared rotation when :meth:`prepare` made one (None: every call takes
-    :meth:`run`, the general execution on canonical views)."""
+    :meth:`run`, the general execution on canonical views). ``out_layout``: the pair layout the outputs are
+    written in when it differs from the spec's (``out_pairs``), else None."""
 
     __slots__ = ("xp", "names", "ax", "spec", "inverse", "module", "works", "device_key", "convert", "shapes",
-                 "prepared", "rows_args", "dense_key")
+                 "prepared", "rows_args", "dense_key", "out_layout")
 
     def current(self) -> bool:
         """Whether the backend module is still the registry's (tests replace and reset backends)."""
@@ -131,6 +137,8 @@ class RotationPlan:
                 items.append((xc[..., offset:] if offset else xc, None))
                 written.append(False)
         geometry = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, inverse=self.inverse)
+        if self.out_layout is not None:   # (a backend is asked for out_layout only by the calls that set it)
+            geometry["out_layout"] = self.out_layout
         if len(by_work) == 1:
             results = module.rotate(items, *by_work[self.works[0]], **geometry)
         else:   # mixed float64 / narrower operands (apply_qk): one call each, in its own precision
@@ -182,9 +190,11 @@ class RotationPlan:
             views, out_views = [v[..., offset:] for v in views], [v[..., offset:] for v in out_views]
         out_views = [v if o is x else ov for x, v, o, ov in zip(xs, views, outs, out_views)]
         x0 = xs[0]
+        extra = {"hooks": hooks} if hooks else {}
+        if self.out_layout is not None:
+            extra["out_layout"] = self.out_layout
         prepared = prepare(views, out_views, seq_len=x0.shape[ax], rotary_dim=spec.rotary_dim, layout=spec.layout,
-                           inverse=self.inverse, offset=offset, dtype=x0.dtype, table=table,
-                           **({"hooks": hooks} if hooks else {}))
+                           inverse=self.inverse, offset=offset, dtype=x0.dtype, table=table, **extra)
         if prepared is None:
             return False
         self.prepared = prepared
@@ -218,7 +228,7 @@ class RotationPlan:
         return None if result is _backends.OUTSIDE_TABLE else result
 
 
-def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs) -> RotationPlan:
+def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs, out_pairs=None) -> RotationPlan:
     """The checks of a rotation call that its geometry key fixes (see the module docstring), as a plan.
     Raises what the call's arguments get wrong, naming the argument."""
     xp = namespace(xs, names)
@@ -238,8 +248,13 @@ def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs
     if not isinstance(inverse, (bool, np.bool_)):
         raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
     spec = resolve_spec(spec, spec_kwargs, int(x0.shape[-1]), names[0])
+    out_layout = output_layout(out_pairs, spec)
     for x, out, name, oname in zip(xs, outs, names, out_names(names)):
         check_out(out, x, xp, name=oname, xname=name)
+        if out_layout is not None and out is x:
+            raise ValueError(f"{oname} is {name} itself, but out_pairs={out_pairs!r} writes the pairs to other "
+                             f"coordinates than the spec's layout {spec.layout!r} reads them from: pass a separate "
+                             f"buffer as {oname} (or none)")
     module = pick_backend(xs, backend)
     plan = RotationPlan()
     plan.xp, plan.names, plan.ax, plan.spec, plan.inverse, plan.module = xp, tuple(names), ax, spec, bool(inverse), module
@@ -247,6 +262,7 @@ def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs
     plan.device_key, plan.convert = table_converter(module, x0, xp)
     plan.shapes = [tuple(x.shape) for x in xs]
     plan.prepared = plan.rows_args = None
+    plan.out_layout = out_layout
     if not (spec.multi_axis or spec.float_positions):   # what prepared_rows parses: (seq_len, lead0, batch_rep, 0..S-1)
         seq_len, lead0 = x0.shape[ax], x0.shape[0] if ax > 0 else -1   # no batch axis: no (batch, S) form
         B = canonical_shape(plan.shapes[0], ax)[0]
@@ -262,15 +278,16 @@ def build_plan(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs
 _plans: dict = {}
 
 
-def planned(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs) -> RotationPlan:
+def planned(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs, out_pairs=None) -> RotationPlan:
     """The plan of this call: the cached one of its key (plain NumPy arrays), else a new one (cached when it
     has a key). Memory is not checked here (:func:`~.buffers.check_memory`, every call)."""
-    key = plan_key(xs, outs, seq_axis, inverse, backend, spec, spec_kwargs) if type(xs[0]) is np.ndarray else None
+    key = (plan_key(xs, outs, seq_axis, inverse, backend, spec, spec_kwargs, out_pairs=out_pairs)
+           if type(xs[0]) is np.ndarray else None)
     plan = None if key is None else _plans.get(key)
     if plan is not None and plan.current():
         return plan
     plan = build_plan(xs, outs, names, spec=spec, seq_axis=seq_axis, inverse=inverse, backend=backend,
-                      spec_kwargs=spec_kwargs)
+                      spec_kwargs=spec_kwargs, out_pairs=out_pairs)
     if key is not None:
         if (not plan.spec.rotary_offset and canonical_layout(xs[0].ndim, plan.ax)[2] == tuple(range(xs[0].ndim))
                 and type(plan.module.empty((0,), xs[0].dtype) if hasattr(plan.module, "empty") else None) is np.ndarray):
@@ -279,6 +296,18 @@ def planned(xs, outs, names, *, spec, seq_axis, inverse, backend, spec_kwargs) -
             _plans.clear()
         _plans[key] = plan
     return plan
+
+
+def output_layout(out_pairs, spec):
+    """The pair layout a call with ``out_pairs`` writes when it differs from the spec's layout (pairs read in
+    ``spec.layout``, written in this one: e.g. DeepSeek's interleaved q/k rotated into half-split pairs), else None
+    (``out_pairs`` None or the spec's own layout). A value other than None, "half" or "interleaved" is a ValueError
+    naming out_pairs."""
+    if out_pairs is None:
+        return None
+    if not isinstance(out_pairs, str) or out_pairs not in OUT_PAIRS:
+        raise ValueError(f"out_pairs must be None (the spec's layout), 'half' or 'interleaved', got {out_pairs!r}")
+    return None if out_pairs == spec.layout else out_pairs
 
 
 def _readonly(a):
@@ -304,4 +333,4 @@ def _offset_views(xv, ov, offset, xp):
     return xv[..., offset:], ov[..., offset:], full
 
 
-__all__ = ["RotationPlan", "build_plan", "check_memory", "plan_key", "planned"]
+__all__ = ["OUT_PAIRS", "RotationPlan", "build_plan", "check_memory", "output_layout", "plan_key", "planned"]

@@ -55,7 +55,7 @@ class Rope:
     Notes
     -----
     Calls take the keywords of :func:`rotary.apply_qk` (seq_axis, inverse, out, cu_seqlens,
-    seqlen_offsets) and give the same results.
+    seqlen_offsets, out_pairs) and give the same results.
     """
 
     def __init__(self, spec, backend="auto", dtype=np.float32, max_positions=None, *, seq_axis=None, layout=None):
@@ -95,7 +95,7 @@ class Rope:
 
     # -- public calls --------------------------------------------------------------------------------
     def __call__(self, q, k, positions=None, *, seq_axis=None, inverse=False, out=None, cu_seqlens=None,
-                 seqlen_offsets=None, layout=None):
+                 seqlen_offsets=None, layout=None, out_pairs=None):
         """Rotate q and k (one pass); as :func:`rotary.apply_qk`. Returns ``(q_rot, k_rot)``."""
         seq_axis = self._axis(seq_axis, layout)
         if out is None:
@@ -106,15 +106,15 @@ class Rope:
             raise TypeError("out must be None or a pair (q_out, k_out)")
         if cu_seqlens is not None or seqlen_offsets is not None:
             positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", self.spec)
-        return tuple(self._rotate((q, k), outs, ("q", "k"), positions, seq_axis, inverse))
+        return tuple(self._rotate((q, k), outs, ("q", "k"), positions, seq_axis, inverse, out_pairs))
 
     def apply(self, x, positions=None, *, seq_axis=None, inverse=False, out=None, cu_seqlens=None, seqlen_offsets=None,
-              layout=None):
+              layout=None, out_pairs=None):
         """Rotate one array; as :func:`rotary.apply`."""
         seq_axis = self._axis(seq_axis, layout)
         if cu_seqlens is not None or seqlen_offsets is not None:
             positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, "x", self.spec)
-        return self._rotate((x,), (out,), ("x",), positions, seq_axis, inverse)[0]
+        return self._rotate((x,), (out,), ("x",), positions, seq_axis, inverse, out_pairs)[0]
 
     def _axis(self, seq_axis, layout):
         """A call's sequence axis: its own ``seq_axis`` / ``layout`` (a tensor layout), else the one held."""
@@ -123,11 +123,12 @@ class Rope:
         return self.seq_axis if seq_axis is None else seq_axis
 
     # -- the prepared path -----------------------------------------------------------------------------
-    def _rotate(self, xs, outs, names, positions, seq_axis, inverse):
-        key = plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True) if self._fast_ok else None
+    def _rotate(self, xs, outs, names, positions, seq_axis, inverse, out_pairs=None):
+        key = (plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True, out_pairs=out_pairs)
+               if self._fast_ok else None)
         plan = None if key is None else self._plans.get(key)
         if plan is not None:   # checked for this geometry: the memory rules, then the prepared rotation
-            if check_memory(xs, outs, names):
+            if check_memory(xs, outs, names, plan.out_layout is not None):
                 given = plan.rows(positions)
                 if given is not None:
                     result = plan.prepared.run(xs, outs, given[0], given[1], self._table)
@@ -136,9 +137,9 @@ class Rope:
                     if result is not None:
                         return result
         result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
-                               inverse=inverse, backend=self.backend, spec_kwargs={})
+                               inverse=inverse, backend=self.backend, spec_kwargs={}, out_pairs=out_pairs)
         if key is not None and plan is None and self.dtype == xs[0].dtype:   # validated: prepare this geometry
-            plan = self._prepare(xs, outs, names, seq_axis, inverse)
+            plan = self._prepare(xs, outs, names, seq_axis, inverse, out_pairs=out_pairs)
             if plan is not None:
                 if len(self._plans) >= 64:
                     self._plans.clear()
@@ -168,24 +169,24 @@ class Rope:
             return True
         return lo >= 0 and self._grow(lo, hi)
 
-    def _prepare(self, xs, outs, names, seq_axis, inverse, module=None, hooks=None):
+    def _prepare(self, xs, outs, names, seq_axis, inverse, module=None, hooks=None, out_pairs=None):
         """The plan of this geometry (:func:`~.plan.build_plan`, the general path's checks) with the backend's
         prepared rotation reading the held table, or None (no ``prepare_rotation`` capability, or views it
         cannot take). ``module``/``hooks`` prepare another backend's path for these arrays (tests and
         benchmarks: the CUDA launch path through the host shim, a mocked launch)."""
         plan = build_plan(list(xs), list(outs), list(names), spec=self.spec, seq_axis=seq_axis, inverse=inverse,
-                          backend="auto" if module is not None else self.backend, spec_kwargs={})
+                          backend="auto" if module is not None else self.backend, spec_kwargs={}, out_pairs=out_pairs)
         if self._table is None and not self._grow(0, 255):
             return None
         return plan if plan.prepare(xs, outs, self._table, module=module, hooks=hooks) else None
 
-    def _prepare_device_path(self, xs, outs=None, seq_axis=None, inverse=False, *, backend, **hooks):
+    def _prepare_device_path(self, xs, outs=None, seq_axis=None, inverse=False, *, backend, out_pairs=None, **hooks):
         """Prepare (and keep) ``backend``'s prepared path (a backend module, e.g. the CuPy one with the host
         shim's hooks) for this geometry (tests, benchmarks)."""
         outs = outs or (None,) * len(xs)
         names = ("x",) if len(xs) == 1 else ("q", "k")
-        key = plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True)
-        plan = self._prepare(xs, outs, names, seq_axis, inverse, module=backend, hooks=hooks)
+        key = plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True, out_pairs=out_pairs)
+        plan = self._prepare(xs, outs, names, seq_axis, inverse, module=backend, hooks=hooks, out_pairs=out_pairs)
         self._plans[key] = plan
         return plan
 

@@ -17,15 +17,17 @@ from .positions import packed_positions
 
 # -- rotation ------------------------------------------------------------------------------------
 @_adapters.dispatch("rotate", 1)   # torch, JAX, Dask arrays: rotary/interop/
-def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs, tables=None):
+def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backend, spec_kwargs, tables=None,
+                  out_pairs=None):
     """Shared body of apply/apply_qk: rotate each x of ``xs`` (same batch/seq/head_dim) through the call's
     plan (:mod:`.plan`: checked once per geometry, its memory rules every call).
 
     ``tables(spec, pos, dtype, device_key, convert) -> (cos, sin, rows)`` replaces the table lookup of the
-    normalized positions ``pos`` (rerotate gives table rows of angle differences)."""
+    normalized positions ``pos`` (rerotate gives table rows of angle differences). ``out_pairs``: the pair
+    layout of the outputs (None: the spec's)."""
     plan = planned(xs, outs, names, spec=spec, seq_axis=seq_axis, inverse=inverse, backend=backend,
-                   spec_kwargs=spec_kwargs)
-    apart = check_memory(xs, outs, plan.names)
+                   spec_kwargs=spec_kwargs, out_pairs=out_pairs)
+    apart = check_memory(xs, outs, plan.names, plan.out_layout is not None)
     if plan.prepared is not None and tables is None and apart:
         result = plan.run_prepared(xs, outs, positions)
         if result is not None:
@@ -61,7 +63,7 @@ def given_values(x, name, positions, spec, seq_axis, spec_kwargs, cos_sin_cache,
 
 
 def apply(x, positions=None, *, spec=None, seq_axis=None, inverse=False, out=None, backend="auto", cu_seqlens=None,
-          seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
+          seqlen_offsets=None, cos_sin_cache=None, angles=None, out_pairs=None, **spec_kwargs):
     """Rotate ``x`` (..., seq, ..., head_dim) by RoPE at ``positions``; returns x's array type and dtype.
 
     ``y_a = x_a cos(p w_i) - x_b sin(p w_i)``, ``y_b = x_b cos(p w_i) + x_a sin(p w_i)`` for each pair
@@ -101,21 +103,28 @@ def apply(x, positions=None, *, spec=None, seq_axis=None, inverse=False, out=Non
     angles : float array (seq, rotary_dim/2) or (batch, seq, rotary_dim/2), optional
         Every token's angles instead of positions and frequencies (TransformerEngine's ``freqs``; see
         :mod:`rotary.spec.given_tables`). With either, the spec gives only the layout, rotary_dim and offset.
+    out_pairs : {None, "half", "interleaved"}
+        The pair layout the result is written in (None: the spec's layout). Pairs are read in the spec's
+        layout and pair i is written to ``(i, i + rotary_dim/2)`` ("half") or ``(2i, 2i+1)`` ("interleaved"):
+        ``layout="interleaved", out_pairs="half"`` is DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` (MLA)
+        in one pass. When it differs from the spec's layout the call cannot run in place: ``out`` must share
+        no memory with x. With ``inverse`` the pairs are still read in the spec's layout.
     """
     seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
     positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, spec=spec)
     positions, tables, spec_kwargs = given_values(x, "x", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
-                         backend=backend, spec_kwargs=spec_kwargs, **({"tables": tables} if tables else {}))[0]
+                         backend=backend, spec_kwargs=spec_kwargs, out_pairs=out_pairs,
+                         **({"tables": tables} if tables else {}))[0]
 
 
 def apply_qk(q, k, positions=None, *, spec=None, seq_axis=None, inverse=False, out=None, backend="auto",
-             cu_seqlens=None, seqlen_offsets=None, cos_sin_cache=None, angles=None, **spec_kwargs):
+             cu_seqlens=None, seqlen_offsets=None, cos_sin_cache=None, angles=None, out_pairs=None, **spec_kwargs):
     """Rotate q and k together (one pass / one launch); head counts may differ (GQA).
 
     Same arguments as :func:`apply` (``cu_seqlens``/``seqlen_offsets`` for packed q and k, ``cos_sin_cache`` /
-    ``angles`` for the caller's own values); ``out`` is None or a pair ``(q_out, k_out)`` (either may be None;
-    ``out=(q, k)`` rotates in place). Returns ``(q_rot, k_rot)``.
+    ``angles`` for the caller's own values, ``out_pairs`` for both outputs' pair layout); ``out`` is None or a
+    pair ``(q_out, k_out)`` (either may be None; ``out=(q, k)`` rotates in place). Returns ``(q_rot, k_rot)``.
     """
     if out is None:
         outs = [None, None]
@@ -127,6 +136,6 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=None, inverse=False, o
     positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", spec)
     positions, tables, spec_kwargs = given_values(q, "q", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,
-                                 inverse=inverse, backend=backend, spec_kwargs=spec_kwargs,
+                                 inverse=inverse, backend=backend, spec_kwargs=spec_kwargs, out_pairs=out_pairs,
                                  **({"tables": tables} if tables else {}))
     return q_rot, k_rot

@@ -120,10 +120,11 @@ def traced_cos_sin(spec: RopeSpec, p, work):
 
 
 def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=None, inverse=False, backend="auto",
-                   spec_kwargs=None, **unknown):
+                   spec_kwargs=None, out_pairs=None, **unknown):
     import jax.numpy as jnp
 
     from ..frontend import normalize as _api
+    from ..frontend.plan import output_layout
     from ..backends.numpy import _rotate_xp
 
     if unknown:
@@ -135,6 +136,7 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=None, inverse=Fa
     x0 = xs[0]
     ax = _api.normalize_seq_axis(seq_axis, x0.ndim, names[0])
     spec = _api.resolve_spec(spec, spec_kwargs or {}, int(x0.shape[-1]), names[0])
+    out_layout = output_layout(out_pairs, spec)
     if getattr(spec, "n_axes", 1) != 1 or getattr(spec, "float_positions", False):
         raise ValueError("positions is traced, but the spec reads several (or float) coordinates per token: pass "
                          "concrete positions (e.g. static_argnums under jit)")
@@ -169,7 +171,7 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=None, inverse=Fa
             c, s = traced_cos_sin(spec, p, work)
             cache[work] = c[:, :, None, :], (-s if inverse else s)[:, :, None, :]
         y = _rotate_xp(xp, _api.to_canonical(x, ax, xp), *cache[work], spec.rotary_dim, spec.layout,
-                       spec.rotary_offset)
+                       spec.rotary_offset, out_layout)
         results.append(_api.from_canonical(y, tuple(x.shape), ax, xp))
     return results
 

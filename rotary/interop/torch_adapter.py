@@ -195,6 +195,8 @@ def _rotate_function():
             result = [None] * len(grads)
             if want:
                 gs = [grads[i] for i in want]
+                if kwargs.get("out_pairs") is not None:
+                    back = _swap_pairs(back, int(gs[0].shape[-1]), names[0])
                 rotated = rotate(core, gs, [None] * len(gs), [names[i] for i in want], positions, **back)
                 for i, g in zip(want, rotated):
                     result[i] = g
@@ -204,6 +206,17 @@ def _rotate_function():
 
 
 _ROTATE = []
+
+
+def _swap_pairs(kwargs, head_dim, name):
+    """The backward call's keywords of a rotation with ``out_pairs``: it read pairs in the spec's layout and wrote
+    them in out_pairs, so the gradient's pairs are read in out_pairs and written in the spec's layout."""
+    from ..frontend.arguments import resolve_spec
+
+    spec = resolve_spec(kwargs.get("spec"), dict(kwargs.get("spec_kwargs") or {}), head_dim, name)
+    if kwargs["out_pairs"] == spec.layout:
+        return kwargs
+    return dict(kwargs, spec=spec.replace(layout=kwargs["out_pairs"]), spec_kwargs={}, out_pairs=spec.layout)
 
 
 def rotate(core, xs, outs, names, positions, **kwargs):
