@@ -184,15 +184,18 @@ def _group_geometry(group):
     return geo
 
 
-def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
     """Rotate every ``(x, out)`` of ``items`` (pairs of items in one pass); see ``rotary.backends``."""
+    out_layout = out_layout or layout
+    if out_layout != layout and any(out is x for x, out in items):
+        raise ValueError("out_layout differs from layout: the outputs cannot be the inputs (no rotation in place)")
     results = []
     cos, sin, rows = _readonly_c(cos), _readonly_c(sin), _readonly_c(rows)
     prepared = [_prepare(x, out) for x, out in items]
     for first in range(0, len(prepared), 2):
         group = [p for p in prepared[first:first + 2] if p[0].size]
         if group:
-            _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse)
+            _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse, out_layout)
     for x, target, result, copy_back in prepared:
         if copy_back:
             result[...] = target
@@ -200,7 +203,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
     return results
 
 
-def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
+def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse, out_layout):
     B, S, _, D = group[0][0].shape
     geo = _group_geometry(group)
     bufs = [(_buffer(x), _buffer(target)) for x, target, _, _ in group]
@@ -209,7 +212,8 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse):
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
     kernel = rotate_kernel(elements, B, S)
     if not _launch(kernel, (bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S,
-                            rotary_dim // 2, rotary_dim, D, layout == "interleaved", bool(inverse))):
+                            rotary_dim // 2, rotary_dim, D, layout == "interleaved", out_layout == "interleaved",
+                            bool(inverse))):
         raise ValueError(f"rows must index the cos/sin table (0 <= row < {cos.shape[0]})")
 
 
@@ -219,13 +223,13 @@ class PreparedRotation:
     checks every row against the held table and writes nothing when one falls outside (``run`` returns
     OUTSIDE_TABLE)."""
 
-    def __init__(self, views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, f16):
+    def __init__(self, views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, f16, out_layout=None):
         group = [(v, o, None, False) for v, o in zip(views, out_views)]
         self.geo = _group_geometry(group)
         self.batch, self.seq_len = views[0].shape[0], seq_len
         self.elements = sum(v.size for v in views)   # the kernel is picked per call (rotate_kernel)
         self.consts = (self.batch * seq_len, seq_len, rotary_dim // 2, rotary_dim, views[0].shape[3],
-                       layout == "interleaved", bool(inverse))
+                       layout == "interleaved", (out_layout or layout) == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
         self.nothing = not (views[0].size and self.batch * seq_len)   # no token or no coordinate to rotate
 
@@ -267,11 +271,13 @@ class PreparedRotation:
         return spans
 
 
-def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None):
+def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table=None,
+                     out_layout=None):
     """A :class:`PreparedRotation` for canonical ``views`` (from the rotary offset on) and the views of
-    their outputs (``out_views[i] is views[i]``: in place); the table is passed to each ``run``."""
+    their outputs (``out_views[i] is views[i]``: in place; never with an ``out_layout`` other than ``layout``);
+    the table is passed to each ``run``."""
     return PreparedRotation(views, out_views, seq_len=seq_len, rotary_dim=rotary_dim, layout=layout,
-                            inverse=inverse, offset=offset, f16=np.dtype(dtype) == np.float16)
+                            inverse=inverse, offset=offset, f16=np.dtype(dtype) == np.float16, out_layout=out_layout)
 
 
 def empty(shape, dtype):

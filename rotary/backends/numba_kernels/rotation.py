@@ -4,8 +4,9 @@ Rotation of pair (a, b) with table values (c, s) of the token's row (s negated f
 
     y_a = x_a c - x_b s,    y_b = x_b c + x_a s
 
-Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; coordinates from
-rotary_dim to head_dim are copied. A separate output of at least STREAM_MIN_BYTES is written by
+Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; the kernels read them in one
+layout (``interleaved``) and write them in one (``out_interleaved``: the same, or the other one for ``out_pairs``,
+never in place); coordinates from rotary_dim to head_dim are copied. A separate output of at least STREAM_MIN_BYTES is written by
 non-temporal stores where its head vectors are 16-byte aligned (:func:`rotate_pairs_stream`). fastmath is
 off: the results round exactly like the NumPy reference (one multiply and one add/subtract, no fused
 multiply-add). Buffers, offsets and float16 bits as in :mod:`.common`.
@@ -25,8 +26,9 @@ from .simd import (KERNEL_JIT, VECTOR_BYTES, _work_dtype, is_aligned16, lanes, l
 # -- rotation ------------------------------------------------------------------------------------
 # The rotation loops index the flat buffers and the 2-D tables directly, never through slices or row views
 # (see :func:`.common.borrowed` for what a view costs). Unit-stride vectors rotate a whole SIMD register of
-# pairs at a time (:func:`rotate_pairs_simd`): loads of a block come before its stores, so ``out is x`` runs
-# vectorised too (LLVM's own vectoriser fell back to scalar code there: x and out alias).
+# pairs at a time (:func:`rotate_pairs_simd`; :func:`rotate_pairs_to` writes another pair layout): loads of a
+# block come before its stores, so ``out is x`` runs vectorised too (LLVM's own vectoriser fell back to scalar
+# code there: x and out alias).
 
 #: how many heads ahead a separate output's lines are prefetched for writing (see rotate_token)
 PREFETCH_HEADS = 2
@@ -41,25 +43,41 @@ def rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     """Rotate the first whole registers of pairs of the unit-stride vector x.flat[xi:] into o.flat[oi:] with
     table row ``row``, exactly as the scalar loop of :func:`rotate_token` does (same products and sums, float16
     via float32); returns how many pairs it did. Each block is loaded before it is stored, so o may be x."""
-    done = half - half % lanes(cos)
-    step, second = (2, 1) if interleaved else (1, half)
-    for p in range(done):   # (the Python form: pair by pair)
-        c, s = cos[row, p], neg_if(sin[row, p], inverse)
-        xa, xb = load(x, xi + p * step), load(x, xi + p * step + second)
-        store(o, oi + p * step, xa * c - xb * s)
-        store(o, oi + p * step + second, xb * c + xa * s)
-    return done
+    return rotate_pairs_to(x, xi, o, oi, cos, sin, row, half, interleaved, interleaved, inverse)
 
 
 def rotate_pairs_stream(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
     """:func:`rotate_pairs_simd` writing o by non-temporal stores (around the caches: no read of o's lines
     before they are written); o's vectors must start on 16-byte boundaries (:func:`.simd.is_aligned16`),
     the stores ordered by a :func:`.simd.store_fence` after them."""
-    return rotate_pairs_simd(x, xi, o, oi, cos, sin, row, half, interleaved, inverse)
+    return rotate_pairs_to(x, xi, o, oi, cos, sin, row, half, interleaved, interleaved, inverse)
 
 
-def _rotate_pairs_overload(stream):
-    """The overload of rotate_pairs_simd (``stream`` False) or rotate_pairs_stream (True): one body, two stores."""
+def rotate_pairs_to(x, xi, o, oi, cos, sin, row, half, interleaved, out_interleaved, inverse):
+    """:func:`rotate_pairs_simd` reading the pairs in the layout ``interleaved`` says and writing them in the one
+    ``out_interleaved`` says (``out_pairs``; o is never x then): pairs are read a register at a time in their
+    layout (interleaved: :func:`.simd.vdeinterleave` of two registers) and written in theirs (interleaved:
+    :func:`.simd.vinterleave`), the same products and sums."""
+    done = half - half % lanes(cos)
+    step, second = (2, 1) if interleaved else (1, half)
+    ostep, osecond = (2, 1) if out_interleaved else (1, half)
+    for p in range(done):   # (the Python form: pair by pair)
+        c, s = cos[row, p], neg_if(sin[row, p], inverse)
+        xa, xb = load(x, xi + p * step), load(x, xi + p * step + second)
+        store(o, oi + p * ostep, xa * c - xb * s)
+        store(o, oi + p * ostep + osecond, xb * c + xa * s)
+    return done
+
+
+def rotate_pairs_stream_to(x, xi, o, oi, cos, sin, row, half, interleaved, out_interleaved, inverse):
+    """:func:`rotate_pairs_to` writing o by non-temporal stores (as :func:`rotate_pairs_stream`)."""
+    return rotate_pairs_to(x, xi, o, oi, cos, sin, row, half, interleaved, out_interleaved, inverse)
+
+
+def _rotate_pairs_overload(stream, mixed=False):
+    """The overload of rotate_pairs_simd (``stream`` False) or rotate_pairs_stream (True): one body, two stores;
+    ``mixed``: of rotate_pairs_to / rotate_pairs_stream_to (an output layout of its own, a branch more per
+    register: the same-layout functions keep their own loop)."""
     def overload_impl(x, xi, o, oi, cos, sin, row, half, interleaved, inverse):
         n = VECTOR_BYTES // (_work_dtype(x.dtype).bitwidth // 8)
         put = vstore_stream16 if stream else vstore
@@ -82,20 +100,50 @@ def _rotate_pairs_overload(stream):
                     put(o, oi + half + i, vadd(vmul(xb, c), vmul(xa, s)))
             return done
         return impl
-    return overload_impl
+
+    def overload_mixed(x, xi, o, oi, cos, sin, row, half, interleaved, out_interleaved, inverse):
+        n = VECTOR_BYTES // (_work_dtype(x.dtype).bitwidth // 8)
+        put = vstore_stream16 if stream else vstore
+
+        def impl(x, xi, o, oi, cos, sin, row, half, interleaved, out_interleaved, inverse):
+            table = np.int64(row) * cos.shape[1]
+            done = half - half % n
+            for i in range(0, done, n):
+                c = vload(cos, table + i)
+                s = neg_if(vload(sin, table + i), inverse)
+                if interleaved:
+                    xa, xb = vdeinterleave(vload(x, xi + 2 * i), vload(x, xi + 2 * i + n))
+                else:
+                    xa = vload(x, xi + i)
+                    xb = vload(x, xi + half + i)
+                ya = vsub(vmul(xa, c), vmul(xb, s))
+                yb = vadd(vmul(xb, c), vmul(xa, s))
+                if out_interleaved:
+                    lo, hi = vinterleave(ya, yb)
+                    put(o, oi + 2 * i, lo)
+                    put(o, oi + 2 * i + n, hi)
+                else:
+                    put(o, oi + i, ya)
+                    put(o, oi + half + i, yb)
+            return done
+        return impl
+    return overload_mixed if mixed else overload_impl
 
 
 # inlined where they are called: no call per vector
 overload(rotate_pairs_simd, inline="always")(_rotate_pairs_overload(False))
 overload(rotate_pairs_stream, inline="always")(_rotate_pairs_overload(True))
+overload(rotate_pairs_to, inline="always")(_rotate_pairs_overload(False, mixed=True))
+overload(rotate_pairs_stream_to, inline="always")(_rotate_pairs_overload(True, mixed=True))
 
 
 @register_jitable
 def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse, streams):
+                 out_interleaved, inverse, streams):
     """Rotate every head of token t (= b*seq_len + s) of item ``item`` with table row rows[b or 0, s] + shift;
-    geo[item]: its GEO_COLUMNS int64 values. Unit-stride heads: whole registers of pairs
-    (:func:`rotate_pairs_simd`), then the scalar loop for the rest (strided heads: all of it), then the
+    geo[item]: its GEO_COLUMNS int64 values; pairs read in the layout ``interleaved`` says, written in the one
+    ``out_interleaved`` says. Unit-stride heads: whole registers of pairs
+    (:func:`rotate_pairs_simd`; :func:`rotate_pairs_to` for another output layout), then the scalar loop for the rest (strided heads: all of it), then the
     coordinates rotary_dim..head_dim-1 copied (separate outputs). ``streams`` None: never by non-temporal
     stores (the serial kernel: Numba prunes that branch before typing), else (the parallel kernel) where geo
     says so, every pair is in a register and the token's head vectors are 16-byte aligned.
@@ -119,7 +167,11 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
         if (unit and half % lanes(cos) == 0 and geo[item, GEO_STREAM] != 0 and not copy_tail and is_aligned16(o, oi)
                 and is_aligned16(o, oi + osh)):
             for h in range(heads):
-                rotate_pairs_stream(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+                if out_interleaved == interleaved:
+                    rotate_pairs_stream(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+                else:
+                    rotate_pairs_stream_to(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved,
+                                           out_interleaved, inverse)
             store_fence()
             return
     ahead = PREFETCH_HEADS if geo[item, GEO_COPY_TAIL] != 0 else heads   # in place: the lines just read
@@ -129,21 +181,26 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
             if h + ahead < heads:
                 for j in range(0, 2 * half, line):
                     prefetch_write(o, oi + (h + ahead) * osh + j)
-            done = rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+            if out_interleaved == interleaved:
+                done = rotate_pairs_simd(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved, inverse)
+            else:
+                done = rotate_pairs_to(x, xi + h * xsh, o, oi + h * osh, cos, sin, row, half, interleaved,
+                                       out_interleaved, inverse)
         if done == half and not copy_tail:
             return
     width = vector_items(x)
     step, second = (2, 1) if interleaved else (1, half)
+    ostep, osecond = (2, 1) if out_interleaved else (1, half)
     for h in range(heads):   # the pairs past the whole registers (strided heads: all), the tail
         xh, oh = xi + h * xsh, oi + h * osh
         for i in range(done, half):
             c = cos[row, i]
             sn = neg_if(sin[row, i], inverse)
-            ia = i * step
+            ia, oa = i * step, i * ostep
             xa = load(x, xh + ia * xsd)
             xb = load(x, xh + (ia + second) * xsd)
-            store(o, oh + ia * osd, xa * c - xb * sn)
-            store(o, oh + (ia + second) * osd, xb * c + xa * sn)
+            store(o, oh + oa * osd, xa * c - xb * sn)
+            store(o, oh + (oa + osecond) * osd, xb * c + xa * sn)
         if copy_tail:   # a register at a time where the heads are unit-stride (element by element was 5x slower)
             j = rotary_dim
             while unit and j + width <= head_dim:
@@ -166,20 +223,21 @@ def rows_in_table(rows, shift, table_rows):
 
 @register_jitable(inline="always")   # the body of both loops below: inlined
 def rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                    inverse, streams):
+                    out_interleaved, inverse, streams):
     """Token t of q (geometry item 0), then of k (item 1)."""
     q_item, k_item = np.int64(0), np.int64(1)   # not literals: one compiled rotate_token for both
     rotate_token(t, xq, oq, geo, q_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse, streams)
+                 out_interleaved, inverse, streams)
     rotate_token(t, xk, ok, geo, k_item, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim, interleaved,
-                 inverse, streams)
+                 out_interleaved, inverse, streams)
 
 
 @njit(parallel=True, **KERNEL_JIT)
 def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
-                       interleaved, inverse):
+                       interleaved, out_interleaved, inverse):
     """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row
-    rows[b or 0, s] + shift. Returns False, writing nothing, when a row lies outside the table
+    rows[b or 0, s] + shift; pairs read in the layout ``interleaved`` says, written in the one ``out_interleaved``
+    says (another one: never in place). Returns False, writing nothing, when a row lies outside the table
     (a prepared caller passes positions with shift = -table start and grows the table then)."""
     if not rows_in_table(rows, shift, cos.shape[0]):
         return False
@@ -188,13 +246,13 @@ def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq
         # t as int64: the parfor's loop index is uint64, and its body is typed before and after the parfor
         # pass; both int64, one compiled rotate_token serves both (uint64 compiled a second, ~0.8 s)
         rotate_qk_token(np.int64(t), xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim,
-                        head_dim, interleaved, inverse, streams)
+                        head_dim, interleaved, out_interleaved, inverse, streams)
     return True
 
 
 @njit(**KERNEL_JIT)
 def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
-                     interleaved, inverse):
+                     interleaved, out_interleaved, inverse):
     """rotate_qk_parallel on the calling thread (small calls: no thread hand-off)."""
     xq, oq, xk, ok, geo = borrowed(xq), borrowed(oq), borrowed(xk), borrowed(ok), borrowed(geo)
     cos, sin, rows = borrowed(cos), borrowed(sin), borrowed(rows)
@@ -202,7 +260,7 @@ def rotate_qk_serial(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_l
         return False
     for t in range(n_tokens):
         rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim, head_dim,
-                        interleaved, inverse, None)
+                        interleaved, out_interleaved, inverse, None)
     return True
 
 
