@@ -44,7 +44,7 @@ def _dtype_name(a) -> str:
 def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_limit=cb.SHARED_MEM_LIMIT):
     """A backend module for NumPy arrays that runs the CUDA kernels on the CPU (same plans as CuPy)."""
 
-    def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+    def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
         outs = [np.empty(x.shape, x.dtype) if out is None else out for x, out in items]
         work = np.float64 if items[0][0].dtype == np.float64 else np.float32
         cos, sin = np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work)
@@ -57,13 +57,13 @@ def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_lim
             kernels.launch(cb.plan_rotate(group, cos, sin, rows, dtype_name=_dtype_name(group[0][0]),
                                           rotary_dim=rotary_dim, layout=layout, inverse=inverse,
                                           address=host.address, threads=threads,
-                                          max_tokens_per_block=max_tokens_per_block))
+                                          max_tokens_per_block=max_tokens_per_block, out_layout=out_layout))
             if len(group) == 1 and i + 1 < len(pairs):
                 x, y = pairs[i + 1]
                 kernels.launch(cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name=_dtype_name(x),
                                               rotary_dim=rotary_dim, layout=layout, inverse=inverse,
                                               address=host.address, threads=threads,
-                                              max_tokens_per_block=max_tokens_per_block))
+                                              max_tokens_per_block=max_tokens_per_block, out_layout=out_layout))
         return outs
 
     def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
@@ -288,6 +288,147 @@ def test_rotate_geometry_is_linear_in_tokens():
             assert 1 <= block <= 256 and smem == tpb * (32 + 2 * 64 * 4) <= cb.SHARED_MEM_LIMIT
     grid, block, tpb, _ = cb.rotate_geometry(65536, 40 * 8, 544)
     assert (grid, block, tpb) == (16384, 256, 4)
+
+
+# -- rotation: pairs written in another layout than read (out_pairs) ----------------------------------------
+def _moved(y, rotary_dim, layout, out_layout):
+    """y (pairs in ``layout`` over its first rotary_dim coordinates) with the pairs moved to ``out_layout``."""
+    return y if out_layout == layout else rotary.convert_layout(y, to=out_layout, rotary_dim=rotary_dim)
+
+
+MIXED = [("interleaved", "half"), ("half", "interleaved")]
+
+
+@pytest.mark.parametrize("layout,out_layout", MIXED)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(24, 12), (20, 20), (19, 18), (40, 6), (64, 64), (80, 64)])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_rotate_mixed_layouts_writes_only_its_elements(kernels, layout, out_layout, head_dim, rotary_dim, dtype, rng):
+    """rope_rotate<..., INTERLEAVED, !INTERLEAVED>: the oracle's values at the out layout's coordinates, the
+    same-layout kernel's bits moved (same products and sums), GQA in one launch, nothing written outside the
+    outputs, the inputs untouched."""
+    B, S, Hq, Hk = 2, 5, 3, 1
+    spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout)
+    positions = rng.integers(0, 50, size=(B, S)).astype(np.int64)
+    work = np.float64 if dtype == "float64" else np.float32
+    cos, sin = _tables(spec, np.arange(50), work)
+    q, _, _ = _guarded((B, S, Hq, head_dim), dtype, rng)
+    k, _, _ = _guarded((B, S, Hk, head_dim), dtype, rng)
+    q0, k0 = q.copy(), k.copy()
+    qo, qobuf, qmask = _guarded(q.shape, dtype, rng, fill=np.inf)
+    ko, kobuf, kmask = _guarded(k.shape, dtype, rng, fill=np.inf)
+    plan = cb.plan_rotate([(q, qo), (k, ko)], cos, sin, positions, dtype_name=dtype, rotary_dim=rotary_dim,
+                          layout=layout, inverse=False, address=host.address, threads=7, max_tokens_per_block=2,
+                          out_layout=out_layout)
+    assert plan.kernel.endswith(f"{layout == 'interleaved'}, {out_layout == 'interleaved'}>".lower())
+    kernels.launch(plan)
+    rtol, atol = tolerance(dtype)
+    for got, x in ((qo, q0), (ko, k0)):
+        want = _moved(_oracle(x, positions, spec), rotary_dim, layout, out_layout)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=atol)
+        same = np.empty_like(x)
+        kernels.launch(cb.plan_rotate([(x, same)], cos, sin, positions, dtype_name=dtype, rotary_dim=rotary_dim,
+                                      layout=layout, inverse=False, address=host.address, threads=7))
+        np.testing.assert_array_equal(got, _moved(same, rotary_dim, layout, out_layout))
+    for buf, mask in ((qobuf, qmask), (kobuf, kmask)):
+        assert np.all(buf[~mask] == np.inf), "wrote outside the output"
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+
+
+@pytest.mark.parametrize("layout,out_layout", MIXED)
+def test_mixed_layouts_vector_widths_and_strides(kernels, layout, out_layout, rng):
+    """Aligned contiguous fp16 takes 16-byte accesses (V=8) in the mixed kernels too; an odd element offset
+    and a strided head fall back to narrower / scalar accesses; all equal the oracle; inverse undoes it."""
+    spec = RopeSpec(64, layout=layout)
+    cos, sin = _tables(spec, np.arange(8))
+    rows = np.arange(8, dtype=np.int64)[None]
+    buf = rng.standard_normal(2 * 8 * 4 * 128 + 8).astype(np.float16)
+    widths = {}
+    for offset, step in ((0, 1), (1, 1), (2, 1), (4, 1), (0, 2)):
+        x = buf[offset:offset + 2 * 8 * 4 * 64 * step].reshape(2, 8, 4, 64 * step)[..., ::step]
+        y = np.empty(x.shape, x.dtype)
+        plan = cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name="float16", rotary_dim=64, layout=layout,
+                              inverse=False, address=host.address, threads=32, out_layout=out_layout)
+        widths[(offset, step)] = int(plan.kernel.split(",")[2])
+        kernels.launch(plan)
+        want = _moved(_oracle(x, np.arange(8), spec), 64, layout, out_layout)
+        np.testing.assert_allclose(y.astype(np.float64), want, rtol=2e-3, atol=2e-3)
+        back = np.empty_like(y)   # the other direction, inverse: reads out_layout, writes layout
+        kernels.launch(cb.plan_rotate([(y, back)], cos, sin, rows, dtype_name="float16", rotary_dim=64,
+                                      layout=out_layout, inverse=True, address=host.address, threads=32,
+                                      out_layout=layout))
+        np.testing.assert_allclose(back.astype(np.float64), x.astype(np.float64), rtol=4e-3, atol=4e-3)
+    assert widths[(0, 2)] == 1
+    if host.address(buf) % 16 == 0:
+        assert widths[(0, 1)] == 8 and widths[(1, 1)] == 1 and widths[(2, 1)] == 2 and widths[(4, 1)] == 4
+
+
+def test_mixed_layouts_bfloat16_and_plan_rules(kernels, rng):
+    """bfloat16 storage in a mixed kernel; plan_rotate refuses y is x when the layouts differ, and caches the
+    mixed and the same-layout launches of one geometry apart."""
+    spec = RopeSpec(48, rotary_dim=32, layout="interleaved")
+    positions = np.arange(9)
+    cos, sin = _tables(spec, positions)
+    rows = positions[None].astype(np.int64)
+    x32 = rng.standard_normal((1, 9, 3, 48)).astype(np.float32)
+    x = _to_bf16_bits(x32)
+    y = np.empty_like(x)
+    kw = dict(dtype_name="bfloat16", rotary_dim=32, layout="interleaved", inverse=False, address=host.address,
+              threads=16)
+    plan = cb.plan_rotate([(x, y)], cos, sin, rows, out_layout="half", **kw)
+    assert plan.kernel.startswith("rope_rotate<rotary_bfloat16, float") and plan.kernel.endswith("true, false>")
+    kernels.launch(plan)
+    ref = _moved(_oracle(_from_bf16_bits(x), positions, spec), 32, "interleaved", "half")
+    np.testing.assert_allclose(_from_bf16_bits(y), ref, rtol=1.6e-2, atol=1.6e-2)
+    np.testing.assert_array_equal(y[..., 32:], x[..., 32:])
+    assert cb.plan_rotate([(x, y)], cos, sin, rows, **kw).kernel.endswith(", true>")   # cached apart
+    with pytest.raises(ValueError, match="y cannot be x"):
+        cb.plan_rotate([(x, x)], cos, sin, rows, out_layout="half", **kw)
+
+
+@pytest.mark.parametrize("layout,out_pairs", MIXED)
+def test_mixed_layouts_through_the_frontend(use_backend, layout, out_pairs, rng):
+    """apply_qk(out_pairs=...) on the shim backend (the frontend passes out_layout to the backend's rotate),
+    strided inputs, an offset spec; in place is refused before any launch."""
+    name = use_backend(threads=32, max_tokens_per_block=3)
+    spec = RopeSpec(40, rotary_dim=24, rotary_offset=8, layout=layout)
+    q = rng.standard_normal((2, 6, 4, 80)).astype(np.float32)[..., ::2]
+    k = rng.standard_normal((2, 6, 2, 40)).astype(np.float32)
+    pos = rng.integers(0, 900, size=(2, 6))
+    qr, kr = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out_pairs=out_pairs, backend=name)
+    want = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out_pairs=out_pairs, backend="numpy")
+    for g, w in zip((qr, kr), want):
+        np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="out for q is q itself"):
+        rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out=(q, k), out_pairs=out_pairs, backend=name)
+
+
+@pytest.mark.parametrize("layout,out_pairs", MIXED)
+def test_rope_cuda_launch_path_with_out_pairs(kernels, layout, out_pairs, rng):
+    """Rope's prepared CuPy launch (template + array slots) of a mixed-layout geometry, through the shim's
+    launcher: the mixed kernel, the oracle's values, new arrays and separate outs."""
+    spec = RopeSpec(64, rotary_dim=48, layout=layout)
+    rope = rotary.Rope(spec, backend="numpy", dtype=np.float32, seq_axis=1)
+    q = rng.standard_normal((5, 1, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((5, 1, 2, 64)).astype(np.float32)
+    launched = []
+    hooks = dict(address=host.address, launch=lambda plan, name: (launched.append(plan.kernel),
+                                                                   kernels.launch(plan)),
+                 empty=np.empty, to_device=lambda a: a)
+    rope._prepare_device_path((q, k), seq_axis=1, backend=cb, out_pairs=out_pairs, **hooks)
+    qo, ko = np.empty_like(q), np.empty_like(k)
+    rope._prepare_device_path((q, k), (qo, ko), seq_axis=1, backend=cb, out_pairs=out_pairs, **hooks)
+    for step in range(3):
+        pos = rng.integers(0, 3000, size=(5, 1))
+        want = rotary.apply_qk(q, k, pos, spec=spec, seq_axis=1, out_pairs=out_pairs, backend="numpy")
+        got = rope(q, k, pos, out_pairs=out_pairs)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+        got = rope(q, k, pos, out=(qo, ko), out_pairs=out_pairs)
+        assert got[0] is qo and got[1] is ko
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6)
+    assert len(launched) == 6 and all(cb.kernel_group(n) == "mixed" for n in launched)
 
 
 # -- linear attention ----------------------------------------------------------------------------------
@@ -576,6 +717,30 @@ def test_cupy_glue_rotate(fake_cupy, rng):
     np.testing.assert_allclose(kr2, _oracle(k0, positions, spec), rtol=1e-6, atol=1e-6)
 
 
+def test_cupy_glue_rotate_out_layout(fake_cupy, rng):
+    """cupy.rotate(out_layout=...): the mixed kernel, from a module of the mixed instantiations only (built when
+    first asked for; the same-layout calls keep their module)."""
+    spec = RopeSpec(24, rotary_dim=20, layout="interleaved")
+    positions = rng.integers(0, 30, size=(2, 7))
+    cos, sin = (fake_cupy.wrap(a) for a in _tables(spec, np.arange(30)))
+    rows = fake_cupy.wrap(positions.astype(np.int64))
+    q = fake_cupy.wrap(rng.standard_normal((2, 7, 4, 24)).astype(np.float32))
+    k = fake_cupy.wrap(rng.standard_normal((2, 7, 2, 24)).astype(np.float32))
+    q0, k0 = np.array(q), np.array(k)
+    qr, kr = cb.rotate([(q, None), (k, None)], cos, sin, rows, rotary_dim=20, layout="interleaved", inverse=False,
+                       out_layout="half")
+    assert fake_cupy.launched == ["rope_rotate<float, float, 2, true, false>"]
+    assert list(cb._modules) == [(0, "rope", "float32", "mixed")]
+    assert set(next(iter(cb._modules.values())).names) == set(cb.name_expressions("rope", "float32", "mixed"))
+    for got, x in ((qr, q0), (kr, k0)):
+        want = _moved(_oracle(x, positions, spec), 20, "interleaved", "half")
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(q, q0)
+    cb.rotate([(q, None)], cos, sin, rows, rotary_dim=20, layout="interleaved", inverse=False)
+    assert fake_cupy.launched[1] == "rope_rotate<float, float, 2, true>"
+    assert sorted(key[3] for key in cb._modules) == ["", "mixed"]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_cupy_glue_linear_attention(fake_cupy, causal, rng):
     B, T, H, m, dv = 2, 20, 2, 8, 6
@@ -640,6 +805,38 @@ def test_rotate_random_problems(kernels, p):
                                    rtol=rtol, atol=atol)
         if not p["inplace"]:
             np.testing.assert_array_equal(x, x0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=rotate_problems(), out_other=st.booleans())
+def test_rotate_random_problems_mixed_layouts(kernels, p, out_other):
+    """Any shape/stride/offset/geometry with the pairs written in the other layout (or the same one, for
+    comparison), separate outputs."""
+    rng = np.random.default_rng(p["seed"])
+    layout = p["layout"]
+    out_layout = {"half": "interleaved", "interleaved": "half"}[layout] if out_other else layout
+    spec = RopeSpec(p["head_dim"], rotary_dim=p["rotary_dim"], layout=layout)
+    work = np.float64 if p["dtype"] == "float64" else np.float32
+    positions = rng.integers(0, 64, size=(p["B"], p["S"]))
+    cos, sin = _tables(spec, np.arange(64), work)
+
+    def make(heads):
+        shape = (p["B"], p["S"], heads, p["head_dim"] * p["step"])
+        buf = rng.standard_normal(int(np.prod(shape)) + p["offset"]).astype(p["dtype"])
+        return buf[p["offset"]:].reshape(shape)[..., ::p["step"]]
+
+    xs = [make(p["Hq"])] + ([make(p["Hk"])] if p["Hk"] else [])
+    originals = [x.copy() for x in xs]
+    outs = [np.empty(x.shape, x.dtype) for x in xs]
+    plan = cb.plan_rotate(list(zip(xs, outs)), cos, sin, positions.astype(np.int64), dtype_name=p["dtype"],
+                          rotary_dim=p["rotary_dim"], layout=layout, inverse=p["inverse"], address=host.address,
+                          threads=p["threads"], max_tokens_per_block=p["tpb"], out_layout=out_layout)
+    kernels.launch(plan)
+    rtol, atol = tolerance(p["dtype"])
+    for x0, x, y in zip(originals, xs, outs):
+        want = _moved(_oracle(x0, positions, spec, p["inverse"]), p["rotary_dim"], layout, out_layout)
+        np.testing.assert_allclose(y.astype(np.float64), want, rtol=rtol, atol=atol)
+        np.testing.assert_array_equal(x, x0)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

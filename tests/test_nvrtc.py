@@ -77,7 +77,11 @@ def test_every_instantiation_compiles_with_nvrtc(family, target, output):
 
 def test_instantiations_cover_every_dtype_width_and_layout():
     names = cb.name_expressions("rope", "float16")
-    assert len(names) == 2 * len(cb.vector_widths("float16")) == 8
+    assert len(names) == 4 * len(cb.vector_widths("float16")) == 16   # (read, write) pair layouts: 2 same, 2 mixed
+    same, mixed = cb.name_expressions("rope", "float16", ""), cb.name_expressions("rope", "float16", "mixed")
+    assert len(same) == len(mixed) == 8 and set(same) | set(mixed) == set(names)
+    assert "rope_rotate<rotary_half, float, 8, true>" in same    # the template's default: written as read
+    assert "rope_rotate<rotary_half, float, 8, true, false>" in mixed    # interleaved in, half-split out
     assert cb.vector_widths("float64") == (1, 2) and cb.vector_widths("float32") == (1, 2, 4)
     assert cb.name_expressions("linear_attention", "bfloat16") == ["linear_attention_chunked<rotary_bfloat16, float>"]
 

@@ -6,7 +6,8 @@ kernel cache makes later processes fast. Kernels run on the input's device and c
 
 Rotation (``rope.cu``): for token (b, s) with table row ``r = rows[b or 0, s]`` and pair (a, b) of
 the layout, ``y_a = x_a cos[r,i] - x_b sin[r,i]``, ``y_b = x_b cos[r,i] + x_a sin[r,i]`` (sin
-negated for the inverse), in fp32 (fp64 for float64); q and k in one launch. Linear attention
+negated for the inverse), in fp32 (fp64 for float64); q and k in one launch; the pairs written in the layout
+read, or in the other one (``out_layout``: the kernels with a fifth template argument, compiled on first use). Linear attention
 (``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64.
 
 The planning functions (:func:`plan_rotate`, :func:`plan_linear_attention`, the geometry helpers)
@@ -77,9 +78,20 @@ def vector_widths(dtype_name: str) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def rope_kernel_name(dtype_name: str, vector: int, interleaved: bool) -> str:
+def rope_kernel_name(dtype_name: str, vector: int, interleaved: bool, out_interleaved: bool | None = None) -> str:
+    """The rotation kernel reading pairs ``interleaved`` or not and writing them ``out_interleaved`` or not
+    (None: as read; the template's default, so a same-layout name has four arguments)."""
     t, w = KERNEL_TYPES[dtype_name]
-    return f"rope_rotate<{t}, {w}, {vector}, {'true' if interleaved else 'false'}>"
+    flag = lambda b: "true" if b else "false"   # noqa: E731
+    if out_interleaved is None or bool(out_interleaved) == bool(interleaved):
+        return f"rope_rotate<{t}, {w}, {vector}, {flag(interleaved)}>"
+    return f"rope_rotate<{t}, {w}, {vector}, {flag(interleaved)}, {flag(out_interleaved)}>"
+
+
+def kernel_group(name: str) -> str:
+    """The module a kernel name is compiled in: "mixed" for the rotations that write another pair layout than
+    they read (compiled only when a call asks for one), else "" (the family's usual module)."""
+    return "mixed" if name.startswith("rope_rotate<") and name.count(",") == 4 else ""
 
 
 def linear_attention_kernel_name(dtype_name: str) -> str:
@@ -87,11 +99,17 @@ def linear_attention_kernel_name(dtype_name: str) -> str:
     return f"linear_attention_chunked<{t}, {w}>"
 
 
-def name_expressions(family: str, dtype_name: str) -> list[str]:
-    """Every template instantiation of ``family`` for one dtype."""
+def name_expressions(family: str, dtype_name: str, group: str | None = None) -> list[str]:
+    """Every template instantiation of ``family`` for one dtype (``group``: only those of one
+    :func:`kernel_group`). Rotation: each vector width, reading half-split / interleaved pairs, writing them
+    in the same layout, then (the "mixed" group) in the other one."""
     if family == "rope":
-        return [rope_kernel_name(dtype_name, v, inter) for v in vector_widths(dtype_name) for inter in (False, True)]
-    return [linear_attention_kernel_name(dtype_name)]
+        names = [rope_kernel_name(dtype_name, v, inter) for v in vector_widths(dtype_name) for inter in (False, True)]
+        names += [rope_kernel_name(dtype_name, v, inter, not inter) for v in vector_widths(dtype_name)
+                  for inter in (False, True)]
+    else:
+        names = [linear_attention_kernel_name(dtype_name)]
+    return names if group is None else [n for n in names if kernel_group(n) == group]
 
 
 # -- launch plans (pure Python) -------------------------------------------------------------------
@@ -163,24 +181,29 @@ def rotate_geometry(n_tokens: int, units_per_token: int, bytes_per_token: int, *
 
 def plan_rotate(items, cos, sin, rows, *, dtype_name: str, rotary_dim: int, layout: str, inverse: bool,
                 address, threads: int = 256, max_tokens_per_block: int | None = None,
-                shared_mem_limit: int = SHARED_MEM_LIMIT) -> Launch | None:
+                shared_mem_limit: int = SHARED_MEM_LIMIT, out_layout: str | None = None) -> Launch | None:
     """The launch that rotates one or two ``(x, y)`` items (same B, S, D and dtype; y may be x).
 
     x, y: (B, S, H, D) arrays with ``.shape``/``.strides`` (bytes); ``address(a)`` gives a data pointer.
     cos, sin: (R, rotary_dim // 2) contiguous in the work dtype; rows: (Bp, S) contiguous int64.
+    ``out_layout``: the pair layout y is written in (None: ``layout``; another one: y must not be x).
     Returns None when there is nothing to do (no tokens or no heads).
     """
     if not 1 <= len(items) <= 2:
         raise ValueError("plan_rotate takes one or two items")
+    out_layout = out_layout or layout
+    if out_layout != layout and any(y is x for x, y in items):
+        raise ValueError("out_layout differs from layout: y cannot be x (the pairs are written to other coordinates)")
     arrays = [a for pair in items for a in pair]
     key = (dtype_name, rotary_dim, layout, bool(inverse), threads, max_tokens_per_block, shared_mem_limit,
            rows.shape, tuple((a.shape, a.strides, address(a) & 15) for a in arrays),
-           tuple(y is x for x, y in items))
+           tuple(y is x for x, y in items), out_layout)
     cached = _plan_cache.get(key)
     if cached is None:
         plan = _plan_rotate(items, cos, sin, rows, dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout,
                             inverse=inverse, address=address, threads=threads,
-                            max_tokens_per_block=max_tokens_per_block, shared_mem_limit=shared_mem_limit)
+                            max_tokens_per_block=max_tokens_per_block, shared_mem_limit=shared_mem_limit,
+                            out_layout=out_layout)
         if plan is None:
             return None
         slots = [i for i, a in enumerate(plan.args) if not isinstance(a, np.generic)]
@@ -204,7 +227,7 @@ _plan_cache: dict = {}
 
 
 def _plan_rotate(items, cos, sin, rows, *, dtype_name, rotary_dim, layout, inverse, address, threads,
-                 max_tokens_per_block, shared_mem_limit):
+                 max_tokens_per_block, shared_mem_limit, out_layout=None):
     i64, i32 = np.int64, np.int32
     itemsize = ITEMSIZE[dtype_name]
     x0 = items[0][0]
@@ -229,7 +252,8 @@ def _plan_rotate(items, cos, sin, rows, *, dtype_name, rotary_dim, layout, inver
         args += [x0, x0, *[i64(0)] * 9, i32(0)]
     args += [cos, sin, rows, i32(rows.shape[0] > 1), i64(n_tokens), i64(seq_len), i32(head_dim), i32(rotary_dim),
              i32(tail_v), i32(bool(inverse)), i32(tpb)]
-    return Launch("rope", rope_kernel_name(dtype_name, v, layout == "interleaved"), grid, block, smem, tuple(args))
+    name = rope_kernel_name(dtype_name, v, layout == "interleaved", (out_layout or layout) == "interleaved")
+    return Launch("rope", name, grid, block, smem, tuple(args))
 
 
 def linear_attention_shared_bytes(m: int, chunk: int, dv_tile: int, work_itemsize: int) -> int:
@@ -314,7 +338,7 @@ def powers_table(decay, chunk: int, work_dtype):
 
 # -- CuPy side ----------------------------------------------------------------------------------------
 _module_lock = threading.Lock()
-_modules: dict = {}   # (device, family, dtype) -> cupy.RawModule
+_modules: dict = {}   # (device, family, dtype, kernel_group) -> cupy.RawModule
 _kernels: dict = {}   # (device, name expression) -> cupy.RawKernel
 
 
@@ -380,11 +404,12 @@ def _kernel(family: str, dtype_name: str, name: str):
     if kernel is not None:
         return kernel
     with _module_lock:
-        key = (device, family, dtype_name)
+        group = kernel_group(name)   # the kernels of out_pairs calls: a module of their own, built when asked for
+        key = (device, family, dtype_name, group)
         module = _modules.get(key)
         if module is None:
             module = cupy.RawModule(code=source_text(family), options=NVRTC_OPTIONS,
-                                    name_expressions=name_expressions(family, dtype_name))
+                                    name_expressions=name_expressions(family, dtype_name, group))
             _modules[key] = module
         kernel = _kernels[(device, name)] = module.get_function(name)
     return kernel
@@ -558,7 +583,8 @@ class PreparedRotation:
         return results
 
 
-def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table, hooks=None):
+def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, offset, dtype, table, hooks=None,
+                     out_layout=None):
     """A :class:`PreparedRotation` for canonical ``views`` and their outputs' views (see ``rotary.backends``)."""
     if hooks:
         address, empty, to_device = hooks["address"], hooks["empty"], hooks["to_device"]
@@ -572,7 +598,7 @@ def prepare_rotation(views, out_views, *, seq_len, rotary_dim, layout, inverse, 
     cos, sin = table[4](to_device)
     rows = to_device(np.arange(seq_len, dtype=np.int64).reshape(1, seq_len))
     launch = plan_rotate(list(zip(views, out_views)), cos, sin, rows, dtype_name=dtype_name, rotary_dim=rotary_dim,
-                         layout=layout, inverse=inverse, address=address)
+                         layout=layout, inverse=inverse, address=address, out_layout=out_layout)
     if launch is None:
         return None
     if not hooks:
@@ -595,7 +621,7 @@ def empty(shape, dtype):
     return cupy.empty(shape, dtype)
 
 
-def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
+def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
     """Rotate every ``(x, out)`` of ``items`` (see ``rotary.backends``); q and k share one launch."""
     import cupy
 
@@ -619,7 +645,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse):
         for name, group in groups:
             c, s = _work_tables(cos, sin, KERNEL_TYPES[name][1])
             plan = plan_rotate(group, c, s, rows_dev, dtype_name=name, rotary_dim=rotary_dim, layout=layout,
-                               inverse=inverse, address=_address)
+                               inverse=inverse, address=_address, out_layout=out_layout)
             if plan is not None:
                 _launch(plan, name)
         for (_, xc, yc, y) in prepared:

@@ -4,8 +4,10 @@
 // each pair i < rotary_dim / 2 (layout "half": (i, i + rotary_dim/2); "interleaved": (2i, 2i+1)):
 //     y_a = x_a cos[r, i] - x_b sin[r, i]
 //     y_b = x_b cos[r, i] + x_a sin[r, i]            (sin negated when inverse != 0)
-// computed in W (float32, or float64 for double data). Coordinates >= rotary_dim are copied when
-// copy_tail != 0 (out is not x). Two tensors (q and k) share one launch; tensor 1 may have 0 heads.
+// computed in W (float32, or float64 for double data). Pairs are read in the layout INTERLEAVED names and
+// written in the one OUT_INTERLEAVED names (default: the same; the other one for out_pairs, where y is never x:
+// y_a goes to output coordinate i / 2i, y_b to i + rotary_dim/2 / 2i+1). Coordinates >= rotary_dim are
+// copied when copy_tail != 0 (out is not x). Two tensors (q and k) share one launch; tensor 1 may have 0 heads.
 //
 // Launch geometry (rotary.backends.cupy.rotate_geometry): grid.x = ceil(n_tokens / tokens_per_block),
 // one block per tile of tokens (linear in tokens, no seq x batch grid), any blockDim.x, dynamic
@@ -18,11 +20,14 @@
 // aligned to V elements, (rotary_dim/2) % V == 0. All global offsets are 64-bit.
 #include "rotary_common.cuh"
 
-template <typename T, typename W, int V, bool INTERLEAVED>
+template <typename T, typename W, int V, bool INTERLEAVED, bool OUT_INTERLEAVED>
 ROTARY_FN void rotate_unit(const T* x, T* y, i64 xsd, i64 ysd, int i0, int half, const W* c, const W* s) {
-    // lo/hi: the two V-element groups of this unit (half: a and b members; interleaved: 2V consecutive)
+    // lo/hi: the two V-element groups of this unit (half: a and b members; interleaved: 2V consecutive),
+    // read at x's offsets (INTERLEAVED) and written at y's (OUT_INTERLEAVED)
     const i64 lo_off = INTERLEAVED ? 2 * (i64)i0 : (i64)i0;
     const i64 hi_off = INTERLEAVED ? 2 * (i64)i0 + V : (i64)i0 + half;
+    const i64 out_lo = OUT_INTERLEAVED ? 2 * (i64)i0 : (i64)i0;
+    const i64 out_hi = OUT_INTERLEAVED ? 2 * (i64)i0 + V : (i64)i0 + half;
     T e[2 * V];
     if (V > 1) {
         T lo[V], hi[V];
@@ -48,6 +53,16 @@ ROTARY_FN void rotate_unit(const T* x, T* y, i64 xsd, i64 ysd, int i0, int half,
         e[ia] = Store<T>::from(xa * cv - xb * sv);
         e[ib] = Store<T>::from(xb * cv + xa * sv);
     }
+    if (OUT_INTERLEAVED != INTERLEAVED) {   // pair p's a and b members move to their places in y's layout
+        T f[2 * V];
+#pragma unroll
+        for (int p = 0; p < V; ++p) {
+            f[OUT_INTERLEAVED ? 2 * p : p] = e[INTERLEAVED ? 2 * p : p];
+            f[OUT_INTERLEAVED ? 2 * p + 1 : V + p] = e[INTERLEAVED ? 2 * p + 1 : V + p];
+        }
+#pragma unroll
+        for (int j = 0; j < 2 * V; ++j) e[j] = f[j];
+    }
     if (V > 1) {
         T lo[V], hi[V];
 #pragma unroll
@@ -55,11 +70,11 @@ ROTARY_FN void rotate_unit(const T* x, T* y, i64 xsd, i64 ysd, int i0, int half,
             lo[j] = e[j];
             hi[j] = e[V + j];
         }
-        store_vec<T, V>(y + lo_off, lo);
-        store_vec<T, V>(y + hi_off, hi);
+        store_vec<T, V>(y + out_lo, lo);
+        store_vec<T, V>(y + out_hi, hi);
     } else {
-        y[lo_off * ysd] = e[0];
-        y[hi_off * ysd] = e[1];
+        y[out_lo * ysd] = e[0];
+        y[out_hi * ysd] = e[1];
     }
 }
 
@@ -74,7 +89,7 @@ ROTARY_FN void copy_unit(const T* x, T* y, i64 xsd, i64 ysd, int e0, int tail_v)
     }
 }
 
-template <typename T, typename W, int V, bool INTERLEAVED>
+template <typename T, typename W, int V, bool INTERLEAVED, bool OUT_INTERLEAVED = INTERLEAVED>
 __global__ void rope_rotate(
     const T* x0, T* y0, i64 heads0, i64 xsb0, i64 xss0, i64 xsh0, i64 xsd0,
     i64 ysb0, i64 yss0, i64 ysh0, i64 ysd0, int copy_tail0,
@@ -135,8 +150,8 @@ __global__ void rope_rotate(
         const i64 xsd = second ? xsd1 : xsd0;
         const i64 ysd = second ? ysd1 : ysd0;
         if (w < rot_units) {
-            rotate_unit<T, W, V, INTERLEAVED>(x, y, xsd, ysd, w * V, half, cos_row + (i64)tl * half,
-                                              sin_row + (i64)tl * half);
+            rotate_unit<T, W, V, INTERLEAVED, OUT_INTERLEAVED>(x, y, xsd, ysd, w * V, half, cos_row + (i64)tl * half,
+                                                               sin_row + (i64)tl * half);
         } else {
             copy_unit<T, V>(x, y, xsd, ysd, rotary_dim + (w - rot_units) * tail_v, tail_v);
         }
