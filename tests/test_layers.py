@@ -16,7 +16,7 @@ LAYERS = [
     ("backends", ("rotary.backends",)),
     ("spec", ("rotary.spec", "rotary.testing")),
     ("frontend", ("rotary.frontend",)),
-    ("attention", ("rotary.attn",)),
+    ("attention", ("rotary.attn", "rotary.kvcache")),
     ("interop", ("rotary.interop",)),
     ("public API", ("rotary",)),
     ("conformance and CLI", ("rotary.conformance", "rotary.cli")),

@@ -225,9 +225,7 @@ def _is_cache(k) -> bool:
 def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backend, rope, q_positions, k_positions,
                 window, softcap, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_mask_positions, k_mask_positions,
                 block_size, attention_mask, seq_ids, spec_kwargs):
-    """attention(q, cache, ...): the arguments a cache takes, then :func:`rotary.kvcache.attend.cache_attention`."""
-    from ..kvcache.attend import cache_attention
-
+    """attention(q, cache, ...): the arguments a cache takes, then the cache's own :meth:`~rotary.KVCache.attend`."""
     given = {"v": v, "positions": positions, "k_positions": k_positions, "cu_seqlens_k": cu_seqlens_k,
              "seqlen_offsets": seqlen_offsets, "q_mask_positions": q_mask_positions,
              "k_mask_positions": k_mask_positions, "attention_mask": attention_mask}
@@ -243,8 +241,8 @@ def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backen
         raise ValueError(f"seq_axis={seq_axis!r} does not match the cache's layout {cache.layout!r}")
     if backend != "auto" and backend != cache.backend:
         raise ValueError(f"backend={backend!r}: the cache runs on its own backend ({cache.backend!r})")
-    return cache_attention(q, cache, causal=causal, seq_ids=seq_ids, cu_seqlens=cu_seqlens, q_positions=q_positions,
-                           scale=scale, window=window, softcap=softcap, block_size=block_size)
+    return cache.attend(q, causal=causal, seq_ids=seq_ids, cu_seqlens=cu_seqlens, q_positions=q_positions, scale=scale,
+                        window=window, softcap=softcap, block_size=block_size)
 
 
 #: the mask coordinate of a padding key: never <= a query's, so never visible

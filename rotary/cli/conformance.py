@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from ..conformance import cases as _conformance
+from ..conformance import kv_cases as _kv_conformance
 from ..backends import available_backends, names
 
 HELP = "run the cross-backend conformance suite against float64 oracles"
@@ -73,7 +74,7 @@ def run_cli(args: argparse.Namespace, stdout=None) -> int:
         for b, (ok, reason) in avail.items():
             if not ok:
                 print(f"skipping backend {b!r}: {reason}", file=stdout)
-    results = _conformance.run(requested, quick=args.quick)
+    results = _conformance.run(requested, quick=args.quick) + _kv_conformance.run(requested, quick=args.quick)
     print(format_table(results, failures_only=args.failures_only), file=stdout)
     failed = [r for r in results if not r.passed]
     per_backend = ", ".join(f"{b} {sum(r.passed for r in results if r.backend == b)}/"

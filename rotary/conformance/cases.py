@@ -542,7 +542,7 @@ def array_converters(backend: str):
 
 
 def run(backends=None, quick: bool = False) -> list[Result]:
-    """Run every case (rotation, linear attention, then the KV cache) on every requested (default: available) backend."""
+    """Run every case (rotation, then linear attention) on every requested (default: available) backend."""
     from ..backends import available_backends, get
 
     avail = available_backends()
@@ -555,8 +555,4 @@ def run(backends=None, quick: bool = False) -> list[Result]:
         if hasattr(get(name), "linear_attention"):
             for case in linear_cases(quick):
                 results.append(run_linear_case(case, name, to_backend=to_backend, to_host=to_host))
-        from .kv_cases import kv_cases, run_kv_case   # (kv_cases builds on this module)
-
-        for case in kv_cases(quick):
-            results.append(run_kv_case(case, name, to_backend=to_backend, to_host=to_host))
     return results

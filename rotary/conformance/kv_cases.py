@@ -22,7 +22,7 @@ import numpy as np
 
 from ..spec.rope_spec import RopeSpec
 from ..testing import attention_quadratic, rope_complex, tolerance
-from .cases import SCALINGS, Result
+from .cases import SCALINGS, Result, array_converters
 
 #: max |error| / max |reference| of quantized entries (half a step plus the rotation's rounding)
 KV_ENTRY_TOLERANCES = {"int8": 0.5 / 127 * 1.01 + 1e-6, "float8_e4m3": 2.0 ** -4 * 1.01}
@@ -67,6 +67,15 @@ def kv_cases(quick: bool = False) -> list[KVCase]:
         KVCase("kv-mqa-d64", heads=8, kv_heads=1, head_dim=64, q_len=2),
     ]
     return [c for c in every if c.name in ("kv-paged-f32", "kv-int8-paged")] if quick else every
+
+
+def run(backends, quick: bool = False) -> list[Result]:
+    """Every KV case on every backend of ``backends`` (names)."""
+    results = []
+    for name in backends:
+        to_backend, to_host = array_converters(name)
+        results.extend(run_kv_case(case, name, to_backend=to_backend, to_host=to_host) for case in kv_cases(quick))
+    return results
 
 
 def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, seed: int = 0) -> Result:

@@ -370,6 +370,16 @@ class KVCache:
         cu = np.concatenate([[0], np.cumsum(self.lengths[ids])]).astype(np.int64)
         return self._gather(0, slots), self._gather(1, slots), cu
 
+    def attend(self, q, *, causal=True, seq_ids=None, cu_seqlens=None, q_positions=None, scale=None, window=None,
+               softcap=None, block_size=512):
+        """``rotary.attention(q, cache, ...)``: attention of q, the last tokens of sequences ``seq_ids``, over their
+        own keys (see :func:`rotary.kvcache.attend.cache_attention`)."""
+        from .attend import cache_attention
+
+        return cache_attention(q, self, causal=causal, seq_ids=seq_ids, cu_seqlens=cu_seqlens,
+                               q_positions=q_positions, scale=scale, window=window, softcap=softcap,
+                               block_size=block_size)
+
     # -- moving keys ---------------------------------------------------------------------------------------------
     def slide(self, *, sinks, window, seq_ids=None):
         """StreamingLLM's cache: keep each sequence's first ``sinks`` tokens and its last ``window`` ones,
