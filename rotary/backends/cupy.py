@@ -37,6 +37,7 @@ KERNEL_DIR = Path(__file__).with_name("cuda_kernels")
 COMMON_HEADER = "rotary_common.cuh"
 #: kernel file of each kernel family
 SOURCES = {"rope": "rope.cu", "linear_attention": "linear_attention.cu"}
+SOURCES["kv_cache"] = "kv_cache.cu"   # KV-cache kernels (append_kv; the block at the end of this file)
 #: dtype name -> (C++ storage type, C++ work type)
 KERNEL_TYPES = {
     "float32": ("float", "float"),
@@ -107,6 +108,8 @@ def name_expressions(family: str, dtype_name: str, group: str | None = None) -> 
         names = [rope_kernel_name(dtype_name, v, inter) for v in vector_widths(dtype_name) for inter in (False, True)]
         names += [rope_kernel_name(dtype_name, v, inter, not inter) for v in vector_widths(dtype_name)
                   for inter in (False, True)]
+    elif family == "kv_cache":
+        names = kv_cache_name_expressions(dtype_name)
     else:
         names = [linear_attention_kernel_name(dtype_name)]
     return names if group is None else [n for n in names if kernel_group(n) == group]
@@ -704,3 +707,139 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 
             return o, (torch.from_dlpack(s_state), torch.from_dlpack(z_state))
     return o, (s_state, z_state)
+
+
+# -- KV cache (kv_cache.cu): the append_kv primitive of rotary.KVCache ---------------------------------------
+# kv_append rotates k, quantizes k and v per (token, head) or casts them, and writes entries and scales into
+# their slots in one launch, bit for bit rotary.backends.kv_entries.append_kv (the formulas are in the .cu file).
+# Planning is pure Python like the rotation's (the host shim launches the same plans); cache_attention is not
+# provided: rotary.attention(q, cache) gathers the slots and runs the generic attention engine on CuPy arrays.
+
+#: the kv dtypes the kernels write (None: entries in the cache's dtype); "float8_e4m3" only for fp32-work dtypes
+KV_DTYPES = (None, "int8", "float8_e4m3")
+#: kv dtype -> the KIND template argument of kv_append
+KV_KINDS = {None: 0, "int8": 1, "float8_e4m3": 2}
+#: quantized kv dtype -> the dtype of its entries (float8_e4m3fn bits in uint8)
+KV_ENTRY_DTYPES = {"int8": "int8", "float8_e4m3": "uint8"}
+#: threads per block of kv_append
+KV_APPEND_THREADS = 256
+
+
+def kv_append_kernel_name(dtype_name: str, kv_dtype) -> str:
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"kv_append<{t}, {w}, {KV_KINDS[kv_dtype]}>"
+
+
+def kv_cache_name_expressions(dtype_name: str) -> list[str]:
+    """The kv_cache family's instantiations for one dtype: each kv dtype (float8 from float32 work values only)."""
+    fp32_work = KERNEL_TYPES[dtype_name][1] == "float"
+    return [kv_append_kernel_name(dtype_name, kind) for kind in KV_DTYPES if kind != "float8_e4m3" or fp32_work]
+
+
+def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsize: int, quantized: bool,
+                       threads: int = KV_APPEND_THREADS, group: int | None = None,
+                       max_tokens_per_block: int | None = None, rounds: int = 4) -> tuple[int, int, int, int, int]:
+    """(grid, block, group, tokens_per_block, shared_mem) of kv_append.
+
+    A (token, k|v, head) row of head_dim values goes to ``group`` threads (the power of two >= head_dim, at most
+    32 and at most ``threads``, unless given); a block runs ``threads // group`` rows at a time and takes enough
+    tokens (2 * heads rows each) for about ``rounds`` such rounds. Quantized kinds reduce the amax of each row
+    in ``block`` work-dtype elements of dynamic shared memory.
+    """
+    if group is None:
+        group = 1
+        while group < min(32, head_dim):
+            group *= 2
+        while group > max(1, threads):
+            group //= 2
+    if not 1 <= group <= min(max(1, threads), 1024):
+        raise ValueError(f"group must be in 1..{min(threads, 1024)}, got {group}")
+    per_round = max(1, threads // group)
+    rows_per_token = 2 * heads
+    tpb = max(1, -(-rounds * per_round // rows_per_token))
+    tpb = min(tpb, max(1, n_tokens), max(1, (2**31 - 1) // rows_per_token))
+    if max_tokens_per_block is not None:
+        tpb = min(tpb, max(1, max_tokens_per_block))
+    block = group * min(per_round, tpb * rows_per_token)
+    grid = -(-n_tokens // tpb)
+    return grid, block, group, tpb, block * work_itemsize if quantized else 0
+
+
+def _kv_check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"append_kv: {what}")
+
+
+def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rotary_dim: int, layout: str,
+                   offset: int, kv_dtype, threads: int = KV_APPEND_THREADS, group: int | None = None,
+                   max_tokens_per_block: int | None = None) -> Launch | None:
+    """The kv_append launch: k, v (T, Hk, D) with any strides (``.shape``/``.strides`` in bytes), cos/sin
+    (R, rotary_dim // 2) C-contiguous in the work dtype, rows and slots (T,) contiguous int64, ``stores`` =
+    (k entries, v entries, k scales, v scales) as :class:`rotary.KVCache` holds them (entries (P, Hk, D) and
+    scales (P, Hk) C-contiguous; scales None unless quantized). Slots are not checked here (distinct, < P: the
+    cache computes them); rows index the tables as they are. None when there is no token."""
+    if kv_dtype not in KV_KINDS:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    work = KERNEL_TYPES[dtype_name][1]
+    work_name = "float64" if work == "double" else "float32"
+    if kv_dtype == "float8_e4m3" and work != "float":
+        raise ValueError("float8_e4m3 entries are quantized from float32 work values (not float64)")
+    k_store, v_store, k_scale, v_scale = stores
+    _kv_check(len(k.shape) == 3 and tuple(v.shape) == tuple(k.shape), f"k {tuple(k.shape)} and v {tuple(v.shape)} "
+              "must be the same (tokens, heads, head_dim)")
+    n_tokens, heads, head_dim = (int(n) for n in k.shape)
+    half = rotary_dim // 2
+    _kv_check(rotary_dim % 2 == 0 and 0 <= offset and offset + rotary_dim <= head_dim,
+              f"rotary_dim {rotary_dim} (even) from offset {offset} does not fit head_dim {head_dim}")
+    _kv_check(layout in ("half", "interleaved"), f"layout must be 'half' or 'interleaved', got {layout!r}")
+    for name, a in (("k entries", k_store), ("v entries", v_store)):
+        _kv_check(len(a.shape) == 3 and tuple(a.shape[1:]) == (heads, head_dim) and a.flags.c_contiguous,
+                  f"{name} must be C-contiguous (slots, {heads}, {head_dim}), got {tuple(a.shape)}")
+        entry = np.dtype(a.dtype)
+        if kv_dtype is None:
+            same = entry.name == dtype_name or (dtype_name == "bfloat16" and entry.itemsize == 2)
+            _kv_check(same, f"{name} are {entry.name}, k and v {dtype_name}")
+        else:
+            _kv_check(entry.name == KV_ENTRY_DTYPES[kv_dtype], f"{kv_dtype} {name} must be "
+                      f"{KV_ENTRY_DTYPES[kv_dtype]}, got {entry.name}")
+    _kv_check(tuple(v_store.shape) == tuple(k_store.shape), "k and v entries must have the same shape")
+    if kv_dtype is not None:
+        for name, a in (("k scales", k_scale), ("v scales", v_scale)):
+            _kv_check(a is not None and tuple(a.shape) == tuple(k_store.shape[:2]) and a.flags.c_contiguous
+                      and np.dtype(a.dtype).name == work_name,
+                      f"{name} must be C-contiguous {work_name} {tuple(k_store.shape[:2])}")
+    for name, a in (("cos", cos), ("sin", sin)):
+        _kv_check(len(a.shape) == 2 and int(a.shape[1]) == half and a.flags.c_contiguous
+                  and np.dtype(a.dtype).name == work_name, f"{name} must be C-contiguous {work_name} (rows, {half})")
+    for name, a in (("rows", rows), ("slots", slots)):
+        _kv_check(tuple(a.shape) == (n_tokens,) and a.flags.c_contiguous and np.dtype(a.dtype).name == "int64",
+                  f"{name} must be a contiguous int64 ({n_tokens},), got {np.dtype(a.dtype).name} {tuple(a.shape)}")
+    if n_tokens == 0 or heads == 0 or head_dim == 0:
+        return None
+    itemsize = ITEMSIZE[dtype_name]
+    grid, block, group, tpb, smem = kv_append_geometry(
+        n_tokens, heads, head_dim, work_itemsize=8 if work == "double" else 4, quantized=kv_dtype is not None,
+        threads=threads, group=group, max_tokens_per_block=max_tokens_per_block)
+    i32 = np.int32
+    args = (k, *_elem_strides(k, itemsize), v, *_elem_strides(v, itemsize), cos, sin, rows, slots, k_store, v_store,
+            cos if k_scale is None else k_scale, sin if v_scale is None else v_scale,   # KIND 0 never writes them
+            np.int64(n_tokens), i32(heads), i32(head_dim), i32(rotary_dim), i32(offset), i32(layout == "interleaved"),
+            i32(group), i32(tpb))
+    return Launch("kv_cache", kv_append_kernel_name(dtype_name, kv_dtype), grid, block, smem, args)
+
+
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+    """The ``append_kv`` primitive (see :mod:`rotary.backends`): one kv_append launch on k's device and stream;
+    k and v CuPy arrays (or torch CUDA tensors), ``stores`` the cache's CuPy arrays."""
+    import cupy
+
+    exchange = _Exchange(k)
+    with exchange:
+        name = exchange.dtype_name(k)
+        c, s = _work_tables(cos, sin, KERNEL_TYPES[name][1])
+        rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64).reshape(-1)
+        slots_dev = cupy.ascontiguousarray(cupy.asarray(slots), dtype=cupy.int64).reshape(-1)
+        plan = plan_append_kv(exchange.to_cupy(k), exchange.to_cupy(v), c, s, rows_dev, slots_dev, stores,
+                              dtype_name=name, rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype)
+        if plan is not None:
+            _launch(plan, name)

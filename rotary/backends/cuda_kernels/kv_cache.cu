@@ -1,0 +1,202 @@
+// kv_cache.cu -- KV-cache append: rotate k, quantize k and v (or cast), write both into their cache slots.
+//
+// The reference is rotary.backends.kv_entries.append_kv; every result here is bit for bit the same. Token t
+// (of n_tokens) with table row r = rows[t] goes to slot slots[t]; for each k/v head h, with pairs i < rotary_dim/2
+// of the layout at offset o ("half": (o+i, o+i+rotary_dim/2); "interleaved": (o+2i, o+2i+1)):
+//     w_a = x_a cos[r, i] - x_b sin[r, i]
+//     w_b = x_b cos[r, i] + x_a sin[r, i]            (W: float32, float64 for double; each product and sum
+//                                                     rounded on its own: kv_mul & co., never an FMA)
+// the coordinates outside [o, o + rotary_dim) pass through, and v is taken as it is (in W). Entries:
+//     KIND 0 (the cache's dtype):  k_out = T(w), v_out = v (copied)
+//     KIND 1 ("int8"), 2 ("float8_e4m3"), per (token, head):
+//         amax = max_d |w_d|, scale = amax / LIMIT (127; 448), y = w / scale if scale > 0 else w,
+//         entry = clip(rint(y), -127, 127) as int8   |   the float8_e4m3fn bits of y (round to nearest even,
+//         magnitudes above 464 NaN, as ml_dtypes), scale -> k_scale / v_scale[slot, h] (W)
+// k_out / v_out (P, heads, head_dim) and the scales (P, heads) are C-contiguous; k and v (n_tokens, heads,
+// head_dim) have any strides (64-bit element strides). Slots must be distinct (the launcher's caller checks).
+//
+// Launch geometry (rotary.backends.cupy.kv_append_geometry): grid.x = ceil(n_tokens / tokens_per_block); a
+// block takes tokens_per_block tokens, i.e. rows = tokens_per_block * 2 * heads (token, k|v, head) rows of
+// head_dim values. Its threads form groups of `group` consecutive threads, one (token, k|v, head) row per
+// group, blockDim.x / group rows at a time; a thread walks the row's units lane, lane + group, ... (a unit:
+// one rotated pair, or one unrotated coordinate). Quantized kinds: each thread keeps the amax of its units,
+// the group reduces them in shared memory (a tree over `group` partials, any group size; dynamic shared
+// memory = blockDim.x * sizeof(W), written by every thread before it is read), and the thread computes its
+// units again (the same operations: the same bits) to write the entries. No warp intrinsics: the host shim
+// runs the same text. KIND 0 needs no shared memory and no barrier.
+#include "rotary_common.cuh"
+
+// Correctly rounded single operations (no contraction into FMAs on the device; the host shim builds with
+// -ffp-contract=off), and the rounding helpers of the quantizers.
+#ifdef ROTARY_ON_DEVICE
+ROTARY_FN float kv_mul(float a, float b) { return __fmul_rn(a, b); }
+ROTARY_FN float kv_add(float a, float b) { return __fadd_rn(a, b); }
+ROTARY_FN float kv_sub(float a, float b) { return __fsub_rn(a, b); }
+ROTARY_FN float kv_div(float a, float b) { return __fdiv_rn(a, b); }
+ROTARY_FN double kv_mul(double a, double b) { return __dmul_rn(a, b); }
+ROTARY_FN double kv_add(double a, double b) { return __dadd_rn(a, b); }
+ROTARY_FN double kv_sub(double a, double b) { return __dsub_rn(a, b); }
+ROTARY_FN double kv_div(double a, double b) { return __ddiv_rn(a, b); }
+ROTARY_FN float kv_abs(float x) { return fabsf(x); }
+ROTARY_FN double kv_abs(double x) { return fabs(x); }
+ROTARY_FN float kv_rint(float x) { return rintf(x); }
+ROTARY_FN double kv_rint(double x) { return rint(x); }
+#else
+template <typename W> ROTARY_FN W kv_mul(W a, W b) { return a * b; }
+template <typename W> ROTARY_FN W kv_add(W a, W b) { return a + b; }
+template <typename W> ROTARY_FN W kv_sub(W a, W b) { return a - b; }
+template <typename W> ROTARY_FN W kv_div(W a, W b) { return a / b; }
+template <typename W> ROTARY_FN W kv_abs(W x) { return std::fabs(x); }
+template <typename W> ROTARY_FN W kv_rint(W x) { return std::rint(x); }  // the default mode: half to even
+#endif
+
+// max that keeps a NaN (NumPy's max propagates it); max is exact, so the reduction order never matters
+template <typename W> ROTARY_FN W kv_max(W m, W x) { return (x > m || x != x) ? x : m; }
+
+// the entry type of each kind: the storage type, int8, or the uint8 bits of float8_e4m3fn
+template <typename T, int KIND> struct KvEntry { typedef T type; };
+template <typename T> struct KvEntry<T, 1> { typedef signed char type; };
+template <typename T> struct KvEntry<T, 2> { typedef unsigned char type; };
+
+// float8_e4m3fn bits of x, round to nearest even (sign, 4 exponent bits with bias 7, 3 mantissa bits; no
+// infinities; S.1111.111 is NaN). |x| > 464 (past the tie between 448 and the NaN pattern), inf and NaN give
+// NaN with x's sign, as ml_dtypes' astype(float8_e4m3fn) does.
+ROTARY_FN unsigned char fp8_e4m3_bits(float x) {
+    const unsigned int u = float_to_bits(x);
+    const unsigned int sign = (u >> 24) & 0x80u;
+    const unsigned int a = u & 0x7fffffffu;
+    if (a > 0x43e80000u) return (unsigned char)(sign | 0x7fu);   // > 464, inf, NaN
+    if (a < 0x3c800000u) {                                       // < 2^-6: subnormal (8 rounds up to 2^-6)
+        const float q = kv_rint(kv_mul(bits_to_float(a), 512.0f));   // exact product, then half to even
+        return (unsigned char)(sign | (unsigned int)q);
+    }
+    const unsigned int rebiased = a - (120u << 23);              // exponent bias 127 -> 7
+    const unsigned int rounded = (rebiased + 0x7ffffu + ((rebiased >> 20) & 1u)) >> 20;
+    return (unsigned char)(sign | rounded);
+}
+
+template <int KIND, typename W> struct KvQuant;
+template <typename W> struct KvQuant<1, W> {
+    static ROTARY_FN W limit() { return W(127); }
+    static ROTARY_FN signed char entry(W w, W scale) {
+        W y = kv_rint(scale > W(0) ? kv_div(w, scale) : w);
+        y = y < W(-127) ? W(-127) : (y > W(127) ? W(127) : y);
+        return (signed char)(y == y ? (int)y : 0);   // NaN: 0 (NumPy leaves it undefined)
+    }
+};
+template <typename W> struct KvQuant<2, W> {
+    static_assert(sizeof(W) == 4, "float8_e4m3 entries are quantized from float32 work values");
+    static ROTARY_FN W limit() { return W(448); }
+    static ROTARY_FN unsigned char entry(W w, W scale) { return fp8_e4m3_bits(scale > W(0) ? kv_div(w, scale) : w); }
+};
+
+// Unit u of a k row: one rotated pair (u < half) or one unrotated coordinate. Sets the element indices
+// and work values (n = 2 for a pair, 1 otherwise).
+template <typename T, typename W>
+ROTARY_FN int kv_k_unit(const T* x, i64 sd, int u, int half, int offset, int rotary_dim, int interleaved,
+                        const W* c_row, const W* s_row, int (&idx)[2], W (&val)[2]) {
+    if (u < half) {
+        idx[0] = offset + (interleaved ? 2 * u : u);
+        idx[1] = offset + (interleaved ? 2 * u + 1 : u + half);
+        const W xa = load_float(x[idx[0] * sd]);
+        const W xb = load_float(x[idx[1] * sd]);
+        const W c = c_row[u];
+        const W s = s_row[u];
+        val[0] = kv_sub(kv_mul(xa, c), kv_mul(xb, s));
+        val[1] = kv_add(kv_mul(xb, c), kv_mul(xa, s));
+        return 2;
+    }
+    const int j = u - half;
+    idx[0] = j < offset ? j : j + rotary_dim;
+    val[0] = load_float(x[idx[0] * sd]);
+    return 1;
+}
+
+template <typename T, typename W, int KIND>
+__global__ void kv_append(
+    const T* k, i64 kst, i64 ksh, i64 ksd, const T* v, i64 vst, i64 vsh, i64 vsd,
+    const W* cos_table, const W* sin_table, const i64* rows, const i64* slots,
+    typename KvEntry<T, KIND>::type* k_out, typename KvEntry<T, KIND>::type* v_out, W* k_scale, W* v_scale,
+    i64 n_tokens, int heads, int head_dim, int rotary_dim, int offset, int interleaved, int group,
+    int tokens_per_block) {
+    typedef typename KvEntry<T, KIND>::type E;
+    ROTARY_DYNAMIC_SMEM(smem);
+    W* red = reinterpret_cast<W*>(smem);   // [blockDim.x] amax partials (KIND != 0)
+    const int half = rotary_dim / 2;
+    const int tid = threadIdx.x;
+    const int lane = tid % group;
+    const int per_round = blockDim.x / group;   // rows at a time; threads past per_round * group idle
+    const int row_in_round = tid / group;
+    const i64 t0 = (i64)blockIdx.x * tokens_per_block;
+    const i64 left = n_tokens - t0;
+    const int n_here = left < tokens_per_block ? (int)left : tokens_per_block;
+    const int rows_here = n_here * 2 * heads;
+    const int k_units = half + (head_dim - rotary_dim);
+
+    for (int first = 0; first < rows_here; first += per_round) {   // the same trip count in every thread
+        const int r = first + row_in_round;
+        const bool active = row_in_round < per_round && r < rows_here;
+        int h = 0, units = 0;
+        bool is_v = false;
+        i64 t = 0, slot = 0, row = 0, sd = 1;
+        const T* x = k;
+        if (active) {
+            const int tl = r / (2 * heads);
+            const int rem = r - tl * 2 * heads;
+            is_v = rem >= heads;
+            h = is_v ? rem - heads : rem;
+            t = t0 + tl;
+            slot = slots[t];
+            row = rows[t];
+            x = is_v ? v + t * vst + h * vsh : k + t * kst + h * ksh;
+            sd = is_v ? vsd : ksd;
+            units = is_v ? head_dim : k_units;
+        }
+        E* out = (is_v ? v_out : k_out) + (slot * heads + h) * (i64)head_dim;
+        const W* c_row = cos_table + row * half;
+        const W* s_row = sin_table + row * half;
+        int idx[2];
+        W val[2];
+        if constexpr (KIND == 0) {
+            for (int u = lane; u < units; u += group) {
+                if (is_v || u >= half) {   // copied as it is (v, unrotated coordinates)
+                    const int d = is_v ? u : (u - half < offset ? u - half : u - half + rotary_dim);
+                    out[d] = x[d * sd];
+                } else {
+                    kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                    out[idx[0]] = Store<T>::from(val[0]);
+                    out[idx[1]] = Store<T>::from(val[1]);
+                }
+            }
+        } else {
+            W amax = W(0);
+            for (int u = lane; u < units; u += group) {
+                int n = 1;
+                if (is_v) val[0] = load_float(x[u * sd]);
+                else n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                for (int j = 0; j < n; ++j) amax = kv_max(amax, kv_abs(val[j]));
+            }
+            red[tid] = amax;
+            __syncthreads();
+            for (int step = 1; step < group; step *= 2) {
+                if (lane % (2 * step) == 0 && lane + step < group && row_in_round < per_round)
+                    red[tid] = kv_max(red[tid], red[tid + step]);
+                __syncthreads();
+            }
+            const W scale = kv_div(red[tid - lane], KvQuant<KIND, W>::limit());
+            for (int u = lane; u < units; u += group) {
+                int n = 1;
+                if (is_v) {
+                    idx[0] = u;
+                    val[0] = load_float(x[u * sd]);
+                } else {
+                    n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                }
+                for (int j = 0; j < n; ++j)
+                    out[idx[j]] = (E)KvQuant<KIND, W>::entry(val[j], scale);
+            }
+            if (active && lane == 0) (is_v ? v_scale : k_scale)[slot * heads + h] = scale;
+            __syncthreads();   // every group has read its amax before the next round overwrites red
+        }
+    }
+}
