@@ -1,7 +1,7 @@
 """The CUDA kernels on the host shim under AddressSanitizer + UBSan and ThreadSanitizer (no GPU needed).
 
 Each sanitized run is a child Python with the sanitizer runtime preloaded (tests/cuda_shim/sanitize.py):
-the conformance cases, a set of direct launches and random problems run with every global buffer in an allocation of
+the conformance cases, a set of direct launches, random problems and random KV-cache appends run with every global buffer in an allocation of
 exactly its extent (``guard``: an out-of-bounds access trips ASan), every launch twice under two
 shared-memory poisons (``compare``: a read of shared memory no thread wrote changes the output), blocks on
 concurrent thread sets (``slots``: TSan sees races between blocks as well as within one), and every
@@ -53,14 +53,14 @@ def _run(sanitized, mode, what, **kw):
 
 
 # -- the kernels are clean --------------------------------------------------------------------------
-@pytest.mark.parametrize("what", ["conformance", "direct", "random"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache"])
 def test_kernels_clean_under_address_and_undefined_sanitizers(sanitized, what):
     proc, log = _run(sanitized, "address", what, guard=True, compare=True, slots=1)
     assert proc.returncode == 0, log[-6000:]
     assert "OK" in proc.stdout and "ERROR: AddressSanitizer" not in log and "runtime error" not in log
 
 
-@pytest.mark.parametrize("what", ["conformance", "direct", "random"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache"])
 def test_kernels_clean_under_thread_sanitizer(sanitized, what):
     proc, log = _run(sanitized, "thread", what, compare=True, slots=3)
     assert proc.returncode == 0, log[-6000:]

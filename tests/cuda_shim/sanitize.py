@@ -9,7 +9,8 @@ MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance
 frontend at two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches:
 partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
 decay, cu_seqlens with an empty sequence), ``random`` (random rotation and linear-attention problems:
-element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
+element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
+KV-cache appends of kv_cache.cu, bit for bit against the reference append), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
 the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
 shared-memory poisons; ``--slots``: concurrent blocks. Prints one line per case and ``OK <n> launches``.
@@ -293,6 +294,45 @@ def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025
     return failures
 
 
+def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
+    """KV-cache appends (kv_append) against the reference append, bit for bit: every kv dtype (cast, int8,
+    float8), fp16/fp32/fp64, both pair layouts, partial rotary with an offset, strided and reversed k/v, paged
+    slot orders, odd thread groups and one-token blocks (tests/test_kv_cache_cuda_shim.py's helpers)."""
+    from rotary import RopeSpec
+    from tests.test_kv_cache_cuda_shim import GEOMETRIES, check_append, make_stores, paged_slots
+
+    rng = np.random.default_rng(seed)
+    failures = 0
+    for i in range(n_random):
+        dtype = str(rng.choice(["float16", "float32", "float64"]))
+        kv_dtype = [None, "int8", "float8_e4m3"][i % 3]
+        if kv_dtype == "float8_e4m3" and dtype == "float64":
+            dtype = "float32"
+        head_dim = int(rng.integers(2, 41))
+        rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
+        offset = int(rng.integers(0, head_dim - rotary_dim + 1))
+        layout = str(rng.choice(["half", "interleaved"]))
+        T, Hk = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        P = T + int(rng.integers(0, 6))
+        geometry = list(GEOMETRIES)[i % len(GEOMETRIES)]
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+        k = rng.standard_normal((T, 2 * Hk, head_dim)).astype(dtype)[:, ::2] if i % 2 else \
+            rng.standard_normal((T, Hk, head_dim)).astype(dtype)
+        v = rng.standard_normal((T, Hk, head_dim)).astype(dtype)[::-1] if i % 4 == 1 else \
+            rng.standard_normal((T, Hk, head_dim)).astype(dtype)
+        try:
+            check_append(kernels, k, v, spec, rng.integers(0, 64, T), paged_slots(rng, T, P),
+                         make_stores(P, Hk, head_dim, dtype, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
+            ok = True
+        except AssertionError as exc:
+            print(exc)
+            ok = False
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} kv_append random {i}: d={head_dim} r={rotary_dim} offset={offset} T={T} "
+              f"Hk={Hk} {layout} {dtype} {kv_dtype} {geometry}", flush=True)
+    return failures
+
+
 def run_planted(kernels, name: str) -> None:
     from rotary.backends.cupy import Launch
 
@@ -339,7 +379,8 @@ def main(argv=None) -> int:
     if args.what.startswith("planted:"):
         run_planted(kernels, args.what.split(":", 1)[1])
         return 0
-    failures = {"conformance": run_conformance, "direct": run_direct, "random": run_random}[args.what](kernels)
+    failures = {"conformance": run_conformance, "direct": run_direct, "random": run_random,
+                "kvcache": run_kvcache}[args.what](kernels)
     print(f"{'OK' if not failures else 'FAILED'} {kernels.launches} launches, {failures} failures", flush=True)
     return 1 if failures else 0
 
