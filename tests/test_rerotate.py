@@ -84,24 +84,3 @@ def test_rerotate_bad_input(rng):
     with pytest.raises(ValueError, match="to_seq_len must be a positive int"):
         rotary.rerotate(k, 0, 3, spec=SPEC, to_seq_len=0, seq_axis=1)
 
-
-def test_docs_decoder_sliding_cache_with_sinks():
-    """docs/scripts/numpy_decoder.py: the sliding cache stays at sinks + window keys, its recent keys equal
-    the unrotated keys rotated at their new positions, and decoding continues from there."""
-    from .test_decoding_hf import _decoder_module   # noqa: PLC0415  (torch-free helper)
-
-    mod = _decoder_module()
-    cfg = mod.Config()
-    dec = mod.Decoder(cfg, mod.random_weights(cfg, dtype=np.float64), backend="numpy")
-    seq = dec.new_sequence()
-    dec.forward([[1, 2, 3, 4, 5, 6, 7, 8, 9]], [seq])
-    before = [k.copy() for k in seq.keys]
-    dec.evict(seq, sinks=2, window=4)
-    assert len(seq) == 6 and seq.next_position == 6
-    for i, k in enumerate(seq.keys):
-        np.testing.assert_array_equal(k[:2], before[i][:2])
-        raw = rotary.apply(before[i][5:], np.arange(5, 9), spec=dec.spec, seq_axis=0, inverse=True)
-        testing.assert_close(k[2:], rotary.apply(raw, np.arange(2, 6), spec=dec.spec, seq_axis=0), rtol=1e-12,
-                             atol=1e-12)
-    tokens = mod.greedy(dec, [[1, 2, 3, 4, 5], [7, 8]], steps=6, sinks=2, window=3)
-    assert [len(t) for t in tokens] == [6, 6]
