@@ -3,12 +3,14 @@
 - :mod:`.common` (``rotary_common.cuh``): flat buffers, int64 offsets, float16 bits, borrowed views;
 - :mod:`.rotation` (``rope.cu``): the rotation of q and k;
 - :mod:`.linear_attention` (``linear_attention.cu``): linear attention with RoPE, chunked and one-token;
-- :mod:`.simd`: the SIMD vectors both use (their width: what Numba compiles for).
+- :mod:`.kv_cache`: the KV cache's append (rotate k into its slots, int8 quantization) and attention over it;
+- :mod:`.simd`: the SIMD vectors they use (their width: what Numba compiles for).
 
 Only the kernels the backend calls are cached on disk (``cache=True``; their machine code holds every helper
 they call). Numba keys a cached kernel by its signature and (triple, CPU name, CPU features) and invalidates
 it when the kernel's own source file changes (modification time, size). The helpers they inline live in other
-files (``simd.py``, ``common.py``, ``../feature_maps.py``): :func:`refresh_after_helper_edits` (run on import)
+files (``simd.py``, ``common.py``, ``../feature_maps.py``, and ``rotation.py``'s pair rotation, which the
+linear-attention and KV-cache kernels inline): :func:`refresh_after_helper_edits` (run on import)
 keeps a digest of those files in ``__pycache__`` and, when it differs, marks the kernel files changed (their
 modification time set to now, which Numba's documented cache rule reads), so an edited helper never runs
 from a stale kernel. ``python -m rotary warm --refresh`` does the same by hand.
@@ -21,8 +23,8 @@ import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: the files whose code the cached kernels inline, and the kernel files Numba stamps
-HELPER_FILES = ("__init__.py", "common.py", "simd.py", os.path.join(os.pardir, "feature_maps.py"))
-KERNEL_FILES = ("rotation.py", "linear_attention.py")
+HELPER_FILES = ("__init__.py", "common.py", "simd.py", "rotation.py", os.path.join(os.pardir, "feature_maps.py"))
+KERNEL_FILES = ("rotation.py", "linear_attention.py", "kv_cache.py")
 _STAMP = os.path.join(_HERE, "__pycache__", "rotary_kernel_helpers.sha256")
 
 

@@ -1,0 +1,443 @@
+"""KV-cache kernels of the ``numba`` backend: the ``append_kv`` and ``cache_attention`` primitives
+(contract in :mod:`rotary.backends`, reference in :mod:`rotary.backends.kv_entries` and
+:mod:`rotary.kvcache.attend`).
+
+Append: per token (in parallel over tokens for a large call, on the calling thread for a decode-sized one),
+per k/v head, the key is rotated in registers in the work dtype (``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``,
+:func:`.rotation.rotate_pairs_to`: one multiply and one add or subtract per term, no fused multiply-add,
+fastmath off) and written into its slot, rounded once to the entries' dtype; the value is copied. int8 entries
+(:func:`quantize_head`): the head's work values go to a small buffer first (its amax is needed before any entry),
+then ``scale = amax / 127`` and ``entry = clip(rint(w / scale), -127, 127)`` (``w`` itself when scale is 0),
+so entries and scales equal the reference's bit for bit.
+
+Attention: one task per (sequence, k/v head), the q rows of its GQA group (and of the chunk's queries) in blocks
+of ROW_BLOCK rows against blocks of KEY_BLOCK keys read through the block table where they lie (no gather): scores
+``cap(<q fold, k>)`` (q scaled once into a work buffer; int8 keys: the dot with the entries times the scale), an
+online softmax per row in the work dtype (float32, float64 for float64 caches; exp and tanh of ``math``), values
+accumulated by multiply-adds (fused where the CPU has FMA: results match the reference to rounding, not bit
+for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``), so a masked
+key is never read into a row.
+
+Buffers as in :mod:`.common`: flat 1-D C-contiguous buffers with int64 offsets and strides, float16 as its
+uint16 bits (converted by :func:`.common.load` / :func:`.common.store`, :func:`load_as`, :func:`vload_as`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import errors
+from numba.extending import register_jitable
+
+from .common import borrowed, element_offset, imax, imin, load, store
+from .rotation import rotate_pairs_to
+from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, lowered_in_place, vadd,
+                   vcopy_flat, vector_items, vload, vmadd, vmul, vsplat, vstore, vzeros)
+
+#: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
+#: stay in the first-level cache (16 x 128 float32: 8 KiB each)
+ROW_BLOCK = 16
+#: keys per block of scores (the online softmax rescales the accumulators once per block)
+KEY_BLOCK = 32
+#: geometry columns of k and v in :func:`append_kv_serial`: element offset, then strides of token, head, coordinate
+GEO_OFFSET, GEO_T, GEO_H, GEO_D = 0, 1, 2, 3
+
+
+# -- entries of any dtype in the work dtype ------------------------------------------------------------------
+_ENTRY_DTYPES = (types.int8, types.uint16, types.float32, types.float64)
+
+
+def _convert_ir(builder, value, source, target, target_type):
+    """LLVM conversion of an entry value (scalar or vector) of numba dtype ``source`` to float ``target``:
+    int8 exactly (sitofp), float16 bits exactly (:func:`.simd.half_to_float_ir`), float32 widened."""
+    if source == types.int8:
+        return builder.sitofp(value, target_type)
+    if source == types.uint16:
+        value = half_to_float_ir(builder, value)
+        return value if target == types.float32 else builder.fpext(value, target_type)
+    if source == target:
+        return value
+    return builder.fpext(value, target_type) if target == types.float64 else builder.fptrunc(value, target_type)
+
+
+def _check_entries(buf, like, what):
+    if not (isinstance(buf, types.Array) and buf.layout == "C" and buf.dtype in _ENTRY_DTYPES
+            and isinstance(like, types.Array) and like.dtype in (types.float32, types.float64)):
+        raise errors.TypingError(f"{what} reads a C-contiguous int8 / float16-bits / float array into a float32 or "
+                                 f"float64 one, got {buf}, {like}")
+
+
+def load_as(buf, i, like):
+    """buf.flat[i] as a number of like's dtype (float32/float64): int8 entries, float16 bits and floats exactly
+    (float32 to float64 widened)."""
+    value = buf.reshape(-1)[i]
+    if buf.dtype == np.uint16:
+        value = value.view(np.float16)
+    return like.dtype.type(value)
+
+
+def _load_as_definition(typingctx, buf, i, like):
+    _check_entries(buf, like, "load_as")
+
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        return _convert_ir(builder, builder.load(ptr), buf.dtype, like.dtype, context.get_value_type(like.dtype))
+
+    return like.dtype(buf, i, like), codegen
+
+
+def vload_as(buf, i, like):
+    """The vector buf.flat[i : i + lanes(like)] in like's dtype (float32/float64), converted as :func:`load_as`."""
+    part = buf.reshape(-1)[i:i + lanes(like)]
+    if buf.dtype == np.uint16:
+        part = part.view(np.float16)
+    return part.astype(like.dtype)
+
+
+def _vload_as_definition(typingctx, buf, i, like):
+    _check_entries(buf, like, "vload_as")
+    vec = Vec(like.dtype)
+
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        raw_type = ir.VectorType(context.get_value_type(buf.dtype), vec.lanes)
+        raw = builder.load(builder.bitcast(ptr, raw_type.as_pointer()), align=buf.dtype.bitwidth // 8)
+        return _convert_ir(builder, raw, buf.dtype, like.dtype, context.get_value_type(vec))
+
+    return vec(buf, i, like), codegen
+
+
+def vsum_pairwise(value):
+    """The sum of a vector's lanes by halves (lanes 0..n/2-1 plus n/2..n-1, and so on: log2(lanes) adds, not
+    the lanes-1 dependent ones of :func:`.simd.vsum`)."""
+    v = np.array(value)
+    n = v.shape[0]
+    while n > 1:
+        n //= 2
+        v = v[:n] + v[n:2 * n]
+    return v[0]
+
+
+def _vsum_pairwise_definition(typingctx, value):
+    if not isinstance(value, Vec):
+        raise errors.TypingError(f"vsum_pairwise takes a vector, got {value}")
+
+    def codegen(context, builder, signature, args):
+        v, n = args[0], value.lanes
+        undefined = ir.Constant(v.type, ir.Undefined)
+        while n > 1:
+            n //= 2
+            upper = builder.shuffle_vector(v, undefined, _lane_indices(list(range(n, 2 * n)) + [0] * (value.lanes - n)))
+            v = builder.fadd(v, upper)
+        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+    return value.dtype(value), codegen
+
+
+lowered_in_place(load_as, _load_as_definition)
+lowered_in_place(vload_as, _vload_as_definition)
+lowered_in_place(vsum_pairwise, _vsum_pairwise_definition)
+
+
+# -- append ------------------------------------------------------------------------------------------------------
+@register_jitable(inline="always")
+def rotate_head(x, xi, xsd, dst, di, cos, sin, row, half, rotary_dim, offset, head_dim, interleaved):
+    """dst.flat[di : di + head_dim] = the head x.flat[xi + j * xsd] (j < head_dim) with the pairs of
+    [offset, offset + rotary_dim) rotated by table row ``row`` in the work dtype and every value rounded once to
+    dst's dtype (dst: the entries, or a work-dtype buffer); the other coordinates converted (the same dtype: copied
+    bit for bit). A unit-stride head rotates whole registers of pairs first (:func:`.rotation.rotate_pairs_to`)."""
+    done = 0
+    if xsd == 1:
+        done = rotate_pairs_to(x, xi + offset, dst, di + offset, cos, sin, row, half, interleaved, interleaved,
+                               False)
+    step, second = (2, 1) if interleaved else (1, half)
+    for i in range(done, half):
+        c, s = cos[row, i], sin[row, i]
+        ia = offset + i * step
+        xa = load(x, xi + ia * xsd)
+        xb = load(x, xi + (ia + second) * xsd)
+        store(dst, di + ia, xa * c - xb * s)
+        store(dst, di + ia + second, xb * c + xa * s)
+    convert_head(x, xi, xsd, dst, di, 0, offset)
+    convert_head(x, xi, xsd, dst, di, offset + rotary_dim, head_dim)
+
+
+@register_jitable(inline="always")
+def copy_head(x, xi, xsd, dst, di, start, stop):
+    """dst.flat[di + j] = x.flat[xi + j * xsd] for start <= j < stop, x and dst of one dtype: the bits copied, a
+    register at a time for a unit-stride head."""
+    j = start
+    if xsd == 1:
+        width = vector_items(x)
+        while j + width <= stop:
+            vcopy_flat(x, xi + j, dst, di + j)
+            j += width
+    for jj in range(j, stop):
+        dst[di + jj] = x[xi + jj * xsd]
+
+
+@register_jitable(inline="always")
+def convert_head(x, xi, xsd, dst, di, start, stop):
+    """dst.flat[di + j] = x.flat[xi + j * xsd] for start <= j < stop, converted to dst's dtype through the work
+    dtype (:func:`.common.load` / :func:`.common.store`; float16 bits round-trip exactly)."""
+    for j in range(start, stop):
+        store(dst, di + j, load(x, xi + j * xsd))
+
+
+@register_jitable
+def quantize_head(w, dst, di, scales, si, head_dim, limit):
+    """int8 entries dst.flat[di : di + head_dim] and scales[si] of the work values w[:head_dim] (the reference's
+    formulas in w's dtype: amax = max |w|, scale = amax / limit, entry = clip(rint(w / scale), -limit, limit),
+    the division by 1 where scale is 0)."""
+    amax = abs(w[0])
+    for j in range(1, head_dim):
+        a = abs(w[j])
+        if a > amax:
+            amax = a
+    scale = amax / limit
+    safe = scale if scale > 0 else limit / limit
+    for j in range(head_dim):
+        y = np.rint(w[j] / safe)
+        if y > limit:
+            y = limit
+        elif y < -limit:
+            y = -limit
+        dst[di + j] = np.int8(y)
+    scales[si] = scale
+
+
+@register_jitable
+def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads, head_dim, half,
+                 rotary_dim, offset, interleaved, int8_limit, float_entries):
+    """Token t: every head's key rotated at table row rows[t] into slot slots[t] of k_ent, its value into v_ent:
+    int8 entries with their scales (``int8_limit``: 127 in the work dtype; ``float_entries`` None), or entries of
+    k's dtype (``int8_limit`` None; ``float_entries`` True). Numba prunes the branch whose marker is None before
+    typing (an argument of type None), so each kind compiles only its own branch."""
+    row, slot = rows[t], slots[t]
+    ki = element_offset(geo[0, GEO_OFFSET], geo[0, GEO_T], 0, 0, t, 0, 0)
+    vi = element_offset(geo[1, GEO_OFFSET], geo[1, GEO_T], 0, 0, t, 0, 0)
+    ksh, ksd, vsh, vsd = geo[0, GEO_H], geo[0, GEO_D], geo[1, GEO_H], geo[1, GEO_D]
+    if int8_limit is not None:
+        w = np.empty(head_dim, k_scale.dtype)
+        for h in range(heads):
+            e = slot * heads + h
+            rotate_head(k, ki + h * ksh, ksd, w, 0, cos, sin, row, half, rotary_dim, offset, head_dim, interleaved)
+            quantize_head(w, k_ent, e * head_dim, k_scale, e, head_dim, int8_limit)
+            convert_head(v, vi + h * vsh, vsd, w, 0, 0, head_dim)
+            quantize_head(w, v_ent, e * head_dim, v_scale, e, head_dim, int8_limit)
+    if float_entries is not None:
+        for h in range(heads):
+            di = (slot * heads + h) * head_dim
+            rotate_head(k, ki + h * ksh, ksd, k_ent, di, cos, sin, row, half, rotary_dim, offset, head_dim,
+                        interleaved)
+            copy_head(v, vi + h * vsh, vsd, v_ent, di, 0, head_dim)
+
+
+@njit(parallel=True, **KERNEL_JIT)
+def append_kv_parallel(k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, n_tokens, heads, head_dim,
+                       half, rotary_dim, offset, interleaved, int8_limit, float_entries):
+    """The append of n_tokens tokens, one parallel pass over the tokens (:func:`append_token`). k, v: flat buffers
+    with geo (2, 4) int64: (offset, token, head, coordinate strides) of k and of v; k_ent, v_ent: the flat
+    entries (slots, heads, head_dim); k_scale, v_scale: the flat scales (slots, heads) in the work dtype (any
+    work-dtype arrays for float entries); rows, slots: int64 (n_tokens,); int8_limit, float_entries: which kind
+    of entries (:func:`append_token`)."""
+    for t in prange(n_tokens):
+        append_token(np.int64(t), k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads,
+                     head_dim, half, rotary_dim, offset, interleaved, int8_limit, float_entries)
+
+
+@njit(**KERNEL_JIT)
+def append_kv_serial(k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, n_tokens, heads, head_dim,
+                     half, rotary_dim, offset, interleaved, int8_limit, float_entries):
+    """append_kv_parallel on the calling thread (decode-sized calls: no thread hand-off)."""
+    k, v, geo, k_ent, v_ent = borrowed(k), borrowed(v), borrowed(geo), borrowed(k_ent), borrowed(v_ent)
+    k_scale, v_scale, cos, sin = borrowed(k_scale), borrowed(v_scale), borrowed(cos), borrowed(sin)
+    rows, slots = borrowed(rows), borrowed(slots)
+    for t in range(n_tokens):
+        append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads, head_dim, half,
+                     rotary_dim, offset, interleaved, int8_limit, float_entries)
+
+
+# -- attention ---------------------------------------------------------------------------------------------------
+@register_jitable(inline="always")
+def dot_entries(qs, qi, entries, ei, head_dim):
+    """sum_j qs[qi + j] entries.flat[ei + j] in qs's dtype (two vector accumulators, added, then the lanes by halves,
+    then the coordinates past the last whole pair of vectors)."""
+    width = lanes(qs)
+    full = head_dim - head_dim % (2 * width)
+    acc0, acc1 = vzeros(qs), vzeros(qs)
+    for j in range(0, full, 2 * width):
+        acc0 = vmadd(acc0, vload(qs, qi + j), vload_as(entries, ei + j, qs))
+        acc1 = vmadd(acc1, vload(qs, qi + j + width), vload_as(entries, ei + j + width, qs))
+    total = vsum_pairwise(vadd(acc0, acc1))
+    for j in range(full, head_dim):
+        total += qs[qi + j] * load_as(entries, ei + j, qs)
+    return total
+
+
+@register_jitable(inline="always")
+def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
+    """acc[ai : ai + head_dim] += sum_{first <= j <= last} weights[wi + j] entries.flat[bases[j] : + head_dim]
+    (key j of a block): four vectors of acc at a time in registers through the keys (four independent chains of
+    multiply-adds), then one at a time, then the coordinates past the last whole vector."""
+    width = lanes(acc)
+    full = head_dim - head_dim % width
+    quads = full - full % (4 * width)
+    for c in range(0, quads, 4 * width):
+        t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
+        t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
+        for j in range(first, last + 1):
+            w, e = vsplat(weights[wi + j]), bases[j] + c
+            t0 = vmadd(t0, w, vload_as(entries, e, acc))
+            t1 = vmadd(t1, w, vload_as(entries, e + width, acc))
+            t2 = vmadd(t2, w, vload_as(entries, e + 2 * width, acc))
+            t3 = vmadd(t3, w, vload_as(entries, e + 3 * width, acc))
+        vstore(acc, ai + c, t0)
+        vstore(acc, ai + c + width, t1)
+        vstore(acc, ai + c + 2 * width, t2)
+        vstore(acc, ai + c + 3 * width, t3)
+    for c in range(quads, full, width):
+        total = vload(acc, ai + c)
+        for j in range(first, last + 1):
+            total = vmadd(total, vsplat(weights[wi + j]), vload_as(entries, bases[j] + c, acc))
+        vstore(acc, ai + c, total)
+    for c in range(full, head_dim):
+        x = acc[ai + c]
+        for j in range(first, last + 1):
+            x += weights[wi + j] * load_as(entries, bases[j] + c, acc)
+        acc[ai + c] = x
+
+
+@register_jitable(inline="always")
+def scale_row(acc, ai, factor, head_dim):
+    """acc[ai : ai + head_dim] *= factor."""
+    width = lanes(acc)
+    full = head_dim - head_dim % width
+    f = vsplat(factor)
+    for j in range(0, full, width):
+        vstore(acc, ai + j, vmul(vload(acc, ai + j), f))
+    for j in range(full, head_dim):
+        acc[ai + j] *= factor
+
+
+@register_jitable(inline="always")
+def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim):
+    """bases[p - k0] = flat index of entry (slot of key p, h, 0) for the keys k0..k1-1 of sequence i (one division
+    per block; software prefetch of these rows measured no faster: the hardware's own streams suffice)."""
+    page = k0 // page_size
+    at = k0 - page * page_size
+    for j in range(k1 - k0):
+        bases[j] = ((block_table[i, page] * page_size + at) * kv_heads + h) * head_dim
+        at += 1
+        if at == page_size:
+            page, at = page + 1, 0
+
+
+@register_jitable
+def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+                kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+    """Task = i * kv_heads + h: the queries of sequence i (q, o flat (n, seq_q, q_heads, head_dim)) in the q heads
+    h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values of k/v head h, key p in slot
+    block_table[i, p // page_size] * page_size + p % page_size. ``zero``: 0 in the work dtype (k_scale's dtype:
+    the scales, or a work-dtype array when not ``quantized``)."""
+    i = task // kv_heads
+    h = task - i * kv_heads
+    groups = q_heads // kv_heads
+    length = lengths[i]
+    n_rows = seq_q * groups
+    rb = imin(n_rows, ROW_BLOCK)
+    work = k_scale.dtype
+    qs = np.empty(rb * head_dim, work)
+    acc = np.empty(rb * head_dim, work)
+    scores = np.empty(rb * KEY_BLOCK, work)
+    m = np.empty(rb, work)
+    den = np.empty(rb, work)
+    lo = np.empty(rb, np.int64)
+    hi = np.empty(rb, np.int64)
+    bases = np.empty(KEY_BLOCK, np.int64)
+    for r0 in range(0, n_rows, rb):
+        nr = imin(rb, n_rows - r0)
+        first, last = length, np.int64(-1)
+        for rr in range(nr):
+            j = (r0 + rr) // groups
+            qi = (((i * seq_q + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
+            for c in range(head_dim):
+                qs[rr * head_dim + c] = load(q, qi + c) * fold
+                acc[rr * head_dim + c] = zero
+            if causal:
+                at = length - seq_q + j   # the query's position
+                hi[rr], lo[rr] = at, imax(0, at - window + 1)
+            else:
+                hi[rr], lo[rr] = length - 1, 0
+            first, last = imin(first, lo[rr]), imax(last, hi[rr])
+            m[rr] = -np.inf
+            den[rr] = zero
+        for k0 in range(first, last + 1, KEY_BLOCK):
+            k1 = imin(last + 1, k0 + KEY_BLOCK)
+            block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
+            for rr in range(nr):
+                a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
+                if a > b:
+                    continue
+                w = rr * KEY_BLOCK
+                for j in range(a, b + 1):   # scores
+                    x = dot_entries(qs, rr * head_dim, k_ent, bases[j], head_dim)
+                    if quantized:
+                        x = x * k_scale[bases[j] // head_dim]
+                    if softcap != zero:
+                        x = math.tanh(x) * softcap
+                    scores[w + j] = x
+                old = m[rr]   # the online softmax: the new maximum, the sums rescaled, the weights
+                top = old
+                for j in range(a, b + 1):
+                    if scores[w + j] > top:
+                        top = scores[w + j]
+                safe = top if top != -np.inf else zero   # every score so far -inf: exps of 0, not NaN
+                if old != top:
+                    alpha = zero + math.exp(old - safe)   # (the work dtype in plain Python too: math.exp gives a float)
+                    den[rr] *= alpha
+                    scale_row(acc, rr * head_dim, alpha, head_dim)
+                total = den[rr]
+                for j in range(a, b + 1):
+                    weight = math.exp(scores[w + j] - safe)
+                    total += weight
+                    scores[w + j] = weight * v_scale[bases[j] // head_dim] if quantized else weight
+                den[rr] = total
+                m[rr] = top
+                add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
+        for rr in range(nr):
+            j = (r0 + rr) // groups
+            oi = (((i * seq_q + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
+            d = den[rr] if den[rr] != zero else math.exp(zero)   # 1: no key seen gives 0 (the reference's rule)
+            for c in range(head_dim):
+                store(o, oi + c, acc[rr * head_dim + c] / d)
+
+
+@njit(parallel=True, **KERNEL_JIT)
+def cache_attention_parallel(q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+                             kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+    """Attention of the cache's sequences, one parallel pass over the (sequence, k/v head) tasks
+    (:func:`attend_task`); q, o: flat (n, seq_q, q_heads, head_dim), C order; k_ent, v_ent: flat entries
+    (slots, kv_heads, head_dim); k_scale, v_scale: flat scales in the work dtype (any work-dtype arrays when not
+    ``quantized``); block_table (n, W) and lengths (n,) int64; fold: the scale (over softcap when there is one);
+    softcap: 0 for none; window: the causal window (a huge number for none)."""
+    n_tasks = lengths.shape[0] * kv_heads
+    for task in prange(n_tasks):
+        attend_task(np.int64(task), q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q,
+                    q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
+
+
+@njit(**KERNEL_JIT)
+def cache_attention_serial(q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+                           kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+    """cache_attention_parallel on the calling thread (small calls)."""
+    q, o, k_ent, v_ent = borrowed(q), borrowed(o), borrowed(k_ent), borrowed(v_ent)
+    k_scale, v_scale, block_table, lengths = borrowed(k_scale), borrowed(v_scale), borrowed(block_table), \
+        borrowed(lengths)
+    for task in range(lengths.shape[0] * kv_heads):
+        attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+                    kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
+
