@@ -22,8 +22,6 @@ from . import numba_kv as _kv
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 COMPILES_ON_FIRST_CALL = True    # Numba compiles each kernel on its first call (cache=True keeps it on disk)
-#: the KV-cache primitives (append_kv, cache_attention) and the entry kinds they take (numba_kv.py)
-KV_DTYPES, append_kv, cache_attention = _kv.KV_DTYPES, _kv.append_kv, _kv.cache_attention
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -446,3 +444,9 @@ def _run_tasks(kernel, args, n_tasks):
     kernel(*args, bounds[0], bounds[1])
     for f in futures:
         f.result()
+
+
+#: the KV-cache primitives (numba_kv.py) and the entry kinds they take, sharing this module's flat views, size
+#: rule and parallel-region lock
+KV_DTYPES = _kv.KV_DTYPES
+append_kv, cache_attention = _kv.primitives(flat_view, rotate_kernel, _parallel_lock)

@@ -1,6 +1,8 @@
-"""The KV-cache primitives of the ``numba`` backend (re-exported by :mod:`rotary.backends.numba`): ``append_kv``
-and ``cache_attention`` (contract in :mod:`rotary.backends`), the glue that turns the cache's arrays into the flat
-buffers of ``numba_kernels/kv_cache.py`` and picks the serial or the parallel kernel by size.
+"""The KV-cache primitives of the ``numba`` backend: ``append_kv`` and ``cache_attention`` (contract in
+:mod:`rotary.backends`), the glue that turns the cache's arrays into the flat buffers of
+``numba_kernels/kv_cache.py`` and picks the serial or the parallel kernel by size. :mod:`rotary.backends.numba`
+gets them from :func:`primitives`, handing over what they share with its rotation (flat views, the size rule,
+the lock of parallel regions): this module never imports it (no import circle).
 
 They check nothing the frontend (:class:`rotary.KVCache`) already checked: the entries and scales are the
 cache's C-contiguous pool arrays, rows and slots valid int64, the block table's pages those of each sequence.
@@ -9,12 +11,13 @@ float8_e4m3 entries are not in :data:`KV_DTYPES`: such a cache takes the referen
 
 from __future__ import annotations
 
-import threading
+import os
 
 import numba
 import numpy as np
 
 from .numba_kernels import kv_cache as kernels
+from .numba_kernels import rotation
 
 #: the cache entry kinds the kernels write and read: the cache's own float dtype, and int8 with per-(token, head)
 #: scales
@@ -26,19 +29,30 @@ _NO_WINDOW = 1 << 62
 _INT8_LIMIT = {np.dtype(np.float32): np.float32(127.0), np.dtype(np.float64): np.float64(127.0)}
 _ZERO = {np.dtype(np.float32): np.float32(0.0), np.dtype(np.float64): np.float64(0.0)}
 _NO_SCALES = {dt: np.zeros(0, dt) for dt in _ZERO}   # the scales argument of float entries (not read)
-_backend_module = None
 _geo_cache: dict = {}
 _GEO_CACHE_MAX = 256
+#: what rotary.backends.numba shares (:func:`primitives`): flat_view, rotate_kernel, the parallel-region lock
+_flat_view = _rotate_kernel = _parallel_lock = None
+#: True in a child made by os.fork() (GNU OpenMP cannot run there: the serial kernels, as the rotation's)
+_in_forked_child = False
 
 
-def _nb():
-    """rotary.backends.numba (imported when first needed: it imports this module)."""
-    global _backend_module
-    if _backend_module is None:
-        from . import numba as module
+def _after_fork_in_child():
+    global _in_forked_child
+    _in_forked_child = True
 
-        _backend_module = module
-    return _backend_module
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def primitives(flat_view, rotate_kernel, parallel_lock):
+    """(append_kv, cache_attention), sharing the numba backend's ``flat_view`` (strided arrays as flat buffers),
+    ``rotate_kernel`` (its serial/parallel size rule: an append is sized as a decode call) and the lock its
+    parallel kernels take under Numba's workqueue threading layer."""
+    global _flat_view, _rotate_kernel, _parallel_lock
+    _flat_view, _rotate_kernel, _parallel_lock = flat_view, rotate_kernel, parallel_lock
+    return append_kv, cache_attention
 
 
 def _bits(a):
@@ -49,18 +63,17 @@ def _bits(a):
 
 def _head_buffers(k, v):
     """(k buffer, v buffer, geo (2, 4) int64) of (T, Hk, D) arrays of any strides: flat buffers with element
-    offset and token / head / coordinate strides (:func:`rotary.backends.numba.flat_view`; an array whose strides
-    are not multiples of its item size is copied first)."""
+    offset and token / head / coordinate strides (the backend's ``flat_view``; an array whose strides are not
+    multiples of its item size is copied first)."""
     key = (k.shape, k.strides, v.strides, k.dtype.char)
     geo = _geo_cache.get(key)
     if geo is not None and k.flags.c_contiguous and v.flags.c_contiguous:
         return _bits(k), _bits(v), geo
-    flat_view = _nb().flat_view
     views = []
     for a in (k, v):
-        view = flat_view(a)
+        view = _flat_view(a)
         if view is None:
-            view = flat_view(np.ascontiguousarray(a))
+            view = _flat_view(np.ascontiguousarray(a))
         views.append(view)
     geo = np.array([(view[1], *view[2]) for view in views], dtype=np.int64)
     geo.flags.writeable = False
@@ -117,7 +130,7 @@ def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softca
     lengths = _c_int64(lengths)
     fold = work.type(scale / softcap if softcap else scale)
     work_size = int(lengths.sum()) * seq_q * q_heads * head_dim
-    parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK and not _nb()._in_forked_child
+    parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK and not _in_forked_child
     kernel = kernels.cache_attention_parallel if parallel else kernels.cache_attention_serial
     args = (_bits(q), _bits(o), _bits(k_ent), _bits(v_ent), k_scale, v_scale, _c_int64(block_table), lengths,
             int(page_size), seq_q, q_heads, kv_heads, head_dim, fold, work.type(softcap or 0.0), _ZERO[work],
@@ -127,16 +140,18 @@ def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softca
 
 
 def _c(a):
-    """a read-only C-contiguous (the cos/sin tables: cached read-only arrays, passed as they are)."""
-    return _nb()._readonly_c(a)
+    """A read-only C-contiguous array equal to a (the cos/sin tables: cached read-only arrays, passed as they
+    are): one compiled signature."""
+    if a.flags.writeable or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a).view()
+        a.flags.writeable = False
+    return a
 
 
 def _parallel(elements, n_tokens):
     """Whether an append of this size runs the parallel kernel: the rotation's size rule
-    (:func:`rotary.backends.numba.rotate_kernel`), a call of one token per sequence being a decode call."""
-    nb = _nb()
-    kernel = nb.rotate_kernel(elements, n_tokens, 1)
-    return kernel is not nb.rotation.rotate_qk_serial
+    (:func:`rotary.backends.numba.rotate_kernel`), sized as a decode call (tokens of different sequences)."""
+    return _rotate_kernel(elements, n_tokens, 1) is not rotation.rotate_qk_serial
 
 
 _layer_is_thread_safe = None   # None: not known yet (no parallel region has run)
@@ -156,10 +171,9 @@ def _run(kernel, serial, args):
             pass
     if _layer_is_thread_safe:
         return kernel(*args)
-    lock: threading.Lock = _nb()._parallel_lock
-    if not lock.acquire(blocking=False):
+    if not _parallel_lock.acquire(blocking=False):
         return serial(*args)
     try:
         return kernel(*args)
     finally:
-        lock.release()
+        _parallel_lock.release()
