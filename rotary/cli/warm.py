@@ -3,8 +3,9 @@
 A kernel's first call in a process with an empty cache compiles it (seconds: linear attention most);
 every later process loads the cached machine code instead. This command makes those first calls now,
 on tiny inputs, for each dtype: the rotation kernels (serial and parallel, as ``apply_qk`` and a
-``Rope`` call them) and the linear-attention kernels (the chunked one, causal or not, with decay and
-packed sequences, and the one-token decode step). The cache lives where Numba puts it: next to the
+``Rope`` call them), the linear-attention kernels (the chunked one, causal or not, with decay and
+packed sequences, and the one-token decode step) and the KV cache's (append and attention, serial and
+parallel, float and int8 entries). The cache lives where Numba puts it: next to the
 installed package (``__pycache__``) or under ``NUMBA_CACHE_DIR``, so run it as the user and with the
 environment of the programs that will use it. Running it again costs a cache load per kernel.
 
@@ -68,6 +69,20 @@ def warm_calls(dtype):
         rotary.linear_attention(q[:, :1], k[:, :1], v[:, :1], causal=True, seq_axis=1, spec=spec, backend="numba",
                                 state=state, positions=np.array([6]))
 
+    def kv_cache(kv_dtype):
+        def call():
+            cache = rotary.KVCache(spec, batch=2, kv_heads=2, head_dim=64, capacity=2056, dtype=dt, kv_dtype=kv_dtype,
+                                   backend="numba")
+            keys = arr(2, 2048, 2, 64)
+            cache.append(keys, keys)                    # the parallel append (2^20 elements of k and v)
+            cache.append(keys[:, :1], keys[:, :1])      # a decode-sized one: serial
+            rotary.attention(arr(2, 1, 4, 64), cache)   # parallel attention (thousands of keys)
+            small = rotary.KVCache(spec, batch=1, kv_heads=1, head_dim=64, capacity=8, dtype=dt, kv_dtype=kv_dtype,
+                                   backend="numba")
+            small.append(arr(1, 2, 1, 64), arr(1, 2, 1, 64))
+            rotary.attention(arr(1, 1, 1, 64), small)   # serial attention
+        return call
+
     return [
         ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1, backend="numba")),
         ("apply_qk, parallel rotation kernel", lambda: rotary.apply_qk(big_q, big_k, seq_axis=1, backend="numba")),
@@ -77,6 +92,8 @@ def warm_calls(dtype):
         ("linear_attention, packed sequences", lambda: rotary.linear_attention(
             q, k, v, seq_axis=1, spec=spec, backend="numba", causal=True, cu_seqlens=np.array([0, 2, 6]))),
         ("linear_attention, one-token decode step", decode),
+        ("KV cache append and attention", kv_cache(None)),
+        ("KV cache, int8 entries", kv_cache("int8")),
     ]
 
 
