@@ -15,7 +15,15 @@
    the device's SM count and clock (goal >= 0.4). Also RetNet retention against it (goal <= 1.2x), and a
    ragged packed batch (64 sequences of 1..1024 tokens, cu_seqlens) in one launch against one launch per
    sequence (time ratio and the largest output/state difference, expected ~0).
-5. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
+5. KV cache (``rotary.KVCache(backend="cupy")``, the kv_append kernel of cuda_kernels/kv_cache.cu): a paged
+   cache (ragged prefill packed with cu_seqlens, decode steps, a freed sequence appended again) against the same
+   cache on NumPy, for float32 with each kv dtype (None, int8, float8_e4m3) and float16 (None, int8): the
+   written slots bit for bit (entries and scales) and ``rotary.attention(q, cache)`` (GQA 4:1; decode, and a
+   3-token chunk with window and softcap) within 1e-5 (fp32) / 2e-3 (fp16) relative. Speed: the append of a
+   prefill chunk (16384 tokens, 8 kv heads, d=128, fp16, paged slot order) as a planned launch against
+   ``cupy.copyto`` of k and v (time ratio, goal <= 1.5 for fp16 entries) and as a fraction of the copy
+   bandwidth; host microseconds per ``KVCache.append`` decode step (32 sequences x 1 token).
+6. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
    copy bandwidth and FLOP over the FP32 peak, both of this device), as the fraction estimate / measured.
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
 """
@@ -233,6 +241,117 @@ def linear_attention_ragged(cupy, cb, heads=16, d=64, n_seqs=64, max_len=1024) -
             t_loop * 1e3, "speedup_vs_loop": t_loop / t_packed, "max_rel_diff_o": diff, "max_rel_diff_S": diff_s}
 
 
+def _kv_bits_equal(cupy, gpu, ref) -> bool:
+    """The written slots of two caches (the CuPy one and the NumPy one) hold the same bits (entries, scales)."""
+    held = np.concatenate([ref.slots(b, 0, int(n)) for b, n in enumerate(ref.lengths)])
+    held_dev = cupy.asarray(held)
+    for a, b in zip(gpu.stores, ref.stores):
+        if b is None:
+            continue
+        got = np.ascontiguousarray(cupy.asnumpy(a[held_dev]))
+        if got.dtype != b.dtype or not np.array_equal(got.view(np.uint8), np.ascontiguousarray(b[held]).view(np.uint8)):
+            return False
+    return bool(np.array_equal(gpu.block_table, ref.block_table) and np.array_equal(gpu.lengths, ref.lengths))
+
+
+def _kv_rel(cupy, o, ref) -> float:
+    o = cupy.asnumpy(o).astype(np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def kv_cache_check(cupy, rotary) -> dict:
+    """KVCache(backend="cupy") against the same cache on NumPy (item 5 of the module docstring)."""
+    rng = np.random.default_rng(0)
+    spec = rotary.RopeSpec(64, rotary_dim=48, layout="interleaved", rotary_offset=8)
+    cu = np.array([0, 37, 38, 100, 131])
+    checks = []
+    for dtype, kv_dtype in ((np.float32, None), (np.float32, "int8"), (np.float32, "float8_e4m3"),
+                            (np.float16, None), (np.float16, "int8")):
+        entry = {"dtype": np.dtype(dtype).name, "kv_dtype": kv_dtype}
+        try:
+            kw = dict(batch=4, kv_heads=2, head_dim=64, page_size=16, num_pages=64, dtype=dtype, kv_dtype=kv_dtype)
+            gpu, ref = rotary.KVCache(spec, backend="cupy", **kw), rotary.KVCache(spec, backend="numpy", **kw)
+            steps = [(rng.standard_normal((131, 2, 64)), rng.standard_normal((131, 2, 64)), dict(cu_seqlens=cu))]
+            steps += [(rng.standard_normal((4, 1, 2, 64)), rng.standard_normal((4, 1, 2, 64)), {}) for _ in range(3)]
+            steps.append((rng.standard_normal((1, 5, 2, 64)), rng.standard_normal((1, 5, 2, 64)), dict(seq_ids=[1])))
+            for i, (k, v, extra) in enumerate(steps):
+                if i == len(steps) - 1:
+                    gpu.free([1])
+                    ref.free([1])
+                k, v = k.astype(dtype), v.astype(dtype)
+                gpu.append(cupy.asarray(k), cupy.asarray(v), **extra)
+                ref.append(k, v, **extra)
+            entry["stores_bit_identical"] = _kv_bits_equal(cupy, gpu, ref)
+            q = rng.standard_normal((4, 1, 8, 64)).astype(dtype)
+            entry["attention_decode_rel_diff"] = _kv_rel(cupy, rotary.attention(cupy.asarray(q), gpu),
+                                                         rotary.attention(q, ref))
+            q3 = rng.standard_normal((4, 3, 8, 64)).astype(dtype)
+            entry["attention_chunk_window_softcap_rel_diff"] = _kv_rel(
+                cupy, rotary.attention(cupy.asarray(q3), gpu, window=50, softcap=30.0),
+                rotary.attention(q3, ref, window=50, softcap=30.0))
+            tol = 1e-5 if dtype == np.float32 else 2e-3
+            entry["ok"] = bool(entry["stores_bit_identical"] and entry["attention_decode_rel_diff"] < tol
+                               and entry["attention_chunk_window_softcap_rel_diff"] < tol)
+        except Exception as exc:   # the other kinds still run; the failure is in the report
+            entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        checks.append(entry)
+    return {"checks": checks, "all_ok": all(c["ok"] for c in checks)}
+
+
+def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int = 8, d: int = 128) -> dict:
+    """The kv_append launch of a prefill chunk (fp16 k/v, paged slot order) for each kv dtype against
+    cupy.copyto of k and v, and the host time of KVCache.append decode steps (item 5 of the module docstring)."""
+    rng = np.random.default_rng(1)
+    spec = rotary.RopeSpec(d)
+    k = cupy.random.standard_normal((tokens, heads, d), dtype=cupy.float32).astype(cupy.float16)
+    v = cupy.random.standard_normal((tokens, heads, d), dtype=cupy.float32).astype(cupy.float16)
+    cos, sin = (cupy.asarray(np.ascontiguousarray(a)) for a in spec.cos_sin(np.arange(tokens), dtype=np.float32))
+    rows = cupy.arange(tokens, dtype=cupy.int64)
+    page = 16
+    pages = rng.permutation(-(-tokens // page))
+    t = np.arange(tokens)
+    slots = cupy.asarray((pages[t // page] * page + t % page).astype(np.int64))
+    dk, dv = cupy.empty_like(k), cupy.empty_like(v)
+
+    def plain_copy():
+        cupy.copyto(dk, k)
+        cupy.copyto(dv, v)
+
+    t_copy = _events_time(cupy, plain_copy, 20)
+    runs = []
+    for kv_dtype in cb.KV_DTYPES:
+        entry = {None: cupy.float16, "int8": cupy.int8, "float8_e4m3": cupy.uint8}[kv_dtype]
+        shape = (-(-tokens // page) * page, heads, d)
+        stores = (cupy.empty(shape, entry), cupy.empty(shape, entry),
+                  None if kv_dtype is None else cupy.empty(shape[:2], cupy.float32),
+                  None if kv_dtype is None else cupy.empty(shape[:2], cupy.float32))
+        plan = cb.plan_append_kv(k, v, cos, sin, rows, slots, stores, dtype_name="float16", rotary_dim=d,
+                                 layout="half", offset=0, kv_dtype=kv_dtype)
+        t_kernel = _events_time(cupy, lambda: cb._launch(plan, "float16"), 20)
+        written = 2 * tokens * heads * d * np.dtype(entry).itemsize + (0 if kv_dtype is None else 2 * tokens * heads * 4)
+        nbytes = k.nbytes + v.nbytes + written + tokens * (d // 2) * 4 * 2 + 2 * tokens * 8
+        runs.append({"kv_dtype": kv_dtype, "kernel": plan.kernel, "grid": plan.grid, "block": plan.block,
+                     "kernel_us": t_kernel * 1e6, "plain_copy_us": t_copy * 1e6, "time_over_plain_copy": t_kernel / t_copy,
+                     "bytes": nbytes, "GBps": nbytes / t_kernel / 1e9, "fraction_of_copy": nbytes / t_kernel / 1e9 / copy_GBps})
+    decode = {}
+    for kv_dtype in (None, "int8"):
+        cache = rotary.KVCache(spec, batch=32, kv_heads=heads, head_dim=d, capacity=512, dtype=np.float16,
+                               kv_dtype=kv_dtype, backend="cupy")
+        kd = cupy.random.standard_normal((32, 1, heads, d), dtype=cupy.float32).astype(cupy.float16)
+        for _ in range(10):
+            cache.append(kd, kd)
+        cupy.cuda.get_current_stream().synchronize()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            cache.append(kd, kd)
+        cupy.cuda.get_current_stream().synchronize()
+        decode[str(kv_dtype)] = (time.perf_counter() - t0) / n * 1e6
+    return {"tokens": tokens, "heads": heads, "d": d, "runs": runs, "decode_append_host_us": decode,
+            "fp16_time_over_plain_copy": runs[0]["time_over_plain_copy"]}
+
+
 def roofline(results: dict) -> dict:
     """Measured kernel times against the roofline of benchmarks/cuda_resources.py (docs/cuda.md), with this
     device's measured copy bandwidth and computed FP32 peak in place of the H200's published figures:
@@ -294,12 +413,14 @@ def main(argv=None) -> int:
     step("prefill_fp16", lambda: prefill(cupy, rotary, cb, cupy.float16, tokens, copy_GBps))
     step("prefill_fp32", lambda: prefill(cupy, rotary, cb, cupy.float32, tokens, copy_GBps))
     step("decode_fp16", lambda: decode(cupy, rotary, cb))
+    step("kv_cache_check", lambda: kv_cache_check(cupy, rotary))
+    step("kv_cache_append", lambda: kv_cache_speed(cupy, rotary, cb, copy_GBps, 4096 if args.quick else 16384))
     step("prefill_multi_axis_fp16", lambda: prefill_multi_axis(cupy, rotary, cupy.float16, tokens))
     peak = results["device"].get("GFLOPs", float("nan"))
     step("linear_attention_causal_fp32",
-         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, seq_axis=-2))
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192))
     step("linear_attention_retention_fp32",
-         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True, seq_axis=-2))
+         lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True))
     step("linear_attention_ragged_packed_fp32",
          lambda: linear_attention_ragged(cupy, cb, n_seqs=16 if args.quick else 64))
     plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))
@@ -322,6 +443,10 @@ def main(argv=None) -> int:
          results["linear_attention_causal_fp32"].get("fraction_of_fp32_peak"), 0.4, True),
         ("retention (decay, no denominator) ms / plain causal ms (<= 1.2)",
          results["linear_attention_retention_fp32"].get("ms_over_plain"), 1.2, False),
+        ("KV cache on CuPy = NumPy: bits and attention (1 = all kinds)",
+         {True: 1.0, False: 0.0}.get(results["kv_cache_check"].get("all_ok")), 1, True),
+        ("KV append fp16 kernel time / plain copy of k, v (<= 1.5)",
+         results["kv_cache_append"].get("fp16_time_over_plain_copy"), 1.5, False),
     ]
     results["goals"] = {name: {"value": v, "status": goal(v, t, a)} for name, v, t, a in summary}
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))

@@ -3,11 +3,28 @@
 #   bash benchmarks/gpu_check.sh            # tests + measurements, results in $OUT or benchmarks/results
 #   QUICK=1 bash benchmarks/gpu_check.sh    # smaller sizes
 #   BUDGET=300 bash benchmarks/gpu_check.sh # a tighter overall limit in seconds (default 450: under 8 minutes)
+#   bash benchmarks/gpu_check.sh --prepare-carry   # on a machine that has them: copy rotary's pure-Python
+#                                                  # dependencies into .gpu_carry/site (git-ignored), for a bare one
 # Steps: environment report, the CuPy/GPU tests, then benchmarks/gpu_check.py (see its docstring), which also
 # holds the measured times against the roofline estimates of benchmarks/cuda_resources.py (docs/cuda.md).
+# A GPU machine without array-api-compat (rotary's one dependency besides NumPy): the check puts
+# .gpu_carry/site and any .gpu_carry/*.whl (pure-Python wheels import as zips) on PYTHONPATH; nothing is
+# installed or downloaded. Carry .gpu_carry with the checkout (it is git-ignored).
 set -u
 START=$SECONDS
 cd "$(dirname "$0")/.."
+CARRY="$PWD/.gpu_carry"
+if [ "${1:-}" = "--prepare-carry" ]; then
+  "${PYTHON:-python3}" - "$CARRY/site" <<'PYEOF' || exit 1
+import pathlib, shutil, sys
+import array_api_compat
+src, dst = pathlib.Path(array_api_compat.__file__).parent, pathlib.Path(sys.argv[1]) / "array_api_compat"
+shutil.rmtree(dst, ignore_errors=True)
+shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+print(f"array-api-compat {array_api_compat.__version__}: {src} -> {dst}")
+PYEOF
+  exit 0
+fi
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   for cand in python3 python; do
@@ -22,6 +39,20 @@ echo "== gpu_check $(date -u +%FT%TZ) =="
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi unavailable"
 if [ -z "$PY" ]; then
   echo "no python with CuPy found (set PYTHON=/path/to/python); nothing run"; exit 2
+fi
+if ! "$PY" -c "import array_api_compat" >/dev/null 2>&1; then
+  extra=""
+  [ -d "$CARRY/site" ] && extra="$CARRY/site"
+  for whl in "$CARRY"/*.whl; do
+    [ -e "$whl" ] && extra="${extra:+$extra:}$whl"
+  done
+  [ -n "$extra" ] && export PYTHONPATH="$extra${PYTHONPATH:+:$PYTHONPATH}"
+  if "$PY" -c "import array_api_compat" >/dev/null 2>&1; then
+    echo "array-api-compat from the carried $extra"
+  else
+    echo "array-api-compat is not importable and .gpu_carry has none: run 'bash benchmarks/gpu_check.sh --prepare-carry'"
+    echo "where it is installed (or put its wheel in .gpu_carry/) and carry .gpu_carry; nothing run"; exit 2
+  fi
 fi
 timeout 60 "$PY" - <<'PYEOF'
 import sys, cupy
