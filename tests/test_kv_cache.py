@@ -305,6 +305,8 @@ def test_constructor_errors():
         rotary.KVCache(spec, batch=1, kv_heads=1, head_dim=16)
     with pytest.raises(ValueError, match="num_pages"):
         rotary.KVCache(spec, batch=1, kv_heads=1, head_dim=16, page_size=4)
+    bounded = rotary.KVCache(spec, batch=3, kv_heads=1, head_dim=16, page_size=4, capacity=10)
+    assert bounded.num_pages == 9 and bounded.nbytes == 3 * 2 * 4 * 16 * 4
     with pytest.raises(ValueError, match="head_dim"):
         rotary.KVCache(spec, batch=1, kv_heads=1, head_dim=32, capacity=4)
     with pytest.raises(ValueError, match="kv_dtype"):

@@ -67,7 +67,8 @@ class KVCache:
         Tokens per sequence of a contiguous cache: storage ``(batch, capacity, kv_heads, head_dim)``.
     page_size, num_pages : int, optional
         A paged cache instead: pages of ``page_size`` tokens from a pool of at most ``num_pages`` pages,
-        shared by all sequences (with ``capacity``: also a per-sequence limit).
+        shared by all sequences (with ``capacity``: also a per-sequence limit; ``num_pages`` then defaults to
+        every sequence at capacity). The pool's arrays grow with the pages in use either way.
     dtype : float dtype
         The dtype of the keys/values given to :meth:`append` and returned by :meth:`keys` / attention.
     kv_dtype : None, "int8" or "float8_e4m3"
@@ -109,7 +110,10 @@ class KVCache:
             pages_per_seq = 1
         else:
             if num_pages is None:
-                raise ValueError("a paged cache needs num_pages= (the size of its page pool)")
+                if capacity is None:
+                    raise ValueError("a paged cache needs num_pages= (the size of its page pool) or capacity= (then "
+                                     "the pool may hold every sequence at capacity)")
+                num_pages = self.batch * -(-capacity // page_size)
             self.paged = True
             self.page_size, self.num_pages = page_size, num_pages
             self.capacity = capacity if capacity is not None else page_size * num_pages
