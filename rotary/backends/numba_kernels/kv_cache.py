@@ -2,10 +2,12 @@
 (contract in :mod:`rotary.backends`, reference in :mod:`rotary.backends.kv_entries` and
 :mod:`rotary.kvcache.attend`).
 
-Append: per token (in parallel over tokens for a large call, on the calling thread for a decode-sized one),
+Append: per token (serial or parallel over the tokens by the rotation's size rule, an append sized as a decode call),
 per k/v head, the key is rotated in registers in the work dtype (``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``,
 :func:`.rotation.rotate_pairs_to`: one multiply and one add or subtract per term, no fused multiply-add,
-fastmath off) and written into its slot, rounded once to the entries' dtype; the value is copied. int8 entries
+fastmath off) and written into its slot, rounded once to the entries' dtype; the value is copied (a token's keys,
+then its values: two runs of contiguous lines; the next token's lines asked for ahead, for writing: decode-sized
+appends write fresh lines: 37-38 us against 44-50 without, serial, B=32 x 8 heads x 128 fp32). int8 entries
 (:func:`quantize_head`): the head's work values go to a small buffer first (its amax is needed before any entry),
 then ``scale = amax / 127`` and ``entry = clip(rint(w / scale), -127, 127)`` (``w`` itself when scale is 0),
 so entries and scales equal the reference's bit for bit.
@@ -34,8 +36,8 @@ from numba.extending import register_jitable
 
 from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_to
-from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, lowered_in_place, vadd,
-                   vcopy_flat, vector_items, vload, vmadd, vmul, vsplat, vstore, vzeros)
+from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
+                   prefetch_write, vadd, vcopy_flat, vector_items, vload, vmadd, vmul, vsplat, vstore, vzeros)
 
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
@@ -217,6 +219,11 @@ def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, s
     k's dtype (``int8_limit`` None; ``float_entries`` True). Numba prunes the branch whose marker is None before
     typing (an argument of type None), so each kind compiles only its own branch."""
     row, slot = rows[t], slots[t]
+    if t + 1 < slots.shape[0]:   # the next token's entries asked for (writing): their lines come while this one works
+        nxt = slots[t + 1] * heads * head_dim
+        for j in range(0, heads * head_dim, line_items(k_ent)):
+            prefetch_write(k_ent, nxt + j)
+            prefetch_write(v_ent, nxt + j)
     ki = element_offset(geo[0, GEO_OFFSET], geo[0, GEO_T], 0, 0, t, 0, 0)
     vi = element_offset(geo[1, GEO_OFFSET], geo[1, GEO_T], 0, 0, t, 0, 0)
     ksh, ksd, vsh, vsd = geo[0, GEO_H], geo[0, GEO_D], geo[1, GEO_H], geo[1, GEO_D]
@@ -230,10 +237,10 @@ def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, s
             quantize_head(w, v_ent, e * head_dim, v_scale, e, head_dim, int8_limit)
     if float_entries is not None:
         for h in range(heads):
-            di = (slot * heads + h) * head_dim
-            rotate_head(k, ki + h * ksh, ksd, k_ent, di, cos, sin, row, half, rotary_dim, offset, head_dim,
-                        interleaved)
-            copy_head(v, vi + h * vsh, vsd, v_ent, di, 0, head_dim)
+            rotate_head(k, ki + h * ksh, ksd, k_ent, (slot * heads + h) * head_dim, cos, sin, row, half, rotary_dim,
+                        offset, head_dim, interleaved)
+        for h in range(heads):
+            copy_head(v, vi + h * vsh, vsd, v_ent, (slot * heads + h) * head_dim, 0, head_dim)
 
 
 @njit(parallel=True, **KERNEL_JIT)
