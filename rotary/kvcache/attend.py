@@ -67,7 +67,7 @@ def cache_attention(q, cache, *, causal=True, seq_ids=None, cu_seqlens=None, q_p
         np.zeros(0, np.int64)
     if q_positions is None and cache.spec.multi_axis and cache.spec.mrope_section is None:
         raise ValueError("this multi-axis spec needs q_positions= (each query's coordinates)")
-    rot_pos = cache._rotation_positions(q_positions, tok_pos, n, counts, cu_seqlens is not None)
+    rot_pos = cache._rotation_positions(q_positions, tok_pos, n, None if cu_seqlens is None else counts)
     backend = cache.backend
     if qd is not None:
         q_rot = apply(qd, rot_pos[0].reshape((n, int(counts[0]) if n else 0) + rot_pos.shape[2:]), spec=cache.spec,

@@ -134,6 +134,9 @@ class KVCache:
             self.block_table[:, 0] = np.arange(self.batch)
             self._grow_pool(self.batch)
         self._device_key, self._convert = table_converter(self.module, self._stores[0], None)
+        self._dense_key = _tables.dense_key(self.spec, self.work, self._device_key)
+        self._all_ids = np.arange(self.batch, dtype=np.int64)
+        self._all_ids.flags.writeable = False
 
     # -- storage ------------------------------------------------------------------------------------------
     @property
@@ -221,8 +224,9 @@ class KVCache:
 
     def _take_pages(self, ids, new_lengths):
         """Check that ``new_lengths`` fit (capacity, free pages), then give the sequences their pages."""
-        over = np.flatnonzero(new_lengths > self.capacity)
-        if over.size:
+        over = np.flatnonzero(new_lengths > self.capacity) if new_lengths.size and new_lengths.max() > self.capacity \
+            else ()
+        if len(over):
             i = int(over[0])
             raise KVCacheFullError(f"sequence {int(ids[i])} would hold {int(new_lengths[i])} tokens, past the cache's "
                                    f"capacity of {self.capacity}; nothing was written")
@@ -280,15 +284,19 @@ class KVCache:
         positions : optional rotation positions instead of the lengths ((n, s[, n_axes]), or (tokens[, n_axes])
         packed); required for multi-axis specs (not M-RoPE text). The cache is unchanged when an argument is wrong.
         """
-        for a, name in ((k, "k"), (v, "v")):
-            self._check_entries(a, name, self.kv_heads)
-        if tuple(k.shape) != tuple(v.shape):
+        self._check_entries(k, "k", self.kv_heads)
+        self._check_entries(v, "v", self.kv_heads)
+        if k.shape != v.shape:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
         if cu_seqlens is None:
             kd, vd = self._dense(k, "k"), self._dense(v, "v")
             n, s = int(kd.shape[0]), int(kd.shape[1])
-            ids = self._seq_ids(seq_ids, n)
-            counts = np.full(n, s, dtype=np.int64)
+            ids = self._all_ids if seq_ids is None and n == self.batch else self._seq_ids(seq_ids, n)
+            start = self.lengths[ids]
+            new_lengths = start + s
+            tok_pos = start if s == 1 else (start[:, None] + np.arange(s, dtype=np.int64)).reshape(-1)
+            tok_seq = ids if s == 1 else np.repeat(ids, s)
+            counts = None
             kt = kd.reshape(n * s, self.kv_heads, self.head_dim)
             vt = vd.reshape(n * s, self.kv_heads, self.head_dim)
         else:
@@ -298,43 +306,59 @@ class KVCache:
             counts = np.diff(cu)
             n = counts.size
             ids = self._seq_ids(seq_ids, n)
+            start = self.lengths[ids]
+            new_lengths = start + counts
+            tok_seq = np.repeat(ids, counts)
+            tok_pos = np.arange(k.shape[0], dtype=np.int64) + np.repeat(start - cu[:-1], counts)
             kt, vt = k, v
-        new_lengths = self.lengths[ids] + counts
-        tok_seq = np.repeat(ids, counts)
-        tok_pos = np.arange(kt.shape[0], dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts) \
-            + np.repeat(self.lengths[ids], counts)
-        if positions is None and self.spec.multi_axis and self.spec.mrope_section is None:
+        spec = self.spec
+        if positions is None and not spec.multi_axis:
+            rot_pos = None   # the token positions themselves
+        elif positions is None and spec.mrope_section is None:
             raise ValueError("this multi-axis spec needs positions= (each new key's coordinates) in append")
-        rot_pos = self._rotation_positions(positions, tok_pos, n, counts, cu_seqlens is not None)
+        else:
+            rot_pos = self._rotation_positions(positions, tok_pos, n, counts)
         self._take_pages(ids, new_lengths)   # the last check; from here on the cache changes
-        slots = (self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size)
-        self._write(kt, vt, rot_pos, slots)
+        if self.paged:
+            slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
+        else:   # page b is sequence b's, page_size = capacity
+            slots = tok_seq * self.page_size + tok_pos
+        self._write(kt, vt, tok_pos if rot_pos is None else rot_pos, rot_pos is None, slots)
         self.lengths[ids] = new_lengths
 
-    def _rotation_positions(self, positions, tok_pos, n, counts, packed):
-        """Host positions (1, T[, n_axes]) the new keys are rotated at."""
+    def _rotation_positions(self, positions, tok_pos, n, counts):
+        """Host positions (1, T[, n_axes]) the new keys are rotated at: ``positions`` as given (dense
+        (n, s[, n_axes]) when ``counts`` is None, else packed (T[, n_axes])), or the tokens' own ``tok_pos``."""
         if positions is None:
             return normalize_positions(tok_pos, (), tok_pos.size, "positions", spec=self.spec)
         p = np.asarray(positions)
-        if not packed:   # (n, s[, n_axes]) -> (T[, n_axes])
-            s = int(counts[0]) if n else 0
+        if counts is None:   # (n, s[, n_axes]) -> (T[, n_axes])
+            s = tok_pos.size // n if n else 0
             if p.shape[:2] != (n, s):
                 raise ValueError(f"positions must have shape ({n}, {s}{', n_axes' if self.spec.multi_axis else ''}) "
                                  f"(one per new token), got {p.shape}")
             p = p.reshape((n * s,) + p.shape[2:])
         return normalize_positions(p, (), tok_pos.size, "positions", spec=self.spec)
 
-    def _write(self, kt, vt, rot_pos, slots):
-        """One append_kv call: k rotated at rot_pos into ``slots``, v copied (quantized when the cache is)."""
-        cos, sin, rows = _tables.lookup(self.spec, rot_pos, dtype=self.work, device_key=self._device_key,
-                                        convert=self._convert)
-        convert = self._convert or (lambda a: a)
-        rows = rows.reshape(-1) if hasattr(rows, "reshape") else rows
+    def _write(self, kt, vt, pos, token_positions, slots):
+        """One append_kv call: k rotated at ``pos`` (the tokens' own positions, 1-D, when ``token_positions``;
+        else normalized (1, T[, n_axes])) into ``slots``, v copied (quantized when the cache is)."""
+        table = _tables.cached_dense(self._dense_key) if token_positions and self._dense_key is not None else None
+        if table is not None and pos.size and int(pos.max()) < table[0]:
+            cos, sin, rows = table[1], table[2], pos   # the shared dense table holds these rows (lookup's own)
+        else:
+            cos, sin, rows = _tables.lookup(self.spec, pos[None] if token_positions else pos, dtype=self.work,
+                                            device_key=self._device_key, convert=self._convert)
+            rows = rows.reshape(-1)
+        if self._convert is not None:
+            slots = self._convert(slots)
+            if rows is pos:
+                rows = self._convert(rows)
         append = getattr(self.module, "append_kv", None)
         if append is None or self.kv_dtype not in getattr(self.module, "KV_DTYPES", (None,)):
             append = kv_entries.append_kv
         spec = self.spec
-        append(kt, vt, cos, sin, rows, convert(slots), self._stores, rotary_dim=spec.rotary_dim, layout=spec.layout,
+        append(kt, vt, cos, sin, rows, slots, self._stores, rotary_dim=spec.rotary_dim, layout=spec.layout,
                offset=spec.rotary_offset, kv_dtype=self.kv_dtype)
 
     # -- reading -----------------------------------------------------------------------------------------------
