@@ -18,11 +18,13 @@
 5. KV cache (``rotary.KVCache(backend="cupy")``, the kv_append kernel of cuda_kernels/kv_cache.cu): a paged
    cache (ragged prefill packed with cu_seqlens, decode steps, a freed sequence appended again) against the same
    cache on NumPy, for float32 with each kv dtype (None, int8, float8_e4m3) and float16 (None, int8): the
-   written slots bit for bit (entries and scales) and ``rotary.attention(q, cache)`` (GQA 4:1; decode, and a
-   3-token chunk with window and softcap) within 1e-5 (fp32) / 2e-3 (fp16) relative. Speed: the append of a
+   written slots bit for bit (entries and scales) and ``rotary.attention(q, cache)`` (the kv_decode_attention
+   kernel; GQA 4:1; decode, and a 3-token chunk with window and softcap) within 1e-5 (fp32) / 2e-3 (fp16) relative. Speed: the append of a
    prefill chunk (16384 tokens, 8 kv heads, d=128, fp16, paged slot order) as a planned launch against
    ``cupy.copyto`` of k and v (time ratio, goal <= 1.5 for fp16 entries) and as a fraction of the copy
-   bandwidth; host microseconds per ``KVCache.append`` decode step (32 sequences x 1 token).
+   bandwidth; host microseconds per ``KVCache.append`` decode step (32 sequences x 1 token); microseconds per
+   ``rotary.attention(q, cache)`` decode call (32 sequences of 2048 keys, 32 q / 8 kv heads; the
+   kv_decode_attention kernel) and the cache's bytes over that time against the copy bandwidth.
 6. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
    copy bandwidth and FLOP over the FP32 peak, both of this device), as the fraction estimate / measured.
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
@@ -329,11 +331,14 @@ def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int =
         plan = cb.plan_append_kv(k, v, cos, sin, rows, slots, stores, dtype_name="float16", rotary_dim=d,
                                  layout="half", offset=0, kv_dtype=kv_dtype)
         t_kernel = _events_time(cupy, lambda: cb._launch(plan, "float16"), 20)
-        written = 2 * tokens * heads * d * np.dtype(entry).itemsize + (0 if kv_dtype is None else 2 * tokens * heads * 4)
+        written = 2 * tokens * heads * d * np.dtype(entry).itemsize
+        written += 0 if kv_dtype is None else 2 * tokens * heads * 4   # scales
         nbytes = k.nbytes + v.nbytes + written + tokens * (d // 2) * 4 * 2 + 2 * tokens * 8
+        gbps = nbytes / t_kernel / 1e9
         runs.append({"kv_dtype": kv_dtype, "kernel": plan.kernel, "grid": plan.grid, "block": plan.block,
-                     "kernel_us": t_kernel * 1e6, "plain_copy_us": t_copy * 1e6, "time_over_plain_copy": t_kernel / t_copy,
-                     "bytes": nbytes, "GBps": nbytes / t_kernel / 1e9, "fraction_of_copy": nbytes / t_kernel / 1e9 / copy_GBps})
+                     "kernel_us": t_kernel * 1e6, "plain_copy_us": t_copy * 1e6,
+                     "time_over_plain_copy": t_kernel / t_copy, "bytes": nbytes, "GBps": gbps,
+                     "fraction_of_copy": gbps / copy_GBps})
     decode = {}
     for kv_dtype in (None, "int8"):
         cache = rotary.KVCache(spec, batch=32, kv_heads=heads, head_dim=d, capacity=512, dtype=np.float16,
@@ -348,8 +353,22 @@ def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int =
             cache.append(kd, kd)
         cupy.cuda.get_current_stream().synchronize()
         decode[str(kv_dtype)] = (time.perf_counter() - t0) / n * 1e6
+    attention = {}
+    context = 512 if tokens <= 4096 else 2048
+    for kv_dtype in (None, "int8"):   # rotary.attention(q, cache) at decode: the kv_decode_attention kernel
+        cache = rotary.KVCache(spec, batch=32, kv_heads=heads, head_dim=d, capacity=context, dtype=np.float16,
+                               kv_dtype=kv_dtype, backend="cupy")
+        kp = cupy.random.standard_normal((32, context, heads, d), dtype=cupy.float32).astype(cupy.float16)
+        cache.append(kp, kp)
+        del kp
+        q = cupy.random.standard_normal((32, 1, 4 * heads, d), dtype=cupy.float32).astype(cupy.float16)
+        t_call = _events_time(cupy, lambda: rotary.attention(q, cache), 10)
+        held = sum(a.nbytes for a in cache.stores if a is not None)
+        attention[str(kv_dtype)] = {"sequences": 32, "context": context, "q_heads": 4 * heads, "us_per_call":
+                                    t_call * 1e6, "cache_GBps": held / t_call / 1e9,
+                                    "cache_fraction_of_copy": held / t_call / 1e9 / copy_GBps}
     return {"tokens": tokens, "heads": heads, "d": d, "runs": runs, "decode_append_host_us": decode,
-            "fp16_time_over_plain_copy": runs[0]["time_over_plain_copy"]}
+            "decode_attention": attention, "fp16_time_over_plain_copy": runs[0]["time_over_plain_copy"]}
 
 
 def roofline(results: dict) -> dict:

@@ -336,9 +336,11 @@ def test_cupy_glue_append_kv(fake_cupy, rng):
     assert cb.KV_DTYPES == (None, "int8", "float8_e4m3")
 
 
-def kv_shim_backend(kernels, **geometry):
-    """The rotation shim backend plus the kv_append kernel as its ``append_kv`` (NumPy arrays)."""
+def kv_shim_backend(kernels, attention=None, **geometry):
+    """The rotation shim backend plus the kv_append kernel as its ``append_kv`` (NumPy arrays); ``attention``:
+    also kv_decode_attention as its ``cache_attention``, with these plan options (a dict: threads, tile)."""
     module = shim_backend(kernels, threads=geometry.get("threads", 256))
+    calls = []
 
     def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
         work = work_of(k.dtype)
@@ -349,14 +351,23 @@ def kv_shim_backend(kernels, **geometry):
         kernels.launch(plan)
         calls.append(plan.kernel)
 
-    calls = []
-    return types.SimpleNamespace(**vars(module), append_kv=append_kv, KV_DTYPES=cb.KV_DTYPES, calls=calls)
+    def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal):
+        o = np.empty(q.shape, q.dtype)
+        plan = cb.plan_cache_attention(q, o, stores, np.ascontiguousarray(block_table, np.int64), page_size,
+                                       np.ascontiguousarray(lengths, np.int64), dtype_name=str(q.dtype), scale=scale,
+                                       softcap=softcap, window=window, causal=causal, **attention)
+        kernels.launch(plan)
+        calls.append(plan.kernel if plan is not None else None)
+        return o
+
+    extra = {} if attention is None else {"cache_attention": cache_attention}
+    return types.SimpleNamespace(**vars(module), append_kv=append_kv, KV_DTYPES=cb.KV_DTYPES, calls=calls, **extra)
 
 
 @pytest.fixture
 def kv_backend(kernels, monkeypatch):
-    def register(**geometry):
-        module = kv_shim_backend(kernels, **geometry)
+    def register(attention=None, **geometry):
+        module = kv_shim_backend(kernels, attention, **geometry)
         monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
         monkeypatch.setitem(registry._loaded, "cuda-shim", module)
         return module
@@ -367,9 +378,9 @@ def kv_backend(kernels, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kvcache_paged_appends_and_attention(kv_backend, dtype, kv_dtype, rng):
-    """rotary.KVCache on the kernel (a paged pool: prefill of ragged sequences packed with cu_seqlens, decode
+    """rotary.KVCache on the append kernel (a paged pool: prefill of ragged sequences packed with cu_seqlens, decode
     steps, a freed sequence whose pages are reused) holds the NumPy backend's bits after every append, and
-    rotary.attention over it gives the same output."""
+    rotary.attention over it (the gathered keys: no cache_attention here) gives the same output."""
     import rotary
 
     module = kv_backend(threads=64, max_tokens_per_block=2)
@@ -403,3 +414,147 @@ def test_kvcache_paged_appends_and_attention(kv_backend, dtype, kv_dtype, rng):
     q = rng.standard_normal((3, 1, 4, 32)).astype(dtype)
     outs = [rotary.attention(q, caches[name]) for name in ("cuda-shim", "numpy")]
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# -- kv_decode_attention (the cache_attention capability) ----------------------------------------------------
+#: what the kernel's output may differ by from the reference path (keys gathered, dequantized into the cache's
+#: dtype, rotary.attention's engine): exp/tanh and the summation order, and for fp16 caches the reference's
+#: rounding of dequantized keys to fp16; relative to max |o|
+ATTENTION_TOL = {"float32": 2e-6, "float64": 1e-12, "float16": 2e-3}
+
+
+def filled_caches(rng, kv_backend, *, dtype, kv_dtype, attention, kind, layout="bshd", spec=None, hq=4):
+    """A cache on the shim (append and attention kernels) and one on NumPy with the same ragged appends."""
+    import rotary
+
+    kv_backend(attention=attention, threads=64)
+    spec = spec or RopeSpec(32, rotary_dim=24, layout="interleaved", base=500.0)
+    kw = dict(batch=3, kv_heads=2, head_dim=32, dtype=dtype, kv_dtype=kv_dtype, layout=layout, **kind)
+    caches = [rotary.KVCache(spec, backend=name, **kw) for name in ("cuda-shim", "numpy")]
+    cu = np.array([0, 9, 10, 30])
+    k = rng.standard_normal((30, 2, 32)).astype(dtype)
+    v = rng.standard_normal((30, 2, 32)).astype(dtype)
+    for cache in caches:
+        cache.append(k, v, cu_seqlens=cu)
+    for _ in range(2):   # decode steps: lengths 11, 12, 32
+        kd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
+        vd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
+        if layout == "bhsd":
+            kd, vd = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
+        for cache in caches:
+            cache.append(kd, vd)
+    return caches
+
+
+def assert_attention_close(caches, q, dtype, **kw):
+    import rotary
+
+    got, want = (rotary.attention(q, cache, **kw) for cache in caches)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = ATTENTION_TOL[np.dtype(dtype).name]
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64)).max() / np.abs(want.astype(np.float64)).max()
+    assert err <= tol, f"relative error {err:.3g} > {tol:.1g}"
+
+
+ATTENTION_CASES = {   # name: (attention keyword arguments, queries per sequence)
+    "decode": ({}, 1),
+    "chunk": ({}, 3),
+    "window": (dict(window=4), 3),
+    "softcap": (dict(softcap=2.5, scale=0.4), 2),
+    "noncausal": (dict(causal=False), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_cache_attention_matches_the_reference_path(kv_backend, dtype, kv_dtype, case, rng):
+    """GQA 4:2, a paged pool, ragged lengths 11/12/32, decode and chunks, window, softcap, non-causal."""
+    if kv_dtype == "float8_e4m3" and dtype == "float64":
+        pytest.skip("no float8 from float64")
+    kw, s = ATTENTION_CASES[case]
+    caches = filled_caches(rng, kv_backend, dtype=dtype, kv_dtype=kv_dtype, attention=dict(threads=32, tile=8),
+                           kind=dict(page_size=4, num_pages=40))
+    q = rng.standard_normal((3, s, 4, 32)).astype(dtype)
+    assert_attention_close(caches, q, dtype, **kw)
+    assert caches[0].module.calls[-1] == cb.kv_attention_kernel_name(dtype, kv_dtype)
+
+
+@pytest.mark.parametrize("attention", [dict(threads=128), dict(threads=5, tile=3), dict(threads=48, tile=48)],
+                         ids=["default", "tiny", "odd"])
+def test_cache_attention_geometries_contiguous_bhsd_seq_ids(kv_backend, attention, rng):
+    """Block sizes (the default, 5 threads with 3-key tiles, 48), a contiguous cache in the bhsd layout, queries
+    of some sequences only (seq_ids), GQA 8:2."""
+    caches = filled_caches(rng, kv_backend, dtype="float32", kv_dtype="int8", attention=attention,
+                           kind=dict(capacity=40), layout="bhsd", hq=8)
+    q = rng.standard_normal((2, 8, 2, 32)).astype(np.float32)   # (n, heads, s, d)
+    assert_attention_close(caches, q, "float32", seq_ids=[2, 0], window=7)
+    assert_attention_close(caches, q[:, :, 1:], "float32", seq_ids=[1, 2])
+
+
+def test_cache_attention_partial_rotary_offset_and_long_sequences(kv_backend, rng):
+    """rotary_offset and partial rotary through attention's q rotation; sequences of several tiles."""
+    import rotary
+
+    kv_backend(attention=dict(threads=32, tile=16), threads=64)
+    spec = RopeSpec(32, rotary_dim=16, rotary_offset=6)
+    kw = dict(batch=2, kv_heads=1, head_dim=32, page_size=8, num_pages=40, dtype=np.float32, kv_dtype="float8_e4m3")
+    caches = [rotary.KVCache(spec, backend=name, **kw) for name in ("cuda-shim", "numpy")]
+    k = rng.standard_normal((2, 70, 1, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 70, 1, 32)).astype(np.float32)
+    for cache in caches:
+        cache.append(k, v)
+    q = rng.standard_normal((2, 1, 3, 32)).astype(np.float32)
+    assert_attention_close(caches, q, "float32")
+    assert_attention_close(caches, q, "float32", window=20, softcap=5.0)
+
+
+def test_cache_attention_plan_and_shim_checks(kernels, rng):
+    """The plan's checks, and the kernel under exact-extent copies, two shared-memory poisons and three block
+    slots (a read of shared memory no thread wrote, or past a buffer, would show)."""
+    checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
+    for kv_dtype in KV_DTYPES:
+        stores = make_stores(24, 2, 16, np.float16, kv_dtype, rng)
+        if kv_dtype is not None:
+            stores = stores[:2] + tuple(np.abs(a) + 0.01 for a in stores[2:])
+        else:
+            stores = tuple(np.clip(a, -4, 4) if a is not None else None for a in stores)
+        table = np.array([[5, 2, 0], [1, 3, 4]], np.int64)
+        lengths = np.array([11, 7], np.int64)
+        q = rng.standard_normal((2, 3, 4, 16)).astype(np.float16)
+        outs = []
+        for threads, tile in ((7, 3), (32, 32)):
+            o = np.full(q.shape, np.nan, q.dtype)
+            plan = cb.plan_cache_attention(q, o, stores, table, 4, lengths, dtype_name="float16", scale=0.25,
+                                           softcap=None, window=5, causal=True, threads=threads, tile=tile)
+            checked.launch(plan)
+            assert np.all(np.isfinite(o))
+            outs.append(o.astype(np.float64))
+        np.testing.assert_allclose(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+    o = np.empty_like(q)
+    with pytest.raises(ValueError, match="multiple"):
+        cb.plan_cache_attention(q[:, :, :3], np.empty((2, 3, 3, 16), q.dtype), stores, table, 4, lengths,
+                                dtype_name="float16", scale=1.0, softcap=None, window=None, causal=True)
+    with pytest.raises(ValueError, match="int64"):
+        cb.plan_cache_attention(q, o, stores, table.astype(np.int32), 4, lengths, dtype_name="float16", scale=1.0,
+                                softcap=None, window=None, causal=True)
+    assert cb.plan_cache_attention(q[:0], o[:0], stores, table[:0], 4, lengths[:0], dtype_name="float16", scale=1.0,
+                                   softcap=None, window=None, causal=True) is None
+    assert cb.kv_dtype_of(stores) == "float8_e4m3"
+
+
+def test_cupy_glue_cache_attention(fake_cupy, kv_backend, rng):
+    """rotary.backends.cupy.cache_attention with the NumPy stand-ins for CuPy: one launch, the bits of the same
+    plan launched on the NumPy arrays directly."""
+    caches = filled_caches(rng, kv_backend, dtype="float32", kv_dtype="int8", attention=dict(),
+                           kind=dict(page_size=4, num_pages=40))
+    shim, cache = caches
+    q = rng.standard_normal((3, 2, 4, 32)).astype(np.float32)
+    kw = dict(scale=0.3, softcap=None, window=None, causal=True)
+    stores = tuple(None if a is None else fake_cupy.wrap(a) for a in cache.stores)
+    o = cb.cache_attention(fake_cupy.wrap(q), stores, fake_cupy.wrap(cache.block_table), cache.page_size,
+                           fake_cupy.wrap(cache.lengths), **kw)
+    assert fake_cupy.launched == [cb.kv_attention_kernel_name("float32", "int8")]
+    assert isinstance(o, _cpu_tests.FakeCupyArray) and o.shape == q.shape and o.dtype == q.dtype
+    direct = shim.module.cache_attention(q, cache.stores, cache.block_table, cache.page_size, cache.lengths, **kw)
+    np.testing.assert_array_equal(np.asarray(o), direct)

@@ -712,8 +712,8 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 # -- KV cache (kv_cache.cu): the append_kv primitive of rotary.KVCache ---------------------------------------
 # kv_append rotates k, quantizes k and v per (token, head) or casts them, and writes entries and scales into
 # their slots in one launch, bit for bit rotary.backends.kv_entries.append_kv (the formulas are in the .cu file).
-# Planning is pure Python like the rotation's (the host shim launches the same plans); cache_attention is not
-# provided: rotary.attention(q, cache) gathers the slots and runs the generic attention engine on CuPy arrays.
+# kv_decode_attention (the cache_attention capability) attends over the entries where they lie (the block table),
+# dequantizing on the fly. Planning is pure Python like the rotation's (the host shim launches the same plans).
 
 #: the kv dtypes the kernels write (None: entries in the cache's dtype); "float8_e4m3" only for fp32-work dtypes
 KV_DTYPES = (None, "int8", "float8_e4m3")
@@ -723,6 +723,8 @@ KV_KINDS = {None: 0, "int8": 1, "float8_e4m3": 2}
 KV_ENTRY_DTYPES = {"int8": "int8", "float8_e4m3": "uint8"}
 #: threads per block of kv_append
 KV_APPEND_THREADS = 256
+#: threads per block (and keys per tile) of kv_decode_attention
+KV_ATTENTION_THREADS = 128
 
 
 def kv_append_kernel_name(dtype_name: str, kv_dtype) -> str:
@@ -730,10 +732,18 @@ def kv_append_kernel_name(dtype_name: str, kv_dtype) -> str:
     return f"kv_append<{t}, {w}, {KV_KINDS[kv_dtype]}>"
 
 
+def kv_attention_kernel_name(dtype_name: str, kv_dtype) -> str:
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"kv_decode_attention<{t}, {w}, {KV_KINDS[kv_dtype]}>"
+
+
 def kv_cache_name_expressions(dtype_name: str) -> list[str]:
-    """The kv_cache family's instantiations for one dtype: each kv dtype (float8 from float32 work values only)."""
+    """The kv_cache family's instantiations for one dtype: append and attention for each kv dtype (float8 from
+    float32 work values only)."""
     fp32_work = KERNEL_TYPES[dtype_name][1] == "float"
-    return [kv_append_kernel_name(dtype_name, kind) for kind in KV_DTYPES if kind != "float8_e4m3" or fp32_work]
+    kinds = [kind for kind in KV_DTYPES if kind != "float8_e4m3" or fp32_work]
+    return [kv_append_kernel_name(dtype_name, kind) for kind in kinds] + \
+        [kv_attention_kernel_name(dtype_name, kind) for kind in kinds]
 
 
 def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsize: int, quantized: bool,
@@ -765,9 +775,9 @@ def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsiz
     return grid, block, group, tpb, block * work_itemsize if quantized else 0
 
 
-def _kv_check(ok: bool, what: str) -> None:
+def _kv_check(ok: bool, what: str, where: str = "append_kv") -> None:
     if not ok:
-        raise ValueError(f"append_kv: {what}")
+        raise ValueError(f"{where}: {what}")
 
 
 def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rotary_dim: int, layout: str,
@@ -843,3 +853,86 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
                               dtype_name=name, rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype)
         if plan is not None:
             _launch(plan, name)
+
+
+def kv_dtype_of(stores):
+    """The kv dtype of a cache's ``stores``: None (float entries), "int8" or "float8_e4m3" (uint8 bits)."""
+    if stores[2] is None:
+        return None
+    name = np.dtype(stores[0].dtype).name
+    for kind, entry in KV_ENTRY_DTYPES.items():
+        if entry == name:
+            return kind
+    raise ValueError(f"quantized entries must be int8 or uint8 (float8_e4m3 bits), got {name}")
+
+
+def cache_attention_shared_bytes(head_dim: int, tile: int, threads: int, work_itemsize: int) -> int:
+    """Dynamic shared memory of kv_decode_attention (layout in the .cu file)."""
+    return ((2 * head_dim + tile + threads) * work_itemsize + 7) // 8 * 8 + 8 * tile
+
+
+def plan_cache_attention(q, o, stores, block_table, page_size: int, lengths, *, dtype_name: str, scale: float,
+                         softcap, window, causal: bool, threads: int = KV_ATTENTION_THREADS,
+                         tile: int | None = None) -> Launch | None:
+    """The kv_decode_attention launch: q (n, s, Hq, D) with any strides, o a C-contiguous array like q, ``stores``
+    as the cache holds them (entries (P, Hk, D), scales (P, Hk) or None; C-contiguous), block_table (n, W) and
+    lengths (n,) contiguous int64 (not range-checked: the cache made them). None when there is no query row."""
+    n, s_len, q_heads, head_dim = (int(d) for d in q.shape)
+    k_store, v_store, k_scale, v_scale = stores
+    kv_dtype = kv_dtype_of(stores)
+    work = KERNEL_TYPES[dtype_name][1]
+    work_name = "float64" if work == "double" else "float32"
+    kv_heads = int(k_store.shape[1])
+
+    def check(ok, what):
+        _kv_check(ok, what, "cache_attention")
+
+    check(tuple(o.shape) == tuple(q.shape) and o.flags.c_contiguous, "o must be C-contiguous like q")
+    check(kv_heads > 0 and q_heads % kv_heads == 0, f"q heads ({q_heads}) must be a multiple of kv heads "
+              f"({kv_heads})")
+    for name, a in (("k entries", k_store), ("v entries", v_store)):
+        check(tuple(a.shape[1:]) == (kv_heads, head_dim) and a.flags.c_contiguous,
+                  f"{name} must be C-contiguous (slots, {kv_heads}, {head_dim}), got {tuple(a.shape)}")
+    if kv_dtype is not None:
+        for name, a in (("k scales", k_scale), ("v scales", v_scale)):
+            check(a is not None and tuple(a.shape) == tuple(k_store.shape[:2]) and a.flags.c_contiguous
+                      and np.dtype(a.dtype).name == work_name, f"{name} must be C-contiguous {work_name}")
+    else:
+        entry = np.dtype(k_store.dtype)
+        check(entry.name == dtype_name or (dtype_name == "bfloat16" and entry.itemsize == 2),
+                  f"entries are {entry.name}, q {dtype_name}")
+    for name, a in (("block_table", block_table), ("lengths", lengths)):
+        check(np.dtype(a.dtype).name == "int64" and a.flags.c_contiguous and int(a.shape[0]) == n,
+                  f"{name} must be a contiguous int64 array of {n} rows")
+    if n * s_len * q_heads == 0 or head_dim == 0:
+        return None
+    threads = max(1, min(int(threads), 1024))
+    tile = threads if tile is None else max(1, min(int(tile), threads))
+    wtype = np.float64 if work == "double" else np.float32
+    itemsize = ITEMSIZE[dtype_name]
+    fold = scale / softcap if softcap else scale
+    smem = cache_attention_shared_bytes(head_dim, tile, threads, 8 if work == "double" else 4)
+    i32, i64 = np.int32, np.int64
+    args = (q, *_elem_strides(q, itemsize), o, k_store, v_store,
+            lengths if k_scale is None else k_scale, lengths if v_scale is None else v_scale,   # KIND 0: unread
+            block_table, i64(block_table.shape[1]), i64(page_size), lengths, i32(s_len), i32(q_heads), i32(kv_heads),
+            i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)), i32(tile))
+    return Launch("kv_cache", kv_attention_kernel_name(dtype_name, kv_dtype), n * s_len * q_heads, threads, smem, args)
+
+
+def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal):
+    """The ``cache_attention`` capability (see :mod:`rotary.backends`): one kv_decode_attention launch on q's device
+    and stream; returns o (n, s, Hq, D) in q's dtype (a torch tensor for a torch q)."""
+    import cupy
+
+    exchange = _Exchange(q)
+    with exchange:
+        name = exchange.dtype_name(q)
+        o = exchange.empty_like(q)
+        table = cupy.ascontiguousarray(cupy.asarray(block_table), dtype=cupy.int64)
+        lens = cupy.ascontiguousarray(cupy.asarray(lengths), dtype=cupy.int64)
+        plan = plan_cache_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens,
+                                    dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal)
+        if plan is not None:
+            _launch(plan, name)
+    return o

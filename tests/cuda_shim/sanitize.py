@@ -10,7 +10,8 @@ frontend at two block geometries, and the linear-attention conformance cases), `
 partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
 decay, cu_seqlens with an empty sequence), ``random`` (random rotation and linear-attention problems:
 element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
-KV-cache appends of kv_cache.cu, bit for bit against the reference append), or ``planted:NAME`` (one kernel of planted.cu, or ``rope_short_table``:
+KV-cache appends of kv_cache.cu, bit for bit against the reference append), or ``planted:NAME`` (one kernel of
+planted.cu, or ``rope_short_table``:
 the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
 shared-memory poisons; ``--slots``: concurrent blocks. Prints one line per case and ``OK <n> launches``.
@@ -297,9 +298,13 @@ def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025
 def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     """KV-cache appends (kv_append) against the reference append, bit for bit: every kv dtype (cast, int8,
     float8), fp16/fp32/fp64, both pair layouts, partial rotary with an offset, strided and reversed k/v, paged
-    slot orders, odd thread groups and one-token blocks (tests/test_kv_cache_cuda_shim.py's helpers)."""
+    slot orders, odd thread groups and one-token blocks; then attention over caches (kv_decode_attention)
+    against the NumPy cache's: decode and chunks, window, softcap, non-causal, GQA, paged and contiguous, block
+    sizes down to 5 threads with 3-key tiles (tests/test_kv_cache_cuda_shim.py's helpers)."""
     from rotary import RopeSpec
-    from tests.test_kv_cache_cuda_shim import GEOMETRIES, check_append, make_stores, paged_slots
+    from rotary import backends as registry
+    from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, GEOMETRIES, assert_attention_close, check_append,
+                                               filled_caches, kv_shim_backend, make_stores, paged_slots)
 
     rng = np.random.default_rng(seed)
     failures = 0
@@ -330,6 +335,29 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
         failures += not ok
         print(f"{'ok' if ok else 'FAIL'} kv_append random {i}: d={head_dim} r={rotary_dim} offset={offset} T={T} "
               f"Hk={Hk} {layout} {dtype} {kv_dtype} {geometry}", flush=True)
+
+    def register(attention=None, **geometry):
+        module = kv_shim_backend(kernels, attention, **geometry)
+        registry._MODULES["cuda-shim"] = "tests.cuda_shim"
+        registry._loaded["cuda-shim"] = module
+        return module
+
+    for i, case in enumerate(list(ATTENTION_CASES) * 2):
+        dtype = ["float32", "float16", "float64"][i % 3]
+        kv_dtype = [None, "int8", "float8_e4m3"][(i + i // 3) % 3]
+        kv_dtype = "int8" if kv_dtype == "float8_e4m3" and dtype == "float64" else kv_dtype
+        attention = [dict(threads=5, tile=3), dict(threads=32, tile=8), dict(threads=64)][i % 3]
+        kind = dict(page_size=4, num_pages=40) if i % 2 else dict(capacity=40)
+        kw, s = ATTENTION_CASES[case]
+        caches = filled_caches(rng, register, dtype=dtype, kv_dtype=kv_dtype, attention=attention, kind=kind)
+        try:
+            assert_attention_close(caches, rng.standard_normal((3, s, 4, 32)).astype(dtype), dtype, **kw)
+            ok = True
+        except AssertionError as exc:
+            print(exc)
+            ok = False
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} kv_decode_attention {case} {dtype} {kv_dtype} {attention} {kind}", flush=True)
     return failures
 
 

@@ -200,3 +200,149 @@ __global__ void kv_append(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// kv_decode_attention -- softmax attention of each sequence's newest queries over its cached keys (the
+// cache_attention capability; rotary.kvcache.attend has the semantics). Query j of sequence i (of s_len per
+// sequence) sits at position p = lengths[i] - s_len + j; query head hq reads k/v head hq / (q_heads / kv_heads);
+// key t of sequence i lies in slot block_table[i, t / page_size] * page_size + t % page_size. Keys seen:
+// t <= p (causal; also p - t < window when window > 0), every t < lengths[i] otherwise. With fold = scale / softcap
+// (scale without softcap): x_t = <fold q, k_t>, x_t = softcap tanh(x_t) with softcap, o = sum_t softmax(x)_t v_t,
+// in W with entries dequantized on the fly (entry * scale of its (slot, head); float8 bits decoded exactly),
+// an online softmax over tiles of `tile` keys. o is written in T, C-contiguous (n, s_len, q_heads, head_dim).
+//
+// Launch geometry (rotary.backends.cupy.plan_cache_attention): one block per (sequence, query, q head) row,
+// grid.x = n * s_len * q_heads, any blockDim.x; tile <= blockDim.x. Dynamic shared memory (W elements, then
+// i64): q[head_dim] | acc[head_dim] | p[tile] | red[blockDim.x] | slot[tile]. Per tile: thread t < n_tile
+// scores key t (its slot read from the block table once), the block reduces the tile's max, exponentiates,
+// reduces the sum, and each thread rescales and accumulates its own output coordinates d = tid, tid + blockDim..
+#ifdef ROTARY_ON_DEVICE
+ROTARY_FN float kv_exp(float x) { return expf(x); }
+ROTARY_FN double kv_exp(double x) { return exp(x); }
+ROTARY_FN float kv_tanh(float x) { return tanhf(x); }
+ROTARY_FN double kv_tanh(double x) { return tanh(x); }
+ROTARY_FN double kv_neg_inf(double) { return __longlong_as_double((long long)0xfff0000000000000ull); }
+#else
+ROTARY_FN double kv_neg_inf(double) {
+    const unsigned long long u = 0xfff0000000000000ull;
+    double d;
+    std::memcpy(&d, &u, 8);
+    return d;
+}
+template <typename W> ROTARY_FN W kv_exp(W x) { return std::exp(x); }
+template <typename W> ROTARY_FN W kv_tanh(W x) { return std::tanh(x); }
+#endif
+
+ROTARY_FN float kv_neg_inf(float) { return bits_to_float(0xff800000u); }
+
+// the float32 value of float8_e4m3fn bits (exact: rotary.backends.kv_entries.FP8_VALUES)
+ROTARY_FN float fp8_e4m3_value(unsigned char b) {
+    const unsigned int e = (b >> 3) & 15u, m = b & 7u, sign = (unsigned int)(b >> 7) << 31;
+    if (e == 15u && m == 7u) return bits_to_float(sign | 0x7fc00000u);
+    if (e == 0u) return bits_to_float(sign | float_to_bits(kv_mul((float)m, 0x1p-9f)));
+    return bits_to_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// entry d of a (slot, head) row, dequantized into W
+template <typename T, typename W, int KIND> struct KvLoad;
+template <typename T, typename W> struct KvLoad<T, W, 0> {
+    static ROTARY_FN W at(const T* row, int d, W) { return load_float(row[d]); }
+};
+template <typename T, typename W> struct KvLoad<T, W, 1> {
+    static ROTARY_FN W at(const signed char* row, int d, W scale) { return kv_mul(W(row[d]), scale); }
+};
+template <typename T, typename W> struct KvLoad<T, W, 2> {
+    static ROTARY_FN W at(const unsigned char* row, int d, W scale) { return kv_mul(W(fp8_e4m3_value(row[d])), scale); }
+};
+
+// red[0] = op over red[0 .. blockDim.x) (all threads; each has written its red[tid]); red[0] read after return
+template <bool MAX, typename W> ROTARY_FN void kv_block_reduce(W* red, int tid, int nthreads) {
+    __syncthreads();
+    for (int step = 1; step < nthreads; step *= 2) {
+        if (tid % (2 * step) == 0 && tid + step < nthreads)
+            red[tid] = MAX ? kv_max(red[tid], red[tid + step]) : kv_add(red[tid], red[tid + step]);
+        __syncthreads();
+    }
+}
+
+template <typename T, typename W, int KIND>
+__global__ void kv_decode_attention(
+    const T* q, i64 qsn, i64 qss, i64 qsh, i64 qsd, T* o,
+    const typename KvEntry<T, KIND>::type* k_store, const typename KvEntry<T, KIND>::type* v_store,
+    const W* k_scale, const W* v_scale, const i64* block_table, i64 table_width, i64 page_size,
+    const i64* lengths, int s_len, int q_heads, int kv_heads, int head_dim, W fold, W softcap, i64 window,
+    int causal, int tile) {
+    typedef typename KvEntry<T, KIND>::type E;
+    ROTARY_DYNAMIC_SMEM(smem);
+    W* qs = reinterpret_cast<W*>(smem);
+    W* acc = qs + head_dim;
+    W* p = acc + head_dim;
+    W* red = p + tile;
+    const int nthreads = blockDim.x;
+    const int w_bytes = (2 * head_dim + tile + nthreads) * (int)sizeof(W);
+    i64* slot_of = reinterpret_cast<i64*>(smem + (w_bytes + 7) / 8 * 8);   // [tile] (slot, head) of each key
+    const int tid = threadIdx.x;
+    const i64 row = blockIdx.x;
+    const int hq = (int)(row % q_heads);
+    const i64 ij = row / q_heads;
+    const int j = (int)(ij % s_len);
+    const i64 i = ij / s_len;
+    const int hk = hq / (q_heads / kv_heads);
+    const i64 length = lengths[i];
+    const i64 pos = length - s_len + j;
+    const i64 hi = causal ? pos : length - 1;
+    const i64 lo = (causal && window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const T* qrow = q + i * qsn + j * qss + hq * qsh;
+    for (int d = tid; d < head_dim; d += nthreads) {
+        qs[d] = kv_mul(load_float(qrow[d * qsd]), fold);
+        acc[d] = W(0);
+    }
+    const W neg_inf = kv_neg_inf(W(0));
+    W m = neg_inf, l = W(0);
+    __syncthreads();
+    for (i64 base = lo; base <= hi; base += tile) {   // the same trip count in every thread
+        const int n_tile = hi - base + 1 < tile ? (int)(hi - base + 1) : tile;
+        for (int t = tid; t < n_tile; t += nthreads) {
+            const i64 key = base + t;
+            const i64 slot = block_table[i * table_width + key / page_size] * page_size + key % page_size;
+            const i64 e = slot * kv_heads + hk;
+            slot_of[t] = e;
+            const E* krow = k_store + e * head_dim;
+            const W ks = KIND == 0 ? W(1) : k_scale[e];
+            W x = W(0);
+            for (int d = 0; d < head_dim; ++d) x = kv_add(x, kv_mul(qs[d], KvLoad<T, W, KIND>::at(krow, d, ks)));
+            p[t] = softcap > W(0) ? kv_mul(softcap, kv_tanh(x)) : x;
+        }
+        W part = neg_inf;
+        __syncthreads();
+        for (int t = tid; t < n_tile; t += nthreads) part = kv_max(part, p[t]);
+        red[tid] = part;
+        kv_block_reduce<true, W>(red, tid, nthreads);
+        const W m_new = kv_max(m, red[0]);
+        __syncthreads();   // red[0] read by all before the sum reuses red
+        W sum = W(0);
+        for (int t = tid; t < n_tile; t += nthreads) {
+            const W w = kv_exp(kv_sub(p[t], m_new));
+            p[t] = w;
+            sum = kv_add(sum, w);
+        }
+        red[tid] = sum;
+        kv_block_reduce<false, W>(red, tid, nthreads);   // its first barrier also publishes p
+        const W corr = m == neg_inf ? W(0) : kv_exp(kv_sub(m, m_new));
+        l = kv_add(kv_mul(l, corr), red[0]);
+        m = m_new;
+        for (int d = tid; d < head_dim; d += nthreads) {
+            W a = kv_mul(acc[d], corr);
+            for (int t = 0; t < n_tile; ++t) {
+                const i64 e = slot_of[t];
+                const W vs = KIND == 0 ? W(1) : v_scale[e];
+                a = kv_add(a, kv_mul(p[t], KvLoad<T, W, KIND>::at(v_store + e * head_dim, d, vs)));
+            }
+            acc[d] = a;
+        }
+        __syncthreads();   // p, slot_of and red[0] read by all before the next tile
+    }
+    T* orow = o + ((i * s_len + j) * (i64)q_heads + hq) * head_dim;
+    for (int d = tid; d < head_dim; d += nthreads)   // l > 0: every query sees at least its own key
+        orow[d] = Store<T>::from(l > W(0) ? kv_div(acc[d], l) : W(0));
+}
