@@ -255,6 +255,20 @@ def test_many_heads_and_a_wide_head(kernels, rng):
 
 
 # -- geometry, plan checks, the shim's own checks ------------------------------------------------------------
+def test_kv_cache_family_in_the_kernel_tables():
+    """The family is in SOURCES (so tests/test_nvrtc.py compiles it for every target, and the shim builds it),
+    with an append and an attention kernel per kv dtype (no float8 from float64)."""
+    assert cb.SOURCES["kv_cache"] == "kv_cache.cu"
+    assert cb.name_expressions("kv_cache", "float64") == [
+        "kv_append<double, double, 0>", "kv_append<double, double, 1>",
+        "kv_decode_attention<double, double, 0>", "kv_decode_attention<double, double, 1>"]
+    for dtype in ("float32", "float16", "bfloat16"):
+        names = cb.name_expressions("kv_cache", dtype)
+        assert len(names) == 6 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
+    built = {expr for family, _, expr in host.instantiations() if family == "kv_cache"}
+    assert built == {n for d in host.DTYPES for n in cb.name_expressions("kv_cache", d)}
+
+
 @pytest.mark.parametrize("n_tokens,heads,head_dim", [(1, 8, 128), (4096, 8, 128), (7, 1, 64), (3, 40, 16),
                                                      (1, 1, 2), (100000, 32, 256)])
 @pytest.mark.parametrize("threads", [256, 128, 5])
