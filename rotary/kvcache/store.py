@@ -135,6 +135,7 @@ class KVCache:
             self._grow_pool(self.batch)
         self._device_key, self._convert = table_converter(self.module, self._stores[0], None)
         self._dense_key = _tables.dense_key(self.spec, self.work, self._device_key)
+        self._array_type = type(self._stores[0])
         self._all_ids = np.arange(self.batch, dtype=np.int64)
         self._all_ids.flags.writeable = False
 
@@ -224,9 +225,8 @@ class KVCache:
 
     def _take_pages(self, ids, new_lengths):
         """Check that ``new_lengths`` fit (capacity, free pages), then give the sequences their pages."""
-        over = np.flatnonzero(new_lengths > self.capacity) if new_lengths.size and new_lengths.max() > self.capacity \
-            else ()
-        if len(over):
+        if new_lengths.size and new_lengths.max() > self.capacity:
+            over = np.flatnonzero(new_lengths > self.capacity)
             i = int(over[0])
             raise KVCacheFullError(f"sequence {int(ids[i])} would hold {int(new_lengths[i])} tokens, past the cache's "
                                    f"capacity of {self.capacity}; nothing was written")
@@ -260,6 +260,9 @@ class KVCache:
     def _check_entries(self, a, name, heads):
         """a's type and dtype are the cache's; its (dense: in the cache's layout) heads and head size are
         ``heads`` and head_dim."""
+        if (type(a) is self._array_type and a.dtype == self.dtype and a.ndim == 4 and a.shape[3] == self.head_dim
+                and a.shape[2 if self.layout == "bshd" else 1] == heads):
+            return   # the common case: a dense array of this cache's type, dtype and heads
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{name} must be an array, got {type(a).__name__}")
         if np.dtype(a.dtype) != self.dtype:
