@@ -5,7 +5,7 @@
 // of the layout at offset o ("half": (o+i, o+i+rotary_dim/2); "interleaved": (o+2i, o+2i+1)):
 //     w_a = x_a cos[r, i] - x_b sin[r, i]
 //     w_b = x_b cos[r, i] + x_a sin[r, i]            (W: float32, float64 for double; each product and sum
-//                                                     rounded on its own: kv_mul & co., never an FMA)
+//                                                     rounded on its own: rn_mul & co., never an FMA)
 // the coordinates outside [o, o + rotary_dim) pass through, and v is taken as it is (in W). Entries:
 //     KIND 0 (the cache's dtype):  k_out = T(w), v_out = v (copied)
 //     KIND 1 ("int8"), 2 ("float8_e4m3"), per (token, head):
@@ -26,29 +26,7 @@
 // runs the same text. KIND 0 needs no shared memory and no barrier.
 #include "rotary_common.cuh"
 
-// Correctly rounded single operations (no contraction into FMAs on the device; the host shim builds with
-// -ffp-contract=off), and the rounding helpers of the quantizers.
-#ifdef ROTARY_ON_DEVICE
-ROTARY_FN float kv_mul(float a, float b) { return __fmul_rn(a, b); }
-ROTARY_FN float kv_add(float a, float b) { return __fadd_rn(a, b); }
-ROTARY_FN float kv_sub(float a, float b) { return __fsub_rn(a, b); }
-ROTARY_FN float kv_div(float a, float b) { return __fdiv_rn(a, b); }
-ROTARY_FN double kv_mul(double a, double b) { return __dmul_rn(a, b); }
-ROTARY_FN double kv_add(double a, double b) { return __dadd_rn(a, b); }
-ROTARY_FN double kv_sub(double a, double b) { return __dsub_rn(a, b); }
-ROTARY_FN double kv_div(double a, double b) { return __ddiv_rn(a, b); }
-ROTARY_FN float kv_abs(float x) { return fabsf(x); }
-ROTARY_FN double kv_abs(double x) { return fabs(x); }
-ROTARY_FN float kv_rint(float x) { return rintf(x); }
-ROTARY_FN double kv_rint(double x) { return rint(x); }
-#else
-template <typename W> ROTARY_FN W kv_mul(W a, W b) { return a * b; }
-template <typename W> ROTARY_FN W kv_add(W a, W b) { return a + b; }
-template <typename W> ROTARY_FN W kv_sub(W a, W b) { return a - b; }
-template <typename W> ROTARY_FN W kv_div(W a, W b) { return a / b; }
-template <typename W> ROTARY_FN W kv_abs(W x) { return std::fabs(x); }
-template <typename W> ROTARY_FN W kv_rint(W x) { return std::rint(x); }  // the default mode: half to even
-#endif
+// The quantizers' operations are rotary_common.cuh's rn_* (each correctly rounded on its own).
 
 // max that keeps a NaN (NumPy's max propagates it); max is exact, so the reduction order never matters
 template <typename W> ROTARY_FN W kv_max(W m, W x) { return (x > m || x != x) ? x : m; }
@@ -67,7 +45,7 @@ ROTARY_FN unsigned char fp8_e4m3_bits(float x) {
     const unsigned int a = u & 0x7fffffffu;
     if (a > 0x43e80000u) return (unsigned char)(sign | 0x7fu);   // > 464, inf, NaN
     if (a < 0x3c800000u) {                                       // < 2^-6: subnormal (8 rounds up to 2^-6)
-        const float q = kv_rint(kv_mul(bits_to_float(a), 512.0f));   // exact product, then half to even
+        const float q = rn_rint(rn_mul(bits_to_float(a), 512.0f));   // exact product, then half to even
         return (unsigned char)(sign | (unsigned int)q);
     }
     const unsigned int rebiased = a - (120u << 23);              // exponent bias 127 -> 7
@@ -79,7 +57,7 @@ template <int KIND, typename W> struct KvQuant;
 template <typename W> struct KvQuant<1, W> {
     static ROTARY_FN W limit() { return W(127); }
     static ROTARY_FN signed char entry(W w, W scale) {
-        W y = kv_rint(scale > W(0) ? kv_div(w, scale) : w);
+        W y = rn_rint(scale > W(0) ? rn_div(w, scale) : w);
         y = y < W(-127) ? W(-127) : (y > W(127) ? W(127) : y);
         return (signed char)(y == y ? (int)y : 0);   // NaN: 0 (NumPy leaves it undefined)
     }
@@ -87,7 +65,7 @@ template <typename W> struct KvQuant<1, W> {
 template <typename W> struct KvQuant<2, W> {
     static_assert(sizeof(W) == 4, "float8_e4m3 entries are quantized from float32 work values");
     static ROTARY_FN W limit() { return W(448); }
-    static ROTARY_FN unsigned char entry(W w, W scale) { return fp8_e4m3_bits(scale > W(0) ? kv_div(w, scale) : w); }
+    static ROTARY_FN unsigned char entry(W w, W scale) { return fp8_e4m3_bits(scale > W(0) ? rn_div(w, scale) : w); }
 };
 
 // Unit u of a k row: one rotated pair (u < half) or one unrotated coordinate. Sets the element indices
@@ -102,8 +80,8 @@ ROTARY_FN int kv_k_unit(const T* x, i64 sd, int u, int half, int offset, int rot
         const W xb = load_float(x[idx[1] * sd]);
         const W c = c_row[u];
         const W s = s_row[u];
-        val[0] = kv_sub(kv_mul(xa, c), kv_mul(xb, s));
-        val[1] = kv_add(kv_mul(xb, c), kv_mul(xa, s));
+        val[0] = rn_sub(rn_mul(xa, c), rn_mul(xb, s));
+        val[1] = rn_add(rn_mul(xb, c), rn_mul(xa, s));
         return 2;
     }
     const int j = u - half;
@@ -174,7 +152,7 @@ __global__ void kv_append(
                 int n = 1;
                 if (is_v) val[0] = load_float(x[u * sd]);
                 else n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
-                for (int j = 0; j < n; ++j) amax = kv_max(amax, kv_abs(val[j]));
+                for (int j = 0; j < n; ++j) amax = kv_max(amax, rn_abs(val[j]));
             }
             red[tid] = amax;
             __syncthreads();
@@ -183,7 +161,7 @@ __global__ void kv_append(
                     red[tid] = kv_max(red[tid], red[tid + step]);
                 __syncthreads();
             }
-            const W scale = kv_div(red[tid - lane], KvQuant<KIND, W>::limit());
+            const W scale = rn_div(red[tid - lane], KvQuant<KIND, W>::limit());
             for (int u = lane; u < units; u += group) {
                 int n = 1;
                 if (is_v) {
@@ -239,7 +217,7 @@ ROTARY_FN float kv_neg_inf(float) { return bits_to_float(0xff800000u); }
 ROTARY_FN float fp8_e4m3_value(unsigned char b) {
     const unsigned int e = (b >> 3) & 15u, m = b & 7u, sign = (unsigned int)(b >> 7) << 31;
     if (e == 15u && m == 7u) return bits_to_float(sign | 0x7fc00000u);
-    if (e == 0u) return bits_to_float(sign | float_to_bits(kv_mul((float)m, 0x1p-9f)));
+    if (e == 0u) return bits_to_float(sign | float_to_bits(rn_mul((float)m, 0x1p-9f)));
     return bits_to_float(sign | ((e + 120u) << 23) | (m << 20));
 }
 
@@ -249,10 +227,10 @@ template <typename T, typename W> struct KvLoad<T, W, 0> {
     static ROTARY_FN W at(const T* row, int d, W) { return load_float(row[d]); }
 };
 template <typename T, typename W> struct KvLoad<T, W, 1> {
-    static ROTARY_FN W at(const signed char* row, int d, W scale) { return kv_mul(W(row[d]), scale); }
+    static ROTARY_FN W at(const signed char* row, int d, W scale) { return rn_mul(W(row[d]), scale); }
 };
 template <typename T, typename W> struct KvLoad<T, W, 2> {
-    static ROTARY_FN W at(const unsigned char* row, int d, W scale) { return kv_mul(W(fp8_e4m3_value(row[d])), scale); }
+    static ROTARY_FN W at(const unsigned char* row, int d, W scale) { return rn_mul(W(fp8_e4m3_value(row[d])), scale); }
 };
 
 // red[0] = op over red[0 .. blockDim.x) (all threads; each has written its red[tid]); red[0] read after return
@@ -260,7 +238,7 @@ template <bool MAX, typename W> ROTARY_FN void kv_block_reduce(W* red, int tid, 
     __syncthreads();
     for (int step = 1; step < nthreads; step *= 2) {
         if (tid % (2 * step) == 0 && tid + step < nthreads)
-            red[tid] = MAX ? kv_max(red[tid], red[tid + step]) : kv_add(red[tid], red[tid + step]);
+            red[tid] = MAX ? kv_max(red[tid], red[tid + step]) : rn_add(red[tid], red[tid + step]);
         __syncthreads();
     }
 }
@@ -294,7 +272,7 @@ __global__ void kv_decode_attention(
     const i64 lo = (causal && window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     const T* qrow = q + i * qsn + j * qss + hq * qsh;
     for (int d = tid; d < head_dim; d += nthreads) {
-        qs[d] = kv_mul(load_float(qrow[d * qsd]), fold);
+        qs[d] = rn_mul(load_float(qrow[d * qsd]), fold);
         acc[d] = W(0);
     }
     const W neg_inf = kv_neg_inf(W(0));
@@ -310,8 +288,8 @@ __global__ void kv_decode_attention(
             const E* krow = k_store + e * head_dim;
             const W ks = KIND == 0 ? W(1) : k_scale[e];
             W x = W(0);
-            for (int d = 0; d < head_dim; ++d) x = kv_add(x, kv_mul(qs[d], KvLoad<T, W, KIND>::at(krow, d, ks)));
-            p[t] = softcap > W(0) ? kv_mul(softcap, kv_tanh(x)) : x;
+            for (int d = 0; d < head_dim; ++d) x = rn_add(x, rn_mul(qs[d], KvLoad<T, W, KIND>::at(krow, d, ks)));
+            p[t] = softcap > W(0) ? rn_mul(softcap, kv_tanh(x)) : x;
         }
         W part = neg_inf;
         __syncthreads();
@@ -322,21 +300,21 @@ __global__ void kv_decode_attention(
         __syncthreads();   // red[0] read by all before the sum reuses red
         W sum = W(0);
         for (int t = tid; t < n_tile; t += nthreads) {
-            const W w = kv_exp(kv_sub(p[t], m_new));
+            const W w = kv_exp(rn_sub(p[t], m_new));
             p[t] = w;
-            sum = kv_add(sum, w);
+            sum = rn_add(sum, w);
         }
         red[tid] = sum;
         kv_block_reduce<false, W>(red, tid, nthreads);   // its first barrier also publishes p
-        const W corr = m == neg_inf ? W(0) : kv_exp(kv_sub(m, m_new));
-        l = kv_add(kv_mul(l, corr), red[0]);
+        const W corr = m == neg_inf ? W(0) : kv_exp(rn_sub(m, m_new));
+        l = rn_add(rn_mul(l, corr), red[0]);
         m = m_new;
         for (int d = tid; d < head_dim; d += nthreads) {
-            W a = kv_mul(acc[d], corr);
+            W a = rn_mul(acc[d], corr);
             for (int t = 0; t < n_tile; ++t) {
                 const i64 e = slot_of[t];
                 const W vs = KIND == 0 ? W(1) : v_scale[e];
-                a = kv_add(a, kv_mul(p[t], KvLoad<T, W, KIND>::at(v_store + e * head_dim, d, vs)));
+                a = rn_add(a, rn_mul(p[t], KvLoad<T, W, KIND>::at(v_store + e * head_dim, d, vs)));
             }
             acc[d] = a;
         }
@@ -344,5 +322,5 @@ __global__ void kv_decode_attention(
     }
     T* orow = o + ((i * s_len + j) * (i64)q_heads + hq) * head_dim;
     for (int d = tid; d < head_dim; d += nthreads)   // l > 0: every query sees at least its own key
-        orow[d] = Store<T>::from(l > W(0) ? kv_div(acc[d], l) : W(0));
+        orow[d] = Store<T>::from(l > W(0) ? rn_div(acc[d], l) : W(0));
 }

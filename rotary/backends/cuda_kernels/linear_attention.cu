@@ -62,24 +62,12 @@ template <int TILE, typename W> ROTARY_FN void zero_tile(W (&acc)[TILE][TILE]) {
 }
 
 // Feature maps, the bits of rotary.backends.feature_maps (its docstring has the formulas; codes 0 identity,
-// 1 elu + 1, 2 relu). Every operation of feature_exp is rounded on its own (fm_* : __fmul_rn & co. on the
-// device, which nvcc/NVRTC never fuse into FMAs; the host shim builds with -ffp-contract=off), constants are
+// 1 elu + 1, 2 relu). Every operation of feature_exp is rounded on its own (rotary_common.cuh's rn_*: __fmul_rn & co.
+// on the device, which nvcc/NVRTC never fuse into FMAs; the host shim builds with -ffp-contract=off), constants are
 // the work type's nearest values as hex literals, 2**n comes from exponent bits.
 #ifdef ROTARY_ON_DEVICE
-ROTARY_FN float fm_mul(float a, float b) { return __fmul_rn(a, b); }
-ROTARY_FN float fm_add(float a, float b) { return __fadd_rn(a, b); }
-ROTARY_FN float fm_sub(float a, float b) { return __fsub_rn(a, b); }
-ROTARY_FN double fm_mul(double a, double b) { return __dmul_rn(a, b); }
-ROTARY_FN double fm_add(double a, double b) { return __dadd_rn(a, b); }
-ROTARY_FN double fm_sub(double a, double b) { return __dsub_rn(a, b); }
-ROTARY_FN float fm_floor(float x) { return floorf(x); }
-ROTARY_FN double fm_floor(double x) { return floor(x); }
 ROTARY_FN double fm_bits_to_double(long long u) { return __longlong_as_double(u); }
 #else
-template <typename W> ROTARY_FN W fm_mul(W a, W b) { return a * b; }
-template <typename W> ROTARY_FN W fm_add(W a, W b) { return a + b; }
-template <typename W> ROTARY_FN W fm_sub(W a, W b) { return a - b; }
-template <typename W> ROTARY_FN W fm_floor(W x) { return std::floor(x); }
 ROTARY_FN double fm_bits_to_double(long long u) {
     double d;
     std::memcpy(&d, &u, 8);
@@ -92,36 +80,36 @@ ROTARY_FN double fm_bits_to_double(long long u) {
 ROTARY_FN float feature_exp(float x) {
     float c = x < -87.0f ? -87.0f : x;
     c = c > 88.0f ? 88.0f : c;
-    const float n = fm_floor(fm_add(fm_mul(c, 0x1.715476p+0f), 0.5f));
-    const float r = fm_add(fm_sub(c, fm_mul(n, 0x1.63p-1f)), fm_mul(n, 0x1.bd0106p-13f));
-    float p = fm_add(fm_mul(0x1.a0d2cep-13f, r), 0x1.6e879cp-10f);
-    p = fm_add(fm_mul(p, r), 0x1.111210p-7f);
-    p = fm_add(fm_mul(p, r), 0x1.555382p-5f);
-    p = fm_add(fm_mul(p, r), 0x1.555554p-3f);
-    p = fm_add(fm_mul(p, r), 0x1p-1f);
-    p = fm_add(fm_add(fm_mul(p, fm_mul(r, r)), r), 1.0f);
-    return fm_mul(p, bits_to_float((unsigned int)((int)n + 127) << 23));
+    const float n = rn_floor(rn_add(rn_mul(c, 0x1.715476p+0f), 0.5f));
+    const float r = rn_add(rn_sub(c, rn_mul(n, 0x1.63p-1f)), rn_mul(n, 0x1.bd0106p-13f));
+    float p = rn_add(rn_mul(0x1.a0d2cep-13f, r), 0x1.6e879cp-10f);
+    p = rn_add(rn_mul(p, r), 0x1.111210p-7f);
+    p = rn_add(rn_mul(p, r), 0x1.555382p-5f);
+    p = rn_add(rn_mul(p, r), 0x1.555554p-3f);
+    p = rn_add(rn_mul(p, r), 0x1p-1f);
+    p = rn_add(rn_add(rn_mul(p, rn_mul(r, r)), r), 1.0f);
+    return rn_mul(p, bits_to_float((unsigned int)((int)n + 127) << 23));
 }
 
 // exp(x), x in [-708, 0] used (clamped to [-708, 709]): the same scheme, P = 1/13!, ..., 1/2! (degree 13).
 ROTARY_FN double feature_exp(double x) {
     double c = x < -708.0 ? -708.0 : x;
     c = c > 709.0 ? 709.0 : c;
-    const double n = fm_floor(fm_add(fm_mul(c, 0x1.71547652b82fep+0), 0.5));
-    const double r = fm_add(fm_sub(c, fm_mul(n, 0x1.62e4p-1)), fm_mul(n, -0x1.7f7d1cf79abcap-20));
-    double p = fm_add(fm_mul(0x1.6124613a86d09p-33, r), 0x1.1eed8eff8d898p-29);
-    p = fm_add(fm_mul(p, r), 0x1.ae64567f544e4p-26);
-    p = fm_add(fm_mul(p, r), 0x1.27e4fb7789f5cp-22);
-    p = fm_add(fm_mul(p, r), 0x1.71de3a556c734p-19);
-    p = fm_add(fm_mul(p, r), 0x1.a01a01a01a01ap-16);
-    p = fm_add(fm_mul(p, r), 0x1.a01a01a01a01ap-13);
-    p = fm_add(fm_mul(p, r), 0x1.6c16c16c16c17p-10);
-    p = fm_add(fm_mul(p, r), 0x1.1111111111111p-7);
-    p = fm_add(fm_mul(p, r), 0x1.5555555555555p-5);
-    p = fm_add(fm_mul(p, r), 0x1.5555555555555p-3);
-    p = fm_add(fm_mul(p, r), 0x1p-1);
-    p = fm_add(fm_add(fm_mul(p, fm_mul(r, r)), r), 1.0);
-    return fm_mul(p, fm_bits_to_double((long long)((long long)n + 1023) << 52));
+    const double n = rn_floor(rn_add(rn_mul(c, 0x1.71547652b82fep+0), 0.5));
+    const double r = rn_add(rn_sub(c, rn_mul(n, 0x1.62e4p-1)), rn_mul(n, -0x1.7f7d1cf79abcap-20));
+    double p = rn_add(rn_mul(0x1.6124613a86d09p-33, r), 0x1.1eed8eff8d898p-29);
+    p = rn_add(rn_mul(p, r), 0x1.ae64567f544e4p-26);
+    p = rn_add(rn_mul(p, r), 0x1.27e4fb7789f5cp-22);
+    p = rn_add(rn_mul(p, r), 0x1.71de3a556c734p-19);
+    p = rn_add(rn_mul(p, r), 0x1.a01a01a01a01ap-16);
+    p = rn_add(rn_mul(p, r), 0x1.a01a01a01a01ap-13);
+    p = rn_add(rn_mul(p, r), 0x1.6c16c16c16c17p-10);
+    p = rn_add(rn_mul(p, r), 0x1.1111111111111p-7);
+    p = rn_add(rn_mul(p, r), 0x1.5555555555555p-5);
+    p = rn_add(rn_mul(p, r), 0x1.5555555555555p-3);
+    p = rn_add(rn_mul(p, r), 0x1p-1);
+    p = rn_add(rn_add(rn_mul(p, rn_mul(r, r)), r), 1.0);
+    return rn_mul(p, fm_bits_to_double((long long)((long long)n + 1023) << 52));
 }
 
 ROTARY_FN float feature_exp_lo(float) { return -87.0f; }

@@ -45,6 +45,34 @@ ROTARY_FN unsigned int float_to_bits(float f) {
 #endif
 }
 
+// Correctly rounded single operations: each rounded on its own, never contracted into an FMA (the __*_rn
+// intrinsics on the device, which nvcc/NVRTC never fuse; the host shim builds with -ffp-contract=off), so a
+// kernel written with them gives the NumPy reference's bits. rint rounds half to even (the default mode).
+#ifdef ROTARY_ON_DEVICE
+ROTARY_FN float rn_mul(float a, float b) { return __fmul_rn(a, b); }
+ROTARY_FN float rn_add(float a, float b) { return __fadd_rn(a, b); }
+ROTARY_FN float rn_sub(float a, float b) { return __fsub_rn(a, b); }
+ROTARY_FN float rn_div(float a, float b) { return __fdiv_rn(a, b); }
+ROTARY_FN double rn_mul(double a, double b) { return __dmul_rn(a, b); }
+ROTARY_FN double rn_add(double a, double b) { return __dadd_rn(a, b); }
+ROTARY_FN double rn_sub(double a, double b) { return __dsub_rn(a, b); }
+ROTARY_FN double rn_div(double a, double b) { return __ddiv_rn(a, b); }
+ROTARY_FN float rn_abs(float x) { return fabsf(x); }
+ROTARY_FN double rn_abs(double x) { return fabs(x); }
+ROTARY_FN float rn_rint(float x) { return rintf(x); }
+ROTARY_FN double rn_rint(double x) { return rint(x); }
+ROTARY_FN float rn_floor(float x) { return floorf(x); }
+ROTARY_FN double rn_floor(double x) { return floor(x); }
+#else
+template <typename W> ROTARY_FN W rn_mul(W a, W b) { return a * b; }
+template <typename W> ROTARY_FN W rn_add(W a, W b) { return a + b; }
+template <typename W> ROTARY_FN W rn_sub(W a, W b) { return a - b; }
+template <typename W> ROTARY_FN W rn_div(W a, W b) { return a / b; }
+template <typename W> ROTARY_FN W rn_abs(W x) { return std::fabs(x); }
+template <typename W> ROTARY_FN W rn_rint(W x) { return std::rint(x); }
+template <typename W> ROTARY_FN W rn_floor(W x) { return std::floor(x); }
+#endif
+
 ROTARY_FN float load_float(float x) { return x; }
 ROTARY_FN double load_float(double x) { return x; }
 ROTARY_FN float load_float(rotary_bfloat16 x) { return bits_to_float(((unsigned int)x.bits) << 16); }
