@@ -97,6 +97,10 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
               attention_mask=None, seq_ids=None, **spec_kwargs):
     """Softmax attention with RoPE applied to q and k (see the module docstring for the formula).
 
+    With a :class:`rotary.KVCache` as ``k`` (``attention(q, cache, ...)``) it attends over the cache: q holds
+    the last tokens of each sequence (see :mod:`rotary.kvcache.attend`); values, positions and spec come from
+    the cache.
+
     Parameters
     ----------
     q : array (..., q_len, ..., d)
@@ -130,15 +134,12 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
         by token order too; its packed "text position ids" are these).
     block_size : int
         Keys per block of the online softmax.
-
     attention_mask : array (batch, k_len) of 0/1, optional
         Hugging Face's padding mask: keys with 0 are hidden; positions are counted from each row's first
         real token (``cumsum(mask) - 1``, HF's position_ids) unless ``positions`` gives them. A query that
         sees no key (a left-padding row with causal=True) gets 0.
-    seq_ids : with a :class:`rotary.KVCache` as ``k``: which sequences q's rows are (all when None).
-
-    ``attention(q, cache, causal=True, ...)`` with a :class:`rotary.KVCache` attends over the cache: q are the
-    last tokens of each sequence (see :mod:`rotary.kvcache.attend`); ``v``, positions and spec come from the cache.
+    seq_ids : integer array, optional
+        With a :class:`rotary.KVCache` as ``k``: which sequences q's rows are (all when None).
 
     Returns q's array type and dtype, shape of q with last dim dv.
     """
