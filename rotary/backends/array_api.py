@@ -18,9 +18,18 @@ def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0, out
         rotated = _rotate_xp(xp, x[..., rotary_offset:], cos_tok, sin_tok, rotary_dim, layout, out_layout=out_layout)
         return xp.concat([x[..., :rotary_offset], rotated], axis=-1)
     dtype = x.dtype
-    work = _compute_dtype(dtype, xp)
-    xr = xp.astype(x[..., :rotary_dim], work)
-    half = rotary_dim // 2
+    xr = xp.astype(x[..., :rotary_dim], _compute_dtype(dtype, xp))
+    y = xp.astype(rotate_pairs(xp, xr, cos_tok, sin_tok, layout, out_layout), dtype)
+    if x.shape[-1] > rotary_dim:
+        y = xp.concat([y, x[..., rotary_dim:]], axis=-1)
+    return y
+
+
+def rotate_pairs(xp, xr, cos_tok, sin_tok, layout, out_layout=None):
+    """The rotated pairs of ``xr`` (..., rotary_dim), every coordinate a pair member, in xr's (work) dtype:
+    pairs read in ``layout``, written in ``out_layout`` (None: ``layout``); cos_tok/sin_tok broadcast against
+    (..., rotary_dim // 2)."""
+    half = xr.shape[-1] // 2
     if layout == "half":
         xa, xb = xr[..., :half], xr[..., half:]
     else:
@@ -29,13 +38,8 @@ def _rotate_xp(xp, x, cos_tok, sin_tok, rotary_dim, layout, rotary_offset=0, out
     ya = xa * cos_tok - xb * sin_tok
     yb = xb * cos_tok + xa * sin_tok
     if (out_layout or layout) == "half":
-        y = xp.concat([ya, yb], axis=-1)
-    else:
-        y = xp.reshape(xp.stack([ya, yb], axis=-1), xr.shape)
-    y = xp.astype(y, dtype)
-    if x.shape[-1] > rotary_dim:
-        y = xp.concat([y, x[..., rotary_dim:]], axis=-1)
-    return y
+        return xp.concat([ya, yb], axis=-1)
+    return xp.reshape(xp.stack([ya, yb], axis=-1), xr.shape)
 
 
 def gather_rows(xp, cos, sin, rows, work_dtype, inverse):

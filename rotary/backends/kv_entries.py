@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .array_api import rotate_pairs
+
 #: the kv dtypes a cache may quantize to, and the largest magnitude each represents
 KV_LIMITS = {"int8": 127.0, "float8_e4m3": 448.0}
 
@@ -75,16 +77,7 @@ def rotate_work(xp, x, cos_tok, sin_tok, rotary_dim, layout, offset, work):
     """x (..., d) rotated in the work dtype (not rounded back to x's dtype); cos_tok/sin_tok broadcast against
     x[..., :rotary_dim // 2]."""
     w = xp.astype(x, work)
-    part = w[..., offset:offset + rotary_dim]
-    half = rotary_dim // 2
-    if layout == "half":
-        xa, xb = part[..., :half], part[..., half:]
-    else:
-        pairs = xp.reshape(part, (*part.shape[:-1], half, 2))
-        xa, xb = pairs[..., 0], pairs[..., 1]
-    ya = xa * cos_tok - xb * sin_tok
-    yb = xb * cos_tok + xa * sin_tok
-    rotated = xp.concat([ya, yb], axis=-1) if layout == "half" else xp.reshape(xp.stack([ya, yb], axis=-1), part.shape)
+    rotated = rotate_pairs(xp, w[..., offset:offset + rotary_dim], cos_tok, sin_tok, layout)
     return xp.concat([w[..., :offset], rotated, w[..., offset + rotary_dim:]], axis=-1)
 
 
