@@ -33,16 +33,34 @@ decay=None, normalize=True[, cu_seqlens=None])``
     its tokens ``cu_seqlens[n]:cu_seqlens[n + 1]`` with state and decay row n (state ``(N, Hk, ...)``).
 
 ``append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)``
-    A KV cache's append (:class:`rotary.KVCache`): k ``(T, Hk, D)`` and v ``(T, Hk, D)`` (any strides, the
-    cache's dtype) are T tokens; token t's key is rotated with table row ``rows[t]`` (cos/sin as for
-    ``rotate``, pairs in ``[offset, offset + rotary_dim)``, the other coordinates unrotated) and written with
-    its value into slot ``slots[t]`` (distinct) of ``stores = (k_entries, v_entries, k_scales, v_scales)``:
-    entries ``(P, Hk, D)`` C-contiguous, scales ``(P, Hk)`` in the work dtype or None. ``kv_dtype`` None: the
-    entries are the cache's dtype (one rounding of the work-dtype rotation); "int8" / "float8_e4m3": quantized
-    per (token, head) as :mod:`rotary.backends.kv_entries` defines (float8 stored as uint8 bits). rows and slots
+    KV append (:func:`rotary.kv_append`, :class:`rotary.KVCache`): k ``(T, Hk, D)`` and v ``(T, Hk, D)`` (any
+    strides, one float dtype) are T tokens; token t's key is rotated with table row ``rows[t]`` (cos/sin as for
+    ``rotate``, pairs in ``[offset, offset + rotary_dim)``, the other coordinates unrotated) and written with its
+    value into slot ``slots[t]`` of ``stores = (k_entries, v_entries, k_scales, v_scales)``: entries ``(P, Hk, D)``
+    C-contiguous, scales ``(P, Hk)`` in the work dtype or None. ``slots[t] < 0`` marks a padding token: nothing
+    of it is read or written (vLLM's -1); the other slots are distinct and ``< P`` (the frontend checked them).
+    ``kv_dtype`` names the entries' format in :data:`rotary.backends.kv_entries.KV_FORMATS` (passed explicitly,
+    never inferred from a storage dtype): None, the entries are k's dtype (one rounding of the work-dtype
+    rotation); "int8" / "float8_e4m3", quantized per (token, head) (float8 stored as uint8 bits). rows and slots
     are int64 arrays of the backend's array type. :func:`rotary.backends.kv_entries.append_kv` is the reference
-    (any array-API namespace); a module without ``append_kv``, or whose ``KV_DTYPES`` tuple (None for float
-    entries, "int8", "float8_e4m3") lacks the cache's kv_dtype, gets the reference.
+    (any array-API namespace) and the NumPy backend's primitive. A module offers the formats listed in its
+    ``VARIANTS["append_kv"]``.
+
+``paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype) -> o``
+    Softmax attention over pages where they lie (:func:`rotary.paged_attention`, ``attention(q, cache)``): q
+    ``(T, Hq, D)`` rotated, C-contiguous, Hq a multiple G of Hk (q head h reads k/v head h // G); ``stores`` as
+    for ``append_kv`` (the entries of format ``kv_dtype``, dequantized as ``append_kv`` quantized them);
+    ``block_table`` ``(n, W)``, ``seq_lens`` ``(n,)`` and ``q_starts`` ``(n + 1,)`` int64 arrays of the
+    backend's array type (host NumPy for CPU backends). Sequence i holds keys ``0 .. seq_lens[i] - 1``, key p in
+    slot ``block_table[i, p // page_size] * page_size + p % page_size``; its queries are q's rows
+    ``q_starts[i] .. q_starts[i + 1] - 1`` (``c_i`` of them, ``c_i <= seq_lens[i]``), query j at position
+    ``seq_lens[i] - c_i + j``, seeing keys ``p <= pos`` and ``pos - p < window`` with ``causal`` (every key
+    without). Scores ``cap(scale <q, k>)`` with ``cap(x) = softcap tanh(x / softcap)`` (softcap None: none),
+    window None: none. A dense decode step is ``q_starts = arange(n + 1) * s``. A query that sees no key gets
+    0. Returns o ``(T, Hq, D)`` in q's dtype. The frontend checked shapes, dtypes, q_starts and, for host
+    tables, that every page read is in the pool; kernels check nothing. A module offers the formats in its
+    ``VARIANTS["paged_attention"]``; :func:`rotary.backends.kv_entries.paged_attention` (keys gathered
+    through the table, the online-softmax engine) is the NumPy backend's and the reference.
 
 Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, never for a backend by name):
 
@@ -59,16 +77,11 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     layout, as for ``rotate``; a backend that cannot write it returns None from ``prepare_rotation`` (the
     general path takes those calls). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
     (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
-``cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal) -> o``
-    Attention over a KV cache where its entries lie: q ``(n, s, Hq, D)`` rotated, C-contiguous, the cache's
-    dtype, Hq a multiple of Hk; ``block_table`` ``(n, W)`` and ``lengths`` ``(n,)`` int64 (backend arrays) of
-    the n sequences; key p of sequence i is in slot ``block_table[i, p // page_size] * page_size + p %
-    page_size``; query j of sequence i sits at position ``lengths[i] - s + j`` and sees keys ``p <= it`` (with
-    ``causal``; ``it - p < window`` too) with softcap and scale as :func:`rotary.attention`; entries
-    dequantized as in ``append_kv`` (the module's ``KV_DTYPES``). Returns o ``(n, s, Hq, D)`` in q's dtype.
 ``table_converter(x) -> (device_key, convert)``
     Where the backend's cos/sin tables live (device tables cached per device key).
-A backend module also has ``NAME``, ``accepts(x) -> bool`` (can it take this array type?) and may
+``VARIANTS``: ``{capability: tuple of variants}`` for capabilities that come in variants (the KV formats of
+``append_kv`` and ``paged_attention``); :func:`supports` reads it. A backend module also has ``NAME``,
+``accepts(x) -> bool`` (can it take this array type?) and may
 raise ImportError at import when its dependency is missing (the registry turns that into the
 "what to install" message).
 """
@@ -188,6 +201,15 @@ def pick(arrays, name: str):
             raise TypeError(f"backend {name!r} does not take {what}; use backend='auto' or convert the array "
                             "(native byte order float16/float32/float64: x.astype(x.dtype.newbyteorder('='))")
     return module
+
+
+def supports(module, capability: str, variant=None, *, any_variant: bool = True) -> bool:
+    """Whether backend ``module`` has ``capability`` (a primitive's name), and with ``any_variant=False`` the
+    ``variant`` of it (e.g. a KV format: ``supports(m, "append_kv", "int8", any_variant=False)``) as listed in
+    its ``VARIANTS``; a capability without a VARIANTS entry has the one variant None."""
+    if not hasattr(module, capability):
+        return False
+    return any_variant or variant in getattr(module, "VARIANTS", {}).get(capability, (None,))
 
 
 def _reset_for_tests() -> None:

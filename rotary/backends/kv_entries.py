@@ -19,12 +19,52 @@ backends are tested against (see :mod:`rotary.backends` for the contract).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .array_api import rotate_pairs
 
-#: the kv dtypes a cache may quantize to, and the largest magnitude each represents
-KV_LIMITS = {"int8": 127.0, "float8_e4m3": 448.0}
+class KVFormat(NamedTuple):
+    """One KV entry format: what every backend, kernel and test reads of it (the rows of :data:`KV_FORMATS`)."""
+
+    #: the ``kv_dtype`` that names it (None: entries in the cache's float dtype)
+    name: str | None
+    #: the kernels' code for it (the KIND template argument of kv_cache.cu, the Numba kernels' ``kind``)
+    code: int
+    #: NumPy dtype name of the stored entries (None: the cache's float dtype; float8 stored as its uint8 bits)
+    entry: str | None
+    #: the largest magnitude an entry represents (``scale = amax / limit``); None: unquantized
+    limit: float | None
+    #: quantized from float32 work values only (no float64 caches)
+    fp32_work_only: bool
+    #: bound on |dequantized - work value| / amax of its (token, head) row: int8 rounds to half a step of
+    #: amax / 127; float8_e4m3 to 2^-4 of the value (3 mantissa bits), subnormals to 2^-10 scale
+    rel_error: float
+
+
+#: every KV entry format, by kv_dtype: the one table backends, kernels, frontend and tests read
+KV_FORMATS = {
+    None: KVFormat(None, 0, None, None, False, 0.0),
+    "int8": KVFormat("int8", 1, "int8", 127.0, False, 0.5 / 127.0),
+    "float8_e4m3": KVFormat("float8_e4m3", 2, "uint8", 448.0, True, 2.0 ** -4),
+}
+#: the quantized formats and the largest magnitude each represents
+KV_LIMITS = {name: f.limit for name, f in KV_FORMATS.items() if f.limit is not None}
+
+
+def kv_format(kv_dtype, name="kv_dtype") -> KVFormat:
+    """The :class:`KVFormat` of ``kv_dtype``; ValueError naming the argument for an unknown one."""
+    try:
+        return KV_FORMATS[kv_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name} must be one of {tuple(KV_FORMATS)}, got {kv_dtype!r}") from None
+
+
+def entry_dtype(kv_dtype, dtype) -> np.dtype:
+    """The dtype of stored entries of format ``kv_dtype`` for float dtype ``dtype`` (the cache's)."""
+    entry = kv_format(kv_dtype).entry
+    return np.dtype(dtype) if entry is None else np.dtype(entry)
 
 
 def _fp8_decode_table() -> np.ndarray:
