@@ -98,7 +98,7 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
     """Softmax attention with RoPE applied to q and k (see the module docstring for the formula).
 
     With a :class:`rotary.KVCache` as ``k`` (``attention(q, cache, ...)``) it attends over the cache: q holds
-    the last tokens of each sequence (see :mod:`rotary.kvcache.attend`); values, positions and spec come from
+    the last tokens of each sequence (see :meth:`rotary.KVCache.attend` and :func:`rotary.paged_attention`); values, positions and spec come from
     the cache.
 
     Parameters

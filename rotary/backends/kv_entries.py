@@ -13,8 +13,8 @@ Rotation of pair (a, b) with the token's table row (c, s): ``y_a = x_a c - x_b s
 (one multiply and one add per term, as every backend rounds it). Coordinates before ``offset`` and from
 ``offset + rotary_dim`` on pass through unrotated.
 
-:func:`append_kv` is the primitive of the NumPy backend and the reference the kernels of the other
-backends are tested against (see :mod:`rotary.backends` for the contract).
+:func:`append_kv` and :func:`paged_attention` are the primitives of the NumPy backend and the references the
+kernels of the other backends are tested against (see :mod:`rotary.backends` for the contract).
 """
 
 from __future__ import annotations
@@ -129,6 +129,10 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
     xp = array_namespace(k)
     k_store, v_store, k_scale, v_scale = stores
     work = xp.float64 if cos.dtype == xp.float64 else xp.float32
+    kept = slots >= 0
+    if not bool(xp.all(kept)):   # padding tokens (slot -1): neither read nor written
+        kept = xp.nonzero(kept)[0]
+        k, v, rows, slots = (xp.take(a, kept, axis=0) for a in (k, v, rows, slots))
     cos_tok = xp.astype(xp.take(cos, rows, axis=0), work)[:, None, :]
     sin_tok = xp.astype(xp.take(sin, rows, axis=0), work)[:, None, :]
     wk = rotate_work(xp, k, cos_tok, sin_tok, rotary_dim, layout, offset, work)
@@ -142,3 +146,50 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
     entries, scales = quantize(xp, xp.astype(v, work), kv_dtype)
     v_store[slots, ...] = entries
     v_scale[slots, ...] = scales
+
+
+def _host(a) -> np.ndarray:
+    """A host int64 copy of a small table (NumPy, CuPy or any array-API array)."""
+    get = getattr(a, "get", None)
+    return np.asarray(get() if callable(get) and not isinstance(a, np.ndarray) else a, dtype=np.int64)
+
+
+def gather_entries(stores, which, slots, kv_format, work):
+    """Entries of ``slots`` from store ``which`` (0 keys, 1 values) as work-dtype values (dequantized)."""
+    from array_api_compat import array_namespace
+
+    store, scale = stores[which], stores[which + 2]
+    xp = array_namespace(store)
+    entries = xp.take(store, slots, axis=0)
+    if kv_format.limit is None:
+        return xp.astype(entries, work)
+    return dequantize(xp, entries, xp.take(scale, slots, axis=0), kv_format.name, work)
+
+
+def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
+                    kv_dtype):
+    """Attention of packed q over pages (the backend contract in :mod:`rotary.backends`): each sequence's keys and
+    values gathered through its block table, dequantized to the work dtype, then the online-softmax engine
+    (:func:`rotary.backends.online_softmax.blocked_attention`) with a packed mask."""
+    from array_api_compat import array_namespace, is_numpy_array
+
+    from .online_softmax import Mask, blocked_attention
+
+    xp = array_namespace(q)
+    fmt = KV_FORMATS[kv_dtype]
+    lens, table, starts = _host(seq_lens), _host(block_table), _host(q_starts)
+    counts = np.diff(starts)
+    n = lens.size
+    work = xp.float64 if q.dtype == xp.float64 else xp.float32
+    k_seq = np.repeat(np.arange(n, dtype=np.int64), lens)
+    k_pos = np.arange(k_seq.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    slots = table[k_seq, k_pos // page_size] * page_size + k_pos % page_size
+    q_seq = np.repeat(np.arange(n, dtype=np.int64), counts)
+    q_pos = np.arange(q_seq.size, dtype=np.int64) + np.repeat(lens - counts - starts[:-1], counts)
+    idx = xp.asarray(slots) if is_numpy_array(q) else xp.asarray(slots, device=getattr(q, "device", None))
+    keys, values = (gather_entries(stores, which, idx, fmt, work) for which in (0, 1))
+    hq, hk = int(q.shape[1]), int(stores[0].shape[1])
+    mask = Mask(q_pos[None], k_pos[None], q_seq, k_seq, bool(causal), window)
+    tiles = is_numpy_array(q) and q_seq.size * hq * k_seq.size >= 1 << 20
+    return blocked_attention(xp, q, keys, values, 0, 1 if hq != hk else None, mask, scale, softcap, 512,
+                             numpy_tiles=tiles, q_is_scratch=False)

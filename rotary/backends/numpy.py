@@ -19,8 +19,11 @@ from array_api_compat import array_namespace, is_numpy_array
 from .numpy_linear import linear_attention  # noqa: F401  (the backend's linear-attention primitive)
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 from .array_api import _compute_dtype, _rotate_xp, gather_rows  # noqa: F401  (gather_rows: tests use it)
+from .kv_entries import KV_FORMATS, append_kv, paged_attention  # noqa: F401  (the KV primitives, the references)
 
 NAME = "numpy"
+#: the KV formats of its KV primitives: every one
+VARIANTS = {"append_kv": tuple(KV_FORMATS), "paged_attention": tuple(KV_FORMATS)}
 
 #: bytes of work-dtype temporaries (all items of a call, rotary part) per token block on the NumPy
 #: fast path; each buffer of the block then fits in L2 with the others

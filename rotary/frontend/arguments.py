@@ -60,17 +60,22 @@ def resolve_spec(spec, spec_kwargs: dict, head_dim: int, name: str = "x") -> Rop
 
 
 
-def pick_backend(arrays, backend, capability: str | None = "rotate"):
+_ANY_VARIANT = object()
+
+
+def pick_backend(arrays, backend, capability: str | None = "rotate", variant=_ANY_VARIANT, variant_name="variant"):
     """The backend module for ``backend=`` ("auto" or a name) and these arrays, with ``capability``
-    (a primitive such as "rotate" or "linear_attention"; None: whatever the registry picks). "auto"
-    falls back to the NumPy reference when the backend it picks lacks the capability; a named backend
-    without it is NotImplementedError."""
+    (a primitive such as "rotate" or "linear_attention"; None: whatever the registry picks) and, when given,
+    its ``variant`` (e.g. a KV format, named ``variant_name`` in errors: the backend's ``VARIANTS``). "auto"
+    falls back to the NumPy reference when the backend it picks lacks the capability or variant; a named
+    backend without it is NotImplementedError."""
     module = _backends.pick(arrays, backend)
-    if capability is None or hasattr(module, capability):
+    if capability is None or _backends.supports(module, capability, variant, any_variant=variant is _ANY_VARIANT):
         return module
     if backend == "auto":
         return _backends.get("numpy")
-    raise NotImplementedError(f"backend {backend!r} has no {capability}; use backend='numpy' or 'auto'")
+    what = capability if variant is _ANY_VARIANT else f"{capability} for {variant_name}={variant!r}"
+    raise NotImplementedError(f"backend {backend!r} has no {what}; use backend='numpy' or 'auto'")
 
 
 def table_converter(module, x, xp):

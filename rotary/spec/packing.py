@@ -63,6 +63,9 @@ def _host_int_array(a, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+host_int_array = _host_int_array   # a host int64 copy of any integer array-like, naming the argument on error
+
+
 def check_cu_seqlens(cu_seqlens, n_tokens: int, name: str = "cu_seqlens") -> np.ndarray:
     """``cu_seqlens`` as a validated int64 (N+1,) array: 1-D, starts at 0, non-decreasing, ends at
     ``n_tokens``; ValueError/TypeError naming ``name`` otherwise."""
