@@ -428,6 +428,9 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
     Returns an array shaped as q, q's type and dtype.
     """
     qp, counts, dense_shape = packed_queries(q, cu_seqlens)
+    attention_options(causal, window, softcap, scale, None, 0)   # the options' errors before the backend's
+    if spec is None and q_positions is not None:
+        raise ValueError("q_positions goes with spec= (the queries' rotation); without a spec q is taken as rotated")
     plan = kv_plan((qp,), ("q",), k_pool, v_pool, scales, spec=spec, kv_dtype=kv_dtype, backend=backend,
                    capability="paged_attention")
     causal, window, softcap, scale = attention_options(causal, window, softcap, scale, plan.spec, plan.shape[3])
@@ -440,8 +443,6 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
         if table.ndim != 2 or table.shape[0] != counts.size or tuple(lens.shape) != (counts.size,):
             raise ValueError(f"block_table must be (n, pages) and seq_lens (n,) with n = {counts.size}, got "
                              f"{tuple(table.shape)} and {tuple(lens.shape)}")
-    if plan.spec is None and q_positions is not None:
-        raise ValueError("q_positions goes with spec= (the queries' rotation); without a spec q is taken as rotated")
     q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     qr = rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, backend)
     o = plan.attend(qr, flat_stores(k_pool, v_pool, scales), table, page_size, lens, q_starts, scale=scale,

@@ -344,7 +344,7 @@ class KVCache:
             tok_pos = np.arange(k.shape[0], dtype=np.int64) + np.repeat(start - cu[:-1], counts)
             kt, vt = k, v
         plan = self._plan((kt, vt), ("k", "v"), "append_kv")
-        _kv.check_memory((kt, vt), ("k", "v"), self._pools[0], self._pools[1], self.scales)
+        _kv.check_memory((k, v), ("k", "v"), self._pools[0], self._pools[1], self.scales)
         if positions is None and not self.spec.multi_axis:
             pos, token_positions = tok_pos, True   # the token positions themselves
         elif positions is None and self.spec.mrope_section is None:
