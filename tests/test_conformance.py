@@ -37,9 +37,9 @@ def test_kv_case_fails_on_a_wrong_append(monkeypatch, wrong):
     """The KV check can fail: an append that rotates one position late, or writes one slot off, is caught."""
     import numpy as np
 
-    from rotary.backends import kv_entries
+    from rotary.backends import numpy as ref
 
-    original = kv_entries.append_kv
+    original = ref.append_kv
 
     def off(k, v, cos, sin, rows, slots, stores, **kw):
         if wrong == "rotation":
@@ -48,7 +48,7 @@ def test_kv_case_fails_on_a_wrong_append(monkeypatch, wrong):
             slots = np.where(slots > 0, slots - 1, slots)
         return original(k, v, cos, sin, rows, slots, stores, **kw)
 
-    monkeypatch.setattr(kv_entries, "append_kv", off)
+    monkeypatch.setattr(ref, "append_kv", off)
     result = kv_conformance.run_kv_case(kv_conformance.kv_cases()[0], "numpy")
     assert not result.passed
 

@@ -8,6 +8,12 @@ then ``steps`` dense decode appends of one token each) and checks:
 - ``attention(q, cache)`` of the last ``q_len`` tokens of each sequence against
   :func:`rotary.testing.attention_quadratic` on the same (quantized: dequantized) keys and values.
 
+A case with ``caller_tables`` runs the same tokens through the stateless primitives instead, over pools and a
+block table the case owns (as an engine does): :func:`rotary.kv_append` with vLLM's slot mapping (a padding
+token of slot -1 in the prefill) and :func:`rotary.paged_attention` with packed queries; sequences 0 and 2 read
+one shared page holding the same first tokens. A backend that does not offer a case's format is reported as
+skipped.
+
 Float caches use the rotation tolerances of :data:`rotary.testing.TOLERANCES`; quantized caches a bound on
 ``max |error| / max |reference|`` per sequence: int8 rounds to half a step of amax/127 (0.4 %), float8_e4m3
 to 2^-4 relative (6.25 %), with margin.
@@ -46,6 +52,7 @@ class KVCase:
     kv_heads: int = 2
     head_dim: int = 16
     steps: int = 2
+    caller_tables: bool = False
 
     def spec(self) -> RopeSpec:
         scaling = SCALINGS[self.scaling] if self.scaling else None
@@ -65,8 +72,12 @@ def kv_cases(quick: bool = False) -> list[KVCase]:
         KVCase("kv-int8-f64", kv_dtype="int8", dtype="float64", layout="interleaved"),
         KVCase("kv-float8", kv_dtype="float8_e4m3", paged=True),
         KVCase("kv-mqa-d64", heads=8, kv_heads=1, head_dim=64, q_len=2),
+        KVCase("kv-primitives-f32", caller_tables=True, q_len=2),
+        KVCase("kv-primitives-int8-window", caller_tables=True, kv_dtype="int8", window=3, layout="interleaved"),
+        KVCase("kv-primitives-f16-yarn", caller_tables=True, dtype="float16", scaling="yarn"),
     ]
-    return [c for c in every if c.name in ("kv-paged-f32", "kv-int8-paged")] if quick else every
+    quick_names = ("kv-paged-f32", "kv-int8-paged", "kv-primitives-f32")
+    return [c for c in every if c.name in quick_names] if quick else every
 
 
 def run(backends, quick: bool = False) -> list[Result]:
@@ -92,6 +103,12 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
 
         if importlib.util.find_spec("ml_dtypes") is None:
             return Result(case.name, backend, float("nan"), 0.0, True, 0.0, "skipped: ml_dtypes is not installed")
+    from .. import backends as registry
+
+    module = registry.get(backend) if backend != "auto" else None
+    if module is not None and not registry.supports(module, "append_kv", case.kv_dtype, any_variant=False):
+        return Result(case.name, backend, float("nan"), 0.0, True, 0.0,
+                      f"skipped: backend {backend!r} does not offer kv_dtype={case.kv_dtype!r}")
     rng = np.random.default_rng(seed)
     spec = case.spec()
     dt = np.dtype(case.dtype)
@@ -99,7 +116,14 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
     counts = [5, 1, 8]
     size = dict(page_size=4, num_pages=32) if case.paged else dict(capacity=16)
     t0 = time.perf_counter()
+    if case.caller_tables:
+        filled = _caller_tables(case, spec, dt, rng, backend, to_backend, to_host)
+        if isinstance(filled, Result):
+            return filled
+        ks, vs, q, o, held = filled
     try:
+        if case.caller_tables:
+            raise _Done
         cache = KVCache(spec, batch=3, kv_heads=hk, head_dim=d, dtype=dt, kv_dtype=case.kv_dtype, backend=backend,
                         **size)
         ks = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
@@ -116,6 +140,8 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
         o = to_host(attention(to_backend(q), cache, window=case.window, softcap=case.softcap))
         held = [(to_host(cache.keys(b)).astype(np.float64), to_host(cache.values(b)).astype(np.float64))
                 for b in range(3)]
+    except _Done:
+        pass
     except Exception as exc:  # reported as a failure, not raised, so the runner can print a table
         return Result(case.name, backend, float("nan"), 0.0, False, 0.0, f"{type(exc).__name__}: {exc}")
     seconds = time.perf_counter() - t0
@@ -150,3 +176,63 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
         ok &= rel <= limit
     return Result(case.name, backend, worst, float(KV_ENTRY_TOLERANCES.get(case.kv_dtype, atol)), ok, seconds,
                   "" if ok else "keys, values or attention off the oracle")
+
+
+class _Done(Exception):
+    """The caller-tables run filled ``held`` already (the cache's run is skipped)."""
+
+
+def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host):
+    """The case's tokens through kv_append / paged_attention over pools and a block table owned here: returns
+    (ks, vs, q, o, held) as the cache's run makes them, or a failed Result."""
+    from ..backends import kv_entries
+    from ..kvcache.primitives import kv_append, paged_attention
+    from ..kvcache.tables import slots_from_block_table
+
+    hk, d, ps = case.kv_heads, case.head_dim, 4
+    fmt = kv_entries.kv_format(case.kv_dtype)
+    work = np.float64 if dt == np.float64 else np.float32
+    try:
+        pools = [np.zeros((12, ps, hk, d), kv_entries.entry_dtype(case.kv_dtype, dt)) for _ in range(2)]
+        scales = None if fmt.limit is None else tuple(np.zeros((12, ps, hk), work) for _ in range(2))
+        table = np.array([[3, 7, 1, -1], [0, 9, -1, -1], [3, 5, 10, -1]])   # page 3: the shared first page
+        pools = [to_backend(p) for p in pools]
+        scales = None if scales is None else tuple(to_backend(s) for s in scales)
+        first = rng.standard_normal((ps, hk, d)).astype(dt), rng.standard_normal((ps, hk, d)).astype(dt)
+        counts = [5, 1, 8]
+        ks = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
+        vs = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
+        ks[2][:ps], vs[2][:ps] = ks[0][:ps], vs[0][:ps] = first   # the prefix both share
+        seq = np.repeat(np.arange(3), counts)
+        pos = np.concatenate([np.arange(c) for c in counts])
+        slots = slots_from_block_table(table, seq, pos, ps)
+        slots[np.flatnonzero(seq == 2)[:ps]] = -1   # sequence 2's copy of the shared page: not written again
+        k_all, v_all = np.concatenate(ks), np.concatenate(vs)
+        pad = np.zeros((1, hk, d), dt)   # a padding token of the step (vLLM's slot -1)
+        kv_append(to_backend(np.concatenate([k_all, pad])), to_backend(np.concatenate([v_all, pad])), *pools,
+                  np.append(slots, -1), np.append(pos, 0), spec=spec, scales=scales, kv_dtype=case.kv_dtype,
+                  backend=backend)
+        lens = np.array(counts)
+        for _ in range(case.steps):
+            k1 = rng.standard_normal((3, hk, d)).astype(dt)
+            v1 = rng.standard_normal((3, hk, d)).astype(dt)
+            kv_append(to_backend(k1), to_backend(v1), *pools, slots_from_block_table(table, np.arange(3), lens, ps),
+                      lens, spec=spec, scales=scales, kv_dtype=case.kv_dtype, backend=backend)
+            ks = [np.concatenate([a, k1[b:b + 1]]) for b, a in enumerate(ks)]
+            vs = [np.concatenate([a, v1[b:b + 1]]) for b, a in enumerate(vs)]
+            lens = lens + 1
+        q = rng.standard_normal((3, case.q_len, case.heads, d)).astype(dt)
+        cu = np.arange(4) * case.q_len
+        o = to_host(paged_attention(to_backend(q.reshape(-1, case.heads, d)), *pools, table, lens, spec=spec,
+                                    cu_seqlens=cu, window=case.window, softcap=case.softcap, scales=scales,
+                                    kv_dtype=case.kv_dtype, backend=backend)).reshape(q.shape)
+        stores = tuple(None if a is None else to_host(a).reshape((-1,) + tuple(a.shape[2:]))
+                       for a in (*pools, *(scales or (None, None))))
+        held = []
+        for b in range(3):
+            s = slots_from_block_table(table, np.full(int(lens[b]), b), np.arange(int(lens[b])), ps)
+            held.append(tuple(kv_entries.gather_entries(stores, which, s, fmt, np.float64).astype(dt).astype(np.float64)
+                              for which in (0, 1)))
+    except Exception as exc:  # reported as a failure, not raised
+        return Result(case.name, backend, float("nan"), 0.0, False, 0.0, f"{type(exc).__name__}: {exc}")
+    return ks, vs, q, o, held
