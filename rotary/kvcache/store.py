@@ -54,7 +54,8 @@ def _positive(value, name, *, allow_none=False):
 
 
 class KVCache:
-    """A cache of rotated keys and values for ``batch`` sequences, written by :meth:`append`.
+    """A cache of rotated keys and values for ``batch`` sequences, written by :meth:`append`: a thin owner of pools,
+    block table and lengths over :func:`rotary.kv_append` and :func:`rotary.paged_attention`.
 
     Parameters
     ----------
@@ -79,6 +80,8 @@ class KVCache:
     layout : "bshd" or "bhsd"
         The axes of the dense k, v and q this cache takes ((n, s, heads, d) or (n, heads, s, d)).
 
+    Notes
+    -----
     ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give independent caches (the pools copied).
     """
 
