@@ -2,22 +2,27 @@
 
 The glue here turns each canonical view into a flat buffer with int64 element offset and strides
 (no copy of a strided input; ``out is x`` works in place), picks the parallel or the serial kernel
-by size, and allocates outputs and states. Importing this module imports numba; ``import rotary``
-never imports it (the registry loads this module on first use).
+by size, and allocates outputs and states; how a kernel is called (flat buffers, the size rule, the
+launch under Numba's threading layer, fork, the thread pool) is :mod:`.numba_runtime`'s, shared with the
+KV-cache primitives ``append_kv`` and ``paged_attention`` (:mod:`.numba_kv`, re-exported here with their
+``VARIANTS``). Importing this module imports numba; ``import rotary`` never imports it (the registry loads
+this module on first use).
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import sys
+import types
 
-import numba  # ImportError here -> the registry's "pip install" hint
+import numba  # noqa: F401 - ImportError here -> the registry's "pip install" hint
 import numpy as np
 
 from . import OUTSIDE_TABLE
+from . import numba_runtime as _runtime
 from .numba_kernels import common, rotation
 from .numba_kernels import linear_attention as la_kernels
-from . import numba_kv as _kv
+from .numba_kv import VARIANTS, append_kv, paged_attention  # noqa: F401 - the KV primitives of this backend
+from .numba_runtime import flat_view, readonly as _readonly, readonly_c as _readonly_c, strides_ok as _strides_ok
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -25,47 +30,11 @@ COMPILES_ON_FIRST_CALL = True    # Numba compiles each kernel on its first call 
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-#: below this many elements of q + k a call runs on the calling thread (thread hand-off costs more).
-#: Measured (2 cores, fp32, D=128): the serial kernel wins below ~2.5k elements (1.0 vs 2.0 us at
-#: 256), the parallel one from ~5k on (2.8 vs 3.0 us at 5120; 15 vs 71 us at 164k, decode B=32).
-#: The size rule: >= PARALLEL_MIN_ELEMENTS and >= PARALLEL_MIN_TOKENS tokens runs parallel. One-token-per-sequence
-#: calls (decode) below DECODE_PARALLEL_MIN_ELEMENTS follow DECODE_KERNEL: "auto" runs them parallel where the
-#: workers spin between calls (Rope decode B=32, 32/8 heads, d=128: 18-19 us against 27-29 serial on a quiet
-#: machine) and serial under OMP_WAIT_POLICY=PASSIVE, where every parallel call wakes sleeping workers (the
-#: parallel kernel alone 87-107 us against 25-38 serial, measured in bench_numba.py, which sets it). On a busy
-#: machine a parallel call now and then waits for a preempted worker (means of 190-420 us were seen):
-#: ROTARY_NUMBA_DECODE_KERNEL=serial keeps those calls on the calling thread (docs/getting-started.md).
-PARALLEL_MIN_ELEMENTS = 1 << 16
-PARALLEL_MIN_TOKENS = 8
-DECODE_PARALLEL_MIN_ELEMENTS = 1 << 20
-#: the kernel of decode calls between PARALLEL_MIN_ELEMENTS and DECODE_PARALLEL_MIN_ELEMENTS: "auto"
-#: (the rule above: parallel, serial under OMP_WAIT_POLICY=PASSIVE), "serial" or "parallel"; the environment
-#: variable ROTARY_NUMBA_DECODE_KERNEL sets it at import ("measured", the name of the run-time timing this rule
-#: replaced, is read as "auto")
-DECODE_KERNEL = os.environ.get("ROTARY_NUMBA_DECODE_KERNEL", "auto")
-if DECODE_KERNEL == "measured":
-    DECODE_KERNEL = "auto"
-if DECODE_KERNEL not in ("auto", "serial", "parallel"):
-    raise ValueError(f"environment variable ROTARY_NUMBA_DECODE_KERNEL must be 'auto', 'serial' or "
-                     f"'parallel', got {DECODE_KERNEL!r}")
-#: OpenMP's documented wait policy: PASSIVE workers sleep between parallel regions (each wake costs more than a
-#: decode call's work), ACTIVE (or unset: GNU OpenMP spins a while) they are ready
-_PASSIVE_WORKERS = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-
-#: True in a child made by os.fork(): GNU OpenMP (numba's default threading layer) cannot run in a
-#: forked child of a process that used it ("fork() called from a process already using GNU OpenMP"),
-#: so a forked child rotates on its calling thread (serial kernel) and makes its own thread pool.
-_in_forked_child = False
-
-
-def _after_fork_in_child():
-    global _in_forked_child, _pool, _pool_lock
-    _in_forked_child = True
-    _pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+#: the size rule's thresholds and state, held by :mod:`.numba_runtime` (one rule for every kernel of this backend):
+#: ``nb.PARALLEL_MIN_ELEMENTS``, ``nb.DECODE_KERNEL = "serial"`` and the others read and write the runtime's
+#: (see the module class at the end of this file)
+_RUNTIME_NAMES = frozenset({"PARALLEL_MIN_ELEMENTS", "PARALLEL_MIN_TOKENS", "DECODE_PARALLEL_MIN_ELEMENTS",
+                            "DECODE_KERNEL", "_PASSIVE_WORKERS", "_in_forked_child", "_parallel_lock"})
 
 
 def availability():
@@ -74,53 +43,6 @@ def availability():
 
 def accepts(x) -> bool:
     return isinstance(x, np.ndarray) and x.dtype in DTYPES
-
-
-def flat_view(a):
-    """``(buf, offset, strides)``: a 1-D view of the memory a spans, a[idx] = buf[offset + idx . strides].
-
-    ``buf`` starts at a's lowest address (negative strides allowed); float16 buffers come as uint16
-    bits. None when a stride is not a multiple of the item size (the caller copies then).
-    """
-    itemsize = a.itemsize
-    bits = np.uint16 if a.dtype == np.float16 else a.dtype
-    if a.flags.c_contiguous and a.size:   # the common case, without as_strided's cost
-        return a.reshape(-1).view(bits), 0, tuple([st // itemsize for st in a.strides])
-    if not _strides_ok(a):
-        return None
-    if a.size == 0:
-        return np.empty(0, bits), 0, (0,) * a.ndim
-    if min(a.strides) >= 0:   # a transposition of a dense block (e.g. a BHSD view): flatten that block
-        dense = a.transpose(sorted(range(a.ndim), key=a.strides.__getitem__, reverse=True))
-        if dense.flags.c_contiguous:
-            return dense.reshape(-1).view(bits), 0, tuple([st // itemsize for st in a.strides])
-    low = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st < 0)
-    high = sum((n - 1) * st for n, st in zip(a.shape, a.strides) if st > 0)
-    first = a[tuple(slice(n - 1, n) if st < 0 else slice(0, 1) for n, st in zip(a.shape, a.strides))]
-    buf = np.lib.stride_tricks.as_strided(first, shape=((high - low) // itemsize + 1,), strides=(itemsize,),
-                                          writeable=a.flags.writeable)
-    return buf.view(bits), -low // itemsize, tuple(st // itemsize for st in a.strides)
-
-
-def _strides_ok(a) -> bool:
-    itemsize = a.itemsize
-    for st in a.strides:
-        if st % itemsize:
-            return False
-    return True
-
-
-def _readonly(a):
-    view = a.view()
-    view.flags.writeable = False   # one compiled signature for read-only and writable inputs
-    return view
-
-
-def _readonly_c(a):
-    """A read-only C-contiguous array equal to a: a itself when it already is one (cached tables)."""
-    if a.flags.writeable or not a.flags.c_contiguous:
-        return _readonly(np.ascontiguousarray(a))
-    return a
 
 
 def _geometry_row(x, out):
@@ -159,14 +81,12 @@ def _buffer(a):
     their own writeability (no read-only view per call, ~0.3 us each): a read-only input is its own compiled
     signature, compiled once."""
     if a.flags.c_contiguous:
-        buf = a.reshape(-1)   # a new view object, like every buffer flat_view returns
-        return buf.view(np.uint16) if a.dtype == np.float16 else buf
+        return _runtime.bits(a)   # a new view object, like every buffer flat_view returns
     return flat_view(a)[0]
 
 
 #: geo arrays by the group's shapes, strides, item sizes and in-place flags (all that geo depends on)
 _geo_cache: dict = {}
-_GEO_CACHE_MAX = 256
 
 
 def _group_geometry(group):
@@ -179,7 +99,7 @@ def _group_geometry(group):
             geo_rows.append(list(geo_rows[0]))
             geo_rows[1][common.GEO_HEADS] = 0
         geo = np.array(geo_rows, dtype=np.int64)
-        if len(_geo_cache) >= _GEO_CACHE_MAX:
+        if len(_geo_cache) >= _runtime.GEO_CACHE_MAX:
             _geo_cache.clear()
         _geo_cache[key] = geo
     return geo
@@ -287,42 +207,17 @@ def empty(shape, dtype):
 
 
 def rotate_kernel(elements: int, n_batch: int, seq_len: int):
-    """The rotation kernel for a call of this size (the size rule at PARALLEL_MIN_ELEMENTS; decode calls below
-    DECODE_PARALLEL_MIN_ELEMENTS as DECODE_KERNEL says); serial in a forked child."""
-    if _in_forked_child or n_batch * seq_len < PARALLEL_MIN_TOKENS or elements < PARALLEL_MIN_ELEMENTS:
-        return rotation.rotate_qk_serial
-    if seq_len > 1 or elements >= DECODE_PARALLEL_MIN_ELEMENTS or DECODE_KERNEL == "parallel":
-        return rotation.rotate_qk_parallel
-    if DECODE_KERNEL == "auto" and not _PASSIVE_WORKERS:
+    """The rotation kernel for a call of this size (:func:`.numba_runtime.parallel_by_size`: the size rule at
+    PARALLEL_MIN_ELEMENTS, decode calls below DECODE_PARALLEL_MIN_ELEMENTS as DECODE_KERNEL says; serial in a
+    forked child)."""
+    if _runtime.parallel_by_size(elements, n_batch, seq_len):
         return rotation.rotate_qk_parallel
     return rotation.rotate_qk_serial
 
 
-#: held while a parallel kernel runs under a threading layer that is not thread-safe (workqueue)
-_parallel_lock = threading.Lock()
-_layer_is_thread_safe = None   # None: Numba has not chosen its threading layer yet (no parallel run so far)
-
-
 def _launch(kernel, args):
-    """kernel(*args); a parallel kernel under Numba's workqueue threading layer (not thread-safe: concurrent
-    parallel regions abort the process) runs from one thread at a time, a concurrent call taking the serial
-    kernel instead. Before the first parallel run the layer is unknown and the lock is taken as well."""
-    global _layer_is_thread_safe
-    if _layer_is_thread_safe or kernel is not rotation.rotate_qk_parallel:
-        return kernel(*args)
-    if _layer_is_thread_safe is None:
-        try:
-            _layer_is_thread_safe = numba.threading_layer() != "workqueue"
-        except ValueError:   # no parallel region has run yet: the layer is chosen by the first one
-            pass
-    if _layer_is_thread_safe:
-        return kernel(*args)
-    if not _parallel_lock.acquire(blocking=False):
-        return rotation.rotate_qk_serial(*args)
-    try:
-        return kernel(*args)
-    finally:
-        _parallel_lock.release()
+    """The rotation kernel ``kernel`` (:func:`rotate_kernel`) on args, through :func:`.numba_runtime.launch`."""
+    return _runtime.launch(kernel, rotation.rotate_qk_serial, args)
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
@@ -373,7 +268,7 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
         args = (*bufs, geo, cos, sin, rows, _readonly_c(state_s), _readonly_c(state_z), new_s, new_z, S,
                 rotary_dim // 2, rotary_dim, interleaved, True if causal else None, fmap, float(eps), chunk, groups,
                 powers, bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
-        _run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
+        _runtime.run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
     return o, (new_s, new_z)
 
 
@@ -383,28 +278,10 @@ def _decay_powers(decay, chunk):
     return decay_powers(decay, chunk)
 
 
-#: (shape, strides, dtype) of q, k, v, o -> their (4, 5) geometry (offset, sB, sS, sH, sD): a pure function of
-#: the key, memoised (the decode step's glue is a few microseconds)
-_linear_geo_cache: dict = {}
-
-
 def _linear_buffers(q, k, v, o):
-    """([q, k, v, o] as flat buffers (inputs read-only), their geometry); copies an input whose strides are
-    not multiples of its item size."""
-    arrays = [a if _strides_ok(a) else np.ascontiguousarray(a) for a in (q, k, v)] + [o]
-    key = tuple([(a.shape, a.strides, a.dtype.char) for a in arrays])
-    geo = _linear_geo_cache.get(key)
-    if geo is None or not all(a.flags.c_contiguous for a in arrays):
-        views = [flat_view(a) for a in arrays]
-        geo = np.array([(view[1], *view[2]) for view in views], dtype=np.int64)
-        geo.flags.writeable = False
-        bufs = [view[0] for view in views]
-        if all(a.flags.c_contiguous for a in arrays):
-            if len(_linear_geo_cache) >= _GEO_CACHE_MAX:
-                _linear_geo_cache.clear()
-            _linear_geo_cache[key] = geo
-    else:
-        bufs = [a.reshape(-1).view(np.uint16) if a.dtype == np.float16 else a.reshape(-1) for a in arrays]
+    """([q, k, v, o] as flat buffers (inputs read-only), their (4, 5) geometry (offset, sB, sS, sH, sD));
+    copies an input whose strides are not multiples of its item size."""
+    bufs, geo = _runtime.flat_buffers((q, k, v, o))
     for buf in bufs[:3]:
         buf.flags.writeable = False   # one compiled signature for read-only and writable inputs
     return bufs, geo
@@ -421,32 +298,17 @@ def _aligned_empty(shape, dtype, align=64):
 
 _NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)
 _NO_SEQLENS = _readonly(np.zeros(0, np.int64))   # the cu_seqlens argument of an unpacked call
-_pool = None
-_pool_lock = threading.Lock()
 
 
-def _run_tasks(kernel, args, n_tasks):
-    """kernel(*args, first, last) over 0..n_tasks split into numba.get_num_threads() contiguous ranges,
-    run on a thread pool (the kernel releases the GIL); one range runs on the calling thread."""
-    global _pool
-    n = max(1, min(numba.get_num_threads(), n_tasks))
-    bounds = [n_tasks * i // n for i in range(n + 1)]
-    if n == 1:
-        kernel(*args, 0, n_tasks)
-        return
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(max_workers=numba.config.NUMBA_NUM_THREADS, thread_name_prefix="rotary-la")
-        pool = _pool
-    futures = [pool.submit(kernel, *args, bounds[i], bounds[i + 1]) for i in range(1, n)]
-    kernel(*args, bounds[0], bounds[1])
-    for f in futures:
-        f.result()
+def _runtime_property(name):
+    """A property of this module that reads and writes :mod:`.numba_runtime`'s ``name``."""
+    return property(lambda module: getattr(_runtime, name), lambda module, value: setattr(_runtime, name, value),
+                    doc=f"numba_runtime.{name}")
 
 
-#: the KV-cache primitives (numba_kv.py) and the entry kinds they take, sharing this module's flat views, size
-#: rule and parallel-region lock
-KV_DTYPES = _kv.KV_DTYPES
-append_kv, cache_attention = _kv.primitives(flat_view, rotate_kernel, _parallel_lock)
+# This module's class (Python's documented module ``__class__`` assignment): the size rule's names
+# (``_RUNTIME_NAMES``) are properties that read and write :mod:`.numba_runtime`'s, which the kernels of this backend
+# and of :mod:`.numba_kv` read (``monkeypatch.setattr(nb, "DECODE_KERNEL", ...)`` sees data descriptors and restores
+# them by assignment).
+sys.modules[__name__].__class__ = type("_Module", (types.ModuleType,),
+                                       {name: _runtime_property(name) for name in _RUNTIME_NAMES})

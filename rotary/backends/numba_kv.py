@@ -1,179 +1,102 @@
-"""The KV-cache primitives of the ``numba`` backend: ``append_kv`` and ``cache_attention`` (contract in
-:mod:`rotary.backends`), the glue that turns the cache's arrays into the flat buffers of
-``numba_kernels/kv_cache.py`` and picks the serial or the parallel kernel by size. :mod:`rotary.backends.numba`
-gets them from :func:`primitives`, handing over what they share with its rotation (flat views, the size rule,
-the lock of parallel regions): this module never imports it (no import circle).
+"""The KV-cache primitives of the ``numba`` backend: ``append_kv`` and ``paged_attention`` (contract in
+:mod:`rotary.backends`), the glue that turns the caller's arrays into the flat buffers of
+``numba_kernels/kv_cache.py`` and picks the serial or the parallel kernel by size. Buffers, the size rule and the
+launch under Numba's threading layer are :mod:`.numba_runtime`'s (as for the rotation); :mod:`rotary.backends.numba`
+re-exports these primitives and :data:`VARIANTS`.
 
-They check nothing the frontend (:class:`rotary.KVCache`) already checked: the entries and scales are the
-cache's C-contiguous pool arrays, rows and slots valid int64, the block table's pages those of each sequence.
-float8_e4m3 entries are not in :data:`KV_DTYPES`: such a cache takes the reference (``kv_entries``, ml_dtypes).
+They check nothing the frontend already checked: the entries and scales are C-contiguous pool arrays, rows and slots
+valid int64 (a negative slot: a padding token, skipped), the block table's pages in the pool, q_starts increasing
+with ``c_i <= seq_lens[i]``. The entry format is ``kv_dtype``, a row of :data:`.kv_entries.KV_FORMATS` (passed
+explicitly, never inferred from the stores' dtype); float8_e4m3 is not among :data:`VARIANTS` (the reference,
+``kv_entries`` with ml_dtypes, takes it).
 """
 
 from __future__ import annotations
 
-import os
-
-import numba
 import numpy as np
 
+from . import numba_runtime as runtime
+from .kv_entries import KV_FORMATS
 from .numba_kernels import kv_cache as kernels
-from .numba_kernels import rotation
 
-#: the cache entry kinds the kernels write and read: the cache's own float dtype, and int8 with per-(token, head)
-#: scales
-KV_DTYPES = (None, "int8")
+#: the KV entry formats each primitive takes (``rotary.backends.supports``): the entries in k's own float dtype, and
+#: int8 with per-(token, head) scales
+VARIANTS = {"append_kv": (None, "int8"), "paged_attention": (None, "int8")}
 #: an attention call below this many (query row x key x coordinate) products runs on the calling thread
 ATTENTION_PARALLEL_MIN_WORK = 1 << 18
 #: the window of a call without one (larger than any position difference)
 _NO_WINDOW = 1 << 62
-_INT8_LIMIT = {np.dtype(np.float32): np.float32(127.0), np.dtype(np.float64): np.float64(127.0)}
-_ZERO = {np.dtype(np.float32): np.float32(0.0), np.dtype(np.float64): np.float64(0.0)}
-_NO_SCALES = {dt: np.zeros(0, dt) for dt in _ZERO}   # the scales argument of float entries (not read)
-_geo_cache: dict = {}
-_GEO_CACHE_MAX = 256
-#: what rotary.backends.numba shares (:func:`primitives`): flat_view, rotate_kernel, the parallel-region lock
-_flat_view = _rotate_kernel = _parallel_lock = None
-#: True in a child made by os.fork() (GNU OpenMP cannot run there: the serial kernels, as the rotation's)
-_in_forked_child = False
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_WORK = (_F32, _F64)
+_ZERO = {dt: dt.type(0.0) for dt in _WORK}
+_NO_SCALES = {dt: np.zeros(0, dt) for dt in _WORK}   # the scales argument of float entries (not read)
+_INT8 = KV_FORMATS["int8"].code
 
 
-def _after_fork_in_child():
-    global _in_forked_child
-    _in_forked_child = True
+def _quantized(kv_dtype) -> bool:
+    """Whether entries of format ``kv_dtype`` are int8 with scales (its code in KV_FORMATS), False for the float
+    entries (code 0); ValueError for a format these kernels do not take."""
+    if kv_dtype not in VARIANTS["append_kv"]:
+        raise ValueError(f"kv_dtype must be one of {VARIANTS['append_kv']} on the numba backend, got {kv_dtype!r}")
+    return KV_FORMATS[kv_dtype].code == _INT8
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def primitives(flat_view, rotate_kernel, parallel_lock):
-    """(append_kv, cache_attention), sharing the numba backend's ``flat_view`` (strided arrays as flat buffers),
-    ``rotate_kernel`` (its serial/parallel size rule: an append is sized as a decode call) and the lock its
-    parallel kernels take under Numba's workqueue threading layer."""
-    global _flat_view, _rotate_kernel, _parallel_lock
-    _flat_view, _rotate_kernel, _parallel_lock = flat_view, rotate_kernel, parallel_lock
-    return append_kv, cache_attention
-
-
-def _bits(a):
-    """The flat C-contiguous buffer of a C-contiguous array (float16 as its uint16 bits)."""
-    flat = a.reshape(-1)
-    return flat.view(np.uint16) if flat.dtype == np.float16 else flat
-
-
-def _head_buffers(k, v):
-    """(k buffer, v buffer, geo (2, 4) int64) of (T, Hk, D) arrays of any strides: flat buffers with element
-    offset and token / head / coordinate strides (the backend's ``flat_view``; an array whose strides are not
-    multiples of its item size is copied first)."""
-    key = (k.shape, k.strides, v.strides, k.dtype.char)
-    geo = _geo_cache.get(key)
-    if geo is not None and k.flags.c_contiguous and v.flags.c_contiguous:
-        return _bits(k), _bits(v), geo
-    views = []
-    for a in (k, v):
-        view = _flat_view(a)
-        if view is None:
-            view = _flat_view(np.ascontiguousarray(a))
-        views.append(view)
-    geo = np.array([(view[1], *view[2]) for view in views], dtype=np.int64)
-    geo.flags.writeable = False
-    if k.flags.c_contiguous and v.flags.c_contiguous:
-        if len(_geo_cache) >= _GEO_CACHE_MAX:
-            _geo_cache.clear()
-        _geo_cache[key] = geo
-    return views[0][0], views[1][0], geo
-
-
-def _c_int64(a):
-    a = np.asarray(a)
-    return a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=np.int64)
+#: (kv_dtype, work dtype) -> the append kernel's markers (int8_limit, float_entries): the format's limit in the
+#: work dtype and None for int8 entries, None and True for float entries (see ``kv_cache.append_token``)
+_APPEND_MARKERS = {(name, work): ((work.type(KV_FORMATS[name].limit), None) if _quantized(name) else (None, True))
+                   for name in VARIANTS["append_kv"] for work in _WORK}
 
 
 def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
-    """Rotate k at its table rows and write it with v into their slots of ``stores`` (float or int8 entries);
-    see :mod:`rotary.backends` for the contract."""
+    """Rotate k at its table rows and write it with v into their slots of ``stores`` (entries of format
+    ``kv_dtype``: None or "int8"); slots < 0 are padding, skipped. See :mod:`rotary.backends` for the contract."""
     n_tokens, heads, head_dim = k.shape
+    work = _F64 if cos.dtype == np.float64 else _F32
+    markers = _APPEND_MARKERS.get((kv_dtype, work))
+    if markers is None:
+        _quantized(kv_dtype)   # raises for a format not taken here
     if n_tokens == 0 or heads == 0 or head_dim == 0:
         return
     k_ent, v_ent, k_scale, v_scale = stores
-    work = np.dtype(np.float64 if cos.dtype == np.float64 else np.float32)
-    k_buf, v_buf, geo = _head_buffers(k, v)
-    quantize = kv_dtype is not None
-    if quantize:
+    (k_buf, v_buf), geo = runtime.flat_buffers((k, v))
+    if markers[0] is not None:
         k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
     else:
         k_scale = v_scale = _NO_SCALES[work]
-    elements = 2 * k.size
-    kernel = kernels.append_kv_parallel if _parallel(elements, n_tokens) else kernels.append_kv_serial
-    args = (k_buf, v_buf, geo, _bits(k_ent), _bits(v_ent), k_scale, v_scale, _c(cos), _c(sin), _c_int64(rows),
-            _c_int64(slots), n_tokens, heads, head_dim, rotary_dim // 2, rotary_dim, offset, layout == "interleaved",
-            _INT8_LIMIT[work] if quantize else None, None if quantize else True)
-    _run(kernel, kernels.append_kv_serial, args)
+    parallel = runtime.parallel_by_size(2 * k.size, n_tokens, 1)   # sized as a decode call (tokens of many sequences)
+    kernel = kernels.append_kv_parallel if parallel else kernels.append_kv_serial
+    args = (k_buf, v_buf, geo, runtime.bits(k_ent), runtime.bits(v_ent), k_scale, v_scale, runtime.readonly_c(cos),
+            runtime.readonly_c(sin), runtime.c_int64(rows), runtime.c_int64(slots), n_tokens, heads, head_dim,
+            rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
+    runtime.launch(kernel, kernels.append_kv_serial, args)
 
 
-def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal):
-    """Attention of q (n, s, Hq, D) over the cache's entries through its block table; see :mod:`rotary.backends`."""
+def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype):
+    """Attention of packed q (T, Hq, D) over each sequence's pages where they lie: sequence i's queries are q's rows
+    ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions; see :mod:`rotary.backends`."""
+    quantized = _quantized(kv_dtype)
     q = np.ascontiguousarray(q)
-    n, seq_q, q_heads, head_dim = q.shape
-    o = np.empty(q.shape, q.dtype)
+    n_q, q_heads, head_dim = q.shape
     k_ent, v_ent, k_scale, v_scale = stores
     kv_heads = k_ent.shape[1]
-    if o.size == 0 or kv_heads == 0:
-        o[...] = 0
-        return o
-    work = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
-    quantized = k_ent.dtype == np.int8
+    seq_lens, q_starts = runtime.c_int64(seq_lens), runtime.c_int64(q_starts)
+    n = seq_lens.shape[0]
+    if q.size == 0 or kv_heads == 0 or n == 0:
+        return np.zeros(q.shape, q.dtype)
+    covered = q_starts[0] == 0 and q_starts[n] == n_q   # every row some sequence's (else the others are 0)
+    o = np.empty(q.shape, q.dtype) if covered else np.zeros(q.shape, q.dtype)
+    work = _F64 if q.dtype == np.float64 else _F32
     if quantized:
         k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
     else:
         k_scale = v_scale = _NO_SCALES[work]
-    lengths = _c_int64(lengths)
     fold = work.type(scale / softcap if softcap else scale)
-    work_size = int(lengths.sum()) * seq_q * q_heads * head_dim
-    parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK and not _in_forked_child
-    kernel = kernels.cache_attention_parallel if parallel else kernels.cache_attention_serial
-    args = (_bits(q), _bits(o), _bits(k_ent), _bits(v_ent), k_scale, v_scale, _c_int64(block_table), lengths,
-            int(page_size), seq_q, q_heads, kv_heads, head_dim, fold, work.type(softcap or 0.0), _ZERO[work],
-            _NO_WINDOW if window is None else int(window), bool(causal), quantized)
-    _run(kernel, kernels.cache_attention_serial, args)
+    work_size = int(seq_lens.sum()) * n_q // n * q_heads * head_dim   # exact for a dense step (c queries each)
+    parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK and not runtime.in_forked_child()
+    kernel = kernels.paged_attention_parallel if parallel else kernels.paged_attention_serial
+    args = (runtime.bits(q), runtime.bits(o), runtime.bits(k_ent), runtime.bits(v_ent), k_scale, v_scale,
+            runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, kv_heads, head_dim, fold,
+            work.type(softcap or 0.0), _ZERO[work], _NO_WINDOW if window is None else int(window), bool(causal),
+            quantized)
+    runtime.launch(kernel, kernels.paged_attention_serial, args)
     return o
-
-
-def _c(a):
-    """A read-only C-contiguous array equal to a (the cos/sin tables: cached read-only arrays, passed as they
-    are): one compiled signature."""
-    if a.flags.writeable or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a).view()
-        a.flags.writeable = False
-    return a
-
-
-def _parallel(elements, n_tokens):
-    """Whether an append of this size runs the parallel kernel: the rotation's size rule
-    (:func:`rotary.backends.numba.rotate_kernel`), sized as a decode call (tokens of different sequences)."""
-    return _rotate_kernel(elements, n_tokens, 1) is not rotation.rotate_qk_serial
-
-
-_layer_is_thread_safe = None   # None: not known yet (no parallel region has run)
-
-
-def _run(kernel, serial, args):
-    """kernel(*args); a parallel kernel under Numba's workqueue threading layer (not thread-safe) runs from one
-    thread at a time, under the lock the rotation's parallel kernel takes (see
-    :func:`rotary.backends.numba._launch`), a concurrent call taking ``serial`` instead."""
-    global _layer_is_thread_safe
-    if kernel is serial or _layer_is_thread_safe:
-        return kernel(*args)
-    if _layer_is_thread_safe is None:
-        try:
-            _layer_is_thread_safe = numba.threading_layer() != "workqueue"
-        except ValueError:   # no parallel region has run yet
-            pass
-    if _layer_is_thread_safe:
-        return kernel(*args)
-    if not _parallel_lock.acquire(blocking=False):
-        return serial(*args)
-    try:
-        return kernel(*args)
-    finally:
-        _parallel_lock.release()

@@ -1,24 +1,25 @@
-"""KV-cache kernels of the ``numba`` backend: the ``append_kv`` and ``cache_attention`` primitives
-(contract in :mod:`rotary.backends`, reference in :mod:`rotary.backends.kv_entries` and
-:mod:`rotary.kvcache.attend`).
+"""KV-cache kernels of the ``numba`` backend: the ``append_kv`` and ``paged_attention`` primitives
+(contract in :mod:`rotary.backends`, reference in :mod:`rotary.backends.kv_entries`).
 
 Append: per token (serial or parallel over the tokens by the rotation's size rule, an append sized as a decode call),
 per k/v head, the key is rotated in registers in the work dtype (``y_a = x_a c - x_b s``, ``y_b = x_b c + x_a s``,
 :func:`.rotation.rotate_pairs_to`: one multiply and one add or subtract per term, no fused multiply-add,
 fastmath off) and written into its slot, rounded once to the entries' dtype; the value is copied (a token's keys,
 then its values: two runs of contiguous lines; the next token's lines asked for ahead, for writing: decode-sized
-appends write fresh lines: 37-38 us against 44-50 without, serial, B=32 x 8 heads x 128 fp32). int8 entries
-(:func:`quantize_head`): the head's work values go to a small buffer first (its amax is needed before any entry),
-then ``scale = amax / 127`` and ``entry = clip(rint(w / scale), -127, 127)`` (``w`` itself when scale is 0),
-so entries and scales equal the reference's bit for bit.
+appends write fresh lines: 37-38 us against 44-50 without, serial, B=32 x 8 heads x 128 fp32). A token whose slot
+is negative (padding) is skipped, and never prefetched. int8 entries (:func:`quantize_head`): the head's work values
+go to a small buffer first (its amax is needed before any entry), then ``scale = amax / 127`` and
+``entry = clip(rint(w / scale), -127, 127)`` (``w`` itself when scale is 0), so entries and scales equal the
+reference's bit for bit.
 
-Attention: one task per (sequence, k/v head), the q rows of its GQA group (and of the chunk's queries) in blocks
-of ROW_BLOCK rows against blocks of KEY_BLOCK keys read through the block table where they lie (no gather): scores
-``cap(<q fold, k>)`` (q scaled once into a work buffer; int8 keys: the dot with the entries times the scale), an
-online softmax per row in the work dtype (float32, float64 for float64 caches; exp and tanh of ``math``), values
-accumulated by multiply-adds (fused where the CPU has FMA: results match the reference to rounding, not bit
-for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``), so a masked
-key is never read into a row.
+Attention: one task per (sequence, k/v head), the q rows of its GQA group (and of its queries: q is packed, sequence
+i's queries the rows ``q_starts[i] .. q_starts[i + 1] - 1``, so prefill chunks and decode tokens of several sequences
+come in one call) in blocks of ROW_BLOCK rows against blocks of KEY_BLOCK keys read through the block table where
+they lie (no gather): scores ``cap(<q fold, k>)`` (q scaled once into a work buffer; int8 keys: the dot with the
+entries times the scale), an online softmax per row in the work dtype (float32, float64 for float64 caches; exp and
+tanh of ``math``), values accumulated by multiply-adds (fused where the CPU has FMA: results match the reference to
+rounding, not bit for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``),
+so a masked key is never read into a row.
 
 Buffers as in :mod:`.common`: flat 1-D C-contiguous buffers with int64 offsets and strides, float16 as its
 uint16 bits (converted by :func:`.common.load` / :func:`.common.store`, :func:`load_as`, :func:`vload_as`).
@@ -214,13 +215,17 @@ def quantize_head(w, dst, di, scales, si, head_dim, limit):
 @register_jitable
 def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads, head_dim, half,
                  rotary_dim, offset, interleaved, int8_limit, float_entries):
-    """Token t: every head's key rotated at table row rows[t] into slot slots[t] of k_ent, its value into v_ent:
-    int8 entries with their scales (``int8_limit``: 127 in the work dtype; ``float_entries`` None), or entries of
-    k's dtype (``int8_limit`` None; ``float_entries`` True). Numba prunes the branch whose marker is None before
-    typing (an argument of type None), so each kind compiles only its own branch."""
+    """Token t: every head's key rotated at table row rows[t] into slot slots[t] of k_ent, its value into v_ent
+    (nothing when slots[t] < 0: a padding token): int8 entries with their scales (``int8_limit``: the format's
+    limit, 127, in the work dtype; ``float_entries`` None), or entries of k's dtype (``int8_limit`` None;
+    ``float_entries`` True). The glue sets the markers from the format's row of ``kv_entries.KV_FORMATS`` (its code);
+    Numba prunes the branch whose marker is None before typing (an argument of type None), so each format compiles
+    only its own branch."""
     row, slot = rows[t], slots[t]
-    if t + 1 < slots.shape[0]:   # the next token's entries asked for (writing): their lines come while this one works
-        nxt = slots[t + 1] * heads * head_dim
+    if slot < 0:   # a padding token: nothing of it read or written
+        return
+    if t + 1 < slots.shape[0] and slots[t + 1] >= 0:   # the next token's entries asked for (writing): their lines
+        nxt = slots[t + 1] * heads * head_dim         # come while this one works
         for j in range(0, heads * head_dim, line_items(k_ent)):
             prefetch_write(k_ent, nxt + j)
             prefetch_write(v_ent, nxt + j)
@@ -249,8 +254,8 @@ def append_kv_parallel(k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows
     """The append of n_tokens tokens, one parallel pass over the tokens (:func:`append_token`). k, v: flat buffers
     with geo (2, 4) int64: (offset, token, head, coordinate strides) of k and of v; k_ent, v_ent: the flat
     entries (slots, heads, head_dim); k_scale, v_scale: the flat scales (slots, heads) in the work dtype (any
-    work-dtype arrays for float entries); rows, slots: int64 (n_tokens,); int8_limit, float_entries: which kind
-    of entries (:func:`append_token`)."""
+    work-dtype arrays for float entries); rows, slots: int64 (n_tokens,), slots[t] < 0 a padding token (skipped);
+    int8_limit, float_entries: which format of entries (:func:`append_token`)."""
     for t in prange(n_tokens):
         append_token(np.int64(t), k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads,
                      head_dim, half, rotary_dim, offset, interleaved, int8_limit, float_entries)
@@ -344,17 +349,22 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
 
 
 @register_jitable
-def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
                 kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
-    """Task = i * kv_heads + h: the queries of sequence i (q, o flat (n, seq_q, q_heads, head_dim)) in the q heads
-    h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values of k/v head h, key p in slot
-    block_table[i, p // page_size] * page_size + p % page_size. ``zero``: 0 in the work dtype (k_scale's dtype:
-    the scales, or a work-dtype array when not ``quantized``)."""
+    """Task = i * kv_heads + h: the queries of sequence i, q's rows q_starts[i] .. q_starts[i + 1] - 1 (q, o flat
+    (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
+    of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
+    position seq_lens[i] - c_i + j. ``zero``: 0 in the work dtype (k_scale's dtype: the scales, or a work-dtype
+    array when not ``quantized``)."""
     i = task // kv_heads
     h = task - i * kv_heads
     groups = q_heads // kv_heads
-    length = lengths[i]
-    n_rows = seq_q * groups
+    length = seq_lens[i]
+    q0 = q_starts[i]
+    count = q_starts[i + 1] - q0
+    n_rows = count * groups
+    if n_rows <= 0:
+        return
     rb = imin(n_rows, ROW_BLOCK)
     work = k_scale.dtype
     qs = np.empty(rb * head_dim, work)
@@ -370,12 +380,12 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths
         first, last = length, np.int64(-1)
         for rr in range(nr):
             j = (r0 + rr) // groups
-            qi = (((i * seq_q + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
+            qi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
             for c in range(head_dim):
                 qs[rr * head_dim + c] = load(q, qi + c) * fold
                 acc[rr * head_dim + c] = zero
             if causal:
-                at = length - seq_q + j   # the query's position
+                at = length - count + j   # the query's position
                 hi[rr], lo[rr] = at, imax(0, at - window + 1)
             else:
                 hi[rr], lo[rr] = length - 1, 0
@@ -417,34 +427,34 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths
                 add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
         for rr in range(nr):
             j = (r0 + rr) // groups
-            oi = (((i * seq_q + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
+            oi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
             d = den[rr] if den[rr] != zero else math.exp(zero)   # 1: no key seen gives 0 (the reference's rule)
             for c in range(head_dim):
                 store(o, oi + c, acc[rr * head_dim + c] / d)
 
 
 @njit(parallel=True, **KERNEL_JIT)
-def cache_attention_parallel(q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
-                             kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
-    """Attention of the cache's sequences, one parallel pass over the (sequence, k/v head) tasks
-    (:func:`attend_task`); q, o: flat (n, seq_q, q_heads, head_dim), C order; k_ent, v_ent: flat entries
-    (slots, kv_heads, head_dim); k_scale, v_scale: flat scales in the work dtype (any work-dtype arrays when not
-    ``quantized``); block_table (n, W) and lengths (n,) int64; fold: the scale (over softcap when there is one);
-    softcap: 0 for none; window: the causal window (a huge number for none)."""
-    n_tasks = lengths.shape[0] * kv_heads
+def paged_attention_parallel(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
+                             q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+    """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head) tasks
+    (:func:`attend_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
+    q_starts[i] .. q_starts[i + 1] - 1; k_ent, v_ent: flat entries (slots, kv_heads, head_dim); k_scale, v_scale:
+    flat scales in the work dtype (any work-dtype arrays when not ``quantized``); block_table (n, W), seq_lens (n,)
+    and q_starts (n + 1,) int64; fold: the scale (over softcap when there is one); softcap: 0 for none; window: the
+    causal window (a huge number for none)."""
+    n_tasks = seq_lens.shape[0] * kv_heads
     for task in prange(n_tasks):
-        attend_task(np.int64(task), q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q,
+        attend_task(np.int64(task), q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
                     q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
 
 
 @njit(**KERNEL_JIT)
-def cache_attention_serial(q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+def paged_attention_serial(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
                            kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
-    """cache_attention_parallel on the calling thread (small calls)."""
+    """paged_attention_parallel on the calling thread (small calls)."""
     q, o, k_ent, v_ent = borrowed(q), borrowed(o), borrowed(k_ent), borrowed(v_ent)
-    k_scale, v_scale, block_table, lengths = borrowed(k_scale), borrowed(v_scale), borrowed(block_table), \
-        borrowed(lengths)
-    for task in range(lengths.shape[0] * kv_heads):
-        attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, lengths, page_size, seq_q, q_heads,
+    k_scale, v_scale, block_table = borrowed(k_scale), borrowed(v_scale), borrowed(block_table)
+    seq_lens, q_starts = borrowed(seq_lens), borrowed(q_starts)
+    for task in range(seq_lens.shape[0] * kv_heads):
+        attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
                     kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
-
