@@ -71,9 +71,15 @@ class KVPlan:
         the shared dense table when it holds them) or normalized positions (1, T[, n_axes])."""
         if token_positions and self.dense_key is not None and positions.size:
             entry = _tables.cached_dense(self.dense_key)
-            if entry is not None and int(positions.max()) < entry[0] and int(positions.min()) >= 0:
-                rows = positions if self.convert is None else self.convert(positions)
-                return entry[1], entry[2], rows
+            if entry is not None:
+                if positions.size <= 64:   # decode-sized: cheaper in Python than two NumPy reductions
+                    values = positions.tolist()
+                    lo, hi = min(values), max(values)
+                else:
+                    lo, hi = int(positions.min()), int(positions.max())
+                if lo >= 0 and hi < entry[0]:
+                    rows = positions if self.convert is None else self.convert(positions)
+                    return entry[1], entry[2], rows
         cos, sin, rows = _tables.lookup(self.spec, positions[None] if token_positions else positions,
                                         dtype=self.work, device_key=self.device_key, convert=self.convert)
         return cos, sin, rows.reshape(-1)
@@ -197,15 +203,19 @@ def kv_plan(arrays, names, k_pool, v_pool, scales, *, spec, kv_dtype, backend, c
     return plan
 
 
-def check_memory(arrays, names, k_pool, v_pool, scales):
+def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     """What can change under one geometry: the pools are writable and share no memory with each other, and the
-    inputs (k and v) share none with the pools or scales (a write into the pools would change what is read)."""
+    inputs (k and v) share none with the pools or scales (a write into the pools would change what is read).
+    ``region``: one host array spanning every pool and scale (a cache allocates them so), tested first: an input
+    apart from it is apart from each of them."""
     stores = [(k_pool, "k_pool"), (v_pool, "v_pool")]
     if scales is not None:
         stores += [(scales[0], "scales[0]"), (scales[1], "scales[1]")]
     for a, name in stores:
         if _is_host(a) and not a.flags.writeable:
             raise ValueError(f"{name} is read-only")
+    if region is not None and not any(np.may_share_memory(a, region) for a in arrays):
+        return
     if overlaps(k_pool, v_pool):
         raise ValueError("k_pool and v_pool share memory: pass two separate pools")
     for a, name in zip(arrays, names):

@@ -128,7 +128,7 @@ class KVCache:
         self.work = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         self.block_table = np.full((self.batch, pages_per_seq), -1, dtype=np.int64)
-        self._pools = None
+        self._pools = self._region = None
         if self.paged:
             self._free_pages = []
             self._pool_pages = 0
@@ -163,10 +163,12 @@ class KVCache:
         """Make the pools ``pages`` pages (copying what they hold); new pages join the free list."""
         old = self._pools
         shape = (pages, self.page_size, self.kv_heads, self.head_dim)
-        pools = [self._empty(shape, self.entry_dtype), self._empty(shape, self.entry_dtype), None, None]
-        if self.kv_dtype is not None:
-            pools[2] = self._empty(shape[:3], self.work)
-            pools[3] = self._empty(shape[:3], self.work)
+        parts = [(shape, self.entry_dtype)] * 2 + ([(shape[:3], self.work)] * 2 if self.kv_dtype is not None else [])
+        if self._array_type is np.ndarray:   # one host buffer, each pool 64-byte aligned in it: the region
+            pools, self._region = _carve(parts)   # an input's memory is tested against (check_memory)
+        else:
+            pools, self._region = [self._empty(s, dt) for s, dt in parts], None
+        pools += [None] * (4 - len(pools))
         if old is not None:
             held = old[0].shape[0]
             for new, prev in zip(pools, old):
@@ -347,7 +349,7 @@ class KVCache:
             tok_pos = np.arange(k.shape[0], dtype=np.int64) + np.repeat(start - cu[:-1], counts)
             kt, vt = k, v
         plan = self._plan((kt, vt), ("k", "v"), "append_kv")
-        _kv.check_memory((k, v), ("k", "v"), self._pools[0], self._pools[1], self.scales)
+        _kv.check_memory((k, v), ("k", "v"), self._pools[0], self._pools[1], self.scales, self._region)
         if positions is None and not self.spec.multi_axis:
             pos, token_positions = tok_pos, True   # the token positions themselves
         elif positions is None and self.spec.mrope_section is None:
@@ -482,7 +484,8 @@ class KVCache:
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
         state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_stores")}
+                 if k not in ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_stores",
+                              "_region")}
         if not self.paged:
             state.pop("_free_pages", None)
         return state
@@ -490,7 +493,14 @@ class KVCache:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._bind_backend()
-        pools = self._pools
+        pools, self._region = list(self._pools), None
+        if self._array_type is np.ndarray:   # back into one buffer (the region check_memory tests first)
+            held = [a for a in pools if a is not None]
+            carved, self._region = _carve([(a.shape, a.dtype) for a in held])
+            for new, a in zip(carved, held):
+                new[...] = a
+            pools = carved + [None] * (4 - len(carved))
+        self._pools = tuple(pools)
         self._stores = _kv.flat_stores(pools[0], pools[1], self.scales)
 
     def __copy__(self):
@@ -513,6 +523,18 @@ class KVCache:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, {kind}, "
                 f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r}, backend={self.module.NAME!r}, "
                 f"lengths={self.lengths.tolist()})")
+
+
+def _carve(parts, align=64):
+    """Host arrays of these (shape, dtype) parts in one new buffer, each starting at a multiple of ``align``
+    bytes; returns (arrays, the buffer)."""
+    sizes = [int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in parts]
+    starts = np.cumsum([0] + [-(-n // align) * align for n in sizes])
+    raw = np.empty(int(starts[-1]) + align, np.uint8)
+    base = -raw.ctypes.data % align
+    arrays = [raw[base + a:base + a + n].view(dt).reshape(shape)
+              for (shape, dt), a, n in zip(parts, starts.tolist(), sizes)]
+    return arrays, raw
 
 
 def _refuse_length_dependent(spec, what):
