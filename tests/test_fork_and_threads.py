@@ -35,8 +35,23 @@ def _linear_error(seed: int) -> float:
     return float(np.max(np.abs(np.moveaxis(o, 1, 2) - want)))
 
 
+def _kv_error(seed: int) -> float:
+    """The KV primitives at sizes that take their parallel kernels in a parent: an append (the reference's bits, or
+    inf) and a decode step of paged attention (relative error against the float64 oracle)."""
+    from .test_kv_cache_numba import _append_both, _check, _kv, _rel
+
+    r = np.random.default_rng(seed)
+    k, v = _kv(r, np.float32, 600, 8, 64, strided=False)
+    got, want = _append_both(rotary.RopeSpec(64), k, v, r.integers(0, 4000, 600), r.permutation(700)[:600], "int8",
+                             pool=700)
+    if not all(np.array_equal(g.view(np.uint8), w.view(np.uint8)) for g, w in zip(got, want)):
+        return float("inf")
+    _check(r, np.float32, "int8", [300, 280, 310, 290], [1, 1, 1, 1], q_heads=8)   # asserts the tolerance
+    return 0.0
+
+
 def _child(seed: int) -> tuple:
-    return _rotation_error(seed), _linear_error(seed), numba_backend._in_forked_child
+    return _rotation_error(seed), _linear_error(seed), _kv_error(seed), numba_backend._in_forked_child
 
 
 @pytest.mark.skipif(sys.platform == "win32" or "fork" not in multiprocessing.get_all_start_methods(),
@@ -44,11 +59,11 @@ def _child(seed: int) -> tuple:
 def test_fork_pool_after_parallel_kernels():
     """The parent runs the parallel kernels (GNU OpenMP), then a fork pool runs them again: children used to
     die with "fork() called from a process already using GNU OpenMP"; now they rotate serially, correctly."""
-    assert _rotation_error(0) < 2e-5 and _linear_error(0) < 1e-4
+    assert _rotation_error(0) < 2e-5 and _linear_error(0) < 1e-4 and _kv_error(0) == 0
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.map_async(_child, range(3)).get(timeout=240)
-    for rot, lin, forked in results:
-        assert rot < 2e-5 and lin < 1e-4 and forked
+    for rot, lin, kv, forked in results:
+        assert rot < 2e-5 and lin < 1e-4 and kv == 0 and forked
 
 
 def test_parallel_kernel_from_several_threads():
@@ -84,6 +99,24 @@ def test_which_kernel_a_call_takes(shape, parallel, monkeypatch):
     y = rotary.apply(x, seq_axis=1, backend="numba")
     assert used == ["rotate_qk_parallel" if parallel else "rotate_qk_serial"]
     assert_close(y, rotary.apply(x, seq_axis=1, backend="numpy"), like=x)
+
+
+def test_the_size_rule_is_the_runtimes(monkeypatch):
+    """rotary.backends.numba's names of the size rule, fork flag and parallel-region lock read and write
+    numba_runtime's: one rule for the rotation, linear attention and the KV primitives (numba_kv reads the runtime)."""
+    from rotary.backends import numba_runtime as runtime
+
+    with monkeypatch.context() as m:
+        m.setattr(numba_backend, "DECODE_KERNEL", "serial")
+        m.setattr(numba_backend, "PARALLEL_MIN_ELEMENTS", 5)
+        assert runtime.DECODE_KERNEL == "serial" and runtime.PARALLEL_MIN_ELEMENTS == 5
+        assert "DECODE_KERNEL" not in vars(numba_backend)
+        runtime.PARALLEL_MIN_TOKENS = 3
+        assert numba_backend.PARALLEL_MIN_TOKENS == 3
+        runtime.PARALLEL_MIN_TOKENS = 8
+    assert (runtime.DECODE_KERNEL, runtime.PARALLEL_MIN_ELEMENTS) == (numba_backend.DECODE_KERNEL, 1 << 16)
+    assert numba_backend._parallel_lock is runtime._parallel_lock
+    assert numba_backend._in_forked_child is runtime._in_forked_child is runtime.in_forked_child() is False
 
 
 def test_numpy_linear_attention_caps_the_chunk_at_T():
@@ -195,6 +228,6 @@ def test_process_pools_after_parallel_numba_use(method):
     assert _rotation_error(1) < 2e-5 and _linear_error(1) < 1e-4
     with multiprocessing.get_context(method).Pool(2) as pool:
         results = pool.map_async(_child, range(2)).get(timeout=240)
-    for rot, lin, forked in results:
-        assert rot < 2e-5 and lin < 1e-4
+    for rot, lin, kv, forked in results:
+        assert rot < 2e-5 and lin < 1e-4 and kv == 0
         assert forked == (method == "fork")

@@ -1,9 +1,12 @@
-"""The Numba backend's KV-cache kernels (``numba_kernels/kv_cache.py`` through ``backends/numba_kv.py``):
-``append_kv`` bit for bit against the reference (``kv_entries.append_kv``: float entries, int8 entries and
-scales) and against a float64 oracle; ``cache_attention`` against the reference path (the same cache with the
-module's ``cache_attention`` taken away: gathered keys through ``rotary.attention``), to the work dtype's
-rounding: relative to the largest output, 2e-6 for float32, 1e-12 for float64, 2e-3 for float16 (the reference
-rounds dequantized int8 keys and values to float16; the kernel keeps them in float32)."""
+"""The Numba backend's KV primitives (``backends/numba_kv.py`` over ``numba_kernels/kv_cache.py``), called directly
+(the backend contract in :mod:`rotary.backends`), serial and parallel kernels:
+
+- ``append_kv`` bit for bit against the reference (``kv_entries.append_kv``: float entries, int8 entries and scales),
+  padding tokens (slot -1) touching nothing, and the keys against a float64 oracle;
+- ``paged_attention`` (packed q, ``q_starts``) against an independent float64 oracle written here (each sequence's
+  keys gathered through its block table, dequantized, an explicit masked softmax), relative to the largest output:
+  2e-6 for float32, 1e-12 for float64, 2e-3 for float16.
+"""
 
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ pytest.importorskip("numba")
 
 import rotary  # noqa: E402
 from rotary import testing  # noqa: E402
-from rotary.backends import kv_entries, numba_kv  # noqa: E402
+from rotary.backends import kv_entries, numba_kv, numba_runtime, supports  # noqa: E402
 from rotary.backends import numba as nb  # noqa: E402
 from rotary.backends.numba_kernels import kv_cache as kernels  # noqa: E402
 from rotary.spec import tables as _tables  # noqa: E402
 
 DTYPES = [np.float16, np.float32, np.float64]
-#: cache_attention against the reference path: max |o - o_ref| / max |o_ref|
+#: paged_attention against the float64 oracle: max |o - o_oracle| / max |o_oracle|
 ATTENTION_TOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
 SPECS = {
     "full": dict(head_dim=64),
@@ -32,6 +35,7 @@ SPECS = {
     "offset": dict(head_dim=64, rotary_dim=32, rotary_offset=16),
     "odd": dict(head_dim=40, rotary_dim=22),   # pairs and heads that are not whole vectors
 }
+KERNELS = ("append_kv_serial", "append_kv_parallel", "paged_attention_serial", "paged_attention_parallel")
 
 
 def _spec(name, layout="half"):
@@ -41,22 +45,29 @@ def _spec(name, layout="half"):
 
 @pytest.fixture(params=["serial", "parallel"])
 def kernel_kind(request, monkeypatch):
-    """Every call takes the serial kernels, or the parallel ones (size thresholds at 0)."""
+    """Every call takes the serial kernels, or the parallel ones (size thresholds at 0); the kernels that ran are
+    checked to be of that kind."""
     if request.param == "parallel":
-        monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 0)
-        monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
-        monkeypatch.setattr(nb, "DECODE_KERNEL", "parallel")
+        monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_TOKENS", 0)
+        monkeypatch.setattr(numba_runtime, "DECODE_KERNEL", "parallel")
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 0)
     else:
-        monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 62)
+        monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 62)
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 1 << 62)
-    return request.param
+    ran = set()
+    for name in KERNELS:
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.add(_n), _k(*a))[1])
+    yield request.param
+    assert ran and all(name.endswith(request.param) for name in ran), ran
 
 
-def _stores(kv_dtype, dtype, slots, heads, head_dim):
+# -- append_kv -----------------------------------------------------------------------------------------------------
+def _stores(kv_dtype, dtype, slots, heads, head_dim, seed=7):
     entry = {None: dtype, "int8": np.int8}[kv_dtype]
     work = np.float64 if dtype == np.float64 else np.float32
-    rng = np.random.default_rng(7)   # garbage in the pool: only the written slots are compared
+    rng = np.random.default_rng(seed)   # garbage in the pool: what is not written must stay as it is
     stores = [rng.integers(0, 100, (slots, heads, head_dim)).astype(entry) for _ in range(2)]
     scales = [np.full((slots, heads), np.nan, work) for _ in range(2)] if kv_dtype else [None, None]
     return stores + scales
@@ -69,24 +80,27 @@ def _tables_for(spec, positions, dtype):
 
 
 def _append_both(spec, k, v, positions, slots, kv_dtype, pool=40):
-    """(numba stores, reference stores) after one append_kv of k, v at ``positions`` into ``slots``."""
+    """(numba stores, reference stores) after one append_kv of k, v at ``positions`` into ``slots`` of pools of the
+    same initial garbage; the reference gets the tokens whose slot is >= 0 only (it does not skip padding)."""
     cos, sin, rows = _tables_for(spec, positions, k.dtype)
-    results = []
-    for append in (nb.append_kv, kv_entries.append_kv):
-        stores = _stores(kv_dtype, k.dtype, pool, k.shape[1], k.shape[2])
-        append(k, v, cos, sin, rows, np.asarray(slots, np.int64), stores, rotary_dim=spec.rotary_dim,
-               layout=spec.layout, offset=spec.rotary_offset, kv_dtype=kv_dtype)
-        results.append(stores)
-    return results
+    slots = np.asarray(slots, np.int64)
+    keep = slots >= 0
+    kw = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, offset=spec.rotary_offset, kv_dtype=kv_dtype)
+    got = _stores(kv_dtype, k.dtype, pool, k.shape[1], k.shape[2])
+    nb.append_kv(k, v, cos, sin, rows, slots, got, **kw)
+    want = _stores(kv_dtype, k.dtype, pool, k.shape[1], k.shape[2])
+    kv_entries.append_kv(k[keep], v[keep], cos, sin, rows[keep], slots[keep], want, **kw)
+    return got, want
 
 
-def _assert_same_bits(got, want, slots):
+def _assert_same_bits(got, want):
+    """Whole pools (entries and scales) bit for bit: the written slots and every other one."""
     for g, w in zip(got, want):
         if w is None:
             assert g is None
             continue
         assert g.dtype == w.dtype
-        np.testing.assert_array_equal(g[slots].view(np.uint8), w[slots].view(np.uint8))
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
 
 
 def _kv(rng, dtype, T, H, D, strided):
@@ -99,19 +113,36 @@ def _kv(rng, dtype, T, H, D, strided):
     return k, v
 
 
-# -- append_kv: the reference's bits ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("spec_name", list(SPECS))
-def test_append_kv_equals_the_reference_bit_for_bit(rng, kernel_kind, dtype, kv_dtype, layout, spec_name):
-    spec = _spec(spec_name, layout)
-    for strided in (False, True):
-        k, v = _kv(rng, dtype, 11, 3, spec.head_dim, strided)
-        positions = rng.integers(0, 5000, 11)
-        slots = rng.permutation(40)[:11]
-        got, want = _append_both(spec, k, v, positions, slots, kv_dtype)
-        _assert_same_bits(got, want, slots)
+def test_append_kv_equals_the_reference_bit_for_bit(rng, kernel_kind, dtype, kv_dtype, layout):
+    """Full, partial, offset and odd rotary dims; C-contiguous and strided k/v; the whole pools compared."""
+    for spec_name in SPECS:
+        spec = _spec(spec_name, layout)
+        for strided in (False, True):
+            k, v = _kv(rng, dtype, 11, 3, spec.head_dim, strided)
+            positions = rng.integers(0, 5000, 11)
+            slots = rng.permutation(40)[:11]
+            _assert_same_bits(*_append_both(spec, k, v, positions, slots, kv_dtype))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_append_kv_skips_padding_tokens(rng, kernel_kind, kv_dtype):
+    """slots[t] = -1 (any negative): nothing of token t read or written (its k/v may be anything, NaN included); the
+    other tokens as the reference writes them; every other slot of the pools, entries and scales, unchanged. Padding
+    at the start, in a run, before the last token (the prefetch of the next token's lines skips it) and at the end;
+    all padding."""
+    spec = _spec("offset", "interleaved")
+    for dtype in (np.float16, np.float32, np.float64):
+        k, v = _kv(rng, dtype, 12, 3, spec.head_dim, strided=True)
+        slots = np.array([-1, 5, 9, -1, -1, 0, 33, 2, -7, 17, -1, -1])
+        k[slots < 0], v[slots < 0] = np.nan, np.inf
+        positions = rng.integers(0, 3000, 12)
+        _assert_same_bits(*_append_both(spec, k, v, positions, slots, kv_dtype))
+        got, want = _append_both(spec, k, v, positions, np.full(12, -1), kv_dtype)
+        _assert_same_bits(got, want)
+        _assert_same_bits(got, _stores(kv_dtype, dtype, 40, 3, spec.head_dim))   # nothing written at all
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
@@ -129,34 +160,25 @@ def test_append_kv_edge_values(kernel_kind, kv_dtype):
         k[3] = np.finfo(dtype).max / 4 if dtype != np.float16 else np.float16(60000)
         v[3, 1, 5] = 254.5
         with np.errstate(over="ignore"):   # float16 60000 rotated past float16's range: inf in both
-            got, want = _append_both(spec, k, v, [0, 1, 77, 3], [3, 0, 2, 1], kv_dtype, pool=4)
-        _assert_same_bits(got, want, [3, 0, 2, 1])
+            _assert_same_bits(*_append_both(spec, k, v, [0, 1, 77, 3], [3, 0, 2, 1], kv_dtype, pool=4))
 
 
-def test_append_kv_through_the_cache_equals_a_numpy_cache(rng, kernel_kind):
-    """A contiguous and a paged numba cache hold the bits of the same caches on the NumPy backend (the reference
-    append) after appends of ragged chunks to subsets of the sequences, dense and packed."""
-    spec = rotary.RopeSpec(64, rotary_dim=48, layout="interleaved")
-    for kv_dtype in (None, "int8"):
-        for kw in (dict(capacity=64), dict(page_size=8, num_pages=40)):
-            caches = [rotary.KVCache(spec, batch=3, kv_heads=2, head_dim=64, kv_dtype=kv_dtype, backend=b, **kw)
-                      for b in ("numba", "numpy")]
-            for s, ids in ((5, None), (1, [2, 0]), (9, [1]), (1, None)):
-                n = 3 if ids is None else len(ids)
-                k, v = (rng.standard_normal((n, s, 2, 64)).astype(np.float32) for _ in range(2))
-                for cache in caches:
-                    cache.append(k, v, ids)
-            k, v = (rng.standard_normal((7, 2, 64)).astype(np.float32) for _ in range(2))
-            for cache in caches:
-                cache.append(k, v, [0, 2], cu_seqlens=[0, 3, 7])
-            assert caches[0].module is nb and caches[1].module is rotary.backends.get("numpy")
-            np.testing.assert_array_equal(caches[0].lengths, caches[1].lengths)
-            for b in range(3):
-                for got, want in ((caches[0].keys(b), caches[1].keys(b)), (caches[0].values(b), caches[1].values(b))):
-                    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+def test_append_kv_large_calls_and_the_size_rule(rng, monkeypatch):
+    """Under the default size rule: a decode-sized append (32 tokens x 8 heads x 128) and a prefill-sized one
+    (600 tokens) give the reference's bits, the latter on the parallel kernel (numba_runtime.parallel_by_size)."""
+    spec = rotary.RopeSpec(128, layout="half")
+    ran = []
+    for name in ("append_kv_serial", "append_kv_parallel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    for T in (32, 600):
+        k, v = _kv(rng, np.float32, T, 8, 128, strided=False)
+        slots = rng.permutation(700)[:T]
+        slots[::5] = -1
+        _assert_same_bits(*_append_both(spec, k, v, rng.integers(0, 4000, T), slots, "int8", pool=700))
+    assert ran[-1] == "append_kv_parallel"
 
 
-# -- append_kv: a float64 oracle ---------------------------------------------------------------------------------
 def _oracle_keys(spec, k, positions):
     """k (T, H, D) rotated at ``positions`` in float64: angles of the spec's inv_freq in float64, the pairs of
     [offset, offset + rotary_dim) in the spec's layout, the other coordinates as they are."""
@@ -174,31 +196,57 @@ def _oracle_keys(spec, k, positions):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("spec_name", ["full", "partial", "offset"])
-def test_append_kv_matches_a_float64_oracle(rng, dtype, layout, spec_name):
-    spec = _spec(spec_name, layout)
-    k, v = _kv(rng, dtype, 9, 2, spec.head_dim, strided=True)
-    positions = np.array([0, 1, 2, 50, 333, 1000, 4095, 4096, 7])
-    slots = np.arange(9)
-    want_k = _oracle_keys(spec, k, positions)
-    (got, _) = _append_both(spec, k, v, positions, slots, None)
-    testing.assert_close(got[0][slots], want_k)
-    np.testing.assert_array_equal(got[1][slots], v)
-    (got, _) = _append_both(spec, k, v, positions, slots, "int8")
-    for entries, scales, want in ((got[0], got[2], want_k), (got[1], got[3], np.asarray(v, np.float64))):
-        amax = np.abs(want).max(axis=-1, keepdims=True)
-        dequantized = entries[slots].astype(np.float64) * scales[slots][..., None]
-        # half a quantization step, plus the rounding of the work values
-        assert np.all(np.abs(dequantized - want) <= amax * (0.5 / 127 + 4 * float(np.finfo(dtype).eps)) + 1e-30)
+def test_append_kv_matches_a_float64_oracle(rng, dtype, layout):
+    for spec_name in ("full", "offset"):
+        spec = _spec(spec_name, layout)
+        k, v = _kv(rng, dtype, 9, 2, spec.head_dim, strided=True)
+        positions = np.array([0, 1, 2, 50, 333, 1000, 4095, 4096, 7])
+        slots = np.arange(9)
+        want_k = _oracle_keys(spec, k, positions)
+        got, _ = _append_both(spec, k, v, positions, slots, None)
+        testing.assert_close(got[0][slots], want_k)
+        np.testing.assert_array_equal(got[1][slots], v)
+        got, _ = _append_both(spec, k, v, positions, slots, "int8")
+        for entries, scales, want in ((got[0], got[2], want_k), (got[1], got[3], np.asarray(v, np.float64))):
+            amax = np.abs(want).max(axis=-1, keepdims=True)
+            dequantized = entries[slots].astype(np.float64) * scales[slots][..., None]
+            # half a quantization step, plus the rounding of the work values
+            assert np.all(np.abs(dequantized - want) <= amax * (0.5 / 127 + 4 * float(np.finfo(dtype).eps)) + 1e-30)
 
 
-# -- cache_attention: the reference path ---------------------------------------------------------------------
-def _reference(monkeypatch, call):
-    """call() with the numba module's cache_attention taken away (attend.py then gathers the keys and runs the
-    packed rotary.attention path)."""
-    with monkeypatch.context() as m:
-        m.delattr(nb, "cache_attention")
-        return call()
+# -- paged_attention -------------------------------------------------------------------------------------------
+def oracle_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
+                     kv_dtype):
+    """float64 softmax attention of packed q over each sequence's keys gathered through its block table and
+    dequantized: an explicit mask and softmax per sequence (a query that sees no key gets 0)."""
+    k_ent, v_ent, k_scale, v_scale = stores
+    q = np.asarray(q, np.float64)
+    groups = q.shape[1] // k_ent.shape[1]
+    o = np.zeros(q.shape)
+    for i, length in enumerate(np.asarray(seq_lens)):
+        p = np.arange(length)
+        slots = block_table[i, p // page_size] * page_size + p % page_size
+        keys, values = k_ent[slots].astype(np.float64), v_ent[slots].astype(np.float64)
+        if kv_dtype == "int8":
+            keys = keys * k_scale[slots][..., None].astype(np.float64)
+            values = values * v_scale[slots][..., None].astype(np.float64)
+        keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)   # (L, Hq, D)
+        rows = slice(q_starts[i], q_starts[i + 1])
+        count = q_starts[i + 1] - q_starts[i]
+        scores = scale * np.einsum("jhd,phd->jhp", q[rows], keys)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        at = length - count + np.arange(count)[:, None]   # each query's position
+        seen = np.ones((count, length), bool)
+        if causal:
+            seen = (p[None] <= at) & (True if window is None else at - p[None] < window)
+        seen = np.broadcast_to(seen[:, None, :], scores.shape)
+        weights = np.exp(np.where(seen, scores - np.where(seen, scores, -np.inf).max(-1, keepdims=True,
+                                                                                         initial=-np.inf), -np.inf))
+        weights = np.where(seen, weights, 0.0)
+        total = weights.sum(-1, keepdims=True)
+        o[rows] = np.einsum("jhp,phd->jhd", weights / np.where(total > 0, total, 1.0), values)
+    return o
 
 
 def _rel(got, want):
@@ -206,87 +254,109 @@ def _rel(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-300))
 
 
-def _filled_cache(rng, dtype, kv_dtype, lengths, *, heads=2, head_dim=64, spec=None, layout="bshd", **kw):
-    spec = spec or rotary.RopeSpec(head_dim)
-    kw = kw or dict(capacity=160)
-    cache = rotary.KVCache(spec, batch=len(lengths), kv_heads=heads, head_dim=head_dim, dtype=dtype,
-                           kv_dtype=kv_dtype, backend="numba", layout=layout, **kw)
-    for b, n in enumerate(lengths):   # ragged: each sequence its own length, in two appends
-        for part in (n // 2, n - n // 2):
-            if part:
-                k, v = (rng.standard_normal((1, part, heads, head_dim)).astype(dtype) for _ in range(2))
-                if layout == "bhsd":
-                    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-                cache.append(k, v, [b])
-    return cache
+def _pool(rng, kv_dtype, dtype, n_pages, page_size, kv_heads, head_dim):
+    """Random stores of n_pages pages (float entries of dtype, or int8 entries with work-dtype scales)."""
+    slots = n_pages * page_size
+    if kv_dtype is None:
+        return [rng.standard_normal((slots, kv_heads, head_dim)).astype(dtype) for _ in range(2)] + [None, None]
+    work = np.float64 if dtype == np.float64 else np.float32
+    entries = [rng.integers(-127, 128, (slots, kv_heads, head_dim)).astype(np.int8) for _ in range(2)]
+    return entries + [(rng.random((slots, kv_heads)) * 0.03).astype(work) for _ in range(2)]
 
 
-CACHES = {"contiguous": dict(capacity=160), "paged": dict(page_size=16, num_pages=40),
-          "paged-7": dict(page_size=7, num_pages=80)}
+def _table(rng, seq_lens, page_size, n_pages, share=True):
+    """(n, W) block table of distinct random pages for each sequence's keys; with ``share``, sequences 0 and 1 name
+    the same first pages (a forked prefix)."""
+    widths = [-(-int(n) // page_size) for n in seq_lens]
+    pages = iter(rng.permutation(n_pages))
+    table = np.full((len(seq_lens), max(widths + [1])), -1, np.int64)   # pages past a sequence's own: never read
+    for i, w in enumerate(widths):
+        table[i, :w] = [next(pages) for _ in range(w)]
+    if share and len(seq_lens) > 1:
+        common = min(widths[0], widths[1])
+        table[1, :common] = table[0, :common]
+    return table
+
+
+def _check(rng, dtype, kv_dtype, seq_lens, counts, *, q_heads, kv_heads=2, head_dim=64, page_size=16, cases=None):
+    """paged_attention against the oracle for sequences of ``seq_lens`` keys with ``counts`` queries each (packed),
+    over a shared-prefix block table, for each dict of (scale, softcap, window, causal) in ``cases``."""
+    n_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    stores = _pool(rng, kv_dtype, dtype, n_pages, page_size, kv_heads, head_dim)
+    table = _table(rng, seq_lens, page_size, n_pages)
+    seq_lens = np.asarray(seq_lens, np.int64)
+    q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    q = rng.standard_normal((int(q_starts[-1]), q_heads, head_dim)).astype(dtype)
+    for kw in cases or (dict(),):
+        kw = dict(dict(scale=head_dim ** -0.5, softcap=None, window=None, causal=True), **kw)
+        got = nb.paged_attention(q, stores, table, page_size, seq_lens, q_starts, kv_dtype=kv_dtype, **kw)
+        want = oracle_attention(q, stores, table, page_size, seq_lens, q_starts, kv_dtype=kv_dtype, **kw)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        assert _rel(got, want) <= ATTENTION_TOL[np.dtype(dtype)], (kw, _rel(got, want))
+    return q, stores, table, seq_lens, q_starts
+
+
+CASES = (dict(), dict(window=9), dict(softcap=3.0), dict(causal=False), dict(window=40, softcap=50.0),
+         dict(scale=0.3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-@pytest.mark.parametrize("cache_kind", list(CACHES))
-def test_cache_attention_matches_the_reference_path(rng, monkeypatch, kernel_kind, dtype, kv_dtype, cache_kind):
-    """Ragged lengths (1 to past a few key blocks), decode (s = 1) and chunks (s > 1: more q rows than a row block)
-    of a subset of the sequences, GQA groups of 1 and 4, causal / window / softcap / not causal / a given scale."""
-    cache = _filled_cache(rng, dtype, kv_dtype, [1, 37, 150, 66], **CACHES[cache_kind])
-    tol = ATTENTION_TOL[np.dtype(dtype)]
-    for s, q_heads, ids in ((1, 8, None), (1, 2, None), (5, 8, [3, 1, 2]), (13, 2, [2])):
-        q = rng.standard_normal((4 if ids is None else len(ids), s, q_heads, 64)).astype(dtype)
-        for kw in (dict(), dict(window=9), dict(softcap=3.0), dict(causal=False), dict(window=40, softcap=50.0),
-                   dict(scale=0.3)):
-            kw = dict(kw, seq_ids=ids)
-            got = rotary.attention(q, cache, **kw)
-            want = _reference(monkeypatch, lambda: rotary.attention(q, cache, **kw))
-            assert got.dtype == q.dtype and got.shape == q.shape
-            assert _rel(got, want) <= tol, (s, q_heads, kw, _rel(got, want))
+def test_paged_attention_dense_decode(rng, kernel_kind, dtype, kv_dtype):
+    """One query per sequence (q_starts = arange(n + 1)), ragged lengths from 1 to past a few key blocks, pages of
+    16 and 7 keys, GQA groups of 4 and 1; causal, window, softcap, non-causal, a given scale."""
+    for page_size, q_heads in ((16, 8), (7, 2)):
+        _check(rng, dtype, kv_dtype, [1, 37, 150, 66], [1, 1, 1, 1], q_heads=q_heads, page_size=page_size,
+               cases=CASES)
 
 
-def test_cache_attention_seq_ids_bhsd_and_odd_head_dim(rng, monkeypatch, kernel_kind):
-    """A subset of the sequences (seq_ids), a bhsd cache, head_dim 40 (not whole vectors), partial rotary."""
-    spec = rotary.RopeSpec(40, rotary_dim=24, layout="interleaved")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_paged_attention_packed_prefill_chunks_and_decode(rng, kernel_kind, dtype, kv_dtype):
+    """One call of mixed rows: a prefill chunk of 7 tokens ending at position 39, a decode token, a sequence with no
+    query this step, a whole prefill of 20 tokens (more GQA rows than a row block), a decode token at position 0, a
+    dense chunk s = 3; pages shared by sequences 0 and 1."""
+    _check(rng, dtype, kv_dtype, [40, 150, 30, 20, 1, 70], [7, 1, 0, 20, 1, 3], q_heads=8, cases=CASES)
+
+
+def test_paged_attention_head_dims_and_dense_chunks(rng, kernel_kind):
+    """head_dim 40 (not whole vectors) and 8; a dense step of s = 5 queries each (q_starts = arange(n + 1) * 5); one
+    k/v head, GQA of 6; fp32 and int8."""
     for kv_dtype in (None, "int8"):
-        cache = _filled_cache(rng, np.float32, kv_dtype, [8, 70, 20], head_dim=40, spec=spec, layout="bhsd",
-                              page_size=8, num_pages=30)
-        q = rng.standard_normal((2, 4, 6, 40)).astype(np.float32)   # bhsd: (n, heads, s, d)
-        for kw in (dict(seq_ids=[2, 1]), dict(seq_ids=[0, 1], window=2)):
-            got = rotary.attention(q, cache, **kw)
-            want = _reference(monkeypatch, lambda: rotary.attention(q, cache, **kw))
-            assert _rel(got, want) <= 2e-6, (kv_dtype, kw)
+        _check(rng, np.float32, kv_dtype, [8, 70, 20], [5, 5, 5], q_heads=6, kv_heads=1, head_dim=40, page_size=8,
+               cases=(dict(), dict(window=2, softcap=4.0)))
+        _check(rng, np.float32, kv_dtype, [3, 33], [2, 1], q_heads=2, head_dim=8, page_size=4, cases=CASES)
 
 
-def test_cache_attention_rows_that_see_no_key_give_zero(rng, kernel_kind):
-    """window=0 leaves every query without a key: zeros (the reference's rule), not NaN."""
-    cache = _filled_cache(rng, np.float32, None, [4, 9])
-    q = rng.standard_normal((2, 2, 4, 64)).astype(np.float32)
-    o = nb.cache_attention(np.ascontiguousarray(q), cache.stores, cache.block_table, cache.page_size, cache.lengths,
-                           scale=0.125, softcap=None, window=0, causal=True)
+def test_paged_attention_rows_that_see_no_key_give_zero(rng, kernel_kind):
+    """window=0 leaves every query without a key: zeros (not NaN); a sequence of no keys and no queries, rows of q
+    past the last sequence's: zeros; a call of no rows."""
+    q, stores, table, seq_lens, q_starts = _check(rng, np.float32, None, [4, 9], [2, 2], q_heads=4)
+    kw = dict(scale=0.125, softcap=None, causal=True, kv_dtype=None)
+    o = nb.paged_attention(q, stores, table, 16, seq_lens, q_starts, window=0, **kw)
     assert np.all(o == 0)
+    o = nb.paged_attention(q, stores, table, 16, np.array([4, 0]), np.array([0, 3, 3]), window=None, **kw)
+    assert np.all(o[3:] == 0) and np.all(np.isfinite(o)) and np.any(o[:3] != 0)
+    assert nb.paged_attention(q[:0], stores, table, 16, seq_lens, np.zeros(3, np.int64), window=None,
+                              **kw).shape == (0, 4, 64)
 
 
-def test_cache_attention_float64_matches_a_dense_oracle(rng):
-    """float64: softmax(q k^T scale) v of the gathered keys in plain NumPy, the causal rule of the last tokens."""
-    cache = _filled_cache(rng, np.float64, None, [5, 40], page_size=4, num_pages=20)
-    q = rng.standard_normal((2, 3, 4, 64))
-    o = rotary.attention(q, cache)
-    for b in range(2):
-        keys, values = cache.keys(b), cache.values(b)
-        length = int(cache.lengths[b])
-        q_rot = rotary.apply(q[b], np.arange(length - 3, length), spec=cache.spec, seq_axis=0, backend="numpy")
-        for j in range(3):
-            for h in range(4):
-                scores = keys[: length - 3 + j + 1, h // 2] @ q_rot[j, h] / 8.0
-                p = np.exp(scores - scores.max())
-                want = (p / p.sum()) @ values[: length - 3 + j + 1, h // 2]
-                np.testing.assert_allclose(o[b, j, h], want, rtol=1e-12, atol=1e-13)
+def test_paged_attention_large_call_takes_the_parallel_kernel(rng, monkeypatch):
+    """Under the default size rule a decode step over long sequences runs the parallel kernel, a small one the serial
+    one; both against the oracle."""
+    ran = []
+    for name in ("paged_attention_serial", "paged_attention_parallel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    _check(rng, np.float32, "int8", [300, 280, 310, 290], [1, 1, 1, 1], q_heads=8)
+    _check(rng, np.float32, None, [3, 5], [1, 1], q_heads=2)
+    assert ran == ["paged_attention_parallel", "paged_attention_serial"]
 
 
 # -- the kernels' bodies as plain Python (small inputs: what NUMBA_DISABLE_JIT runs; coverage sees them) -----------
 @pytest.fixture
 def pure_python(monkeypatch):
-    for name in ("append_kv_serial", "append_kv_parallel", "cache_attention_serial", "cache_attention_parallel"):
+    for name in KERNELS:
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
 
 
@@ -294,23 +364,26 @@ def pure_python(monkeypatch):
 def test_kernels_in_pure_python(rng, monkeypatch, pure_python, dtype):
     spec = rotary.RopeSpec(20, rotary_dim=12, layout="interleaved")
     for kv_dtype in (None, "int8"):
-        k, v = _kv(rng, dtype, 5, 2, 20, strided=True)
-        got, want = _append_both(spec, k, v, [1, 9, 3, 4, 0], [4, 0, 2, 1, 7], kv_dtype, pool=8)
-        _assert_same_bits(got, want, [4, 0, 2, 1, 7])
-        cache = _filled_cache(rng, dtype, kv_dtype, [3, 6], heads=1, head_dim=20, spec=spec, page_size=4,
-                              num_pages=6)
-        q = rng.standard_normal((2, 2, 2, 20)).astype(dtype)
-        got = rotary.attention(q, cache, softcap=5.0)
-        want = _reference(monkeypatch, lambda: rotary.attention(q, cache, softcap=5.0))
-        assert _rel(got, want) <= max(ATTENTION_TOL[np.dtype(dtype)], 1e-6)
+        for threshold in (1 << 62, 0):   # the serial and the parallel kernels' Python forms
+            monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_ELEMENTS", threshold)
+            monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_TOKENS", threshold)
+            monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", threshold)
+            monkeypatch.setattr(numba_runtime, "DECODE_KERNEL", "parallel")
+            k, v = _kv(rng, dtype, 5, 2, 20, strided=True)
+            _assert_same_bits(*_append_both(spec, k, v, [1, 9, 3, 4, 0], [4, -1, 2, 1, 7], kv_dtype, pool=8))
+            _check(rng, dtype, kv_dtype, [3, 6], [2, 1], q_heads=2, kv_heads=1, head_dim=20, page_size=4,
+                   cases=(dict(softcap=5.0),))
 
 
 # -- module surface --------------------------------------------------------------------------------------------
 def test_module_surface():
-    assert nb.KV_DTYPES == (None, "int8")
-    assert nb.append_kv is numba_kv.append_kv and nb.cache_attention is numba_kv.cache_attention
-    for kernel in (kernels.append_kv_serial, kernels.append_kv_parallel, kernels.cache_attention_serial,
-                   kernels.cache_attention_parallel):
+    assert nb.VARIANTS == numba_kv.VARIANTS == {"append_kv": (None, "int8"), "paged_attention": (None, "int8")}
+    assert nb.append_kv is numba_kv.append_kv and nb.paged_attention is numba_kv.paged_attention
+    assert not hasattr(nb, "cache_attention") and not hasattr(nb, "KV_DTYPES")
+    for capability in ("append_kv", "paged_attention"):
+        assert supports(nb, capability, "int8", any_variant=False)
+        assert not supports(nb, capability, "float8_e4m3", any_variant=False)
+    for kernel in (getattr(kernels, name) for name in KERNELS):
         assert type(kernel._cache).__name__ != "NullCache"   # cache=True
         assert kernel.targetoptions.get("error_model") == "numpy" and not kernel.targetoptions.get("fastmath")
     from rotary.backends import numba_kernels
@@ -318,21 +391,20 @@ def test_module_surface():
     assert "kv_cache.py" in numba_kernels.KERNEL_FILES and "rotation.py" in numba_kernels.HELPER_FILES
 
 
-def test_float8_caches_take_the_reference(rng, monkeypatch):
-    """float8_e4m3 is not in KV_DTYPES: a numba cache of it appends through the reference (the NumPy cache's
-    bits) and attends by the reference path."""
-    pytest.importorskip("ml_dtypes")
-    assert "float8_e4m3" not in nb.KV_DTYPES
-    caches = [rotary.KVCache(rotary.RopeSpec(64), batch=2, kv_heads=2, head_dim=64, capacity=16,
-                             kv_dtype="float8_e4m3", backend=b) for b in ("numba", "numpy")]
-    k, v = (rng.standard_normal((2, 5, 2, 64)).astype(np.float32) for _ in range(2))
-    for cache in caches:
-        cache.append(k, v)
-    for got, want in zip(*(c.stores for c in caches)):
-        np.testing.assert_array_equal(got[:5], want[:5])
-    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
-    got = rotary.attention(q, caches[0])
-    assert _rel(got, _reference(monkeypatch, lambda: rotary.attention(q, caches[0]))) == 0
+def test_formats_not_offered_are_refused(rng):
+    """float8_e4m3 (and a name of no format) is refused with a ValueError naming kv_dtype, before anything is
+    written: that format takes the reference (kv_entries)."""
+    stores = _stores(None, np.float32, 4, 1, 8)
+    k = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    cos, sin, rows = _tables_for(rotary.RopeSpec(8), [0, 1], np.float32)
+    for kv_dtype in ("float8_e4m3", "int4"):
+        with pytest.raises(ValueError, match="kv_dtype"):
+            nb.append_kv(k, k, cos, sin, rows, np.array([0, 1]), stores, rotary_dim=8, layout="half", offset=0,
+                         kv_dtype=kv_dtype)
+        with pytest.raises(ValueError, match="kv_dtype"):
+            nb.paged_attention(k, stores, np.zeros((1, 1), np.int64), 4, np.array([2]), np.array([0, 2]), scale=1.0,
+                               softcap=None, window=None, causal=True, kv_dtype=kv_dtype)
+    _assert_same_bits(stores, _stores(None, np.float32, 4, 1, 8))
 
 
 def test_helpers_match_their_python_forms():
@@ -357,24 +429,28 @@ def test_helpers_match_their_python_forms():
 _NRT_BALANCE_PROBE = """
 import numpy as np, rotary
 from numba.core.runtime import rtsys
-from rotary.backends import numba as nb, numba_kv
+from rotary.backends import numba as nb, numba_kv, numba_runtime as rt
+from rotary.spec import tables
 rng = np.random.default_rng(0)
-caches = [rotary.KVCache(rotary.RopeSpec(64), batch=4, kv_heads=2, head_dim=64, capacity=300, kv_dtype=kv,
-                         backend="numba") for kv in (None, "int8")]
-k = rng.standard_normal((4, 1, 2, 64)).astype(np.float32)
-q = rng.standard_normal((4, 1, 4, 64)).astype(np.float32)
+spec = rotary.RopeSpec(64)
+k = rng.standard_normal((4, 2, 64)).astype(np.float32)
+q = rng.standard_normal((5, 4, 64)).astype(np.float32)
+cos, sin, rows = tables.lookup(spec, np.arange(4)[None], dtype=np.float32)
+rows = rows.reshape(-1)
+slots = np.array([3, -1, 40, 7])
+table = np.arange(12, dtype=np.int64).reshape(4, 3)   # pages of 16 keys
+seq_lens, q_starts = np.array([30, 20, 5, 1]), np.array([0, 2, 3, 3, 5])
+pools = {kv: [np.zeros((192, 2, 64), np.int8 if kv else np.float32) for _ in range(2)]
+             + [np.zeros((192, 2), np.float32) if kv else None for _ in range(2)] for kv in (None, "int8")}
 
 def calls():
-    for cache in caches:
-        if cache.lengths[0] > 250:
-            cache.reset()
-        cache.append(k, k)
-        rotary.attention(q, cache)
+    for kv, stores in pools.items():
         for threshold in (0, 1 << 62):   # the parallel and the serial kernels
-            nb.PARALLEL_MIN_ELEMENTS = numba_kv.ATTENTION_PARALLEL_MIN_WORK = threshold
-            nb.PARALLEL_MIN_TOKENS, nb.DECODE_KERNEL = 0, "parallel"
-            cache.append(k, k)
-            rotary.attention(q, cache)
+            rt.PARALLEL_MIN_ELEMENTS = rt.PARALLEL_MIN_TOKENS = numba_kv.ATTENTION_PARALLEL_MIN_WORK = threshold
+            rt.DECODE_KERNEL = "parallel"
+            nb.append_kv(k, k, cos, sin, rows, slots, stores, rotary_dim=64, layout="half", offset=0, kv_dtype=kv)
+            nb.paged_attention(q, stores, table, 16, seq_lens, q_starts, scale=0.125, softcap=None, window=None,
+                               causal=True, kv_dtype=kv)
 
 calls()
 before = rtsys.get_allocation_stats()
@@ -386,8 +462,8 @@ print(after.alloc - after.free - (before.alloc - before.free), after.mi_alloc - 
 
 
 def test_kernels_release_every_allocation():
-    """NUMBA_NRT_STATS=1: appends (float and int8: a work buffer per token) and attention (buffers per task), serial
-    and parallel, free every allocation they make."""
+    """NUMBA_NRT_STATS=1: appends (float and int8: a work buffer per token; padding tokens) and attention (buffers
+    per task; a sequence without queries), serial and parallel, free every allocation they make."""
     env = dict(os.environ, NUMBA_NRT_STATS="1")
     out = subprocess.run([sys.executable, "-c", _NRT_BALANCE_PROBE], env=env, capture_output=True, text=True,
                          timeout=600)

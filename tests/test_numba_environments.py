@@ -136,8 +136,9 @@ print("ok")
 def test_every_kernel_runs_with_the_jit_disabled(tmp_path):
     """NUMBA_DISABLE_JIT=1: every kernel runs as plain Python (each helper and building block has a Python
     form): rotation (serial and parallel paths, float16/32/64, both layouts, a Rope call), linear attention
-    causal / non-causal / decayed / one-token step with dv >= one vector, float16/32/64, the KV cache's append
-    and attention (float and int8 entries, serial and parallel); the NumPy backend's results."""
+    causal / non-causal / decayed / one-token step with dv >= one vector, float16/32/64: the NumPy backend's
+    results; the KV primitives append_kv (padding included) and paged_attention (packed rows), float and int8
+    entries, serial and parallel kernels: the reference's bits and the float64 oracle of test_kv_cache_numba."""
     code = """
 import numba
 from rotary.backends.numba_kernels import rotation
@@ -161,23 +162,19 @@ for dtype, tol in ((np.float16, 2e-3), (np.float32, 2e-6), (np.float64, 1e-12)):
     check_linear(dtype, ltol, T=20, dv=17, m=16, causal=False)
     check_linear(dtype, ltol, T=20, dv=16, m=16, causal=True, decay=np.full((2, 4), 0.9))
     check_linear(dtype, ltol, T=1, dv=16, m=16, causal=True)
-    from rotary.backends import numba_kv   # the KV cache's kernels: append (bits) and attention, serial and parallel
+    from rotary.backends import numba_kv, numba_runtime as rt   # the KV primitives, serial and parallel kernels:
+    from tests.test_kv_cache_numba import _append_both, _assert_same_bits, _check, _kv   # append (bits), attention
+    spec = rotary.RopeSpec(32, rotary_dim=24, layout="interleaved")
     for kv_dtype in (None, "int8"):
-        caches = [rotary.KVCache(rotary.RopeSpec(32, rotary_dim=24, layout="interleaved"), batch=2, kv_heads=2,
-                                 head_dim=32, page_size=4, num_pages=8, dtype=dtype, kv_dtype=kv_dtype, backend=b)
-                  for b in ("numba", "numpy")]
         for threshold in (1 << 62, 0):
-            nb.PARALLEL_MIN_ELEMENTS = nb.PARALLEL_MIN_TOKENS = numba_kv.ATTENTION_PARALLEL_MIN_WORK = threshold
-            k = rng.standard_normal((2, 3, 2, 32)).astype(dtype)
-            for cache in caches:
-                cache.append(k, k[:, ::-1])
-            for b in range(2):
-                assert np.array_equal(caches[0].keys(b).view(np.uint8), caches[1].keys(b).view(np.uint8))
-                assert np.array_equal(caches[0].values(b).view(np.uint8), caches[1].values(b).view(np.uint8))
-            q = rng.standard_normal((2, 2, 4, 32)).astype(dtype)
-            got, want = (rotary.attention(q, cache, softcap=5.0) for cache in caches)
-            assert rel(got, want) < max(tol, 2e-6), (dtype, kv_dtype, rel(got, want))
-        nb.PARALLEL_MIN_ELEMENTS, nb.PARALLEL_MIN_TOKENS, numba_kv.ATTENTION_PARALLEL_MIN_WORK = 1 << 16, 8, 1 << 18
+            rt.PARALLEL_MIN_ELEMENTS = rt.PARALLEL_MIN_TOKENS = numba_kv.ATTENTION_PARALLEL_MIN_WORK = threshold
+            rt.DECODE_KERNEL = "parallel"
+            k, v = _kv(rng, dtype, 5, 2, 32, strided=True)
+            _assert_same_bits(*_append_both(spec, k, v, [1, 9, 3, 4, 0], [4, -1, 2, 1, 7], kv_dtype, pool=8))
+            _check(rng, dtype, kv_dtype, [3, 6, 9], [2, 0, 3], q_heads=4, kv_heads=2, head_dim=32, page_size=4,
+                   cases=(dict(softcap=5.0), dict(window=2)))
+        rt.PARALLEL_MIN_ELEMENTS, rt.PARALLEL_MIN_TOKENS, numba_kv.ATTENTION_PARALLEL_MIN_WORK = 1 << 16, 8, 1 << 18
+        rt.DECODE_KERNEL = "auto"
 print("ok")
 """
     _run(code, tmp_path, NUMBA_DISABLE_JIT="1")
