@@ -263,6 +263,28 @@ def _cases() -> list:
                   ("mrope_section", "rotary_dim/2")),
         ErrorCase("cu_seqlens past the token count", lambda: _apply(_x((7, 8)), seq_axis=0, cu_seqlens=[0, 3, 8]),
                   ValueError, ("cu_seqlens", "token count 7")),
+        # -- the KV cache and its primitives (issue 41) ---------------------------------------------
+        ErrorCase("kv_append of keys that are a view of the pool (Numba wrote wrong keys)",
+                  lambda: _kv_append_own_view("numba"), ValueError, ("k shares memory with k_pool",), needs="numba"),
+        ErrorCase("kv_append of keys that are a view of the pool, NumPy", lambda: _kv_append_own_view("numpy"),
+                  ValueError, ("k shares memory with k_pool",)),
+        ErrorCase("kv_append to a slot outside the pools", lambda: _kv_append(slots=[0, 99]), ValueError,
+                  ("slots[1] = 99", "outside the pools")),
+        ErrorCase("kv_append with a repeated slot", lambda: _kv_append(slots=[3, 3]), ValueError, ("repeat",)),
+        ErrorCase("KVCache float8 on Numba (took the reference silently)",
+                  lambda: _cache(backend="numba", kv_dtype="float8_e4m3"), NotImplementedError,
+                  ("numba", "kv_dtype='float8_e4m3'"), needs="numba"),
+        ErrorCase("slide on a dynamic-NTK cache (keys unlike a fresh cache)", lambda: _cache_slide_dynamic(),
+                  ValueError, ("slide", "depend on the sequence length")),
+        ErrorCase("slide(sinks=1.5) (truncated to 1)", lambda: _cache().slide(sinks=1.5, window=2), TypeError,
+                  ("sinks", "integer")),
+        ErrorCase("slide(sinks=None) (a bare int() TypeError)", lambda: _cache().slide(sinks=None, window=2),
+                  TypeError, ("sinks", "integer")),
+        ErrorCase("KVCache.free(seq_ids=[]) (a dtype message)", lambda: _cache().free([]), check=lambda r: r is None),
+        ErrorCase("int32 keys told to make an int32 cache", lambda: _cache().append(*[np.zeros((2, 1, 1, 8), np.int32)] * 2),
+                  TypeError, ("cast k to float32",)),
+        ErrorCase("paged_attention reading a page outside the pool", lambda: _paged(block_table=[[0], [7]]),
+                  ValueError, ("block_table[1, 0] = 7", "not a page of the pool")),
         # -- documented mappings -----------------------------------------------------------------
         ErrorCase("linear factor in (0, 1) (MLX scale=2)", lambda: _linear_below_one(),
                   check=lambda ok: ok is True),
@@ -323,6 +345,45 @@ def _linear_decay(decay, causal=True):
 
     q = _x((1, 5, 2, 8))
     return linear_attention(q, q, q, seq_axis=1, causal=causal, decay=decay)
+
+
+def _pools(pages=4, page_size=2, heads=1, head_dim=8):
+    shape = (pages, page_size, heads, head_dim)
+    return np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+
+
+def _kv_append(slots, backend="auto"):
+    from .. import kv_append
+
+    k = _x((len(slots), 1, 8))
+    return kv_append(k, k, *_pools(), np.array(slots), np.arange(len(slots)), spec=_spec(8), backend=backend)
+
+
+def _kv_append_own_view(backend):
+    from .. import kv_append
+
+    k_pool, v_pool = _pools()
+    k = k_pool.reshape(8, 1, 8)[2:5]
+    return kv_append(k, k.copy(), k_pool, v_pool, np.array([3, 4, 5]), np.arange(3), spec=_spec(8), backend=backend)
+
+
+def _cache(backend="auto", kv_dtype=None, spec=None):
+    from .. import KVCache
+
+    return KVCache(spec or _spec(8), batch=2, kv_heads=1, head_dim=8, capacity=8, backend=backend, kv_dtype=kv_dtype)
+
+
+def _cache_slide_dynamic():
+    cache = _cache(spec=_spec(8, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4))
+    k = _x((2, 6, 1, 8))
+    cache.append(k, k)
+    return cache.slide(sinks=1, window=2)
+
+
+def _paged(block_table):
+    from .. import paged_attention
+
+    return paged_attention(_x((2, 1, 1, 8)), *_pools(4), np.array(block_table), np.array([1, 2]))
 
 
 def _cache_limit(nbytes):
