@@ -10,16 +10,18 @@ Three tables, in this order:
    copies of k and v (unrotated) into preallocated ``(B, capacity, Hk, D)`` stores: NumPy fancy indexing
    ``k_store[b, L] = k``, the same through a flat row index ``k_flat[b * capacity + L] = k``, and a Python loop of
    32 slice copies (the best plain NumPy copy is the fastest of these); and rotate-then-copy (``rotary.apply``
-   numba, or a prepared ``rotary.Rope``, then the flat-index copy). Also the append kernel alone, serial and
+   numba, or a prepared ``rotary.Rope``, then the flat-index copy), and ``rotary.kv_append`` (the stateless
+   primitive an engine calls) with prepared slots into pools of its own. Also the append kernel alone, serial and
    parallel (its prepared arguments, the slots advanced), and the frontend's own work per append (the kernel a
-   no-op). Every candidate
+   no-op), of the cache and of ``kv_append``. Every candidate
    writes one position further each call (fresh lines, as appends do), into pools whose pages are all touched.
    The candidates are timed interleaved, round by round; best and median over rounds.
 2. **decode attention** over a cache holding ~1000 keys per sequence (fp32): ``rotary.attention(q,
-   cache)`` (q rotated, then the numba ``cache_attention`` kernel reading the keys where they lie), the kernel
-   alone on rotated q, against ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and values
+   cache)`` (q rotated, then the numba ``paged_attention`` kernel reading the keys where they lie), the same step
+   packed (``cu_seqlens``), a mixed step (one sequence's 16-query chunk with 31 decode tokens, pages in place),
+   the kernel alone on rotated q, against ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and values
    gathered beforehand into dense (B, Hk, L, D) tensors (``enable_gqa=True``; the gather not timed), and the
-   reference path (gather + packed ``rotary.attention``, with ``--reference``). Threads: numba's and torch's
+   NumPy reference (gather + the online-softmax engine, with ``--reference``). Threads: numba's and torch's
    defaults (the cores).
 3. **paged-cache memory**: ``cache.nbytes`` against the tokens held, for a paged cache (page_size 16, pages for
    the full 32 x 4096) as it fills, next to the contiguous cache of the same capacity and int8 entries.
@@ -75,7 +77,7 @@ def load():
 
 def bench_append(args, rng, cache, spec):
     from rotary.backends import numba as nb
-    from rotary.backends import numba_kv
+    from rotary.backends import numba_runtime as runtime
     from rotary.backends.numba_kernels import kv_cache as kernels
 
     B, Hk, D, cap = 32, 8, 128, args.capacity
@@ -121,22 +123,31 @@ def bench_append(args, rng, cache, spec):
         v_flat[rows] = v2
 
     captured = {}
-    run = numba_kv._run
+    launch = runtime.launch
 
     def capture(kernel, serial, kargs):
         captured["call"] = (kernel, kargs)
-        return run(kernel, serial, kargs)
+        return launch(kernel, serial, kargs)
 
-    numba_kv._run = capture
+    runtime.launch = capture
     try:
         cache.append(k, v)
     finally:
-        numba_kv._run = run
+        runtime.launch = launch
     kernel, kargs = captured["call"]
     append = f"cache.append(k, v) numba (rotate k + write k, v; {kernel.__name__.split('_')[-1]} kernel by the size rule)"
     serial, parallel = kernels.append_kv_serial, kernels.append_kv_parallel
+    # the primitive on the engine's own pools, the slots and positions prepared by the engine (host int64)
+    k_pool, v_pool = k_store.reshape(B * cap // 16, 16, Hk, D), v_store.reshape(B * cap // 16, 16, Hk, D)
+    kt, vt = k.reshape(B, Hk, D), v.reshape(B, Hk, D)
+
+    def primitive():
+        L = next(state["L"])
+        rotary.kv_append(kt, vt, k_pool, v_pool, b * cap + L, L, spec=spec, backend="numba")
+
     cands = {
         append: lambda: cache.append(k, v),
+        "rotary.kv_append numba, prepared slots into the caller's pools": primitive,
         "append kernel alone, serial (prepared arguments)": lambda: serial(*kargs[:10], next(state["slots"]),
                                                                            *kargs[11:]),
         "append kernel alone, parallel (prepared arguments)": lambda: parallel(*kargs[:10], next(state["slots"]),
@@ -172,11 +183,14 @@ def bench_append(args, rng, cache, spec):
     real = nb.append_kv
     nb.append_kv = lambda *a, **kw: None
     try:
-        own = interleaved_us({"own": lambda: cache.append(k, v)}, args.calls, args.rounds)["own"]
+        setup("own")
+        own = interleaved_us({"cache.append": lambda: cache.append(k, v), "rotary.kv_append": primitive},
+                             args.calls, args.rounds, setup)
     finally:
         nb.append_kv = real
-    print(f"| cache.append, its own work per call (append_kv replaced by a no-op) | {min(own):.1f} | "
-          f"{np.median(own):.1f} | |")
+    for name, ts in own.items():
+        print(f"| {name}, its own work per call (append_kv replaced by a no-op) | {min(ts):.1f} | "
+              f"{np.median(ts):.1f} | |")
 
 
 def bench_attention(args, rng, cache, spec):
@@ -196,10 +210,17 @@ def bench_attention(args, rng, cache, spec):
     tk, tv = torch.from_numpy(np.ascontiguousarray(keys)), torch.from_numpy(np.ascontiguousarray(values))
     scale = 1.0 / np.sqrt(D)
     block_table = np.ascontiguousarray(cache.block_table)
+    q_packed = np.ascontiguousarray(q_rot.reshape(B, Hq, D))
+    starts = np.arange(B + 1, dtype=np.int64)
 
     def kernel():
-        return nb.cache_attention(q_rot, cache.stores, block_table, cache.page_size, lengths, scale=scale,
-                                  softcap=None, window=None, causal=True)
+        return nb.paged_attention(q_packed, cache.stores, block_table, cache.page_size, lengths, starts, scale=scale,
+                                  softcap=None, window=None, causal=True, kv_dtype=None).reshape(q.shape)
+
+    # a mixed step: sequence 0 brings a chunk of 16 queries (its keys read once for all 16), the rest decode
+    chunk = 16
+    q_mixed = rng.standard_normal((B - 1 + chunk, Hq, D), dtype=np.float32)
+    cu_mixed = np.concatenate([[0], np.cumsum([chunk] + [1] * (B - 1))])
 
     def sdpa():
         return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, scale=scale, enable_gqa=True)
@@ -207,20 +228,21 @@ def bench_attention(args, rng, cache, spec):
     ours = kernel()
     theirs = sdpa().numpy().transpose(0, 2, 1, 3)
     err = float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    q_one = np.ascontiguousarray(q.reshape(B, Hq, D))
     cands = {
-        "rotary.attention(q, cache) numba (rotate q + cache_attention kernel)": lambda: rotary.attention(q, cache),
-        "numba cache_attention alone (rotated q, through the block table)": kernel,
+        "rotary.attention(q, cache) numba, dense decode (rotate q + paged_attention kernel)":
+            lambda: rotary.attention(q, cache),
+        "rotary.attention(q, cache, cu_seqlens) numba, the same step packed": lambda: rotary.attention(
+            q_one, cache, cu_seqlens=starts),
+        f"mixed step: one sequence's {chunk}-query chunk + {B - 1} decode tokens, packed (pages in place)":
+            lambda: rotary.attention(q_mixed, cache, cu_seqlens=cu_mixed),
+        "numba paged_attention alone (rotated q, through the block table)": kernel,
         "torch scaled_dot_product_attention (keys/values gathered beforehand, enable_gqa)": sdpa,
     }
     if args.reference:
-        def reference():
-            with_kernel = nb.cache_attention
-            del nb.cache_attention
-            try:
-                return rotary.attention(q, cache)
-            finally:
-                nb.cache_attention = with_kernel
-        cands["reference path: gather (dequantize) + packed rotary.attention numba"] = reference
+        cands["reference path: NumPy backend (gather through the table + the online-softmax engine)"] = \
+            lambda: rotary.paged_attention(q, cache.k_pool, cache.v_pool, cache.block_table, lengths, spec=spec,
+                                           backend="numpy")
     calls = max(1, args.calls // 10)
     times = interleaved_us(cands, calls, args.rounds)
     kv_mb = 2 * keys.nbytes / 2**20

@@ -50,8 +50,16 @@ def _is_host(a) -> bool:
     return isinstance(a, np.ndarray)
 
 
+def _keyable(arrays) -> bool:
+    """NumPy or CuPy arrays (a plan key holds their type, dtype, shape and strides)."""
+    for a in arrays:
+        if type(a) is not np.ndarray and not type(a).__module__.startswith("cupy"):
+            return False
+    return isinstance(arrays, (tuple, list))
+
+
 def _part(a):
-    return type(a), a.dtype, tuple(a.shape), a.strides if hasattr(a, "strides") else None
+    return type(a), a.dtype, a.shape, a.strides
 
 
 class KVPlan:
@@ -187,11 +195,10 @@ def _build(arrays, names, k_pool, v_pool, scales, spec, kv_dtype, backend, capab
 def kv_plan(arrays, names, k_pool, v_pool, scales, *, spec, kv_dtype, backend, capability, heads_axis=-2):
     """The cached :class:`KVPlan` of this geometry (built, and every check it stands for made, on first use)."""
     key = None
-    if type(backend) is str and all(_is_host(a) or type(a).__module__.startswith("cupy") for a in arrays):
-        key = (capability, tuple(_part(a) for a in arrays), _part(k_pool), _part(v_pool),
-               None if scales is None else tuple(_part(a) for a in scales) if isinstance(scales, (tuple, list))
-               else id(scales), id(spec), kv_dtype if isinstance(kv_dtype, (str, type(None))) else id(kv_dtype),
-               backend, heads_axis)
+    if type(backend) is str and _keyable(arrays) and _keyable((k_pool, v_pool)):
+        key = (capability, *[_part(a) for a in arrays], _part(k_pool), _part(v_pool),
+               None if scales is None else tuple(_part(a) for a in scales) if _keyable(scales) else id(scales),
+               id(spec), kv_dtype if isinstance(kv_dtype, (str, type(None))) else id(kv_dtype), backend, heads_axis)
         plan = _plans.get(key)
         if plan is not None and plan.module is _backends.loaded(plan.module.NAME):
             return plan
@@ -237,18 +244,26 @@ def flat_stores(k_pool, v_pool, scales):
 # -- kv_append ---------------------------------------------------------------------------------------------------
 def check_slots(slots, n_tokens, total) -> np.ndarray:
     """Host ``slots`` as int64 (n_tokens,): each -1 (padding) or a distinct slot of the ``total`` in the pools."""
-    s = host_int_array(slots, "slots")
+    s = slots if type(slots) is np.ndarray and slots.dtype == np.int64 else host_int_array(slots, "slots")
     if s.shape != (n_tokens,):
         raise ValueError(f"slots must have shape ({n_tokens},) (one per token of k), got {s.shape}")
-    if n_tokens:
+    if not n_tokens:
+        return s
+    if n_tokens <= 64:   # decode-sized: cheaper in Python than NumPy's reductions and sort
+        values = s.tolist()
+        lo, hi = min(values), max(values)
+        used = [x for x in values if x >= 0]
+        repeated = len(set(used)) != len(used)
+    else:
         lo, hi = int(s.min()), int(s.max())
-        if lo < -1 or hi >= total:
-            i = int(np.argmax((s < -1) | (s >= total)))
-            raise ValueError(f"slots[{i}] = {int(s[i])} is outside the pools' {total} slots (num_pages * page_size; "
-                             "-1 marks a padding token)")
-        used = s[s >= 0]
-        if np.unique(used).size != used.size:
-            raise ValueError("slots must not repeat a slot (two tokens written to one place)")
+        used = np.sort(s[s >= 0])
+        repeated = bool(np.any(used[1:] == used[:-1]))
+    if lo < -1 or hi >= total:
+        i = int(np.argmax((s < -1) | (s >= total)))
+        raise ValueError(f"slots[{i}] = {int(s[i])} is outside the pools' {total} slots (num_pages * page_size; "
+                         "-1 marks a padding token)")
+    if repeated:
+        raise ValueError("slots must not repeat a slot (two tokens written to one place)")
     return s if s.flags.c_contiguous else np.ascontiguousarray(s)
 
 
@@ -311,7 +326,8 @@ def token_rotation_positions(spec, positions, n_tokens, name="positions"):
     if positions is None:
         raise TypeError(f"{name} is required (each token's position)")
     if not spec.multi_axis and not spec.float_positions:
-        p = host_int_array(positions, name)
+        p = positions if type(positions) is np.ndarray and positions.dtype == np.int64 else \
+            host_int_array(positions, name)
         if p.shape != (n_tokens,):
             raise ValueError(f"{name} must have shape ({n_tokens},) (one per token), got {p.shape}")
         return (p if p.flags.c_contiguous else np.ascontiguousarray(p)), True
