@@ -55,12 +55,18 @@ def kernel_kind(request, monkeypatch):
     else:
         monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 62)
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 1 << 62)
-    ran = set()
-    for name in KERNELS:
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.add(_n), _k(*a))[1])
+    ran = _record_kernels(monkeypatch, KERNELS)
     yield request.param
     assert ran and all(name.endswith(request.param) for name in ran), ran
+
+
+def _record_kernels(monkeypatch, names):
+    """A list that gets the name of each of these kernels of kv_cache.py as it runs (the glue looks them up per call)."""
+    ran = []
+    for name in names:
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    return ran
 
 
 # -- append_kv -----------------------------------------------------------------------------------------------------
@@ -167,10 +173,7 @@ def test_append_kv_large_calls_and_the_size_rule(rng, monkeypatch):
     """Under the default size rule: a decode-sized append (32 tokens x 8 heads x 128) and a prefill-sized one
     (600 tokens) give the reference's bits, the latter on the parallel kernel (numba_runtime.parallel_by_size)."""
     spec = rotary.RopeSpec(128, layout="half")
-    ran = []
-    for name in ("append_kv_serial", "append_kv_parallel"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    ran = _record_kernels(monkeypatch, ("append_kv_serial", "append_kv_parallel"))
     for T in (32, 600):
         k, v = _kv(rng, np.float32, T, 8, 128, strided=False)
         slots = rng.permutation(700)[:T]
@@ -344,10 +347,7 @@ def test_paged_attention_rows_that_see_no_key_give_zero(rng, kernel_kind):
 def test_paged_attention_large_call_takes_the_parallel_kernel(rng, monkeypatch):
     """Under the default size rule a decode step over long sequences runs the parallel kernel, a small one the serial
     one; both against the oracle."""
-    ran = []
-    for name in ("paged_attention_serial", "paged_attention_parallel"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    ran = _record_kernels(monkeypatch, ("paged_attention_serial", "paged_attention_parallel"))
     _check(rng, np.float32, "int8", [300, 280, 310, 290], [1, 1, 1, 1], q_heads=8)
     _check(rng, np.float32, None, [3, 5], [1, 1], q_heads=2)
     assert ran == ["paged_attention_parallel", "paged_attention_serial"]
