@@ -23,6 +23,8 @@ from rotary.spec import hf_vision
 from rotary.testing import rope_complex, tolerance
 
 from .cuda_shim import host
+from .cuda_shim.backend import dtype_name as _dtype_name, run_linear_attention, shared_kernels, shim_backend  # noqa: F401
+from .cuda_shim.backend import register as shim_register
 
 pytestmark = pytest.mark.cuda_cpu
 
@@ -31,78 +33,9 @@ GEOMETRIES = {"default": (256, None), "tiny": (5, 1), "small": (32, 3)}
 
 
 @pytest.fixture(scope="session")
-def kernels(tmp_path_factory):
-    if host.compiler() is None:
-        pytest.skip("no host C++ compiler (g++/clang++) to build the CUDA sources with the shim")
-    return host.build(tmp_path_factory.mktemp("cuda_shim"))
-
-
-def _dtype_name(a) -> str:
-    return str(a.dtype)
-
-
-def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_limit=cb.SHARED_MEM_LIMIT):
-    """A backend module for NumPy arrays that runs the CUDA kernels on the CPU (same plans as CuPy)."""
-
-    def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
-        outs = [np.empty(x.shape, x.dtype) if out is None else out for x, out in items]
-        work = np.float64 if items[0][0].dtype == np.float64 else np.float32
-        cos, sin = np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work)
-        rows = np.ascontiguousarray(rows, np.int64)
-        pairs = [(x, y) for (x, _), y in zip(items, outs)]
-        for i in range(0, len(pairs), 2):
-            group = pairs[i:i + 2]
-            if len(group) == 2 and group[0][0].dtype != group[1][0].dtype:
-                group = group[:1]
-            kernels.launch(cb.plan_rotate(group, cos, sin, rows, dtype_name=_dtype_name(group[0][0]),
-                                          rotary_dim=rotary_dim, layout=layout, inverse=inverse,
-                                          address=host.address, threads=threads,
-                                          max_tokens_per_block=max_tokens_per_block, out_layout=out_layout))
-            if len(group) == 1 and i + 1 < len(pairs):
-                x, y = pairs[i + 1]
-                kernels.launch(cb.plan_rotate([(x, y)], cos, sin, rows, dtype_name=_dtype_name(x),
-                                              rotary_dim=rotary_dim, layout=layout, inverse=inverse,
-                                              address=host.address, threads=threads,
-                                              max_tokens_per_block=max_tokens_per_block, out_layout=out_layout))
-        return outs
-
-    def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                         decay=None, normalize=True, cu_seqlens=None):
-        return run_linear_attention(kernels, q, k, v, cos, sin, rows, rotary_dim=rotary_dim, layout=layout,
-                                    causal=causal, feature_map=feature_map, eps=eps, chunk=chunk, state=state,
-                                    threads=threads, shared_mem_limit=shared_mem_limit, decay=decay,
-                                    normalize=normalize, cu_seqlens=cu_seqlens)
-
-    return types.SimpleNamespace(NAME="cuda-shim", availability=lambda: (True, "ok"),
-                                 accepts=lambda x: isinstance(x, np.ndarray), rotate=rotate,
-                                 linear_attention=linear_attention, PACKED_LINEAR_ATTENTION=True)
-
-
-def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk,
-                         state, threads=256, shared_mem_limit=cb.SHARED_MEM_LIMIT, dtype_name=None, decay=None,
-                         normalize=True, cu_seqlens=None):
-    dtype_name = dtype_name or _dtype_name(q)
-    work = np.float64 if cb.KERNEL_TYPES[dtype_name][1] == "double" else np.float32
-    n_batch, seq_len, n_heads_q, m = q.shape
-    n_heads, dv = k.shape[2], v.shape[3]
-    o = np.empty((n_batch, seq_len, n_heads_q, dv), q.dtype)
-    if cu_seqlens is not None:   # a packed batch: the states' batch is the number of sequences
-        cu_seqlens = np.ascontiguousarray(cu_seqlens, np.int64)
-        n_batch = cu_seqlens.shape[0] - 1
-    if state is None:
-        s_state, z_in = np.zeros((n_batch, n_heads, m, dv), work), np.zeros((n_batch, n_heads, m), work)
-    else:
-        s_state = np.array(state[0], work, order="C")
-        z_in = np.zeros((n_batch, n_heads, m), work) if state[1] is None else np.ascontiguousarray(state[1], work)
-    z_state = np.full((n_batch, n_heads, m), np.nan, work)
-    plan = cb.plan_linear_attention(q, k, v, o, s_state, z_in, z_state, np.ascontiguousarray(cos, work),
-                                    np.ascontiguousarray(sin, work), np.ascontiguousarray(rows, np.int64),
-                                    dtype_name=dtype_name, rotary_dim=rotary_dim, layout=layout, causal=causal,
-                                    feature_map=feature_map, eps=eps, chunk=chunk, threads=threads,
-                                    shared_mem_limit=shared_mem_limit, normalize=normalize,
-                                    powers=cb.powers_table(decay, max(1, int(chunk)), work), cu_seqlens=cu_seqlens)
-    kernels.launch(plan)
-    return o, (s_state, z_state)
+def kernels():
+    # one build per process, in a fixed directory named by the sources' digest (shared with the KV-cache tests)
+    return shared_kernels()
 
 
 @pytest.fixture
@@ -110,10 +43,7 @@ def use_backend(kernels, monkeypatch):
     """Register a shim backend under the name "cuda-shim" for the frontend (restored afterwards)."""
 
     def register(**geometry):
-        module = shim_backend(kernels, **geometry)
-        monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
-        monkeypatch.setitem(registry._loaded, "cuda-shim", module)
-        return "cuda-shim"
+        return shim_register(shim_backend(kernels, **geometry), monkeypatch).NAME
 
     return register
 
@@ -151,6 +81,69 @@ def _oracle(x, positions, spec, inverse=False):
     p = p[:, None, :] if p.ndim == 2 else p
     inv = spec.inv_freq()
     return np.moveaxis(rope_complex(xs, p, -inv if inverse else inv, layout=spec.layout), 1, 2)
+
+
+# -- one rounding contract for every pair rotation ------------------------------------------------------
+@pytest.fixture(scope="module")
+def contracted_kernels():
+    """The rotation and KV kernels (float32, float64) and the planted ones, built with FMA contraction on."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    flags = host.contracting_flags()
+    if host.compiler() is None or flags is None:
+        pytest.skip("no host C++ compiler, or no FMA instructions on this CPU to contract into")
+    return host.build(Path(tempfile.gettempdir()) / f"rotary-cuda-shim-fma-{os.getuid()}", planted=True,
+                      families=("rope", "kv_cache"), dtypes=("float32", "float64"), extra_flags=flags,
+                      opt="-O2")   # GCC forms FMAs at -O2 (its widening_mul pass)
+
+
+def _numpy_rotation(x, cos, sin, rows, layout):
+    """NumPy's rotation of x (T, H, D) in x's dtype, every product and sum rounded on its own:
+    y_a = x_a c - x_b s, y_b = x_b c + x_a s."""
+    half = cos.shape[1]
+    ia = 2 * np.arange(half) if layout == "interleaved" else np.arange(half)
+    ib = ia + (1 if layout == "interleaved" else half)
+    c, s = cos[rows][:, None, :], sin[rows][:, None, :]
+    y = x.copy()
+    y[..., ia] = x[..., ia] * c - x[..., ib] * s
+    y[..., ib] = x[..., ib] * c + x[..., ia] * s
+    return y
+
+
+def test_pair_rotation_is_never_fused_into_an_fma(contracted_kernels, rng):
+    """With contraction on (the host compiler fusing a * c - b * s into an FMA where it can, as NVRTC does by
+    default on the device), a plainly written rotation (planted.cu; rope.cu's before rotate_pair) rounds differently
+    from NumPy, while rope_rotate and kv_append, both through rotary_common.cuh's rotate_pair, keep NumPy's bits:
+    the key the KV cache writes is the key rotary.apply rotates, bit for bit (tests/test_nvrtc.py checks the
+    device side: no fma.rn in their PTX)."""
+    n = 4096
+    a, b, c, s = (rng.standard_normal(n).astype(np.float32) for _ in range(4))
+    plain, paired = np.empty(n, np.float32), np.empty(n, np.float32)
+    contracted_kernels.launch(cb.Launch("planted", "planted_fused_rotation", 1, 32, 0,
+                                        (a, b, c, s, plain, paired, np.int32(n))))
+    want = a * c - b * s
+    assert not np.array_equal(plain, want), "the contracted build fused nothing: the check below would prove nothing"
+    np.testing.assert_array_equal(paired, want)
+    T, H, D = 64, 2, 32
+    for dtype in ("float32", "float64"):
+        for layout in ("half", "interleaved"):
+            spec = RopeSpec(D, layout=layout)
+            cos, sin = _tables(spec, np.arange(4096), np.float64 if dtype == "float64" else np.float32)
+            rows = rng.integers(0, 4096, T).astype(np.int64)
+            x = rng.standard_normal((T, H, D)).astype(dtype)
+            want = _numpy_rotation(x, cos, sin, rows, layout)
+            y = np.empty_like(x)
+            contracted_kernels.launch(cb.plan_rotate([(x[None], y[None])], cos, sin, rows[None], dtype_name=dtype,
+                                                     rotary_dim=D, layout=layout, inverse=False, address=host.address,
+                                                     threads=32))
+            np.testing.assert_array_equal(y.view(np.uint8), want.view(np.uint8), err_msg=f"rope {dtype} {layout}")
+            stores = (np.empty_like(x), np.empty_like(x), None, None)
+            contracted_kernels.launch(cb.plan_append_kv(x, x, cos, sin, rows, np.arange(T, dtype=np.int64), stores,
+                                                        dtype_name=dtype, rotary_dim=D, layout=layout, offset=0,
+                                                        kv_dtype=None))
+            np.testing.assert_array_equal(stores[0].view(np.uint8), y.view(np.uint8), err_msg=f"kv {dtype} {layout}")
 
 
 def _guarded(shape, dtype, rng, pad=7, fill=np.nan):
@@ -1002,9 +995,7 @@ def test_kernels_pass_the_shim_checks_without_a_sanitizer(kernels, monkeypatch):
     adds ASan/UBSan/TSan where the runtimes exist)."""
     # the same library (each launch sets the slots and poison it runs with)
     checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
-    module = shim_backend(checked, threads=32, max_tokens_per_block=3)
-    monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
-    monkeypatch.setitem(registry._loaded, "cuda-shim", module)
+    shim_register(shim_backend(checked, threads=32, max_tokens_per_block=3), monkeypatch)
     for case in conformance.cases(quick=True):
         result = conformance.run_case(case, "cuda-shim")
         assert result.passed, f"{case.name}: {result.max_error:.3g} {result.detail}"

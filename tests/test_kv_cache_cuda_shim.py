@@ -1,63 +1,62 @@
-"""The CUDA KV-cache kernel (``cuda_kernels/kv_cache.cu``: kv_append) on the CPU through tests/cuda_shim.
+"""The CUDA KV-cache kernels (``cuda_kernels/kv_cache.cu``: kv_append, paged_attention) on the CPU through
+tests/cuda_shim, with the CuPy backend's plans (``plan_append_kv``, ``plan_paged_attention``) launched on NumPy
+arrays.
 
-The plans are the CuPy backend's (``rotary.backends.cupy.plan_append_kv``), launched with NumPy arrays; every
-result is compared bit for bit with the reference ``rotary.backends.kv_entries.append_kv`` run on NumPy copies
-of the same stores (entries, scales, and the slots the append must leave alone): float32/float64/float16
-entries, int8 entries and scales, float8_e4m3fn bits (the reference's are ml_dtypes'), half and interleaved
-pairs, partial rotary with an offset, strided / reversed k and v, paged slot orders, block geometries with many
-blocks and odd thread groups; then ``rotary.KVCache`` end to end with the kernel as its backend's append_kv.
+kv_append is compared bit for bit with the reference ``rotary.backends.kv_entries.append_kv`` run on NumPy copies
+of the same stores (entries, scales, and the slots the append must leave alone), given only the tokens that are not
+padding (slot -1: the kernel must skip them): float32/float64/float16/bfloat16 data, float / int8 / float8_e4m3
+entries, half and interleaved pairs, partial rotary with an offset, strided / reversed k and v, paged slot orders,
+block geometries with many blocks and odd thread groups. paged_attention is compared with a float64 oracle written
+here (keys gathered through the block table, dequantized, an explicit masked softmax) over pools the append kernel
+filled: packed prefill chunks and decode steps of ragged sequences in one launch (an empty sequence among them),
+dense decode, GQA, window, softcap, non-causal, pages shared between sequences, unused slots and table entries
+holding NaN (a read of a key the query must not see shows); within 2e-6 (fp32), 1e-12 (fp64), 2e-3 (fp16) of
+max |o|. Then the plans' checks, the shim's own checks (exact-extent buffers, two shared-memory poisons,
+concurrent blocks) and the CuPy glue on NumPy-backed stand-ins.
 """
 
 from __future__ import annotations
-
-import os
-import tempfile
-import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rotary import RopeSpec
-from rotary import backends as registry
 from rotary.backends import cupy as cb
 from rotary.backends import kv_entries
+from rotary.backends.kv_entries import KV_FORMATS
 
-from .cuda_shim import host
 from . import test_cuda_kernels_cpu as _cpu_tests
-from .test_cuda_kernels_cpu import shim_backend
+from .cuda_shim import host
+from .cuda_shim.backend import kv_shim_backend, register, shared_kernels, work_of
 
 pytestmark = pytest.mark.cuda_cpu
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-#: (threads, group, tokens per block cap): the default plan, tiny blocks with odd groups, a block per token
 #: CuPy replaced by NumPy-backed stand-ins that launch through the shim (a fixture of test_cuda_kernels_cpu)
 fake_cupy = _cpu_tests.fake_cupy
+#: kv_append (threads, group, tokens per block cap): the default plan, tiny blocks with odd groups, a block per token
 GEOMETRIES = {"default": (256, None, None), "tiny": (5, 3, 1), "odd": (40, 7, 2), "small": (32, None, 3)}
-KV_DTYPES = [None, "int8", "float8_e4m3"]
+KV_DTYPES = list(KV_FORMATS)
+#: every (data dtype, KV format) the kernels take: float8 from float32 work values only
+FORMATS = [(d, kv) for d in ("float32", "float16", "float64") for kv in KV_DTYPES
+           if not (d == "float64" and KV_FORMATS[kv].fp32_work_only)]
+FORMAT_IDS = [f"{d}-{kv}" for d, kv in FORMATS]
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    if host.compiler() is None:
-        pytest.skip("no host C++ compiler (g++/clang++) to build the CUDA sources with the shim")
-    # a fixed directory: the library is named by the digest of its sources and flags, so a rerun reuses it
-    return host.build(Path(tempfile.gettempdir()) / f"rotary-cuda-shim-kv-{os.getuid()}")
+    return shared_kernels()
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
-def work_of(dtype):
-    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
-
-
 def make_stores(slots, heads, head_dim, dtype, kv_dtype, rng):
-    """Pool arrays as a KVCache holds them, filled with garbage (the append must only write its slots)."""
+    """Pool arrays of format kv_dtype, filled with garbage (the append must only write its slots)."""
     shape = (slots, heads, head_dim)
     if kv_dtype is None:
         entries = [rng.standard_normal(shape).astype(dtype) for _ in range(2)]
     else:
-        entry = np.int8 if kv_dtype == "int8" else np.uint8
+        entry = np.dtype(KV_FORMATS[kv_dtype].entry)
         entries = [rng.integers(-100 if entry == np.int8 else 0, 100, shape).astype(entry) for _ in range(2)]
     scales = [None, None] if kv_dtype is None else [rng.random(shape[:2]).astype(work_of(dtype)) for _ in range(2)]
     return tuple(entries + scales)
@@ -100,9 +99,12 @@ def launch_append(kernels, k, v, cos, sin, rows, slots, stores, *, spec, kv_dtyp
 
 
 def reference(k, v, cos, sin, rows, slots, stores, *, spec, kv_dtype):
+    """The reference append of the tokens that are not padding, on copies of ``stores``."""
     out = copy_stores(stores)
-    kv_entries.append_kv(k, v, cos, sin, np.asarray(rows, np.int64), np.asarray(slots, np.int64), out,
-                         rotary_dim=spec.rotary_dim, layout=spec.layout, offset=spec.rotary_offset, kv_dtype=kv_dtype)
+    keep = np.asarray(slots) >= 0
+    kv_entries.append_kv(k[keep], v[keep], cos, sin, np.asarray(rows, np.int64)[keep],
+                         np.asarray(slots, np.int64)[keep], out, rotary_dim=spec.rotary_dim, layout=spec.layout,
+                         offset=spec.rotary_offset, kv_dtype=kv_dtype)
     return out
 
 
@@ -126,7 +128,18 @@ def paged_slots(rng, n_tokens, pool):
     return rng.permutation(pool)[:n_tokens].astype(np.int64)
 
 
-# -- bit-identical to the reference --------------------------------------------------------------------------
+def with_padding(rng, k, v, rows, slots, n_pad):
+    """k, v, rows, slots with ``n_pad`` padding tokens inserted at random places: slot -1, row -1 (outside the
+    table: a read of it would be out of bounds), k and v NaN (a write of them would show)."""
+    if n_pad == 0:
+        return k, v, np.asarray(rows, np.int64), np.asarray(slots, np.int64)
+    at = np.sort(rng.integers(0, len(slots) + 1, n_pad))
+    nan = np.full((n_pad,) + k.shape[1:], np.nan, k.dtype)
+    return (np.insert(k, at, nan, axis=0), np.insert(v, at, nan, axis=0),
+            np.insert(np.asarray(rows, np.int64), at, -1), np.insert(np.asarray(slots, np.int64), at, -1))
+
+
+# -- kv_append: bit-identical to the reference -------------------------------------------------------------
 SHAPES = {   # name: (head_dim, rotary_dim, rotary_offset)
     "full": (24, 24, 0),
     "partial": (40, 12, 0),
@@ -135,43 +148,58 @@ SHAPES = {   # name: (head_dim, rotary_dim, rotary_offset)
 }
 
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
-@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_append_is_bit_identical_to_the_reference(kernels, dtype, kv_dtype, layout, shape, geometry, rng):
-    if kv_dtype == "float8_e4m3" and dtype == "float64":
-        pytest.skip("float8 entries are quantized from float32 work values (a float64 cache refuses them)")
-    head_dim, rotary_dim, offset = SHAPES[shape]
-    spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
-    T, Hk, P = 9, 3, 32
-    scale = 1.0 if kv_dtype is None else 10.0 ** rng.uniform(-3, 3, (T, Hk, 1))   # per-(token, head) ranges
-    k = (rng.standard_normal((T, Hk, head_dim)) * scale).astype(dtype)
-    v = (rng.standard_normal((T, Hk, head_dim)) * scale).astype(dtype)
-    rows = rng.integers(0, 64, T)
-    plan = check_append(kernels, k, v, spec, rows, paged_slots(rng, T, P), make_stores(P, Hk, head_dim, dtype,
-                                                                                       kv_dtype, rng),
-                        kv_dtype=kv_dtype, geometry=geometry)
-    assert plan.kernel == cb.kv_append_kernel_name(dtype, kv_dtype)
-    if geometry != "default":
-        assert plan.grid >= 3   # many blocks for a small input
+@pytest.mark.parametrize("dtype,kv_dtype", FORMATS, ids=FORMAT_IDS)
+def test_append_is_bit_identical_to_the_reference(kernels, dtype, kv_dtype, layout, rng):
+    """Every shape, each under another block geometry (over the formats and layouts every geometry meets every
+    shape), with padding tokens among the others."""
+    shift = FORMATS.index((dtype, kv_dtype)) + (layout == "interleaved")
+    for i, shape in enumerate(SHAPES):
+        geometry = list(GEOMETRIES)[(i + shift) % len(GEOMETRIES)]
+        head_dim, rotary_dim, offset = SHAPES[shape]
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+        T, Hk, P = 9, 3, 32
+        scale = 1.0 if kv_dtype is None else 10.0 ** rng.uniform(-3, 3, (T, Hk, 1))   # per-(token, head) ranges
+        k = (rng.standard_normal((T, Hk, head_dim)) * scale).astype(dtype)
+        v = (rng.standard_normal((T, Hk, head_dim)) * scale).astype(dtype)
+        k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, P), i % 3)
+        plan = check_append(kernels, k, v, spec, rows, slots, make_stores(P, Hk, head_dim, dtype, kv_dtype, rng),
+                            kv_dtype=kv_dtype, geometry=geometry)
+        assert plan.kernel == cb.kv_append_kernel_name(dtype, kv_dtype)
+        if geometry != "default":
+            assert plan.grid >= 3   # many blocks for a small input
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
-def test_strided_and_reversed_inputs(kernels, dtype, kv_dtype, rng):
+def test_strided_and_reversed_inputs(kernels, dtype, rng):
     """k a strided view (every other head and coordinate), v a transposed, token-reversed view."""
-    if kv_dtype == "float8_e4m3" and dtype == "float64":
-        pytest.skip("no float8 from float64")
     spec = RopeSpec(32, rotary_dim=16, layout="interleaved", rotary_offset=6)
     T, Hk, P = 11, 2, 16
     k = rng.standard_normal((T, 2 * Hk, 64)).astype(dtype)[:, ::2, ::2]
     v = np.ascontiguousarray(rng.standard_normal((Hk, T, 32)).astype(dtype)).transpose(1, 0, 2)[::-1]
     assert not k.flags.c_contiguous and v.strides[0] < 0
-    for geometry in ("default", "tiny"):
-        check_append(kernels, k, v, spec, rng.integers(0, 64, T), paged_slots(rng, T, P),
-                     make_stores(P, Hk, 32, dtype, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
+    for kv_dtype in KV_DTYPES:
+        if dtype == "float64" and KV_FORMATS[kv_dtype].fp32_work_only:
+            continue
+        for geometry in ("default", "tiny"):
+            check_append(kernels, k, v, spec, rng.integers(0, 64, T), paged_slots(rng, T, P),
+                         make_stores(P, Hk, 32, dtype, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
+
+
+def test_padding_only_and_padding_around_blocks(kernels, rng):
+    """An append of padding tokens only writes nothing; padding at the ends of blocks and whole blocks of it."""
+    spec = RopeSpec(16, rotary_dim=12)
+    for kv_dtype in KV_DTYPES:
+        stores = make_stores(8, 2, 16, "float32", kv_dtype, rng)
+        k = np.full((5, 2, 16), np.nan, np.float32)
+        got = copy_stores(stores)
+        cos, sin = tables(spec, 8, np.float32)
+        launch_append(kernels, k, k, cos, sin, np.full(5, -1), np.full(5, -1), got, spec=spec, kv_dtype=kv_dtype)
+        assert_same_bits(got, stores)
+        k = rng.standard_normal((6, 2, 16)).astype(np.float32)
+        slots = np.array([-1, 3, -1, -1, 7, -1])   # 2 tokens per block ("odd"): padding-only block in the middle
+        rows = np.where(slots < 0, -1, rng.integers(0, 64, 6))
+        check_append(kernels, k, k[::-1], spec, rows, slots, stores, kv_dtype=kv_dtype, geometry="odd")
 
 
 def test_bfloat16_inputs(kernels, rng):
@@ -182,6 +210,7 @@ def test_bfloat16_inputs(kernels, rng):
     k = rng.standard_normal((T, Hk, 16)).astype(ml_dtypes.bfloat16)
     v = rng.standard_normal((T, Hk, 16)).astype(ml_dtypes.bfloat16)
     rows, slots = rng.integers(0, 64, T), paged_slots(rng, T, P)
+    slots[2] = -1
     cos, sin = tables(spec, 64, np.float32)
     for kv_dtype in KV_DTYPES:
         stores = make_stores(P, Hk, 16, np.float32, kv_dtype, rng)
@@ -254,17 +283,23 @@ def test_many_heads_and_a_wide_head(kernels, rng):
                          make_stores(2 * T, Hk, D, np.float32, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
 
 
-# -- geometry, plan checks, the shim's own checks ------------------------------------------------------------
+# -- tables, geometry, plan checks, the shim's own checks ----------------------------------------------------
 def test_kv_cache_family_in_the_kernel_tables():
     """The family is in SOURCES (so tests/test_nvrtc.py compiles it for every target, and the shim builds it),
-    with an append and an attention kernel per kv dtype (no float8 from float64)."""
+    with an append and an attention kernel per KV format (no float8 from float64); the formats and the KIND codes
+    are kv_entries.KV_FORMATS'."""
     assert cb.SOURCES["kv_cache"] == "kv_cache.cu"
     assert cb.name_expressions("kv_cache", "float64") == [
         "kv_append<double, double, 0>", "kv_append<double, double, 1>",
-        "kv_decode_attention<double, double, 0>", "kv_decode_attention<double, double, 1>"]
+        "paged_attention<double, double, 0>", "paged_attention<double, double, 1>"]
     for dtype in ("float32", "float16", "bfloat16"):
         names = cb.name_expressions("kv_cache", dtype)
         assert len(names) == 6 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
+        assert names[5] == cb.paged_attention_kernel_name(dtype, "float8_e4m3")
+    assert cb.kv_append_kernel_name("float32", "float8_e4m3").endswith(f"{KV_FORMATS['float8_e4m3'].code}>")
+    assert cb.VARIANTS == {"append_kv": (None, "int8", "float8_e4m3"), "paged_attention": (None, "int8", "float8_e4m3")}
+    for gone in ("cache_attention", "plan_cache_attention", "kv_dtype_of", "KV_DTYPES", "KV_KINDS"):
+        assert not hasattr(cb, gone)
     built = {expr for family, _, expr in host.instantiations() if family == "kv_cache"}
     assert built == {n for d in host.DTYPES for n in cb.name_expressions("kv_cache", d)}
 
@@ -283,7 +318,7 @@ def test_geometry_covers_every_token(n_tokens, heads, head_dim, threads):
                                  threads=threads)[4] == 0
 
 
-def test_plan_refuses_what_the_kernel_cannot_take(rng):
+def test_append_plan_refuses_what_the_kernel_cannot_take(rng):
     spec = RopeSpec(16)
     k = v = np.zeros((3, 2, 16), np.float32)
     cos, sin = tables(spec, 8, np.float32)
@@ -293,6 +328,7 @@ def test_plan_refuses_what_the_kernel_cannot_take(rng):
     assert cb.plan_append_kv(k, v, cos, sin, rows, slots, good, kv_dtype="int8", **kw).family == "kv_cache"
     bad = [
         ((k, v, cos, sin, rows, slots, good), dict(kv_dtype="float8_e4m3"), "uint8"),
+        ((k, v, cos, sin, rows, slots, good), dict(kv_dtype=None), "int8, the data float32"),   # never inferred
         ((k, v, cos, sin, rows, slots, (good[0], good[1], None, None)), dict(kv_dtype="int8"), "scales"),
         ((k, v, cos, sin, rows, slots, make_stores(4, 2, 16, np.float32, None, rng)), dict(kv_dtype="int8"), "int8"),
         ((k, v, cos, sin, rows, slots, make_stores(4, 2, 16, np.float16, None, rng)), dict(kv_dtype=None), "float16"),
@@ -314,7 +350,7 @@ def test_plan_refuses_what_the_kernel_cannot_take(rng):
     assert cb.plan_append_kv(empty, empty, cos, sin, rows[:0], slots[:0], good, kv_dtype="int8", **kw) is None
 
 
-def test_kernel_passes_the_shim_checks(kernels, rng):
+def test_append_passes_the_shim_checks(kernels, rng):
     """Exact-extent copies of the buffers (out-of-bounds accesses fault), every launch under two shared-memory
     poisons (a read of unwritten shared memory changes the result) and three concurrent block slots."""
     checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
@@ -324,12 +360,12 @@ def test_kernel_passes_the_shim_checks(kernels, rng):
             T, Hk = 7, 3
             k = rng.standard_normal((T, Hk, 20)).astype(np.float16)
             v = rng.standard_normal((T, Hk, 20)).astype(np.float16)
-            check_append(checked, k, v, spec, rng.integers(0, 64, T), paged_slots(rng, T, 12),
-                         make_stores(12, Hk, 20, np.float16, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
+            k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, 12), 2)
+            check_append(checked, k, v, spec, rows, slots, make_stores(12, Hk, 20, np.float16, kv_dtype, rng),
+                         kv_dtype=kv_dtype, geometry=geometry)
     assert checked.launches == 9
 
 
-# -- the CuPy glue and rotary.KVCache -------------------------------------------------------------------------
 def test_cupy_glue_append_kv(fake_cupy, rng):
     """rotary.backends.cupy.append_kv with NumPy-backed stand-ins for CuPy: one launch, the reference's bits."""
     spec = RopeSpec(16, rotary_dim=8, rotary_offset=4)
@@ -337,7 +373,7 @@ def test_cupy_glue_append_kv(fake_cupy, rng):
     k = rng.standard_normal((T, Hk, 16)).astype(np.float32)
     v = rng.standard_normal((T, Hk, 16)).astype(np.float32)
     cos, sin = tables(spec, 32, np.float32)
-    rows, slots = rng.integers(0, 32, T), paged_slots(rng, T, P)
+    k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 32, T), paged_slots(rng, T, P), 2)
     for i, kv_dtype in enumerate(KV_DTYPES):
         stores = make_stores(P, Hk, 16, np.float32, kv_dtype, rng)
         want = reference(k, v, cos, sin, rows, slots, stores, spec=spec, kv_dtype=kv_dtype)
@@ -347,183 +383,214 @@ def test_cupy_glue_append_kv(fake_cupy, rng):
                      kv_dtype=kv_dtype)
         assert fake_cupy.launched[i] == cb.kv_append_kernel_name("float32", kv_dtype)
         assert_same_bits([None if a is None else np.asarray(a) for a in got], want)
-    assert cb.KV_DTYPES == (None, "int8", "float8_e4m3")
 
 
-def kv_shim_backend(kernels, attention=None, **geometry):
-    """The rotation shim backend plus the kv_append kernel as its ``append_kv`` (NumPy arrays); ``attention``:
-    also kv_decode_attention as its ``cache_attention``, with these plan options (a dict: threads, tile)."""
-    module = shim_backend(kernels, threads=geometry.get("threads", 256))
-    calls = []
-
-    def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
-        work = work_of(k.dtype)
-        cos, sin = np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work)
-        plan = cb.plan_append_kv(k, v, cos, sin, np.ascontiguousarray(rows, np.int64).reshape(-1),
-                                 np.ascontiguousarray(slots, np.int64).reshape(-1), stores, dtype_name=str(k.dtype),
-                                 rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype, **geometry)
-        kernels.launch(plan)
-        calls.append(plan.kernel)
-
-    def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal):
-        o = np.empty(q.shape, q.dtype)
-        plan = cb.plan_cache_attention(q, o, stores, np.ascontiguousarray(block_table, np.int64), page_size,
-                                       np.ascontiguousarray(lengths, np.int64), dtype_name=str(q.dtype), scale=scale,
-                                       softcap=softcap, window=window, causal=causal, **attention)
-        kernels.launch(plan)
-        calls.append(plan.kernel if plan is not None else None)
-        return o
-
-    extra = {} if attention is None else {"cache_attention": cache_attention}
-    return types.SimpleNamespace(**vars(module), append_kv=append_kv, KV_DTYPES=cb.KV_DTYPES, calls=calls, **extra)
-
-
-@pytest.fixture
-def kv_backend(kernels, monkeypatch):
-    def register(attention=None, **geometry):
-        module = kv_shim_backend(kernels, attention, **geometry)
-        monkeypatch.setitem(registry._MODULES, "cuda-shim", "tests.cuda_shim")
-        monkeypatch.setitem(registry._loaded, "cuda-shim", module)
-        return module
-
-    return register
-
-
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_kvcache_paged_appends_and_attention(kv_backend, dtype, kv_dtype, rng):
-    """rotary.KVCache on the append kernel (a paged pool: prefill of ragged sequences packed with cu_seqlens, decode
-    steps, a freed sequence whose pages are reused) holds the NumPy backend's bits after every append, and
-    rotary.attention over it (the gathered keys: no cache_attention here) gives the same output."""
-    import rotary
-
-    module = kv_backend(threads=64, max_tokens_per_block=2)
-    spec = RopeSpec(32, rotary_dim=24, layout="interleaved", base=500.0)
-    kw = dict(batch=3, kv_heads=2, head_dim=32, page_size=4, num_pages=16, dtype=dtype, kv_dtype=kv_dtype)
-    caches = {name: rotary.KVCache(spec, backend=name, **kw) for name in ("cuda-shim", "numpy")}
-    assert caches["cuda-shim"].module is module
-
-    def both(fn):
-        for cache in caches.values():
-            fn(cache)
-        shim, ref = caches["cuda-shim"], caches["numpy"]
-        np.testing.assert_array_equal(shim.block_table, ref.block_table)
-        np.testing.assert_array_equal(shim.lengths, ref.lengths)
-        held = np.concatenate([ref.slots(b, 0, int(n)) for b, n in enumerate(ref.lengths)])   # the pools are
-        assert_same_bits([None if a is None else a[held] for a in shim.stores],               # np.empty elsewhere
-                         [None if a is None else a[held] for a in ref.stores])
-
-    cu = np.array([0, 5, 6, 13])
-    k = rng.standard_normal((13, 2, 32)).astype(dtype)
-    v = rng.standard_normal((13, 2, 32)).astype(dtype)
-    both(lambda c: c.append(k, v, cu_seqlens=cu))
-    for step in range(3):
-        kd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
-        vd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
-        both(lambda c: c.append(kd, vd))
-    both(lambda c: c.free([1]))
-    kd = rng.standard_normal((1, 6, 2, 32)).astype(dtype)
-    both(lambda c: c.append(kd, kd[:, ::-1], seq_ids=[1]))
-    assert len(module.calls) == 5 and set(module.calls) == {cb.kv_append_kernel_name(np.dtype(dtype).name, kv_dtype)}
-    q = rng.standard_normal((3, 1, 4, 32)).astype(dtype)
-    outs = [rotary.attention(q, caches[name]) for name in ("cuda-shim", "numpy")]
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
-# -- kv_decode_attention (the cache_attention capability) ----------------------------------------------------
-#: what the kernel's output may differ by from the reference path (keys gathered, dequantized into the cache's
-#: dtype, rotary.attention's engine): exp/tanh and the summation order, and for fp16 caches the reference's
-#: rounding of dequantized keys to fp16; relative to max |o|
+# -- paged_attention against a float64 oracle ----------------------------------------------------------------
+#: max |o - oracle| / max |oracle|: the work dtype's products, sums, exp and tanh (and fp16's rounding of o)
 ATTENTION_TOL = {"float32": 2e-6, "float64": 1e-12, "float16": 2e-3}
 
 
-def filled_caches(rng, kv_backend, *, dtype, kv_dtype, attention, kind, layout="bshd", spec=None, hq=4):
-    """A cache on the shim (append and attention kernels) and one on NumPy with the same ragged appends."""
-    import rotary
+class Pool:
+    """A paged KV pool the append kernel filled, with its host tables. Sequences ``seq_lens`` (ragged, one empty),
+    pages of ``page_size`` slots in a scattered order; sequence ``shared[1]`` reads its first ``shared[2]`` pages
+    from sequence ``shared[0]``'s table (a fork: those keys are the other sequence's). Unused slots and the table
+    entries past each sequence's pages hold NaN keys and values (NaN scales for quantized formats)."""
 
-    kv_backend(attention=attention, threads=64)
-    spec = spec or RopeSpec(32, rotary_dim=24, layout="interleaved", base=500.0)
-    kw = dict(batch=3, kv_heads=2, head_dim=32, dtype=dtype, kv_dtype=kv_dtype, layout=layout, **kind)
-    caches = [rotary.KVCache(spec, backend=name, **kw) for name in ("cuda-shim", "numpy")]
-    cu = np.array([0, 9, 10, 30])
-    k = rng.standard_normal((30, 2, 32)).astype(dtype)
-    v = rng.standard_normal((30, 2, 32)).astype(dtype)
-    for cache in caches:
-        cache.append(k, v, cu_seqlens=cu)
-    for _ in range(2):   # decode steps: lengths 11, 12, 32
-        kd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
-        vd = rng.standard_normal((3, 1, 2, 32)).astype(dtype)
-        if layout == "bhsd":
-            kd, vd = kd.transpose(0, 2, 1, 3), vd.transpose(0, 2, 1, 3)
-        for cache in caches:
-            cache.append(kd, vd)
-    return caches
+    def __init__(self, kernels, *, dtype, kv_dtype, seq_lens, page_size=4, kv_heads=2, head_dim=32, shared=None,
+                 seed=0, check_bits=False, geometry=None):
+        rng = np.random.default_rng(seed)
+        self.dtype, self.kv_dtype, self.page_size = dtype, kv_dtype, page_size
+        self.seq_lens = np.asarray(seq_lens, np.int64)
+        n = len(seq_lens)
+        pages = [-(-int(L) // page_size) for L in self.seq_lens]
+        width = max(pages) + 1
+        num_pages = sum(pages) + 1
+        nan_page = num_pages - 1
+        self.block_table = np.full((n, width), nan_page, np.int64)
+        order = iter(rng.permutation(nan_page))
+        for i, count in enumerate(pages):
+            for j in range(count):
+                self.block_table[i, j] = next(order)
+        first_own = np.zeros(n, np.int64)
+        if shared is not None:
+            src, dst, count = shared
+            self.block_table[dst, :count] = self.block_table[src, :count]
+            first_own[dst] = count * page_size
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        work = work_of(dtype)
+        if kv_dtype is None:
+            self.stores = (np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None)
+        else:
+            entry = np.dtype(KV_FORMATS[kv_dtype].entry)
+            self.stores = (np.zeros(shape, entry), np.zeros(shape, entry), np.full(shape[:2], np.nan, work),
+                           np.full(shape[:2], np.nan, work))
+        self.spec = RopeSpec(head_dim, rotary_dim=head_dim - 8, layout="interleaved", base=500.0)
+        cos, sin = tables(self.spec, int(self.seq_lens.max(initial=1)), work)
+        module = kv_shim_backend(kernels, append=dict(zip(("threads", "group", "max_tokens_per_block"),
+                                                          GEOMETRIES[geometry or "default"])))
+        want = copy_stores(self.stores) if check_bits else None
+        # a packed prefill of every sequence's keys but its last two, then two decode steps (padding among them)
+        for step, (lo, hi) in enumerate(((None, -2), (-2, -1), (-1, None))):
+            ks, vs, rows, slots = [], [], [], []
+            for i, L in enumerate(self.seq_lens):
+                positions = np.arange(L)[lo:hi] if L else np.arange(0)
+                positions = positions[positions >= first_own[i]]
+                rows.append(positions)
+                slots.append(self.block_table[i, positions // page_size] * page_size + positions % page_size)
+                ks.append(rng.standard_normal((len(positions), kv_heads, head_dim)))
+                vs.append(rng.standard_normal((len(positions), kv_heads, head_dim)))
+            k, v = np.concatenate(ks).astype(dtype), np.concatenate(vs).astype(dtype)
+            k, v, rows, slots = with_padding(rng, k, v, np.concatenate(rows), np.concatenate(slots), 2)
+            module.append_kv(k, v, cos, sin, rows, slots, self.stores, rotary_dim=self.spec.rotary_dim,
+                             layout=self.spec.layout, offset=self.spec.rotary_offset, kv_dtype=kv_dtype)
+            if check_bits:
+                want = reference(k, v, cos, sin, rows, slots, want, spec=self.spec, kv_dtype=kv_dtype)
+        if check_bits:
+            assert_same_bits(self.stores, want)
+
+    def q_starts(self, counts):
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def assert_attention_close(caches, q, dtype, **kw):
-    import rotary
+def dequantized(stores, kv_dtype):
+    """float64 keys and values of the whole pool (ml_dtypes decodes float8 bits)."""
+    k, v, ks, vs = stores
+    if kv_dtype is None:
+        return k.astype(np.float64), v.astype(np.float64)
+    if kv_dtype == "float8_e4m3":
+        k, v = k.view(ml_dtypes.float8_e4m3fn), v.view(ml_dtypes.float8_e4m3fn)
+    return (k.astype(np.float64) * ks.astype(np.float64)[..., None],
+            v.astype(np.float64) * vs.astype(np.float64)[..., None])
 
-    got, want = (rotary.attention(q, cache, **kw) for cache in caches)
-    assert got.dtype == want.dtype and got.shape == want.shape
+
+def oracle(q, stores, block_table, page_size, seq_lens, q_starts, *, kv_dtype, scale, softcap=None, window=None,
+           causal=True):
+    """float64 paged attention: each sequence's keys gathered through its block table row, dequantized, then an
+    explicit masked softmax per query and q head; a row that sees no key (or belongs to no sequence) is 0."""
+    K, V = dequantized(stores, kv_dtype)
+    T, Hq, D = q.shape
+    group = Hq // K.shape[1]
+    o = np.zeros((T, Hq, D))
+    qf = q.astype(np.float64)
+    for i, L in enumerate(seq_lens):
+        a, b = int(q_starts[i]), int(q_starts[i + 1])
+        p = np.arange(L)
+        slot = block_table[i, p // page_size] * page_size + p % page_size
+        Ki, Vi = K[slot], V[slot]   # (L, Hk, D)
+        for j in range(b - a):
+            pos = L - (b - a) + j
+            seen = (p <= pos) & (pos - p < (window or L + 1)) if causal else np.ones(L, bool)
+            if not seen.any():
+                continue
+            for h in range(Hq):
+                s = scale * (Ki[seen, h // group] @ qf[a + j, h])
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                w = np.exp(s - s.max())
+                o[a + j, h] = (w / w.sum()) @ Vi[seen, h // group]
+    return o
+
+
+def attend(module, pool, q, rows, counts, **kw):
+    """The kernel (through the shim backend's paged_attention) and the oracle on sequences ``rows`` of the pool
+    with ``counts`` queries each; returns (o, oracle)."""
+    table, lens, starts = pool.block_table[rows], pool.seq_lens[rows], pool.q_starts(counts)
+    kw = dict(dict(scale=1 / np.sqrt(q.shape[-1]), softcap=None, window=None, causal=True), **kw)
+    o = module.paged_attention(q, pool.stores, table, pool.page_size, lens, starts, kv_dtype=pool.kv_dtype, **kw)
+    return o, oracle(q, pool.stores, table, pool.page_size, lens, starts, kv_dtype=pool.kv_dtype, **kw)
+
+
+def assert_close(o, want, dtype):
+    assert o.dtype == np.dtype(dtype) and o.shape == want.shape
     tol = ATTENTION_TOL[np.dtype(dtype).name]
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64)).max() / np.abs(want.astype(np.float64)).max()
+    err = np.abs(o.astype(np.float64) - want).max() / np.abs(want).max()
     assert err <= tol, f"relative error {err:.3g} > {tol:.1g}"
 
 
-ATTENTION_CASES = {   # name: (attention keyword arguments, queries per sequence)
-    "decode": ({}, 1),
-    "chunk": ({}, 3),
-    "window": (dict(window=4), 3),
-    "softcap": (dict(softcap=2.5, scale=0.4), 2),
-    "noncausal": (dict(causal=False), 2),
+#: sequence lengths of the pools: ragged, one empty, one of a single key; sequence 2 forks sequence 3's first
+#: two pages (keys 0..7)
+SEQ_LENS = [11, 0, 13, 32, 5, 1]
+SHARED = (3, 2, 2)
+ALL = list(range(len(SEQ_LENS)))
+NONEMPTY = [i for i in ALL if SEQ_LENS[i]]
+ATTENTION_CASES = {   # name: (sequences, queries per sequence, keyword arguments)
+    # one launch mixing a prefill chunk, a whole-sequence prefill, decode steps and an empty sequence
+    "mixed": (ALL, [3, 0, 1, 32, 1, 1], {}),
+    "decode": (NONEMPTY, [1] * len(NONEMPTY), {}),                      # dense: q_starts = arange(n + 1)
+    "window": ([0, 2, 3, 4], [3, 3, 3, 3], dict(window=4)),             # dense chunks of 3
+    "softcap": (ALL, [2, 0, 13, 5, 5, 1], dict(softcap=2.5, scale=0.4, window=7)),
+    "noncausal": (ALL, [3, 0, 2, 32, 1, 1], dict(causal=False)),
 }
+_pools: dict = {}
+
+
+def pool_for(kernels, dtype, kv_dtype) -> Pool:
+    """The pool of (dtype, kv_dtype), filled once per module (its appends checked bit for bit as it fills)."""
+    key = (dtype, kv_dtype)
+    if key not in _pools:
+        _pools[key] = Pool(kernels, dtype=dtype, kv_dtype=kv_dtype, seq_lens=SEQ_LENS, shared=SHARED,
+                           seed=len(_pools), check_bits=True, geometry=list(GEOMETRIES)[len(_pools) % 4])
+    return _pools[key]
 
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
-def test_cache_attention_matches_the_reference_path(kv_backend, dtype, kv_dtype, case, rng):
-    """GQA 4:2, a paged pool, ragged lengths 11/12/32, decode and chunks, window, softcap, non-causal."""
-    if kv_dtype == "float8_e4m3" and dtype == "float64":
-        pytest.skip("no float8 from float64")
-    kw, s = ATTENTION_CASES[case]
-    caches = filled_caches(rng, kv_backend, dtype=dtype, kv_dtype=kv_dtype, attention=dict(threads=32, tile=8),
-                           kind=dict(page_size=4, num_pages=40))
-    q = rng.standard_normal((3, s, 4, 32)).astype(dtype)
-    assert_attention_close(caches, q, dtype, **kw)
-    assert caches[0].module.calls[-1] == cb.kv_attention_kernel_name(dtype, kv_dtype)
+@pytest.mark.parametrize("dtype,kv_dtype", FORMATS, ids=FORMAT_IDS)
+def test_paged_attention_matches_the_oracle(kernels, dtype, kv_dtype, case, rng):
+    """GQA 4:2 over pools of every format: packed mixed prefill + decode, dense decode, window, softcap,
+    non-causal (ragged lengths, an empty sequence, shared pages, NaN in every slot no query may read)."""
+    pool = pool_for(kernels, dtype, kv_dtype)
+    module = kv_shim_backend(kernels, attention=dict(threads=8, tile=8))
+    rows, counts, kw = ATTENTION_CASES[case]
+    q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
+    o, want = attend(module, pool, q, rows, counts, **kw)
+    assert_close(o, want, dtype)
+    assert module.calls == [cb.paged_attention_kernel_name(dtype, kv_dtype)]
 
 
 @pytest.mark.parametrize("attention", [dict(threads=128), dict(threads=5, tile=3), dict(threads=48, tile=48)],
                          ids=["default", "tiny", "odd"])
-def test_cache_attention_geometries_contiguous_bhsd_seq_ids(kv_backend, attention, rng):
-    """Block sizes (the default, 5 threads with 3-key tiles, 48), a contiguous cache in the bhsd layout, queries
-    of some sequences only (seq_ids), GQA 8:2."""
-    caches = filled_caches(rng, kv_backend, dtype="float32", kv_dtype="int8", attention=attention,
-                           kind=dict(capacity=40), layout="bhsd", hq=8)
-    q = rng.standard_normal((2, 8, 2, 32)).astype(np.float32)   # (n, heads, s, d)
-    assert_attention_close(caches, q, "float32", seq_ids=[2, 0], window=7)
-    assert_attention_close(caches, q[:, :, 1:], "float32", seq_ids=[1, 2])
+def test_paged_attention_geometries_and_strided_q(kernels, attention, rng):
+    """Block sizes (the default, 5 threads with 3-key tiles, 48), GQA 8:2, q a strided view; window and softcap."""
+    pool = pool_for(kernels, "float32", "int8")
+    module = kv_shim_backend(kernels, attention=attention)
+    rows, counts = ALL, [2, 0, 1, 3, 1, 1]
+    q = rng.standard_normal((sum(counts), 16, 64)).astype(np.float32)[:, ::2, ::2]
+    for kw in ({}, dict(window=5, softcap=4.0)):
+        assert_close(*attend(module, pool, q, rows, counts, **kw), "float32")
 
 
-def test_cache_attention_partial_rotary_offset_and_long_sequences(kv_backend, rng):
-    """rotary_offset and partial rotary through attention's q rotation; sequences of several tiles."""
-    import rotary
-
-    kv_backend(attention=dict(threads=32, tile=16), threads=64)
-    spec = RopeSpec(32, rotary_dim=16, rotary_offset=6)
-    kw = dict(batch=2, kv_heads=1, head_dim=32, page_size=8, num_pages=40, dtype=np.float32, kv_dtype="float8_e4m3")
-    caches = [rotary.KVCache(spec, backend=name, **kw) for name in ("cuda-shim", "numpy")]
-    k = rng.standard_normal((2, 70, 1, 32)).astype(np.float32)
-    v = rng.standard_normal((2, 70, 1, 32)).astype(np.float32)
-    for cache in caches:
-        cache.append(k, v)
-    q = rng.standard_normal((2, 1, 3, 32)).astype(np.float32)
-    assert_attention_close(caches, q, "float32")
-    assert_attention_close(caches, q, "float32", window=20, softcap=5.0)
+def test_paged_attention_long_sequences(kernels, rng):
+    """Sequences of several tiles and pages (70 and 45 keys, pages of 8, 16-key tiles), float8 entries; a chunk
+    and a decode step in one launch, with a window across page boundaries and softcap."""
+    pool = Pool(kernels, dtype="float32", kv_dtype="float8_e4m3", seq_lens=[70, 45], page_size=8, kv_heads=1,
+                seed=11)
+    module = kv_shim_backend(kernels, attention=dict(threads=32, tile=16))
+    q = rng.standard_normal((7, 3, 32)).astype(np.float32)
+    assert_close(*attend(module, pool, q, [0, 1], [6, 1]), "float32")
+    assert_close(*attend(module, pool, q, [0, 1], [6, 1], window=20, softcap=5.0), "float32")
 
 
-def test_cache_attention_plan_and_shim_checks(kernels, rng):
+def test_paged_attention_rows_without_keys_are_zero(kernels, rng):
+    """q rows past q_starts[n] (and all rows with no sequence) give 0, and so do rows seeing no key; nothing is
+    launched without q rows."""
+    pool = pool_for(kernels, "float32", None)
+    module = kv_shim_backend(kernels, attention=dict(threads=8))
+    q = rng.standard_normal((6, 4, 32)).astype(np.float32)
+    table, lens = pool.block_table[[0, 4]], pool.seq_lens[[0, 4]]
+    kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype=None)
+    o = module.paged_attention(q, pool.stores, table, 4, lens, np.array([0, 2, 4]), **kw)
+    want = oracle(q[:4], pool.stores, table, 4, lens, np.array([0, 2, 4]), kv_dtype=None, scale=0.2)
+    assert_close(o[:4], want, "float32")
+    assert np.all(o[4:] == 0)
+    o = module.paged_attention(q, pool.stores, table[:0], 4, lens[:0], np.array([0]), **kw)
+    assert np.all(o == 0)
+    o = module.paged_attention(q[:2], pool.stores, table, 4, lens * 0, np.array([0, 1, 2]), **kw)   # c > length
+    assert np.all(o == 0)
+    assert module.paged_attention(q[:0], pool.stores, table, 4, lens, np.array([0, 0, 0]), **kw).shape == (0, 4, 32)
+    assert module.calls[-1] is None
+
+
+def test_paged_attention_plan_and_shim_checks(kernels, rng):
     """The plan's checks, and the kernel under exact-extent copies, two shared-memory poisons and three block
     slots (a read of shared memory no thread wrote, or past a buffer, would show)."""
     checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
@@ -534,41 +601,66 @@ def test_cache_attention_plan_and_shim_checks(kernels, rng):
         else:
             stores = tuple(np.clip(a, -4, 4) if a is not None else None for a in stores)
         table = np.array([[5, 2, 0], [1, 3, 4]], np.int64)
-        lengths = np.array([11, 7], np.int64)
-        q = rng.standard_normal((2, 3, 4, 16)).astype(np.float16)
+        lens = np.array([11, 7], np.int64)
+        starts = np.array([0, 3, 4], np.int64)
+        q = rng.standard_normal((4, 4, 16)).astype(np.float16)
         outs = []
         for threads, tile in ((7, 3), (32, 32)):
             o = np.full(q.shape, np.nan, q.dtype)
-            plan = cb.plan_cache_attention(q, o, stores, table, 4, lengths, dtype_name="float16", scale=0.25,
-                                           softcap=None, window=5, causal=True, threads=threads, tile=tile)
+            plan = cb.plan_paged_attention(q, o, stores, table, 4, lens, starts, dtype_name="float16", scale=0.25,
+                                           softcap=None, window=5, causal=True, kv_dtype=kv_dtype, threads=threads,
+                                           tile=tile)
             checked.launch(plan)
             assert np.all(np.isfinite(o))
             outs.append(o.astype(np.float64))
         np.testing.assert_allclose(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+        want = oracle(q, stores, table, 4, lens, starts, kv_dtype=kv_dtype, scale=0.25, window=5)
+        assert_close(outs[1].astype(np.float16), want, "float16")
     o = np.empty_like(q)
+    kw = dict(dtype_name="float16", scale=1.0, softcap=None, window=None, causal=True)
+    args = (stores, table, 4, lens, starts)
     with pytest.raises(ValueError, match="multiple"):
-        cb.plan_cache_attention(q[:, :, :3], np.empty((2, 3, 3, 16), q.dtype), stores, table, 4, lengths,
-                                dtype_name="float16", scale=1.0, softcap=None, window=None, causal=True)
+        cb.plan_paged_attention(q[:, :3], np.empty((4, 3, 16), q.dtype), *args, kv_dtype="float8_e4m3", **kw)
     with pytest.raises(ValueError, match="int64"):
-        cb.plan_cache_attention(q, o, stores, table.astype(np.int32), 4, lengths, dtype_name="float16", scale=1.0,
-                                softcap=None, window=None, causal=True)
-    assert cb.plan_cache_attention(q[:0], o[:0], stores, table[:0], 4, lengths[:0], dtype_name="float16", scale=1.0,
-                                   softcap=None, window=None, causal=True) is None
-    assert cb.kv_dtype_of(stores) == "float8_e4m3"
+        cb.plan_paged_attention(q, o, stores, table.astype(np.int32), 4, lens, starts, kv_dtype="float8_e4m3", **kw)
+    with pytest.raises(ValueError, match="q_starts"):
+        cb.plan_paged_attention(q, o, stores, table, 4, lens, starts[:2], kv_dtype="float8_e4m3", **kw)
+    with pytest.raises(ValueError, match="float8_e4m3 k entries must be uint8"):   # the format is never inferred
+        cb.plan_paged_attention(q, o, make_stores(24, 2, 16, np.float16, "int8", rng), table, 4, lens, starts,
+                                kv_dtype="float8_e4m3", **kw)
+    with pytest.raises(ValueError, match="entries are uint8"):
+        cb.plan_paged_attention(q, o, *args, kv_dtype=None, **kw)
+    with pytest.raises(ValueError, match="float32 work"):
+        q64 = q.astype(np.float64)
+        cb.plan_paged_attention(q64, np.empty_like(q64), *args, kv_dtype="float8_e4m3",
+                                **{**kw, "dtype_name": "float64"})
+    with pytest.raises(ValueError, match="o must be"):
+        cb.plan_paged_attention(q, o.astype(np.float32), *args, kv_dtype="float8_e4m3", **kw)
+    assert cb.plan_paged_attention(q[:0], o[:0], *args, kv_dtype="float8_e4m3", **kw) is None
 
 
-def test_cupy_glue_cache_attention(fake_cupy, kv_backend, rng):
-    """rotary.backends.cupy.cache_attention with the NumPy stand-ins for CuPy: one launch, the bits of the same
-    plan launched on the NumPy arrays directly."""
-    caches = filled_caches(rng, kv_backend, dtype="float32", kv_dtype="int8", attention=dict(),
-                           kind=dict(page_size=4, num_pages=40))
-    shim, cache = caches
-    q = rng.standard_normal((3, 2, 4, 32)).astype(np.float32)
-    kw = dict(scale=0.3, softcap=None, window=None, causal=True)
-    stores = tuple(None if a is None else fake_cupy.wrap(a) for a in cache.stores)
-    o = cb.cache_attention(fake_cupy.wrap(q), stores, fake_cupy.wrap(cache.block_table), cache.page_size,
-                           fake_cupy.wrap(cache.lengths), **kw)
-    assert fake_cupy.launched == [cb.kv_attention_kernel_name("float32", "int8")]
+def test_cupy_glue_paged_attention(fake_cupy, kernels, rng):
+    """rotary.backends.cupy.paged_attention with the NumPy stand-ins for CuPy (host tables copied to the
+    'device'): one launch, the bits of the same plan launched on the NumPy arrays directly."""
+    pool = pool_for(kernels, "float32", "int8")
+    rows, counts = ALL, [2, 0, 1, 3, 1, 1]
+    q = rng.standard_normal((sum(counts), 4, 32)).astype(np.float32)
+    kw = dict(scale=0.3, softcap=None, window=None, causal=True, kv_dtype="int8")
+    table, lens, starts = pool.block_table[rows], pool.seq_lens[rows], pool.q_starts(counts)
+    stores = tuple(None if a is None else fake_cupy.wrap(a) for a in pool.stores)
+    o = cb.paged_attention(fake_cupy.wrap(q), stores, table, pool.page_size, fake_cupy.wrap(lens), starts, **kw)
+    assert fake_cupy.launched == [cb.paged_attention_kernel_name("float32", "int8")]
     assert isinstance(o, _cpu_tests.FakeCupyArray) and o.shape == q.shape and o.dtype == q.dtype
-    direct = shim.module.cache_attention(q, cache.stores, cache.block_table, cache.page_size, cache.lengths, **kw)
+    direct = kv_shim_backend(kernels).paged_attention(q, pool.stores, table, pool.page_size, lens, starts, **kw)
     np.testing.assert_array_equal(np.asarray(o), direct)
+
+
+def test_shim_backend_through_the_registry(kernels, monkeypatch):
+    """tests/cuda_shim/backend.py's register(): the module answers as backend "cuda-shim" with its VARIANTS."""
+    from rotary import backends as registry
+
+    module = register(kv_shim_backend(kernels), monkeypatch)
+    assert registry.get("cuda-shim") is module and module.NAME == "cuda-shim"
+    for kind in KV_DTYPES:
+        assert registry.supports(module, "paged_attention", kind, any_variant=False)
+    assert not registry.supports(module, "append_kv", "int4", any_variant=False)

@@ -54,6 +54,13 @@ def nvrtc_compile(family: str, names, target: str, output: str):
         nvrtc.destroyProgram(prog)
 
 
+def ptx_entry(text: str, lowered: str) -> str:
+    """The PTX of one entry function (from its .entry line to the next one)."""
+    start = text.index(f".entry {lowered}(")
+    end = text.find(".entry ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
 @pytest.mark.parametrize("target,output", NVRTC_TARGETS, ids=[t for t, _ in NVRTC_TARGETS])
 @pytest.mark.parametrize("family", list(cb.SOURCES))
 def test_every_instantiation_compiles_with_nvrtc(family, target, output):
@@ -73,6 +80,12 @@ def test_every_instantiation_compiles_with_nvrtc(family, target, output):
         # 16-byte accesses exist where the plan allows them (vectorised fp16 rotation)
         if family == "rope":
             assert re.search(r"ld\.global\.v4\.u32|ld\.global\.v4\.b32", text)
+        # one rounding contract: the pair rotations (rope_rotate, kv_append's keys) are never fused into an FMA,
+        # although NVRTC fuses a * b + c by default (--fmad=true): rotary_common.cuh's rotate_pair rounds each
+        # product and sum alone, so the cache's keys and rotary.apply's are NumPy's bits on the GPU too
+        fused = [name for name, low in lowered.items() if name.startswith(("rope_rotate<", "kv_append<"))
+                 and re.search(r"\bfma\.rn\.f(32|64)\b", ptx_entry(text, low))]
+        assert not fused, f"FMAs in {fused}"
 
 
 def test_instantiations_cover_every_dtype_width_and_layout():

@@ -6,9 +6,11 @@ kernel cache makes later processes fast. Kernels run on the input's device and c
 
 Rotation (``rope.cu``): for token (b, s) with table row ``r = rows[b or 0, s]`` and pair (a, b) of
 the layout, ``y_a = x_a cos[r,i] - x_b sin[r,i]``, ``y_b = x_b cos[r,i] + x_a sin[r,i]`` (sin
-negated for the inverse), in fp32 (fp64 for float64); q and k in one launch; the pairs written in the layout
-read, or in the other one (``out_layout``: the kernels with a fifth template argument, compiled on first use). Linear attention
-(``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64.
+negated for the inverse), in fp32 (fp64 for float64), each product and sum rounded on its own (never fused into
+an FMA: NumPy's bits, and the KV cache's keys are the same bits); q and k in one launch; the pairs written in the
+layout read, or in the other one (``out_layout``: the kernels with a fifth template argument, compiled on first use).
+Linear attention (``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64. KV cache
+(``kv_cache.cu``): ``append_kv`` and ``paged_attention`` (the end of this file).
 
 The planning functions (:func:`plan_rotate`, :func:`plan_linear_attention`, the geometry helpers)
 are pure Python and do not import CuPy: the CPU test harness (``tests/cuda_shim``) launches the same
@@ -28,6 +30,7 @@ import numpy as np
 
 from . import OUTSIDE_TABLE
 from .feature_maps import CODES
+from .kv_entries import KV_FORMATS
 
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -37,7 +40,7 @@ KERNEL_DIR = Path(__file__).with_name("cuda_kernels")
 COMMON_HEADER = "rotary_common.cuh"
 #: kernel file of each kernel family
 SOURCES = {"rope": "rope.cu", "linear_attention": "linear_attention.cu"}
-SOURCES["kv_cache"] = "kv_cache.cu"   # KV-cache kernels (append_kv; the block at the end of this file)
+SOURCES["kv_cache"] = "kv_cache.cu"   # KV-cache kernels (append_kv, paged_attention; the end of this file)
 #: dtype name -> (C++ storage type, C++ work type)
 KERNEL_TYPES = {
     "float32": ("float", "float"),
@@ -709,41 +712,45 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     return o, (s_state, z_state)
 
 
-# -- KV cache (kv_cache.cu): the append_kv primitive of rotary.KVCache ---------------------------------------
+# -- KV cache (kv_cache.cu): the append_kv and paged_attention primitives ------------------------------------
 # kv_append rotates k, quantizes k and v per (token, head) or casts them, and writes entries and scales into
-# their slots in one launch, bit for bit rotary.backends.kv_entries.append_kv (the formulas are in the .cu file).
-# kv_decode_attention (the cache_attention capability) attends over the entries where they lie (the block table),
-# dequantizing on the fly. Planning is pure Python like the rotation's (the host shim launches the same plans).
+# their slots in one launch (slot < 0: a padding token, skipped), bit for bit rotary.backends.kv_entries.append_kv
+# (the formulas are in the .cu file). paged_attention attends packed queries (prefill chunks and decode steps of
+# any sequences in one launch) over the entries where they lie (the caller's block table), dequantizing on the fly.
+# The KV formats are kv_entries.KV_FORMATS (passed explicitly; never inferred from a storage dtype). Planning is
+# pure Python like the rotation's (the host shim launches the same plans).
 
-#: the kv dtypes the kernels write (None: entries in the cache's dtype); "float8_e4m3" only for fp32-work dtypes
-KV_DTYPES = (None, "int8", "float8_e4m3")
-#: kv dtype -> the KIND template argument of kv_append
-KV_KINDS = {None: 0, "int8": 1, "float8_e4m3": 2}
-#: quantized kv dtype -> the dtype of its entries (float8_e4m3fn bits in uint8)
-KV_ENTRY_DTYPES = {"int8": "int8", "float8_e4m3": "uint8"}
+#: the KV formats each capability takes (kv_entries.KV_FORMATS; "float8_e4m3" for fp32-work dtypes only)
+VARIANTS = {"append_kv": tuple(KV_FORMATS), "paged_attention": tuple(KV_FORMATS)}
 #: threads per block of kv_append
 KV_APPEND_THREADS = 256
-#: threads per block (and keys per tile) of kv_decode_attention
+#: threads per block (and keys per tile) of paged_attention
 KV_ATTENTION_THREADS = 128
+
+
+def _kv_format(kv_dtype, where: str):
+    if kv_dtype not in KV_FORMATS:
+        raise ValueError(f"{where}: kv_dtype must be one of {tuple(KV_FORMATS)}, got {kv_dtype!r}")
+    return KV_FORMATS[kv_dtype]
 
 
 def kv_append_kernel_name(dtype_name: str, kv_dtype) -> str:
     t, w = KERNEL_TYPES[dtype_name]
-    return f"kv_append<{t}, {w}, {KV_KINDS[kv_dtype]}>"
+    return f"kv_append<{t}, {w}, {KV_FORMATS[kv_dtype].code}>"
 
 
-def kv_attention_kernel_name(dtype_name: str, kv_dtype) -> str:
+def paged_attention_kernel_name(dtype_name: str, kv_dtype) -> str:
     t, w = KERNEL_TYPES[dtype_name]
-    return f"kv_decode_attention<{t}, {w}, {KV_KINDS[kv_dtype]}>"
+    return f"paged_attention<{t}, {w}, {KV_FORMATS[kv_dtype].code}>"
 
 
 def kv_cache_name_expressions(dtype_name: str) -> list[str]:
-    """The kv_cache family's instantiations for one dtype: append and attention for each kv dtype (float8 from
-    float32 work values only)."""
+    """The kv_cache family's instantiations for one dtype: append and attention for each KV format (those quantized
+    from float32 work values only for fp32-work dtypes)."""
     fp32_work = KERNEL_TYPES[dtype_name][1] == "float"
-    kinds = [kind for kind in KV_DTYPES if kind != "float8_e4m3" or fp32_work]
+    kinds = [name for name, f in KV_FORMATS.items() if fp32_work or not f.fp32_work_only]
     return [kv_append_kernel_name(dtype_name, kind) for kind in kinds] + \
-        [kv_attention_kernel_name(dtype_name, kind) for kind in kinds]
+        [paged_attention_kernel_name(dtype_name, kind) for kind in kinds]
 
 
 def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsize: int, quantized: bool,
@@ -780,21 +787,43 @@ def _kv_check(ok: bool, what: str, where: str = "append_kv") -> None:
         raise ValueError(f"{where}: {what}")
 
 
+def _check_stores(stores, kv_dtype, dtype_name: str, heads: int, head_dim: int, where: str) -> None:
+    """The stores of format ``kv_dtype`` for k/v (q) of ``dtype_name``: entries (P, heads, head_dim) C-contiguous of
+    the format's entry dtype (the float dtype itself for None), scales (P, heads) C-contiguous in the work dtype for
+    quantized formats."""
+    fmt = _kv_format(kv_dtype, where)
+    work_name = "float64" if KERNEL_TYPES[dtype_name][1] == "double" else "float32"
+    if fmt.fp32_work_only and work_name != "float32":
+        raise ValueError(f"{where}: {kv_dtype} entries are quantized from float32 work values (not float64)")
+    k_store, v_store, k_scale, v_scale = stores
+    for name, a in (("k entries", k_store), ("v entries", v_store)):
+        _kv_check(len(a.shape) == 3 and tuple(a.shape[1:]) == (heads, head_dim) and a.flags.c_contiguous,
+                  f"{name} must be C-contiguous (slots, {heads}, {head_dim}), got {tuple(a.shape)}", where)
+        entry = np.dtype(a.dtype)
+        if fmt.entry is None:
+            same = entry.name == dtype_name or (dtype_name == "bfloat16" and entry.itemsize == 2)
+            _kv_check(same, f"{name} are {entry.name}, the data {dtype_name}", where)
+        else:
+            _kv_check(entry.name == fmt.entry, f"{kv_dtype} {name} must be {fmt.entry}, got {entry.name}", where)
+    _kv_check(tuple(v_store.shape) == tuple(k_store.shape), "k and v entries must have the same shape", where)
+    if fmt.limit is not None:
+        for name, a in (("k scales", k_scale), ("v scales", v_scale)):
+            _kv_check(a is not None and tuple(a.shape) == tuple(k_store.shape[:2]) and a.flags.c_contiguous
+                      and np.dtype(a.dtype).name == work_name,
+                      f"{name} must be C-contiguous {work_name} {tuple(k_store.shape[:2])}", where)
+
+
 def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rotary_dim: int, layout: str,
                    offset: int, kv_dtype, threads: int = KV_APPEND_THREADS, group: int | None = None,
                    max_tokens_per_block: int | None = None) -> Launch | None:
     """The kv_append launch: k, v (T, Hk, D) with any strides (``.shape``/``.strides`` in bytes), cos/sin
-    (R, rotary_dim // 2) C-contiguous in the work dtype, rows and slots (T,) contiguous int64, ``stores`` =
-    (k entries, v entries, k scales, v scales) as :class:`rotary.KVCache` holds them (entries (P, Hk, D) and
-    scales (P, Hk) C-contiguous; scales None unless quantized). Slots are not checked here (distinct, < P: the
-    cache computes them); rows index the tables as they are. None when there is no token."""
-    if kv_dtype not in KV_KINDS:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    (R, rotary_dim // 2) C-contiguous in the work dtype, rows and slots (T,) contiguous int64 (``slots[t] < 0``: a
+    padding token, skipped), ``stores`` = (k entries, v entries, k scales, v scales) of format ``kv_dtype`` (entries
+    (P, Hk, D) and scales (P, Hk) C-contiguous; scales None unless quantized). Slots are not checked here (the
+    others distinct, < P: the caller's); rows index the tables as they are. None when there is no token."""
+    _kv_format(kv_dtype, "append_kv")
     work = KERNEL_TYPES[dtype_name][1]
     work_name = "float64" if work == "double" else "float32"
-    if kv_dtype == "float8_e4m3" and work != "float":
-        raise ValueError("float8_e4m3 entries are quantized from float32 work values (not float64)")
-    k_store, v_store, k_scale, v_scale = stores
     _kv_check(len(k.shape) == 3 and tuple(v.shape) == tuple(k.shape), f"k {tuple(k.shape)} and v {tuple(v.shape)} "
               "must be the same (tokens, heads, head_dim)")
     n_tokens, heads, head_dim = (int(n) for n in k.shape)
@@ -802,22 +831,8 @@ def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rota
     _kv_check(rotary_dim % 2 == 0 and 0 <= offset and offset + rotary_dim <= head_dim,
               f"rotary_dim {rotary_dim} (even) from offset {offset} does not fit head_dim {head_dim}")
     _kv_check(layout in ("half", "interleaved"), f"layout must be 'half' or 'interleaved', got {layout!r}")
-    for name, a in (("k entries", k_store), ("v entries", v_store)):
-        _kv_check(len(a.shape) == 3 and tuple(a.shape[1:]) == (heads, head_dim) and a.flags.c_contiguous,
-                  f"{name} must be C-contiguous (slots, {heads}, {head_dim}), got {tuple(a.shape)}")
-        entry = np.dtype(a.dtype)
-        if kv_dtype is None:
-            same = entry.name == dtype_name or (dtype_name == "bfloat16" and entry.itemsize == 2)
-            _kv_check(same, f"{name} are {entry.name}, k and v {dtype_name}")
-        else:
-            _kv_check(entry.name == KV_ENTRY_DTYPES[kv_dtype], f"{kv_dtype} {name} must be "
-                      f"{KV_ENTRY_DTYPES[kv_dtype]}, got {entry.name}")
-    _kv_check(tuple(v_store.shape) == tuple(k_store.shape), "k and v entries must have the same shape")
-    if kv_dtype is not None:
-        for name, a in (("k scales", k_scale), ("v scales", v_scale)):
-            _kv_check(a is not None and tuple(a.shape) == tuple(k_store.shape[:2]) and a.flags.c_contiguous
-                      and np.dtype(a.dtype).name == work_name,
-                      f"{name} must be C-contiguous {work_name} {tuple(k_store.shape[:2])}")
+    _check_stores(stores, kv_dtype, dtype_name, heads, head_dim, "append_kv")
+    k_store, v_store, k_scale, v_scale = stores
     for name, a in (("cos", cos), ("sin", sin)):
         _kv_check(len(a.shape) == 2 and int(a.shape[1]) == half and a.flags.c_contiguous
                   and np.dtype(a.dtype).name == work_name, f"{name} must be C-contiguous {work_name} (rows, {half})")
@@ -840,7 +855,8 @@ def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rota
 
 def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
     """The ``append_kv`` primitive (see :mod:`rotary.backends`): one kv_append launch on k's device and stream;
-    k and v CuPy arrays (or torch CUDA tensors), ``stores`` the cache's CuPy arrays."""
+    k and v CuPy arrays (or torch CUDA tensors), ``stores`` CuPy arrays of format ``kv_dtype``; ``slots[t] < 0``
+    skips token t."""
     import cupy
 
     exchange = _Exchange(k)
@@ -855,84 +871,72 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
             _launch(plan, name)
 
 
-def kv_dtype_of(stores):
-    """The kv dtype of a cache's ``stores``: None (float entries), "int8" or "float8_e4m3" (uint8 bits)."""
-    if stores[2] is None:
-        return None
-    name = np.dtype(stores[0].dtype).name
-    for kind, entry in KV_ENTRY_DTYPES.items():
-        if entry == name:
-            return kind
-    raise ValueError(f"quantized entries must be int8 or uint8 (float8_e4m3 bits), got {name}")
-
-
-def cache_attention_shared_bytes(head_dim: int, tile: int, threads: int, work_itemsize: int) -> int:
-    """Dynamic shared memory of kv_decode_attention (layout in the .cu file)."""
+def paged_attention_shared_bytes(head_dim: int, tile: int, threads: int, work_itemsize: int) -> int:
+    """Dynamic shared memory of paged_attention (layout in the .cu file)."""
     return ((2 * head_dim + tile + threads) * work_itemsize + 7) // 8 * 8 + 8 * tile
 
 
-def plan_cache_attention(q, o, stores, block_table, page_size: int, lengths, *, dtype_name: str, scale: float,
-                         softcap, window, causal: bool, threads: int = KV_ATTENTION_THREADS,
+def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_starts, *, dtype_name: str,
+                         scale: float, softcap, window, causal: bool, kv_dtype, threads: int | None = None,
                          tile: int | None = None) -> Launch | None:
-    """The kv_decode_attention launch: q (n, s, Hq, D) with any strides, o a C-contiguous array like q, ``stores``
-    as the cache holds them (entries (P, Hk, D), scales (P, Hk) or None; C-contiguous), block_table (n, W) and
-    lengths (n,) contiguous int64 (not range-checked: the cache made them). None when there is no query row."""
-    n, s_len, q_heads, head_dim = (int(d) for d in q.shape)
-    k_store, v_store, k_scale, v_scale = stores
-    kv_dtype = kv_dtype_of(stores)
-    work = KERNEL_TYPES[dtype_name][1]
-    work_name = "float64" if work == "double" else "float32"
-    kv_heads = int(k_store.shape[1])
-
-    def check(ok, what):
-        _kv_check(ok, what, "cache_attention")
-
-    check(tuple(o.shape) == tuple(q.shape) and o.flags.c_contiguous, "o must be C-contiguous like q")
-    check(kv_heads > 0 and q_heads % kv_heads == 0, f"q heads ({q_heads}) must be a multiple of kv heads "
-              f"({kv_heads})")
-    for name, a in (("k entries", k_store), ("v entries", v_store)):
-        check(tuple(a.shape[1:]) == (kv_heads, head_dim) and a.flags.c_contiguous,
-                  f"{name} must be C-contiguous (slots, {kv_heads}, {head_dim}), got {tuple(a.shape)}")
-    if kv_dtype is not None:
-        for name, a in (("k scales", k_scale), ("v scales", v_scale)):
-            check(a is not None and tuple(a.shape) == tuple(k_store.shape[:2]) and a.flags.c_contiguous
-                      and np.dtype(a.dtype).name == work_name, f"{name} must be C-contiguous {work_name}")
-    else:
-        entry = np.dtype(k_store.dtype)
-        check(entry.name == dtype_name or (dtype_name == "bfloat16" and entry.itemsize == 2),
-                  f"entries are {entry.name}, q {dtype_name}")
-    for name, a in (("block_table", block_table), ("lengths", lengths)):
-        check(np.dtype(a.dtype).name == "int64" and a.flags.c_contiguous and int(a.shape[0]) == n,
-                  f"{name} must be a contiguous int64 array of {n} rows")
-    if n * s_len * q_heads == 0 or head_dim == 0:
+    """The paged_attention launch: q (T, Hq, D) packed queries with any strides, o a C-contiguous (T, Hq, D) array
+    of q's dtype, ``stores`` of format ``kv_dtype`` (entries (P, Hk, D), scales (P, Hk) or None; C-contiguous),
+    block_table (n, W), seq_lens (n,) and q_starts (n + 1,) contiguous int64 (sequence i's queries are q rows
+    q_starts[i] .. q_starts[i + 1] - 1, the last ones of its seq_lens[i] keys; not range-checked: the caller's).
+    ``threads`` (None: KV_ATTENTION_THREADS) per block, ``tile`` keys per tile (None: ``threads``). None when there
+    is no q row."""
+    where = "paged_attention"
+    _kv_check(len(q.shape) == 3, f"q must be (tokens, q heads, head_dim), got {tuple(q.shape)}", where)
+    n_rows, q_heads, head_dim = (int(d) for d in q.shape)
+    k_store = stores[0]
+    kv_heads = int(k_store.shape[1]) if len(k_store.shape) == 3 else 0
+    _kv_check(tuple(o.shape) == tuple(q.shape) and o.flags.c_contiguous and np.dtype(o.dtype) == np.dtype(q.dtype),
+              "o must be C-contiguous like q", where)
+    _kv_check(kv_heads > 0 and q_heads % kv_heads == 0, f"q heads ({q_heads}) must be a multiple of kv heads "
+              f"({kv_heads})", where)
+    _check_stores(stores, kv_dtype, dtype_name, kv_heads, head_dim, where)
+    n = int(block_table.shape[0]) if len(block_table.shape) == 2 else -1
+    for name, a, shape in (("block_table", block_table, (n, int(block_table.shape[-1]))), ("seq_lens", seq_lens, (n,)),
+                           ("q_starts", q_starts, (n + 1,))):
+        _kv_check(np.dtype(a.dtype).name == "int64" and a.flags.c_contiguous and tuple(a.shape) == shape and n >= 0,
+                  f"{name} must be a contiguous int64 array {shape} (block_table 2-D), got {np.dtype(a.dtype).name} "
+                  f"{tuple(a.shape)}", where)
+    if n_rows * q_heads == 0 or head_dim == 0:
         return None
-    threads = max(1, min(int(threads), 1024))
+    work = KERNEL_TYPES[dtype_name][1]
+    threads = max(1, min(int(KV_ATTENTION_THREADS if threads is None else threads), 1024))
     tile = threads if tile is None else max(1, min(int(tile), threads))
     wtype = np.float64 if work == "double" else np.float32
     itemsize = ITEMSIZE[dtype_name]
     fold = scale / softcap if softcap else scale
-    smem = cache_attention_shared_bytes(head_dim, tile, threads, 8 if work == "double" else 4)
+    smem = paged_attention_shared_bytes(head_dim, tile, threads, 8 if work == "double" else 4)
     i32, i64 = np.int32, np.int64
+    k_store, v_store, k_scale, v_scale = stores
     args = (q, *_elem_strides(q, itemsize), o, k_store, v_store,
-            lengths if k_scale is None else k_scale, lengths if v_scale is None else v_scale,   # KIND 0: unread
-            block_table, i64(block_table.shape[1]), i64(page_size), lengths, i32(s_len), i32(q_heads), i32(kv_heads),
-            i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)), i32(tile))
-    return Launch("kv_cache", kv_attention_kernel_name(dtype_name, kv_dtype), n * s_len * q_heads, threads, smem, args)
+            seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,   # KIND 0: unread
+            block_table, i64(block_table.shape[1]), i64(page_size), seq_lens, q_starts, i64(n), i32(q_heads),
+            i32(kv_heads), i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)),
+            i32(tile))
+    return Launch("kv_cache", paged_attention_kernel_name(dtype_name, kv_dtype), n_rows * q_heads, threads, smem,
+                  args)
 
 
-def cache_attention(q, stores, block_table, page_size, lengths, *, scale, softcap, window, causal):
-    """The ``cache_attention`` capability (see :mod:`rotary.backends`): one kv_decode_attention launch on q's device
-    and stream; returns o (n, s, Hq, D) in q's dtype (a torch tensor for a torch q)."""
+def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
+                    kv_dtype):
+    """The ``paged_attention`` capability (see :mod:`rotary.backends`): one paged_attention launch on q's device
+    and stream over the pages where they lie; returns o (T, Hq, D) in q's dtype (a torch tensor for a torch q).
+    The tables are used as they are when they are contiguous int64 device arrays (else copied once)."""
     import cupy
 
     exchange = _Exchange(q)
     with exchange:
         name = exchange.dtype_name(q)
         o = exchange.empty_like(q)
-        table = cupy.ascontiguousarray(cupy.asarray(block_table), dtype=cupy.int64)
-        lens = cupy.ascontiguousarray(cupy.asarray(lengths), dtype=cupy.int64)
-        plan = plan_cache_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens,
-                                    dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal)
+        table, lens, starts = (cupy.ascontiguousarray(cupy.asarray(exchange.to_cupy(a) if _is_torch_cuda(a) else a),
+                                                      dtype=cupy.int64) for a in (block_table, seq_lens, q_starts))
+        plan = plan_paged_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens, starts,
+                                    dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal,
+                                    kv_dtype=kv_dtype)
         if plan is not None:
             _launch(plan, name)
     return o

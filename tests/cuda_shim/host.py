@@ -32,18 +32,36 @@ def compiler() -> str | None:
     return None
 
 
-def instantiations() -> list[tuple[str, str, str]]:
-    """(family, dtype name, name expression) of every kernel the CuPy backend can launch."""
-    return [(family, dtype, expr) for family in cuda_backend.SOURCES for dtype in DTYPES
+def instantiations(families=None, dtypes=DTYPES) -> list[tuple[str, str, str]]:
+    """(family, dtype name, name expression) of every kernel the CuPy backend can launch (of ``families`` and
+    ``dtypes`` only, when given)."""
+    return [(family, dtype, expr) for family in (families or cuda_backend.SOURCES) for dtype in dtypes
             for expr in cuda_backend.name_expressions(family, dtype)]
 
 
 #: the planted bugs of tests/cuda_shim/planted.cu (each sanitizer mode must catch its own)
 PLANTED = ("planted_race", "planted_oob_read", "planted_unwritten_shared", "planted_divergent_barrier",
-           "planted_block_race", "planted_int_overflow")
+           "planted_block_race", "planted_int_overflow", "planted_fused_rotation")
 
-#: flags of every host build (besides -std and -O): -ffp-contract=off keeps a * b + c two roundings, as the
-#: kernels' __fmul_rn / __fadd_rn on the device (the feature maps' exp is bit for bit NumPy's)
+def contracting_flags() -> list[str] | None:
+    """Flags that let the host compiler fuse a * b + c into an FMA (as NVRTC's default --fmad=true does on the
+    device), for build(extra_flags=...); None where this machine has no FMA instructions (x86 without 'fma')."""
+    import platform
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["-ffp-contract=fast"]
+    if machine in ("x86_64", "amd64"):
+        try:
+            cpu = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+        if any(line.startswith("flags") and " fma " in f"{line} " for line in cpu.splitlines()):
+            return ["-mfma", "-ffp-contract=fast"]
+    return None
+
+#: flags of every host build (besides -std and -O): -ffp-contract=off keeps a * b + c two roundings everywhere
+#: (rotary_common.cuh's rn_* and rotate_pair stay unfused even without it: a build with contraction on checks that)
 HOST_FLAGS = ["-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off"]
 
 #: compiler flags per sanitizer mode (None: the plain build)
@@ -223,22 +241,25 @@ def address(a: np.ndarray) -> int:
 
 
 def build(directory: Path, *, cxx: str | None = None, opt: str = "-O1", sanitize: str | None = None,
-          planted: bool = False, load: bool = True, **settings) -> HostKernels | Path:
+          planted: bool = False, load: bool = True, families=None, dtypes=DTYPES, extra_flags=(),
+          **settings) -> HostKernels | Path:
     """Compile the shim library into ``directory`` (reused when the sources and flags are unchanged).
 
     ``sanitize``: None, "address" (AddressSanitizer + UBSan) or "thread" (ThreadSanitizer); a sanitized
     library loads only into a process that has the sanitizer runtime first (LD_PRELOAD, see
     tests/cuda_shim/sanitize.py). ``planted``: also build the deliberately broken kernels of planted.cu.
-    ``settings``: HostKernels' slots / guard / compare. ``load=False``: compile only, return the path.
+    ``families`` / ``dtypes``: only those instantiations (a smaller, faster build). ``extra_flags``: compiler
+    flags after the usual ones (e.g. :func:`contracting_flags`). ``settings``: HostKernels' slots / guard /
+    compare. ``load=False``: compile only, return the path.
     """
     cxx = cxx or compiler()
     if cxx is None:
         raise RuntimeError("no host C++ compiler (g++ or clang++) found")
-    entries = instantiations() + ([("planted", "-", name) for name in PLANTED] if planted else [])
+    entries = instantiations(families, dtypes) + ([("planted", "-", name) for name in PLANTED] if planted else [])
     source = _translation_unit(entries, planted)
     if sanitize is not None:
         opt = "-O0"   # compiles several times faster with the sanitizers; the sanitized runs are short
-    flags = ["-std=c++20", opt, *HOST_FLAGS, *SANITIZE_FLAGS[sanitize]]
+    flags = ["-std=c++20", opt, *HOST_FLAGS, *SANITIZE_FLAGS[sanitize], *extra_flags]
     digest = hashlib.sha256((source + " ".join([cxx] + flags)).encode())
     for path in sorted(cuda_backend.KERNEL_DIR.glob("*.cu*")) + sorted(SHIM_DIR.glob("*.[ch]*")):
         digest.update(path.read_bytes())
@@ -246,11 +267,12 @@ def build(directory: Path, *, cxx: str | None = None, opt: str = "-O1", sanitize
     directory.mkdir(parents=True, exist_ok=True)
     lib = directory / f"rotary_shim_{digest.hexdigest()[:16]}.so"
     if not lib.exists():
-        tu = directory / f"rotary_shim_{digest.hexdigest()[:16]}.cpp"
-        tu.write_text(source)
+        tu = directory / f"rotary_shim_{digest.hexdigest()[:16]}.{os.getpid()}.cpp"   # per process: two builds of
+        tu.write_text(source)                                                           # one digest never mix
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cxx, *flags, f"-I{SHIM_DIR}", f"-I{cuda_backend.KERNEL_DIR}", str(tu), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        tu.unlink(missing_ok=True)
         if proc.returncode:
             raise RuntimeError(f"host build failed: {' '.join(cmd)}\n{proc.stderr[-6000:]}")
         os.replace(tmp, lib)

@@ -53,3 +53,16 @@ __global__ void planted_int_overflow(float* out, int stride) {
     if (threadIdx.x == 0) out[0] = (float)offset;
     out[threadIdx.x] = (float)(offset & 1);
 }
+
+// A pair rotation written plainly, y = a c - b s (what rope.cu computed before rotary_common.cuh's rotate_pair),
+// next to rotate_pair itself: a build with contraction on (-ffp-contract=fast on FMA hardware, as NVRTC's default
+// --fmad=true) fuses the plain one into an FMA and so rounds it differently from NumPy; rotate_pair never
+// (tests/test_cuda_kernels_cpu.py: the contracted build must show the first and not the second). One block.
+__global__ void planted_fused_rotation(const float* a, const float* b, const float* c, const float* s, float* plain,
+                                       float* paired, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        plain[i] = a[i] * c[i] - b[i] * s[i];
+        float yb;
+        rotate_pair<float>(a[i], b[i], c[i], s[i], paired[i], yb);
+    }
+}

@@ -125,12 +125,9 @@ def default_dir() -> Path:
 
 # -- the child side ------------------------------------------------------------------------------------
 def _register(kernels, **geometry):
-    from rotary import backends as registry
-    from tests.test_cuda_kernels_cpu import shim_backend
+    from .backend import register, shim_backend
 
-    registry._MODULES["cuda-shim"] = "tests.cuda_shim"
-    registry._loaded["cuda-shim"] = shim_backend(kernels, **geometry)
-    return "cuda-shim"
+    return register(shim_backend(kernels, **geometry)).NAME
 
 
 def run_conformance(kernels) -> int:
@@ -157,7 +154,9 @@ def run_conformance(kernels) -> int:
 def _linear_matches(kernels, spec, q, k, v, cos, sin, positions, *, causal, chunk, threads, limit, state) -> bool:
     """The CUDA linear-attention kernel (elu, eps=1e-3) on the shim agrees with the float64 oracle: the
     output and the carried state (S, z) within 2e-5 relative."""
-    from tests.test_cuda_kernels_cpu import _rel, la_oracle, run_linear_attention
+    from tests.test_cuda_kernels_cpu import _rel, la_oracle
+
+    from .backend import run_linear_attention
 
     o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64),
                                      rotary_dim=spec.rotary_dim, layout=spec.layout, causal=causal,
@@ -298,13 +297,15 @@ def run_random(kernels, n_rotate: int = 40, n_linear: int = 12, seed: int = 2025
 def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     """KV-cache appends (kv_append) against the reference append, bit for bit: every kv dtype (cast, int8,
     float8), fp16/fp32/fp64, both pair layouts, partial rotary with an offset, strided and reversed k/v, paged
-    slot orders, odd thread groups and one-token blocks; then attention over caches (kv_decode_attention)
-    against the NumPy cache's: decode and chunks, window, softcap, non-causal, GQA, paged and contiguous, block
-    sizes down to 5 threads with 3-key tiles (tests/test_kv_cache_cuda_shim.py's helpers)."""
+    slot orders with padding tokens (slot -1, row -1: a read of their table row would leave the table), odd thread
+    groups and one-token blocks; then paged_attention over pools the append kernel filled against the float64
+    oracle: packed prefill + decode, dense decode, window, softcap, non-causal, GQA, shared pages, block sizes down
+    to 5 threads with 3-key tiles (tests/test_kv_cache_cuda_shim.py's helpers)."""
     from rotary import RopeSpec
-    from rotary import backends as registry
-    from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, GEOMETRIES, assert_attention_close, check_append,
-                                               filled_caches, kv_shim_backend, make_stores, paged_slots)
+    from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, FORMATS, GEOMETRIES, SEQ_LENS, SHARED, Pool, attend,
+                                               assert_close, check_append, make_stores, paged_slots, with_padding)
+
+    from .backend import kv_shim_backend
 
     rng = np.random.default_rng(seed)
     failures = 0
@@ -325,9 +326,10 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
             rng.standard_normal((T, Hk, head_dim)).astype(dtype)
         v = rng.standard_normal((T, Hk, head_dim)).astype(dtype)[::-1] if i % 4 == 1 else \
             rng.standard_normal((T, Hk, head_dim)).astype(dtype)
+        k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, P), i % 3)
         try:
-            check_append(kernels, k, v, spec, rng.integers(0, 64, T), paged_slots(rng, T, P),
-                         make_stores(P, Hk, head_dim, dtype, kv_dtype, rng), kv_dtype=kv_dtype, geometry=geometry)
+            check_append(kernels, k, v, spec, rows, slots, make_stores(P, Hk, head_dim, dtype, kv_dtype, rng),
+                         kv_dtype=kv_dtype, geometry=geometry)
             ok = True
         except AssertionError as exc:
             print(exc)
@@ -336,28 +338,21 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
         print(f"{'ok' if ok else 'FAIL'} kv_append random {i}: d={head_dim} r={rotary_dim} offset={offset} T={T} "
               f"Hk={Hk} {layout} {dtype} {kv_dtype} {geometry}", flush=True)
 
-    def register(attention=None, **geometry):
-        module = kv_shim_backend(kernels, attention, **geometry)
-        registry._MODULES["cuda-shim"] = "tests.cuda_shim"
-        registry._loaded["cuda-shim"] = module
-        return module
-
     for i, case in enumerate(list(ATTENTION_CASES) * 2):
-        dtype = ["float32", "float16", "float64"][i % 3]
-        kv_dtype = [None, "int8", "float8_e4m3"][(i + i // 3) % 3]
-        kv_dtype = "int8" if kv_dtype == "float8_e4m3" and dtype == "float64" else kv_dtype
+        dtype, kv_dtype = FORMATS[(3 * i) % len(FORMATS)]
         attention = [dict(threads=5, tile=3), dict(threads=32, tile=8), dict(threads=64)][i % 3]
-        kind = dict(page_size=4, num_pages=40) if i % 2 else dict(capacity=40)
-        kw, s = ATTENTION_CASES[case]
-        caches = filled_caches(rng, register, dtype=dtype, kv_dtype=kv_dtype, attention=attention, kind=kind)
+        rows, counts, kw = ATTENTION_CASES[case]
         try:
-            assert_attention_close(caches, rng.standard_normal((3, s, 4, 32)).astype(dtype), dtype, **kw)
+            pool = Pool(kernels, dtype=dtype, kv_dtype=kv_dtype, seq_lens=SEQ_LENS, shared=SHARED, seed=i,
+                        geometry=list(GEOMETRIES)[i % len(GEOMETRIES)], check_bits=True)
+            q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
+            assert_close(*attend(kv_shim_backend(kernels, attention=attention), pool, q, rows, counts, **kw), dtype)
             ok = True
         except AssertionError as exc:
             print(exc)
             ok = False
         failures += not ok
-        print(f"{'ok' if ok else 'FAIL'} kv_decode_attention {case} {dtype} {kv_dtype} {attention} {kind}", flush=True)
+        print(f"{'ok' if ok else 'FAIL'} paged_attention {case} {dtype} {kv_dtype} {attention}", flush=True)
     return failures
 
 

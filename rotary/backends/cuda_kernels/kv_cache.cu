@@ -4,8 +4,9 @@
 // (of n_tokens) with table row r = rows[t] goes to slot slots[t]; for each k/v head h, with pairs i < rotary_dim/2
 // of the layout at offset o ("half": (o+i, o+i+rotary_dim/2); "interleaved": (o+2i, o+2i+1)):
 //     w_a = x_a cos[r, i] - x_b sin[r, i]
-//     w_b = x_b cos[r, i] + x_a sin[r, i]            (W: float32, float64 for double; each product and sum
-//                                                     rounded on its own: rn_mul & co., never an FMA)
+//     w_b = x_b cos[r, i] + x_a sin[r, i]            (W: float32, float64 for double; rotary_common.cuh's
+//                                                     rotate_pair, as rope.cu: each product and sum rounded on
+//                                                     its own, never an FMA)
 // the coordinates outside [o, o + rotary_dim) pass through, and v is taken as it is (in W). Entries:
 //     KIND 0 (the cache's dtype):  k_out = T(w), v_out = v (copied)
 //     KIND 1 ("int8"), 2 ("float8_e4m3"), per (token, head):
@@ -13,7 +14,8 @@
 //         entry = clip(rint(y), -127, 127) as int8   |   the float8_e4m3fn bits of y (round to nearest even,
 //         magnitudes above 464 NaN, as ml_dtypes), scale -> k_scale / v_scale[slot, h] (W)
 // k_out / v_out (P, heads, head_dim) and the scales (P, heads) are C-contiguous; k and v (n_tokens, heads,
-// head_dim) have any strides (64-bit element strides). Slots must be distinct (the launcher's caller checks).
+// head_dim) have any strides (64-bit element strides). slots[t] < 0 marks a padding token: nothing of it is read
+// (k, v, rows[t], its table row) or written. The other slots must be distinct and < P (the caller checks).
 //
 // Launch geometry (rotary.backends.cupy.kv_append_geometry): grid.x = ceil(n_tokens / tokens_per_block); a
 // block takes tokens_per_block tokens, i.e. rows = tokens_per_block * 2 * heads (token, k|v, head) rows of
@@ -76,12 +78,7 @@ ROTARY_FN int kv_k_unit(const T* x, i64 sd, int u, int half, int offset, int rot
     if (u < half) {
         idx[0] = offset + (interleaved ? 2 * u : u);
         idx[1] = offset + (interleaved ? 2 * u + 1 : u + half);
-        const W xa = load_float(x[idx[0] * sd]);
-        const W xb = load_float(x[idx[1] * sd]);
-        const W c = c_row[u];
-        const W s = s_row[u];
-        val[0] = rn_sub(rn_mul(xa, c), rn_mul(xb, s));
-        val[1] = rn_add(rn_mul(xb, c), rn_mul(xa, s));
+        rotate_pair<W>(load_float(x[idx[0] * sd]), load_float(x[idx[1] * sd]), c_row[u], s_row[u], val[0], val[1]);
         return 2;
     }
     const int j = u - half;
@@ -125,10 +122,15 @@ __global__ void kv_append(
             h = is_v ? rem - heads : rem;
             t = t0 + tl;
             slot = slots[t];
+        }
+        const bool live = active && slot >= 0;   // a padding token (slot < 0): nothing of it read or written
+        if (live) {
             row = rows[t];
             x = is_v ? v + t * vst + h * vsh : k + t * kst + h * ksh;
             sd = is_v ? vsd : ksd;
             units = is_v ? head_dim : k_units;
+        } else {
+            slot = 0;
         }
         E* out = (is_v ? v_out : k_out) + (slot * heads + h) * (i64)head_dim;
         const W* c_row = cos_table + row * half;
@@ -173,27 +175,32 @@ __global__ void kv_append(
                 for (int j = 0; j < n; ++j)
                     out[idx[j]] = (E)KvQuant<KIND, W>::entry(val[j], scale);
             }
-            if (active && lane == 0) (is_v ? v_scale : k_scale)[slot * heads + h] = scale;
+            if (live && lane == 0) (is_v ? v_scale : k_scale)[slot * heads + h] = scale;
             __syncthreads();   // every group has read its amax before the next round overwrites red
         }
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// kv_decode_attention -- softmax attention of each sequence's newest queries over its cached keys (the
-// cache_attention capability; rotary.kvcache.attend has the semantics). Query j of sequence i (of s_len per
-// sequence) sits at position p = lengths[i] - s_len + j; query head hq reads k/v head hq / (q_heads / kv_heads);
-// key t of sequence i lies in slot block_table[i, t / page_size] * page_size + t % page_size. Keys seen:
-// t <= p (causal; also p - t < window when window > 0), every t < lengths[i] otherwise. With fold = scale / softcap
-// (scale without softcap): x_t = <fold q, k_t>, x_t = softcap tanh(x_t) with softcap, o = sum_t softmax(x)_t v_t,
-// in W with entries dequantized on the fly (entry * scale of its (slot, head); float8 bits decoded exactly),
-// an online softmax over tiles of `tile` keys. o is written in T, C-contiguous (n, s_len, q_heads, head_dim).
+// paged_attention -- softmax attention of packed queries over each sequence's pages where they lie (the
+// paged_attention capability; rotary.backends has the contract). Sequence i (of n) holds keys 0 .. seq_lens[i] - 1,
+// key p in slot block_table[i, p / page_size] * page_size + p % page_size; its queries are q's rows q_starts[i] ..
+// q_starts[i + 1] - 1 (c of them, a prefill chunk or a decode step, mixed freely in one launch), query j at position
+// pos = seq_lens[i] - c + j. A block finds its sequence by a binary search over q_starts (the last i with
+// q_starts[i] <= its row; empty sequences are passed over). Query head hq reads k/v head hq / (q_heads / kv_heads).
+// Keys seen: p <= pos (causal; also pos - p < window when window > 0), every p < seq_lens[i] otherwise. With
+// fold = scale / softcap (scale without softcap): x_p = <fold q, k_p>, x_p = softcap tanh(x_p) with softcap,
+// o = sum_p softmax(x)_p v_p, in W with entries dequantized on the fly (entry * scale of its (slot, head); float8
+// bits decoded exactly), an online softmax over tiles of `tile` keys. A row that sees no key, and a q row outside
+// q_starts[0] .. q_starts[n] - 1, gets 0. o is C-contiguous (T, q_heads, head_dim) in T. The tables are the
+// caller's device arrays, read as they are (not range-checked).
 //
-// Launch geometry (rotary.backends.cupy.plan_cache_attention): one block per (sequence, query, q head) row,
-// grid.x = n * s_len * q_heads, any blockDim.x; tile <= blockDim.x. Dynamic shared memory (W elements, then
-// i64): q[head_dim] | acc[head_dim] | p[tile] | red[blockDim.x] | slot[tile]. Per tile: thread t < n_tile
-// scores key t (its slot read from the block table once), the block reduces the tile's max, exponentiates,
-// reduces the sum, and each thread rescales and accumulates its own output coordinates d = tid, tid + blockDim..
+// Launch geometry (rotary.backends.cupy.plan_paged_attention): one block per (q row, q head), grid.x = T * q_heads,
+// any blockDim.x; tile <= blockDim.x. Dynamic shared memory (W elements, then i64): q[head_dim] | acc[head_dim] |
+// p[tile] | red[blockDim.x] | slot[tile]. Per tile: thread t < n_tile scores key t (its slot read from the block
+// table once), the block reduces the tile's max, exponentiates, reduces the sum, and each thread rescales and
+// accumulates its own output coordinates d = tid, tid + blockDim.. (The q heads of a GQA group read their keys
+// in separate blocks.)
 #ifdef ROTARY_ON_DEVICE
 ROTARY_FN float kv_exp(float x) { return expf(x); }
 ROTARY_FN double kv_exp(double x) { return exp(x); }
@@ -243,13 +250,25 @@ template <bool MAX, typename W> ROTARY_FN void kv_block_reduce(W* red, int tid, 
     }
 }
 
+// the sequence of packed q row `row`: the last i < n with q_starts[i] <= row (q_starts non-decreasing, n > 0,
+// q_starts[0] <= row < q_starts[n]: then q_starts[i + 1] > row, sequence i holds the row)
+ROTARY_FN i64 kv_sequence_of(const i64* q_starts, i64 n, i64 row) {
+    i64 lo = 0, hi = n;
+    while (hi - lo > 1) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if (q_starts[mid] <= row) lo = mid;
+        else hi = mid;
+    }
+    return lo;
+}
+
 template <typename T, typename W, int KIND>
-__global__ void kv_decode_attention(
-    const T* q, i64 qsn, i64 qss, i64 qsh, i64 qsd, T* o,
+__global__ void paged_attention(
+    const T* q, i64 qst, i64 qsh, i64 qsd, T* o,
     const typename KvEntry<T, KIND>::type* k_store, const typename KvEntry<T, KIND>::type* v_store,
     const W* k_scale, const W* v_scale, const i64* block_table, i64 table_width, i64 page_size,
-    const i64* lengths, int s_len, int q_heads, int kv_heads, int head_dim, W fold, W softcap, i64 window,
-    int causal, int tile) {
+    const i64* seq_lens, const i64* q_starts, i64 n_seqs, int q_heads, int kv_heads, int head_dim, W fold,
+    W softcap, i64 window, int causal, int tile) {
     typedef typename KvEntry<T, KIND>::type E;
     ROTARY_DYNAMIC_SMEM(smem);
     W* qs = reinterpret_cast<W*>(smem);
@@ -260,17 +279,21 @@ __global__ void kv_decode_attention(
     const int w_bytes = (2 * head_dim + tile + nthreads) * (int)sizeof(W);
     i64* slot_of = reinterpret_cast<i64*>(smem + (w_bytes + 7) / 8 * 8);   // [tile] (slot, head) of each key
     const int tid = threadIdx.x;
-    const i64 row = blockIdx.x;
-    const int hq = (int)(row % q_heads);
-    const i64 ij = row / q_heads;
-    const int j = (int)(ij % s_len);
-    const i64 i = ij / s_len;
+    const i64 block = blockIdx.x;
+    const int hq = (int)(block % q_heads);
+    const i64 qrow_index = block / q_heads;
     const int hk = hq / (q_heads / kv_heads);
-    const i64 length = lengths[i];
-    const i64 pos = length - s_len + j;
-    const i64 hi = causal ? pos : length - 1;
-    const i64 lo = (causal && window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-    const T* qrow = q + i * qsn + j * qss + hq * qsh;
+    // every thread finds the same sequence (a few cached reads; no barrier needed before the key loop)
+    const bool covered = n_seqs > 0 && qrow_index >= q_starts[0] && qrow_index < q_starts[n_seqs];
+    const i64 i = covered ? kv_sequence_of(q_starts, n_seqs, qrow_index) : 0;
+    i64 lo = 0, hi = -1;   // the keys seen: lo .. hi (none when hi < lo)
+    if (covered) {
+        const i64 length = seq_lens[i];
+        const i64 pos = length - (q_starts[i + 1] - q_starts[i]) + (qrow_index - q_starts[i]);
+        hi = causal ? pos : length - 1;
+        lo = (causal && window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    }
+    const T* qrow = q + qrow_index * qst + hq * qsh;
     for (int d = tid; d < head_dim; d += nthreads) {
         qs[d] = rn_mul(load_float(qrow[d * qsd]), fold);
         acc[d] = W(0);
@@ -320,7 +343,7 @@ __global__ void kv_decode_attention(
         }
         __syncthreads();   // p, slot_of and red[0] read by all before the next tile
     }
-    T* orow = o + ((i * s_len + j) * (i64)q_heads + hq) * head_dim;
-    for (int d = tid; d < head_dim; d += nthreads)   // l > 0: every query sees at least its own key
+    T* orow = o + (qrow_index * (i64)q_heads + hq) * head_dim;
+    for (int d = tid; d < head_dim; d += nthreads)   // l == 0: no key seen
         orow[d] = Store<T>::from(l > W(0) ? rn_div(acc[d], l) : W(0));
 }

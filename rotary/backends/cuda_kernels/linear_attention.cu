@@ -135,7 +135,8 @@ ROTARY_FN void load_features(W* dst, int mp, const T* src, i64 sst, i64 ssd, int
     }
 }
 
-// Rotate rows t < L of X (row stride mp) in place by the RoPE angle of token (c0 + t).
+// Rotate rows t < L of X (row stride mp) in place by the RoPE angle of token (c0 + t) (rotate_pair: the rounding
+// of every kernel's pair rotation).
 template <typename W>
 ROTARY_FN void rotate_rows(W* X, int mp, int L, int half, int interleaved, const W* cos_table,
                            const W* sin_table, const i64* row_of, int tid, int nthreads) {
@@ -147,10 +148,7 @@ ROTARY_FN void rotate_rows(W* X, int mp, int L, int half, int interleaved, const
         const W s = sin_table[row * half + i];
         const int ia = interleaved ? 2 * i : i;
         const int ib = interleaved ? 2 * i + 1 : i + half;
-        const W xa = X[t * mp + ia];
-        const W xb = X[t * mp + ib];
-        X[t * mp + ia] = xa * c - xb * s;
-        X[t * mp + ib] = xb * c + xa * s;
+        rotate_pair<W>(X[t * mp + ia], X[t * mp + ib], c, s, X[t * mp + ia], X[t * mp + ib]);
     }
 }
 

@@ -4,7 +4,8 @@
 // each pair i < rotary_dim / 2 (layout "half": (i, i + rotary_dim/2); "interleaved": (2i, 2i+1)):
 //     y_a = x_a cos[r, i] - x_b sin[r, i]
 //     y_b = x_b cos[r, i] + x_a sin[r, i]            (sin negated when inverse != 0)
-// computed in W (float32, or float64 for double data). Pairs are read in the layout INTERLEAVED names and
+// computed in W (float32, or float64 for double data) by rotary_common.cuh's rotate_pair: each product and sum
+// rounded on its own, never fused into an FMA (NumPy's bits; the KV cache's kv_append rotates keys the same). Pairs are read in the layout INTERLEAVED names and
 // written in the one OUT_INTERLEAVED names (default: the same; the other one for out_pairs, where y is never x:
 // y_a goes to output coordinate i / 2i, y_b to i + rotary_dim/2 / 2i+1). Coordinates >= rotary_dim are
 // copied when copy_tail != 0 (out is not x). Two tensors (q and k) share one launch; tensor 1 may have 0 heads.
@@ -46,12 +47,10 @@ ROTARY_FN void rotate_unit(const T* x, T* y, i64 xsd, i64 ysd, int i0, int half,
     for (int p = 0; p < V; ++p) {
         const int ia = INTERLEAVED ? 2 * p : p;       // index in e of the pair's a member
         const int ib = INTERLEAVED ? 2 * p + 1 : V + p;
-        const W xa = load_float(e[ia]);
-        const W xb = load_float(e[ib]);
-        const W cv = c[i0 + p];
-        const W sv = s[i0 + p];
-        e[ia] = Store<T>::from(xa * cv - xb * sv);
-        e[ib] = Store<T>::from(xb * cv + xa * sv);
+        W ya, yb;
+        rotate_pair<W>(load_float(e[ia]), load_float(e[ib]), c[i0 + p], s[i0 + p], ya, yb);
+        e[ia] = Store<T>::from(ya);
+        e[ib] = Store<T>::from(yb);
     }
     if (OUT_INTERLEAVED != INTERLEAVED) {   // pair p's a and b members move to their places in y's layout
         T f[2 * V];

@@ -45,9 +45,12 @@ ROTARY_FN unsigned int float_to_bits(float f) {
 #endif
 }
 
-// Correctly rounded single operations: each rounded on its own, never contracted into an FMA (the __*_rn
-// intrinsics on the device, which nvcc/NVRTC never fuse; the host shim builds with -ffp-contract=off), so a
-// kernel written with them gives the NumPy reference's bits. rint rounds half to even (the default mode).
+// Correctly rounded single operations: each rounded on its own, never contracted into an FMA, so a kernel
+// written with them gives the NumPy reference's bits. On the device the __*_rn intrinsics, which nvcc/NVRTC never
+// fuse (a plain `a * b - c * d` may become an fma.rn under NVRTC's default --fmad=true). On the host (the test
+// shim) the product or sum passes through an empty asm that the compiler cannot see into, so it is a rounded
+// value in a register even when the shim is built with -ffp-contract=fast -mfma (tests/test_cuda_kernels_cpu.py
+// builds it that way to prove the kernels never depend on the contraction setting). rint rounds half to even.
 #ifdef ROTARY_ON_DEVICE
 ROTARY_FN float rn_mul(float a, float b) { return __fmul_rn(a, b); }
 ROTARY_FN float rn_add(float a, float b) { return __fadd_rn(a, b); }
@@ -64,14 +67,35 @@ ROTARY_FN double rn_rint(double x) { return rint(x); }
 ROTARY_FN float rn_floor(float x) { return floorf(x); }
 ROTARY_FN double rn_floor(double x) { return floor(x); }
 #else
-template <typename W> ROTARY_FN W rn_mul(W a, W b) { return a * b; }
-template <typename W> ROTARY_FN W rn_add(W a, W b) { return a + b; }
-template <typename W> ROTARY_FN W rn_sub(W a, W b) { return a - b; }
+// the value as it is, rounded and in a register: no multiply-add can be fused across it
+template <typename W> ROTARY_FN W rn_opaque(W x) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm("" : "+x"(x));
+#elif defined(__aarch64__)
+    asm("" : "+w"(x));
+#else
+    volatile W v = x;
+    x = v;
+#endif
+    return x;
+}
+template <typename W> ROTARY_FN W rn_mul(W a, W b) { return rn_opaque(a * b); }
+template <typename W> ROTARY_FN W rn_add(W a, W b) { return rn_opaque(a + b); }
+template <typename W> ROTARY_FN W rn_sub(W a, W b) { return rn_opaque(a - b); }
 template <typename W> ROTARY_FN W rn_div(W a, W b) { return a / b; }
 template <typename W> ROTARY_FN W rn_abs(W x) { return std::fabs(x); }
 template <typename W> ROTARY_FN W rn_rint(W x) { return std::rint(x); }
 template <typename W> ROTARY_FN W rn_floor(W x) { return std::floor(x); }
 #endif
+
+// The pair rotation, the one every kernel uses (rope.cu, kv_cache.cu, linear_attention.cu): with the pair's table
+// values (c, s), y_a = x_a c - x_b s and y_b = x_b c + x_a s, each product and each sum rounded on its own in W, as
+// NumPy computes `x_a * c - x_b * s` (rotary.backends.array_api.rotate_pairs). So a key the KV cache writes and
+// the same key rotated by rotary.apply have the same bits on every device and compiler setting.
+template <typename W> ROTARY_FN void rotate_pair(W xa, W xb, W c, W s, W& ya, W& yb) {
+    ya = rn_sub(rn_mul(xa, c), rn_mul(xb, s));
+    yb = rn_add(rn_mul(xb, c), rn_mul(xa, s));
+}
 
 ROTARY_FN float load_float(float x) { return x; }
 ROTARY_FN double load_float(double x) { return x; }
