@@ -14,6 +14,7 @@ from rotary.testing import assert_close, linear_attention_quadratic, rope_comple
 from .conftest import run_in_threads
 
 numba_backend = pytest.importorskip("rotary.backends.numba", reason="numba not installed")
+from rotary.backends import numba_runtime  # noqa: E402  (the size rule, the fork flag)
 
 SPEC = rotary.RopeSpec(128, base=500000.0)
 BIG = (1, 64, 32, 128)   # 262k elements: the parallel kernel in a parent process
@@ -51,7 +52,7 @@ def _kv_error(seed: int) -> float:
 
 
 def _child(seed: int) -> tuple:
-    return _rotation_error(seed), _linear_error(seed), _kv_error(seed), numba_backend._in_forked_child
+    return _rotation_error(seed), _linear_error(seed), _kv_error(seed), numba_runtime.in_forked_child()
 
 
 @pytest.mark.skipif(sys.platform == "win32" or "fork" not in multiprocessing.get_all_start_methods(),
@@ -88,8 +89,8 @@ def test_which_kernel_a_call_takes(shape, parallel, monkeypatch):
     from rotary.backends.numba_kernels import rotation as kernels
 
     if shape[1] == 1 and shape[0] == 32:
-        monkeypatch.setattr(numba_backend, "DECODE_KERNEL", "auto" if parallel else "serial")
-        monkeypatch.setattr(numba_backend, "_PASSIVE_WORKERS", False)
+        monkeypatch.setattr(numba_runtime, "DECODE_KERNEL", "auto" if parallel else "serial")
+        monkeypatch.setattr(numba_runtime, "_PASSIVE_WORKERS", False)
 
     used = []
     for name in ("rotate_qk_parallel", "rotate_qk_serial"):
@@ -102,21 +103,14 @@ def test_which_kernel_a_call_takes(shape, parallel, monkeypatch):
 
 
 def test_the_size_rule_is_the_runtimes(monkeypatch):
-    """rotary.backends.numba's names of the size rule, fork flag and parallel-region lock read and write
-    numba_runtime's: one rule for the rotation, linear attention and the KV primitives (numba_kv reads the runtime)."""
+    """One size rule for the rotation and the KV primitives: numba_runtime's, read by both at each call."""
+    from rotary.backends import numba_kv
     from rotary.backends import numba_runtime as runtime
 
-    with monkeypatch.context() as m:
-        m.setattr(numba_backend, "DECODE_KERNEL", "serial")
-        m.setattr(numba_backend, "PARALLEL_MIN_ELEMENTS", 5)
-        assert runtime.DECODE_KERNEL == "serial" and runtime.PARALLEL_MIN_ELEMENTS == 5
-        assert "DECODE_KERNEL" not in vars(numba_backend)
-        runtime.PARALLEL_MIN_TOKENS = 3
-        assert numba_backend.PARALLEL_MIN_TOKENS == 3
-        runtime.PARALLEL_MIN_TOKENS = 8
-    assert (runtime.DECODE_KERNEL, runtime.PARALLEL_MIN_ELEMENTS) == (numba_backend.DECODE_KERNEL, 1 << 16)
-    assert numba_backend._parallel_lock is runtime._parallel_lock
-    assert numba_backend._in_forked_child is runtime._in_forked_child is runtime.in_forked_child() is False
+    monkeypatch.setattr(runtime, "PARALLEL_MIN_ELEMENTS", 1 << 62)
+    assert numba_backend.rotate_kernel(1 << 20, 64, 1).__name__.endswith("serial")
+    assert not runtime.parallel_by_size(1 << 20, 64, 1)
+    assert numba_kv.runtime is runtime
 
 
 def test_numpy_linear_attention_caps_the_chunk_at_T():

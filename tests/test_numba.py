@@ -16,6 +16,7 @@ from rotary import testing  # noqa: E402
 from rotary.backends.numba_kernels import common, rotation, simd  # noqa: E402
 from rotary.backends.numba_kernels import linear_attention as la_kernels  # noqa: E402
 from rotary.backends import numba as nb  # noqa: E402
+from rotary.backends import numba_runtime as nb_runtime  # noqa: E402  (the size rule)
 
 DTYPES = [np.float16, np.float32, np.float64]
 
@@ -164,9 +165,9 @@ def test_empty_inputs():
 
 def test_parallel_and_serial_kernels_agree(rng, monkeypatch):
     q, k = _qk(rng, np.float32, B=2, S=300, Hq=8, Hk=2, D=32)
-    assert q.size + k.size >= nb.PARALLEL_MIN_ELEMENTS
+    assert q.size + k.size >= nb_runtime.PARALLEL_MIN_ELEMENTS
     parallel = rotary.apply_qk(q, k, seq_axis=1, backend="numba")
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 62)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 62)
     serial = rotary.apply_qk(q, k, seq_axis=1, backend="numba")
     for a, b in zip(parallel, serial):
         np.testing.assert_array_equal(a, b)
@@ -636,8 +637,8 @@ print("ok")
 def test_simd_rotation_equals_scalar_loop(rng, monkeypatch, dtype, layout, serial):
     """Whole registers (and a scalar remainder: rotary_dim 72 -> 36 pairs) give the scalar strided loop's
     exact bits, out of place and in place, serial and parallel kernel; and match the float64 oracle."""
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
-    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_TOKENS", 0)
     spec = rotary.RopeSpec(128, rotary_dim=72, layout=layout)
     pos = rng.integers(0, 500, size=(3, 2))
     q = rng.standard_normal((3, 2, 4, 128)).astype(dtype)
@@ -661,8 +662,8 @@ def test_partial_rotary_tail_is_copied_bit_for_bit(rng, monkeypatch, dtype, rota
     """Partial rotary into separate outputs: the coordinates past rotary_dim are the input's bits (NaN
     payloads, -0.0, infinities; copied a register at a time, then element by element), the rotated ones
     match the oracle; both kernels, whole registers of pairs and a scalar remainder."""
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
-    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_TOKENS", 0)
     spec = rotary.RopeSpec(head_dim, rotary_dim=rotary_dim)
     pos = rng.integers(0, 500, size=(2, 3))
     q = rng.standard_normal((2, 3, 4, head_dim)).astype(dtype)
@@ -705,8 +706,8 @@ def test_streamed_rotation_equals_cached_stores(rng, monkeypatch, dtype, layout,
     for small calls, has no streamed path) hold the bits of the ordinary stores and match the float64 oracle:
     new outputs, out= buffers (NumPy's 16-byte alignment), an out= view 4 or 8 bytes off a 16-byte boundary
     (ordinary stores there), transposed BHSD outputs."""
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
-    monkeypatch.setattr(nb, "PARALLEL_MIN_TOKENS", 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 40 if serial else 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_TOKENS", 0)
     spec = rotary.RopeSpec(64, layout=layout)
     pos = rng.integers(0, 3000, size=(3, 5))
     q = rng.standard_normal((3, 5, 4, 64)).astype(dtype)

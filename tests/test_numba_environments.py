@@ -18,6 +18,7 @@ _COMMON = """
 import sys, threading
 import numpy as np, rotary
 from rotary.backends import numba as nb
+from rotary.backends import numba_runtime as nb_runtime  # noqa: E402  (the size rule)
 rng = np.random.default_rng(0)
 
 def rel(a, b):
@@ -147,9 +148,9 @@ for dtype, tol in ((np.float16, 2e-3), (np.float32, 2e-6), (np.float64, 1e-12)):
     for layout in ("half", "interleaved"):
         spec = rotary.RopeSpec(32, layout=layout, rotary_dim=24)
         check_qk(dtype, tol, shape=(2, 3, 2, 32), spec=spec)
-        nb.PARALLEL_MIN_ELEMENTS, nb.PARALLEL_MIN_TOKENS = 0, 0
+        nb_runtime.PARALLEL_MIN_ELEMENTS, nb_runtime.PARALLEL_MIN_TOKENS = 0, 0
         check_qk(dtype, tol, shape=(2, 3, 2, 32), spec=spec)
-        nb.PARALLEL_MIN_ELEMENTS, nb.PARALLEL_MIN_TOKENS = 1 << 16, 8
+        nb_runtime.PARALLEL_MIN_ELEMENTS, nb_runtime.PARALLEL_MIN_TOKENS = 1 << 16, 8
     rope = rotary.Rope(rotary.RopeSpec(32), backend="numba", dtype=dtype)
     q = rng.standard_normal((2, 1, 4, 32)).astype(dtype)
     got = rope(q, q[:, :, :2], np.array([[5], [9]]), seq_axis=1)

@@ -145,14 +145,15 @@ def test_three_dimensional_and_seq_first_inputs(rng, backend):
 def test_parallel_and_serial_kernels_agree_on_decode(rng, monkeypatch):
     pytest.importorskip("numba")
     from rotary.backends import numba as nb
+    from rotary.backends import numba_runtime as nb_runtime  # noqa: E402  (the size rule)
 
     q, k, ax = _decode_inputs(rng, np.float32, B=8, S=1, Hq=8, Hk=2, D=64)
     spec = rotary.RopeSpec(64, base=500000.0)
     positions = rng.integers(0, 8000, size=(8, 1))
     for knob in ("PARALLEL_MIN_ELEMENTS", "DECODE_PARALLEL_MIN_ELEMENTS", "PARALLEL_MIN_TOKENS"):
-        monkeypatch.setattr(nb, knob, 0)
+        monkeypatch.setattr(nb_runtime, knob, 0)
     parallel = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend="numba")
-    monkeypatch.setattr(nb, "PARALLEL_MIN_ELEMENTS", 1 << 62)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 1 << 62)
     serial = rotary.apply_qk(q, k, positions, spec=spec, seq_axis=ax, backend="numba")
     for a, b in zip(parallel, serial):
         np.testing.assert_array_equal(a, b)
@@ -164,10 +165,11 @@ def test_decode_kernel_can_be_fixed(rng, monkeypatch):
     serial under OMP_WAIT_POLICY=PASSIVE; "serial"; "parallel"), every one with equal bits and the oracle's values."""
     pytest.importorskip("numba")
     from rotary.backends import numba as nb
+    from rotary.backends import numba_runtime as nb_runtime  # noqa: E402  (the size rule)
     from rotary.backends.numba_kernels import rotation
 
     q, k, ax = _decode_inputs(rng, np.float32, B=32, S=1, Hq=32, Hk=8, D=128)
-    assert nb.PARALLEL_MIN_ELEMENTS <= q.size + k.size < nb.DECODE_PARALLEL_MIN_ELEMENTS
+    assert nb_runtime.PARALLEL_MIN_ELEMENTS <= q.size + k.size < nb_runtime.DECODE_PARALLEL_MIN_ELEMENTS
     spec = rotary.RopeSpec(128, base=500000.0)
     positions = rng.integers(0, 8000, size=(32, 1))
     rope = rotary.Rope(spec, backend="numba", max_positions=8192, seq_axis=-2)
@@ -178,8 +180,8 @@ def test_decode_kernel_can_be_fixed(rng, monkeypatch):
     results = {}
     for mode, passive, expected in (("auto", False, "parallel"), ("auto", True, "serial"), ("serial", False, "serial"),
                                     ("parallel", True, "parallel")):
-        monkeypatch.setattr(nb, "DECODE_KERNEL", mode)
-        monkeypatch.setattr(nb, "_PASSIVE_WORKERS", passive)   # OMP_WAIT_POLICY=PASSIVE: auto keeps decode serial
+        monkeypatch.setattr(nb_runtime, "DECODE_KERNEL", mode)
+        monkeypatch.setattr(nb_runtime, "_PASSIVE_WORKERS", passive)   # OMP_WAIT_POLICY=PASSIVE: auto keeps decode serial
         rope(q, k, positions, seq_axis=ax)                    # validated: the general path; the plan from here on
         ran.clear()
         results[mode] = rope(q, k, positions, seq_axis=ax)
@@ -199,6 +201,7 @@ def test_decode_kernel_can_be_fixed(rng, monkeypatch):
 def test_flat_view_addresses_every_element(make):
     pytest.importorskip("numba")
     from rotary.backends import numba as nb
+    from rotary.backends import numba_runtime as nb_runtime  # noqa: E402  (the size rule)
 
     base = np.arange(2 * 3 * 4 * 6, dtype=np.float32).reshape(2, 3, 4, 6)
     a = make(base)
@@ -347,7 +350,7 @@ def test_decode_kernel_environment_variable_is_checked():
                          text=True)
     assert run.returncode != 0 and "ROTARY_NUMBA_DECODE_KERNEL" in run.stderr and "'fastest'" in run.stderr
     env["ROTARY_NUMBA_DECODE_KERNEL"] = "serial"
-    run = subprocess.run([sys.executable, "-c", "import rotary.backends.numba as nb; print(nb.DECODE_KERNEL)"],
+    run = subprocess.run([sys.executable, "-c", "import rotary.backends.numba_runtime as r; print(r.DECODE_KERNEL)"],
                          env=env, capture_output=True, text=True)
     assert run.stdout.strip() == "serial", run.stderr
 

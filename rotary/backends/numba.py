@@ -11,8 +11,6 @@ this module on first use).
 
 from __future__ import annotations
 
-import sys
-import types
 
 import numba  # noqa: F401 - ImportError here -> the registry's "pip install" hint
 import numpy as np
@@ -30,11 +28,8 @@ COMPILES_ON_FIRST_CALL = True    # Numba compiles each kernel on its first call 
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
 DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-#: the size rule's thresholds and state, held by :mod:`.numba_runtime` (one rule for every kernel of this backend):
-#: ``nb.PARALLEL_MIN_ELEMENTS``, ``nb.DECODE_KERNEL = "serial"`` and the others read and write the runtime's
-#: (see the module class at the end of this file)
-_RUNTIME_NAMES = frozenset({"PARALLEL_MIN_ELEMENTS", "PARALLEL_MIN_TOKENS", "DECODE_PARALLEL_MIN_ELEMENTS",
-                            "DECODE_KERNEL", "_PASSIVE_WORKERS", "_in_forked_child", "_parallel_lock"})
+#: the size rule's thresholds, the fork flag and the parallel-region lock live in :mod:`.numba_runtime` (one rule
+#: for every kernel of this backend): set them there (``numba_runtime.DECODE_KERNEL = "serial"``)
 
 
 def availability():
@@ -298,17 +293,3 @@ def _aligned_empty(shape, dtype, align=64):
 
 _NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)
 _NO_SEQLENS = _readonly(np.zeros(0, np.int64))   # the cu_seqlens argument of an unpacked call
-
-
-def _runtime_property(name):
-    """A property of this module that reads and writes :mod:`.numba_runtime`'s ``name``."""
-    return property(lambda module: getattr(_runtime, name), lambda module, value: setattr(_runtime, name, value),
-                    doc=f"numba_runtime.{name}")
-
-
-# This module's class (Python's documented module ``__class__`` assignment): the size rule's names
-# (``_RUNTIME_NAMES``) are properties that read and write :mod:`.numba_runtime`'s, which the kernels of this backend
-# and of :mod:`.numba_kv` read (``monkeypatch.setattr(nb, "DECODE_KERNEL", ...)`` sees data descriptors and restores
-# them by assignment).
-sys.modules[__name__].__class__ = type("_Module", (types.ModuleType,),
-                                       {name: _runtime_property(name) for name in _RUNTIME_NAMES})

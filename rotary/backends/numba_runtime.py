@@ -12,8 +12,8 @@ imports neither):
   pool is new;
 - **the thread pool** of task-split kernels (:func:`run_tasks`: linear attention's ranges of tasks).
 
-The thresholds are this module's globals, read at each call; :mod:`rotary.backends.numba` forwards reads and
-writes of its names of them here (``nb.DECODE_KERNEL = "serial"`` sets this module's).
+The thresholds are this module's globals, read at each call (set them here: ``numba_runtime.DECODE_KERNEL =
+"serial"``).
 """
 
 from __future__ import annotations
