@@ -23,8 +23,8 @@ from rotary.spec import hf_vision
 from rotary.testing import rope_complex, tolerance
 
 from .cuda_shim import host
-from .cuda_shim.backend import dtype_name as _dtype_name, run_linear_attention, shared_kernels, shim_backend  # noqa: F401
-from .cuda_shim.backend import register as shim_register
+from .cuda_shim.kv_backend import dtype_name as _dtype_name, run_linear_attention, shared_kernels, shim_backend  # noqa: F401
+from .cuda_shim.kv_backend import register as shim_register
 
 pytestmark = pytest.mark.cuda_cpu
 
@@ -43,7 +43,7 @@ def use_backend(kernels, monkeypatch):
     """Register a shim backend under the name "cuda-shim" for the frontend (restored afterwards)."""
 
     def register(**geometry):
-        return shim_register(shim_backend(kernels, **geometry), monkeypatch).NAME
+        return shim_register(monkeypatch, shim_backend(kernels, **geometry)).NAME
 
     return register
 
@@ -995,7 +995,7 @@ def test_kernels_pass_the_shim_checks_without_a_sanitizer(kernels, monkeypatch):
     adds ASan/UBSan/TSan where the runtimes exist)."""
     # the same library (each launch sets the slots and poison it runs with)
     checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
-    shim_register(shim_backend(checked, threads=32, max_tokens_per_block=3), monkeypatch)
+    shim_register(monkeypatch, shim_backend(checked, threads=32, max_tokens_per_block=3))
     for case in conformance.cases(quick=True):
         result = conformance.run_case(case, "cuda-shim")
         assert result.passed, f"{case.name}: {result.max_error:.3g} {result.detail}"

@@ -27,7 +27,7 @@ from rotary.backends.kv_entries import KV_FORMATS
 
 from . import test_cuda_kernels_cpu as _cpu_tests
 from .cuda_shim import host
-from .cuda_shim.backend import kv_shim_backend, register, shared_kernels, work_of
+from .cuda_shim.kv_backend import kv_shim_backend, register, shared_kernels, work_of
 
 pytestmark = pytest.mark.cuda_cpu
 
@@ -656,11 +656,16 @@ def test_cupy_glue_paged_attention(fake_cupy, kernels, rng):
 
 
 def test_shim_backend_through_the_registry(kernels, monkeypatch):
-    """tests/cuda_shim/backend.py's register(): the module answers as backend "cuda-shim" with its VARIANTS."""
+    """tests/cuda_shim/kv_backend.py's register(): the module answers as backend "cuda-shim" with its VARIANTS
+    (with a monkeypatch: until the test ends; without: until unregister())."""
     from rotary import backends as registry
 
-    module = register(kv_shim_backend(kernels), monkeypatch)
+    module = register(monkeypatch)
     assert registry.get("cuda-shim") is module and module.NAME == "cuda-shim"
     for kind in KV_DTYPES:
         assert registry.supports(module, "paged_attention", kind, any_variant=False)
     assert not registry.supports(module, "append_kv", "int4", any_variant=False)
+    other = register(module=kv_shim_backend(kernels))
+    assert registry.get("cuda-shim") is other
+    other.unregister()
+    assert registry.get("cuda-shim") is module

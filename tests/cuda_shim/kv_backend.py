@@ -7,17 +7,16 @@ primitives with the contract's signatures (:mod:`rotary.backends`), taking host 
     paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
                     kv_dtype) -> o
 
-and ``VARIANTS`` (the CuPy backend's). ``register(module, monkeypatch)`` installs a module in the registry as
-"cuda-shim" (undone with the monkeypatch, or by the returned callable without one), so the public functions take
-``backend="cuda-shim"``::
+and ``VARIANTS`` (the CuPy backend's). ``register(monkeypatch)`` builds the shim (once per process; pytest.skip
+without a host C++ compiler) and installs ``kv_shim_backend`` in the registry as "cuda-shim" until the test ends,
+so the public functions take ``backend="cuda-shim"``::
 
     @pytest.fixture
     def cuda_shim(monkeypatch):
-        kernels = shared_kernels()          # pytest.skip()s without a host C++ compiler
-        return register(kv_shim_backend(kernels), monkeypatch)
+        return kv_backend.register(monkeypatch)          # the module; its NAME is "cuda-shim"
 
-``shared_kernels()`` builds the shim library once per process into a fixed directory (named by the digest of the
-sources and flags, so a rerun reuses it).
+``register(monkeypatch, module)`` installs a module of one's own (e.g. ``shim_backend(kernels, threads=32)``);
+without a monkeypatch, ``module.unregister()`` undoes it. ``shared_kernels()`` is the per-process build.
 """
 
 from __future__ import annotations
@@ -166,19 +165,23 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
                                  VARIANTS=dict(cb.VARIANTS), calls=calls)
 
 
-def register(module, monkeypatch=None):
-    """Install ``module`` in the backend registry as "cuda-shim" and return it. With a pytest ``monkeypatch`` the
-    registry is restored when the test ends; without one, call ``module.unregister()``."""
+def register(monkeypatch=None, module=None, **options):
+    """Install ``module`` (None: ``kv_shim_backend(shared_kernels(), **options)``) in the backend registry as
+    "cuda-shim" and return it. With a pytest ``monkeypatch`` the registry is restored when the test ends; without
+    one, call ``module.unregister()``."""
+    if module is None:
+        module = kv_shim_backend(shared_kernels(), **options)
     if monkeypatch is not None:
         monkeypatch.setitem(registry._MODULES, NAME, "tests.cuda_shim")
         monkeypatch.setitem(registry._loaded, NAME, module)
         return module
-    saved = {table: table.get(NAME, _MISSING) for table in (registry._MODULES, registry._loaded)}
+    tables = (registry._MODULES, registry._loaded)
+    saved = [table.get(NAME, _MISSING) for table in tables]
     registry._MODULES[NAME] = "tests.cuda_shim"
     registry._loaded[NAME] = module
 
     def unregister():
-        for table, value in saved.items():
+        for table, value in zip(tables, saved):
             if value is _MISSING:
                 table.pop(NAME, None)
             else:

@@ -125,9 +125,9 @@ def default_dir() -> Path:
 
 # -- the child side ------------------------------------------------------------------------------------
 def _register(kernels, **geometry):
-    from .backend import register, shim_backend
+    from .kv_backend import register, shim_backend
 
-    return register(shim_backend(kernels, **geometry)).NAME
+    return register(module=shim_backend(kernels, **geometry)).NAME
 
 
 def run_conformance(kernels) -> int:
@@ -156,7 +156,7 @@ def _linear_matches(kernels, spec, q, k, v, cos, sin, positions, *, causal, chun
     output and the carried state (S, z) within 2e-5 relative."""
     from tests.test_cuda_kernels_cpu import _rel, la_oracle
 
-    from .backend import run_linear_attention
+    from .kv_backend import run_linear_attention
 
     o, (S, z) = run_linear_attention(kernels, q, k, v, cos, sin, positions.astype(np.int64),
                                      rotary_dim=spec.rotary_dim, layout=spec.layout, causal=causal,
@@ -305,7 +305,7 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, FORMATS, GEOMETRIES, SEQ_LENS, SHARED, Pool, attend,
                                                assert_close, check_append, make_stores, paged_slots, with_padding)
 
-    from .backend import kv_shim_backend
+    from .kv_backend import kv_shim_backend
 
     rng = np.random.default_rng(seed)
     failures = 0
