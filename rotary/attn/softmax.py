@@ -220,7 +220,8 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
 
 
 def _is_cache(k) -> bool:
-    return type(k).__name__ == "KVCache" and type(k).__module__ == "rotary.kvcache.store"
+    """A :class:`rotary.KVCache` or one of its layers (``cache.layer(i)``): attn never imports kvcache."""
+    return type(k).__name__ in ("KVCache", "KVCacheLayer") and type(k).__module__ == "rotary.kvcache.store"
 
 
 def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backend, rope, q_positions, k_positions,

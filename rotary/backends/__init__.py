@@ -55,7 +55,9 @@ decay=None, normalize=True[, cu_seqlens=None])``
     slot ``block_table[i, p // page_size] * page_size + p % page_size``; its queries are q's rows
     ``q_starts[i] .. q_starts[i + 1] - 1`` (``c_i`` of them, ``c_i <= seq_lens[i]``), query j at position
     ``seq_lens[i] - c_i + j``, seeing keys ``p <= pos`` and ``pos - p < window`` with ``causal`` (every key
-    without). Scores ``cap(scale <q, k>)`` with ``cap(x) = softcap tanh(x / softcap)`` (softcap None: none),
+    without; with a window, keys before a query's window are never read, and pages wholly before the first
+    query's window may be -1 in the table: an engine gave them back). Scores ``cap(scale <q, k>)`` with
+    ``cap(x) = softcap tanh(x / softcap)`` (softcap None: none),
     window None: none. A dense decode step is ``q_starts = arange(n + 1) * s``. A query that sees no key gets
     0. Returns o ``(T, Hq, D)`` in q's dtype. The frontend checked shapes, dtypes, q_starts and, for host
     tables, that every page read is in the pool; kernels check nothing. A module offers the formats in its

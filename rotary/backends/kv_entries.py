@@ -181,8 +181,12 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
     counts = np.diff(starts)
     n = lens.size
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
-    k_seq = np.repeat(np.arange(n, dtype=np.int64), lens)
-    k_pos = np.arange(k_seq.size, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    first = np.zeros(n, np.int64)   # keys before every query's window are not read (their pages may be gone)
+    if causal and window is not None:
+        first = np.clip(lens - counts - window + 1, 0, None)
+    held = lens - first
+    k_seq = np.repeat(np.arange(n, dtype=np.int64), held)
+    k_pos = np.arange(k_seq.size, dtype=np.int64) + np.repeat(first - (np.cumsum(held) - held), held)
     slots = table[k_seq, k_pos // page_size] * page_size + k_pos % page_size
     q_seq = np.repeat(np.arange(n, dtype=np.int64), counts)
     q_pos = np.arange(q_seq.size, dtype=np.int64) + np.repeat(lens - counts - starts[:-1], counts)

@@ -402,9 +402,10 @@ def check_query_counts(counts, lens, ids=None):
                          "last tokens of their sequence (append their keys and values first)")
 
 
-def check_tables(block_table, seq_lens, counts, page_size, num_pages):
+def check_tables(block_table, seq_lens, counts, page_size, num_pages, window=None):
     """Host block_table (n, W) and seq_lens (n,) as int64, checked: every sequence holds its queries
-    (c_i <= seq_lens[i]) within its W pages, every page it reads in the pool."""
+    (c_i <= seq_lens[i]) within its W pages, every page it reads in the pool (with a causal ``window``, pages
+    wholly before the first query's window are not read: an engine may have given them back, -1)."""
     n = counts.size
     lens = host_int_array(seq_lens, "seq_lens")
     table = host_int_array(block_table, "block_table")
@@ -417,7 +418,10 @@ def check_tables(block_table, seq_lens, counts, page_size, num_pages):
         i = int(np.argmax(lens))
         raise ValueError(f"seq_lens[{i}] = {int(lens[i])} needs more than the block table's {table.shape[1]} pages of "
                          f"{page_size}")
-    used = np.arange(table.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    cols = np.arange(table.shape[1])[None, :]
+    used = cols < -(-lens[:, None] // page_size)
+    if window is not None:
+        used &= cols >= (np.clip(lens - counts - window + 1, 0, None) // page_size)[:, None]
     pages = table[used]
     if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
         bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))[0]
@@ -463,7 +467,8 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
     num_pages, page_size = plan.shape[:2]
     host = _is_host(block_table) or isinstance(block_table, (list, tuple)) or plan.convert is None
     if host:
-        table, lens = check_tables(block_table, seq_lens, counts, page_size, num_pages)
+        table, lens = check_tables(block_table, seq_lens, counts, page_size, num_pages,
+                                   window if causal else None)
     else:
         table, lens = block_table, seq_lens
         if table.ndim != 2 or table.shape[0] != counts.size or tuple(lens.shape) != (counts.size,):

@@ -1,21 +1,26 @@
 """``rotary.KVCache``: a thin owner of KV pools, block tables and lengths over the stateless primitives.
 
-Storage is two pools ``(pages, page_size, kv_heads, head_dim)`` of keys and values (vLLM's flash layout; plus
-``(pages, page_size, kv_heads)`` scales when quantized), whose flat view is one *slot* per token of a sequence.
-A sequence's token at position p lives in slot
+Storage is two pools ``(pages, page_size, kv_heads, head_dim)`` of keys and values per layer (vLLM's flash layout;
+plus ``(pages, page_size, kv_heads)`` scales when quantized), all layers in one array ``(layers, pages, ...)``
+sharing one block table. The flat view of a layer's pool is one *slot* per token of a sequence:
 
     slot(b, p) = block_table[b, p // page_size] * page_size + p % page_size
 
 A contiguous cache (``capacity=``) is the special case page_size = capacity with page b given to sequence b; a
-paged cache (``page_size=`` + ``num_pages=``) takes pages from a pool as its sequences grow (the pools grow with
-the pages in use, doubling up to ``num_pages``) and gets them back from :meth:`KVCache.free` / :meth:`KVCache.reset`.
+paged cache (``page_size=`` + ``num_pages=``) takes pages from a pool as its sequences grow (the pools grow with the
+pages in use, doubling up to ``num_pages``). Pages have holder counts (:mod:`.pages`): sequences may share pages
+(:meth:`KVCache.fork`, prefix reuse through :meth:`KVCache.add`), a shared page is copied before it is written
+(copy on write), and a page goes back to the pool when its last holder lets it go, never twice.
 
-The cache only keeps books (which pages, how long each sequence is): :meth:`KVCache.append` computes the slots and
-positions of the new tokens and runs the plan of :func:`rotary.kv_append`; ``rotary.attention(q, cache)`` runs the
-plan of :func:`rotary.paged_attention` over the sequences' rows of the block table (see :mod:`.primitives`).
+A *step* is one round of new tokens for some sequences: its pages are taken and the lengths advanced once, by the
+first layer's append (or :meth:`KVCache.reserve`), and every layer then writes the same slots (:meth:`KVCache.append`
+with ``layer=``, or through ``cache.layer(i)``) and attends through the same tables. The cache keeps the books; the
+writing and reading are the plans of :func:`rotary.kv_append` and :func:`rotary.paged_attention`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,13 +31,26 @@ from ..spec.packing import check_cu_seqlens, host_int_array
 from ..spec.rope_spec import RopeSpec
 from ..spec.validators import as_int
 from . import primitives as _kv
+from .pages import PageBook
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _LAYOUTS = ("bshd", "bhsd")
 
 
 class KVCacheFullError(ValueError):
-    """An append that does not fit: past a sequence's capacity, or no free page left (the cache is unchanged)."""
+    """A call that does not fit: past a sequence's capacity, no free page left, or no free sequence slot (the cache
+    is unchanged)."""
+
+
+class KVChunk(NamedTuple):
+    """Keys and values of positions ``start .. start + n - 1`` of one sequence (:meth:`KVCache.export`): keys rotated
+    there by ``spec``, both dequantized in the cache's dtype, ``(n, kv_heads, head_dim)`` (``(layers, n, ...)`` for a
+    cache made with ``layers=``)."""
+
+    keys: object
+    values: object
+    start: int
+    spec: RopeSpec
 
 
 def _dtype(dtype, name):
@@ -48,9 +66,19 @@ def _dtype(dtype, name):
 def _positive(value, name, *, allow_none=False):
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+class _Step:
+    """The step under way: its sequences, token counts, slots and rotation positions, and the layers written."""
+
+    __slots__ = ("ids", "counts", "dense", "slots", "tok_pos", "done")
+
+    def __init__(self, ids, counts, dense, slots, tok_pos, layers):
+        self.ids, self.counts, self.dense, self.slots, self.tok_pos = ids, counts, dense, slots, tok_pos
+        self.done = np.zeros(layers, bool)
 
 
 class KVCache:
@@ -63,7 +91,7 @@ class KVCache:
         How keys are rotated (any spec: scaling rules, partial rotary, interleaved pairs, rotary_offset;
         multi-axis specs take explicit ``positions=`` in :meth:`append`).
     batch, kv_heads, head_dim : int
-        Sequences held, key/value heads, head size (keys and values share it).
+        Sequence slots, key/value heads, head size (keys and values share it).
     capacity : int, optional
         Tokens per sequence of a contiguous cache: pools ``(batch, capacity, kv_heads, head_dim)``.
     page_size, num_pages : int, optional
@@ -79,6 +107,12 @@ class KVCache:
         kv_dtype raises NotImplementedError; "auto" falls back to NumPy.
     layout : "bshd" or "bhsd"
         The axes of the dense k, v and q this cache takes ((n, s, heads, d) or (n, heads, s, d)).
+    layers : int, optional
+        One pool and one block table for this many layers (every layer of a step writes the same slots; see the
+        module docstring). Pools, :meth:`export` and :meth:`insert` then have a leading layer axis.
+    window : int, optional
+        Every layer of this cache is a sliding-window layer: a query at p sees keys ``p - window < t <= p``, and
+        pages wholly before every future query's window go back to the pool (positions unchanged, nothing moved).
 
     Notes
     -----
@@ -86,12 +120,14 @@ class KVCache:
     """
 
     def __init__(self, spec, *, batch, kv_heads, head_dim, capacity=None, page_size=None, num_pages=None,
-                 dtype=np.float32, kv_dtype=None, backend="auto", layout="bshd"):
+                 dtype=np.float32, kv_dtype=None, backend="auto", layout="bshd", layers=None, window=None):
         if not isinstance(spec, RopeSpec):
             raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
         self.batch = _positive(batch, "batch")
         self.kv_heads = _positive(kv_heads, "kv_heads")
         self.head_dim = _positive(head_dim, "head_dim")
+        self.layers = _positive(layers, "layers", allow_none=True)
+        self.window = _positive(window, "window", allow_none=True)
         self.spec = resolve_spec(spec, {}, self.head_dim, "the cache's keys")
         self.dtype = _dtype(dtype, "dtype")
         fmt = kv_entries.kv_format(kv_dtype)
@@ -128,10 +164,12 @@ class KVCache:
         self.work = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
         self.lengths = np.zeros(self.batch, dtype=np.int64)
         self.block_table = np.full((self.batch, pages_per_seq), -1, dtype=np.int64)
+        self._in_use = np.zeros(self.batch, bool)
+        self._tokens = {}      # sequence -> its prompt's token ids (prefix reuse) and the prefix keys of its pages
+        self._step = None
         self._pools = self._region = None
+        self._book = PageBook(self.num_pages) if self.paged else None
         if self.paged:
-            self._free_pages = []
-            self._pool_pages = 0
             self._grow_pool(min(self.num_pages, self.batch))
         else:
             self.block_table[:, 0] = np.arange(self.batch)
@@ -159,47 +197,74 @@ class KVCache:
         """The dtype of the stored entries: the cache's dtype, int8, or uint8 (float8_e4m3fn bits)."""
         return kv_entries.entry_dtype(self.kv_dtype, self.dtype)
 
+    @property
+    def _n_layers(self) -> int:
+        return self.layers or 1
+
     def _grow_pool(self, pages):
         """Make the pools ``pages`` pages (copying what they hold); new pages join the free list."""
         old = self._pools
-        shape = (pages, self.page_size, self.kv_heads, self.head_dim)
-        parts = [(shape, self.entry_dtype)] * 2 + ([(shape[:3], self.work)] * 2 if self.kv_dtype is not None else [])
+        shape = (self._n_layers, pages, self.page_size, self.kv_heads, self.head_dim)
+        parts = [(shape, self.entry_dtype)] * 2 + ([(shape[:4], self.work)] * 2 if self.kv_dtype is not None else [])
         if self._array_type is np.ndarray:   # one host buffer, each pool 64-byte aligned in it: the region
             pools, self._region = _carve(parts)   # an input's memory is tested against (check_memory)
         else:
             pools, self._region = [self._empty(s, dt) for s, dt in parts], None
         pools += [None] * (4 - len(pools))
         if old is not None:
-            held = old[0].shape[0]
+            held = old[0].shape[1]
             for new, prev in zip(pools, old):
                 if new is not None:
-                    new[:held] = prev
+                    new[:, :held] = prev
         if self.paged:
-            self._free_pages.extend(range(pages - 1, self._pool_pages - 1, -1))   # popped lowest first
-            self._pool_pages = pages
+            self._book.grow(pages)
+        self._set_pools(pools)
+
+    def _set_pools(self, pools):
         self._pools = tuple(pools)
-        self._stores = _kv.flat_stores(pools[0], pools[1], self.scales)
+        k, v, ks, vs = self._pools
+        self._layer_pools = [(k[i], v[i], None if ks is None else (ks[i], vs[i])) for i in range(self._n_layers)]
+        self._layer_stores = [_kv.flat_stores(*p) for p in self._layer_pools]
         self._plans = {}   # plans are per pool geometry
+
+    def _layer_index(self, layer):
+        if layer is None:
+            if self.layers is not None and self.layers > 1:
+                raise ValueError(f"this cache holds {self.layers} layers: pass layer= (or use cache.layer(i))")
+            return 0
+        i = as_int(layer, "layer")
+        if not 0 <= i < self._n_layers:
+            raise ValueError(f"layer must be in [0, {self._n_layers}), got {i}")
+        return i
+
+    def layer(self, i) -> "KVCacheLayer":
+        """Layer ``i`` of this cache as an object with ``append`` / ``attend`` / ``keys`` / ``values`` (and
+        ``rotary.attention(q, cache.layer(i))``)."""
+        return KVCacheLayer(self, self._layer_index(i))
 
     @property
     def k_pool(self):
-        """Keys ``(pages, page_size, kv_heads, head_dim)`` (entries of the cache's format), as kv_append takes them."""
-        return self._pools[0]
+        """Keys ``(pages, page_size, kv_heads, head_dim)`` (``(layers, ...)`` with ``layers=``), as kv_append takes them."""
+        return self._pools[0] if self.layers is not None else self._pools[0][0]
 
     @property
     def v_pool(self):
-        """Values ``(pages, page_size, kv_heads, head_dim)``."""
-        return self._pools[1]
+        """Values, shaped as :attr:`k_pool`."""
+        return self._pools[1] if self.layers is not None else self._pools[1][0]
 
     @property
     def scales(self):
-        """(k scales, v scales) ``(pages, page_size, kv_heads)`` of a quantized cache, else None."""
-        return None if self._pools[2] is None else (self._pools[2], self._pools[3])
+        """(k scales, v scales) ``(pages, page_size, kv_heads)`` (with ``layers=``: a leading layer axis) of a
+        quantized cache, else None."""
+        if self._pools[2] is None:
+            return None
+        return (self._pools[2], self._pools[3]) if self.layers is not None else (self._pools[2][0], self._pools[3][0])
 
     @property
     def stores(self):
-        """(k entries, v entries, k scales, v scales): the pools' flat slot views, scales None unless quantized."""
-        return self._stores
+        """(k entries, v entries, k scales, v scales) of layer 0: the pools' flat slot views, scales None unless
+        quantized."""
+        return self._layer_stores[0]
 
     @property
     def nbytes(self) -> int:
@@ -208,10 +273,13 @@ class KVCache:
 
     @property
     def free_pages(self) -> int:
-        """Pages that appends can still take (the pool's free pages and those it may still grow by)."""
-        if not self.paged:
-            return 0
-        return len(self._free_pages) + self.num_pages - self._pool_pages
+        """Pages that appends can still take: free, not yet allocated, or kept by the prefix cache alone."""
+        return self._book.available() if self.paged else 0
+
+    @property
+    def active(self) -> np.ndarray:
+        """The sequence slots in use (added, or appended to, and not freed), ascending."""
+        return np.flatnonzero(self._in_use)
 
     def slots(self, b, start, stop):
         """Slots (host int64) of sequence b's positions start..stop-1 (pages already taken)."""
@@ -224,8 +292,9 @@ class KVCache:
         key = (capability, type(x), x.dtype, x.shape, x.strides) + ((arrays[1].strides,) if len(arrays) > 1 else ())
         plan = self._plans.get(key)
         if plan is None:
-            plan = _kv.kv_plan(arrays, names, self._pools[0], self._pools[1], self.scales, spec=self.spec,
-                               kv_dtype=self.kv_dtype, backend=self.backend, capability=capability)
+            k_pool, v_pool, scales = self._layer_pools[0]
+            plan = _kv.kv_plan(arrays, names, k_pool, v_pool, scales, spec=self.spec, kv_dtype=self.kv_dtype,
+                               backend=self.backend, capability=capability)
             self._plans[key] = plan
         return plan
 
@@ -251,44 +320,170 @@ class KVCache:
             raise ValueError(f"{name} names {ids.size} sequences but {n} were given")
         return ids
 
+    def _between_steps(self, what):
+        if self._step is not None:
+            missing = np.flatnonzero(~self._step.done).tolist()
+            raise ValueError(f"{what} waits for the step under way: layers {missing} have not appended its keys")
+
+    def add(self, tokens=None) -> int:
+        """A free sequence slot, now in use (its length 0), or KVCacheFullError when every slot is in use.
+
+        ``tokens`` (a paged cache): the request's prompt token ids. Full pages of it that the cache keeps from
+        earlier prompts (the prefix cache, keyed by the token ids of each page and all before it) are shared into
+        the new sequence, whose length then counts them (at most all pages but the one holding the last prompt
+        token): prefill ``tokens[cache.lengths[slot]:]`` only. The sequence's own full pages of the prompt are
+        kept for later requests once written."""
+        self._between_steps("add")
+        free = np.flatnonzero(~self._in_use)
+        if free.size == 0:
+            raise KVCacheFullError(f"every one of the cache's {self.batch} sequence slots is in use: free finished "
+                                   "sequences with cache.free(seq_ids)")
+        b = int(free[0])
+        if tokens is not None:
+            tokens = [as_int(t, "tokens[i]") for t in tokens]
+        self._in_use[b] = True
+        self.lengths[b] = 0
+        if tokens is not None and self.paged:
+            ps = self.page_size
+            keys = PageBook.hashes(tokens, ps, len(tokens) // ps)
+            reuse = self._book.lookup(keys[:max(0, (len(tokens) - 1) // ps)])
+            for j, page in enumerate(reuse):
+                self._book.share(page)
+                self.block_table[b, j] = page
+            self.lengths[b] = len(reuse) * ps
+            self._tokens[b] = [tokens, keys, len(reuse)]   # prompt, its page keys, pages kept so far
+        return b
+
     def free(self, seq_ids=None):
-        """Forget sequences ``seq_ids`` (all when None): their lengths become 0, their pages return to the pool."""
+        """Forget sequences ``seq_ids`` (all when None): their lengths become 0, the slots free, each of their pages
+        one holder fewer (back to the pool when it has none: never twice)."""
+        self._between_steps("free")
         ids = self._seq_ids(seq_ids, None)
         for b in ids.tolist():
             if self.paged:
-                pages = self.block_table[b][self.block_table[b] >= 0]
-                self._free_pages.extend(sorted(pages.tolist(), reverse=True))
+                self._book.release(self.block_table[b])
                 self.block_table[b] = -1
             self.lengths[b] = 0
+            self._in_use[b] = False
+            self._tokens.pop(b, None)
 
     def reset(self):
-        """Empty the cache (every sequence freed)."""
+        """Empty the cache (every sequence freed, the prefix cache emptied)."""
+        self._step = None
         self.free(None)
+        if self.paged:
+            self._book.reset()
 
-    def _take_pages(self, ids, new_lengths):
-        """Check that ``new_lengths`` fit (capacity, free pages), then give the sequences their pages."""
+    def _fit(self, ids, new_lengths):
+        """Check that ``new_lengths`` fit (capacity, free pages, a copy of each shared partial last page), then
+        give the sequences their pages; returns the pages copied on write [(b, j, old, new)]."""
         if new_lengths.size and new_lengths.max() > self.capacity:
             over = np.flatnonzero(new_lengths > self.capacity)
             i = int(over[0])
             raise KVCacheFullError(f"sequence {int(ids[i])} would hold {int(new_lengths[i])} tokens, past the cache's "
                                    f"capacity of {self.capacity}; nothing was written")
         if not self.paged:
-            return
-        ps = self.page_size
-        have = -(-self.lengths[ids] // ps)
+            return []
+        ps, book = self.page_size, self._book
+        lengths = self.lengths[ids]
+        have = -(-lengths // ps)
         need = -(-new_lengths // ps)
-        wanted = int(np.sum(need - have))
-        if wanted > self.free_pages:
-            short = np.flatnonzero(need > have)
-            raise KVCacheFullError(f"no free page for sequence {int(ids[short[0]])}: this append needs {wanted} new "
-                                   f"pages of {ps} tokens and {self.free_pages} of the pool's {self.num_pages} are "
+        grows = need > have
+        partial = (lengths % ps != 0) & (new_lengths > lengths)
+        shared = [(b, int(j)) for b, j, p in zip(ids.tolist(), (have - 1).tolist(), partial.tolist())
+                  if p and book.counts[self.block_table[b, j]] > 1]
+        wanted = int(np.sum(need - have)) + len(shared)
+        if wanted > book.available():
+            short = np.flatnonzero(grows) if grows.any() else np.arange(ids.size)
+            raise KVCacheFullError(f"no free page for sequence {int(ids[short[0]])}: this step needs {wanted} new "
+                                   f"pages of {ps} tokens and {book.available()} of the pool's {self.num_pages} are "
                                    "free (free finished sequences with cache.free(seq_ids)); nothing was written")
-        if wanted > len(self._free_pages):
-            in_use = self._pool_pages - len(self._free_pages)
-            self._grow_pool(min(self.num_pages, max(2 * self._pool_pages, in_use + wanted)))
+        if wanted > len(book.free_list) and book.allocated < self.num_pages:
+            in_use = book.allocated - len(book.free_list)
+            self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + wanted)))
+        copies = []
+        for b, j in shared:   # copy on write: the shared partial last page becomes the sequence's own
+            old, new = int(self.block_table[b, j]), book.take()
+            for pool in self._pools:
+                if pool is not None:
+                    pool[:, new] = pool[:, old]
+            book.release([old])
+            self.block_table[b, j] = new
+            copies.append((b, j, old, new))
         for b, h, n in zip(ids.tolist(), have.tolist(), need.tolist()):
             for j in range(h, n):
-                self.block_table[b, j] = self._free_pages.pop()
+                self.block_table[b, j] = book.take()
+        return copies
+
+    def _begin(self, ids, counts, dense, tok_pos=None):
+        """A new step for sequences ``ids`` with ``counts`` new tokens each (dense: one count for all): pages taken
+        (the last check: from here on the cache changes), lengths advanced, slots and token positions made."""
+        start = self.lengths[ids]
+        if dense:
+            s = int(counts)
+            new_lengths = start + s
+            tok_seq = ids if s == 1 else np.repeat(ids, s)
+            tok_pos = start if s == 1 else (start[:, None] + np.arange(s, dtype=np.int64)).reshape(-1)
+        else:
+            new_lengths = start + counts
+            tok_seq = np.repeat(ids, counts)
+            tok_pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts),
+                                                                              counts)
+        self._fit(ids, new_lengths)
+        if self.paged:
+            slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
+        else:   # page b is sequence b's, page_size = capacity
+            slots = tok_seq * self.page_size + tok_pos
+        self.lengths[ids] = new_lengths
+        self._in_use[ids] = True
+        if self._tokens:
+            self._keep_prefix_pages(ids)
+        if self.window is not None and self.paged:
+            self._release_outside_window(ids, start)
+        step = _Step(ids, counts, dense, slots, tok_pos, self._n_layers)
+        self._step = step
+        return step
+
+    def _keep_prefix_pages(self, ids):
+        """The prompt pages each sequence has filled, kept in the prefix cache (they are written by the end of this
+        step, before any later request can share them)."""
+        ps = self.page_size
+        for b in ids.tolist():
+            entry = self._tokens.get(b)
+            if entry is None:
+                continue
+            tokens, keys, kept = entry
+            full = min(int(self.lengths[b]), len(tokens)) // ps
+            for j in range(kept, full):
+                self._book.keep(keys[j], int(self.block_table[b, j]))
+            entry[2] = max(kept, full)
+
+    def _release_outside_window(self, ids, first_query):
+        """Pages wholly before the window of the step's first query (and so of every later one) back to the pool."""
+        ps = self.page_size
+        for b, q0 in zip(ids.tolist(), first_query.tolist()):
+            gone = max(0, q0 - self.window + 1) // ps
+            row = self.block_table[b, :gone]
+            if gone and row[-1] >= 0:
+                self._book.release(row)
+                row[:] = -1
+
+    def reserve(self, seq_ids=None, tokens=1):
+        """Start a step without writing: pages for ``tokens`` new tokens of each of sequences ``seq_ids`` (an int for
+        all, or one count per sequence) taken and lengths advanced; every layer then appends them
+        (``append(..., layer=i)``), layer 0 included."""
+        self._between_steps("reserve")
+        if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
+            ids = self._seq_ids(seq_ids, None)
+            if tokens < 0:
+                raise ValueError(f"tokens must be >= 0, got {tokens}")
+            self._begin(ids, int(tokens), True)
+        else:
+            counts = host_int_array(tokens, "tokens")
+            ids = self._seq_ids(seq_ids, counts.size)
+            if counts.ndim != 1 or (counts.size and counts.min() < 0):
+                raise ValueError(f"tokens must be an int or one count >= 0 per sequence, got {counts.tolist()}")
+            self._begin(ids, counts, False)
 
     # -- writing -------------------------------------------------------------------------------------------------
     def _check_type(self, a, name):
@@ -311,7 +506,7 @@ class KVCache:
                              f"or packed (tokens, heads, head_dim) with cu_seqlens; got shape {tuple(a.shape)}")
         return a if self.layout == "bshd" else a.transpose(0, 2, 1, 3)
 
-    def append(self, k, v, seq_ids=None, *, cu_seqlens=None, positions=None):
+    def append(self, k, v, seq_ids=None, *, cu_seqlens=None, positions=None, layer=None):
         """Append the next tokens of sequences ``seq_ids`` (all when None): k rotated at each sequence's
         positions ``lengths[b] .. lengths[b] + s - 1`` and written with v into their slots in one pass
         (:func:`rotary.kv_append`'s plan).
@@ -319,8 +514,12 @@ class KVCache:
         k, v : (n, s, kv_heads, head_dim) in the cache's layout, or packed (tokens, kv_heads, head_dim) with
         ``cu_seqlens`` (n + 1 offsets, flash-attn's convention: sequence i's tokens cu[i]:cu[i+1]).
         positions : optional rotation positions instead of the lengths ((n, s[, n_axes]), or (tokens[, n_axes])
-        packed); required for multi-axis specs (not M-RoPE text). The cache is unchanged when an argument is wrong.
+        packed); required for multi-axis specs (not M-RoPE text).
+        layer : which layer (a cache made with ``layers=``): the first layer's append of a step takes its pages and
+        advances the lengths (unless :meth:`reserve` did), each other layer writes the same slots (the same
+        sequences and token counts). The cache is unchanged when an argument is wrong.
         """
+        i = self._layer_index(layer)
         self._check_type(k, "k")
         self._check_type(v, "v")
         if k.shape != v.shape:
@@ -328,47 +527,61 @@ class KVCache:
         if cu_seqlens is None:
             kd, vd = self._dense(k, "k"), self._dense(v, "v")
             n, s = int(kd.shape[0]), int(kd.shape[1])
-            ids = self._all_ids if seq_ids is None and n == self.batch else self._seq_ids(seq_ids, n)
-            start = self.lengths[ids]
-            new_lengths = start + s
-            tok_pos = start if s == 1 else (start[:, None] + np.arange(s, dtype=np.int64)).reshape(-1)
-            tok_seq = ids if s == 1 else np.repeat(ids, s)
-            counts = None
+            step = self._step
+            if step is not None and seq_ids is None and n == step.ids.size and step.dense:
+                ids = step.ids   # (the step's own; checked against it below)
+            else:
+                ids = self._all_ids if seq_ids is None and n == self.batch else self._seq_ids(seq_ids, n)
+            counts, dense = s, True
             kt = kd.reshape(n * s, kd.shape[2], kd.shape[3])
             vt = vd.reshape(n * s, vd.shape[2], vd.shape[3])
         else:
             if k.ndim != 3:
                 raise ValueError(f"packed k (with cu_seqlens) must be (tokens, kv_heads, head_dim), got {tuple(k.shape)}")
-            cu = check_cu_seqlens(cu_seqlens, int(k.shape[0]), "cu_seqlens")
-            counts = np.diff(cu)
-            n = counts.size
+            counts = np.diff(check_cu_seqlens(cu_seqlens, int(k.shape[0]), "cu_seqlens"))
+            n, dense = counts.size, False
             ids = self._seq_ids(seq_ids, n)
-            start = self.lengths[ids]
-            new_lengths = start + counts
-            tok_seq = np.repeat(ids, counts)
-            tok_pos = np.arange(k.shape[0], dtype=np.int64) + np.repeat(start - cu[:-1], counts)
             kt, vt = k, v
         plan = self._plan((kt, vt), ("k", "v"), "append_kv")
-        _kv.check_memory((k, v), ("k", "v"), self._pools[0], self._pools[1], self.scales, self._region)
+        pools = self._layer_pools[i]
+        _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
+        step = self._step
+        if step is None:
+            if i != 0:
+                raise ValueError(f"layer {i} appends before layer 0 has started this step: every step starts with "
+                                 "layer 0's append (or cache.reserve)")
+        else:
+            self._check_step(step, ids, counts, dense, i)
         if positions is None and not self.spec.multi_axis:
-            pos, token_positions = tok_pos, True   # the token positions themselves
+            pos, token_positions = None, True   # the token positions themselves
         elif positions is None and self.spec.mrope_section is None:
             raise ValueError("this multi-axis spec needs positions= (each new key's coordinates) in append")
         else:
-            pos, token_positions = self._given_positions(positions, tok_pos.size, n, counts, "positions")
-        self._take_pages(ids, new_lengths)   # the last check; from here on the cache changes
-        if self.paged:
-            slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
-        else:   # page b is sequence b's, page_size = capacity
-            slots = tok_seq * self.page_size + tok_pos
-        plan.append(kt, vt, self._stores, slots, pos, token_positions)
-        self.lengths[ids] = new_lengths
+            n_tokens = int(kt.shape[0])
+            pos, token_positions = self._given_positions(positions, n_tokens, n, None if dense else counts,
+                                                         "positions")
+        if step is None:
+            step = self._begin(ids, counts, dense)   # the last check (capacity, pages); from here on the cache changes
+        plan.append(kt, vt, self._layer_stores[i], step.slots, step.tok_pos if pos is None else pos, token_positions)
+        self._done(step, i)
+
+    def _check_step(self, step, ids, counts, dense, i):
+        if step.done[i]:
+            raise ValueError(f"layer {i} has appended this step's keys already; the step waits for layers "
+                             f"{np.flatnonzero(~step.done).tolist()}")
+        same = (ids is step.ids or (ids.shape == step.ids.shape and bool(np.all(ids == step.ids)))) and \
+            dense == step.dense and (counts == step.counts if dense else np.array_equal(counts, step.counts))
+        if not same:
+            raise ValueError(f"layer {i}'s append is for other sequences or token counts than this step's (sequences "
+                             f"{step.ids.tolist()}): every layer of a step appends the same tokens")
+
+    def _done(self, step, i):
+        step.done[i] = True
+        if step.done.all():
+            self._step = None
 
     def _given_positions(self, positions, n_tokens, n, counts, name):
-        """Rotation positions given as dense (n, s[, n_axes]) (``counts`` None) or packed (T[, n_axes]); None: the
-        tokens' own (M-RoPE text)."""
-        if positions is None:
-            positions = np.zeros(0, np.int64)   # (not reached: callers pass token positions then)
+        """Rotation positions given as dense (n, s[, n_axes]) (``counts`` None) or packed (T[, n_axes])."""
         if counts is None and n:
             p = np.asarray(positions) if isinstance(positions, (list, tuple)) else positions
             s = n_tokens // n
@@ -379,44 +592,67 @@ class KVCache:
         return _kv.token_rotation_positions(self.spec, positions, n_tokens, name)
 
     # -- reading -----------------------------------------------------------------------------------------------
-    def _gather(self, which, slots):
-        """Entries of ``slots`` (host int64) from store ``which`` (0 keys, 1 values), dequantized, cache dtype."""
+    def _gather(self, which, slots, layer=0):
+        """Entries of ``slots`` (host int64) from store ``which`` (0 keys, 1 values) of ``layer``, dequantized, in
+        the cache's dtype."""
         from array_api_compat import array_namespace
 
-        xp = array_namespace(self._stores[which])
+        stores = self._layer_stores[layer]
+        xp = array_namespace(stores[which])
         idx = self._convert(slots) if self._convert else slots
-        values = kv_entries.gather_entries(self._stores, which, idx, kv_entries.kv_format(self.kv_dtype), self.work)
+        values = kv_entries.gather_entries(stores, which, idx, kv_entries.kv_format(self.kv_dtype), self.work)
         return xp.astype(values, self.dtype)
 
-    def _seq(self, b):
-        ids = self._seq_ids(b, None, "b")
+    def _seq(self, b, name="b"):
+        ids = self._seq_ids(b, None, name)
         if ids.size != 1:
-            raise ValueError("b must be one sequence index")
+            raise ValueError(f"{name} must be one sequence index")
         return int(ids[0])
 
-    def keys(self, b):
-        """Sequence b's rotated keys ``(lengths[b], kv_heads, head_dim)`` (dequantized), in the cache's dtype."""
+    def held_from(self, b) -> int:
+        """The first position whose key sequence b still holds (0 unless a window gave pages back)."""
         b = self._seq(b)
-        return self._gather(0, self.slots(b, 0, int(self.lengths[b])))
+        if not self.paged or self.window is None:
+            return 0
+        row = self.block_table[b]
+        first = int(np.argmax(row >= 0)) if np.any(row >= 0) else 0
+        return min(first * self.page_size, int(self.lengths[b]))
 
-    def values(self, b):
-        """Sequence b's values ``(lengths[b], kv_heads, head_dim)`` (dequantized), in the cache's dtype."""
-        b = self._seq(b)
-        return self._gather(1, self.slots(b, 0, int(self.lengths[b])))
+    def keys(self, b, layer=None):
+        """Sequence b's rotated keys ``(lengths[b] - held_from(b), kv_heads, head_dim)`` (dequantized), in the
+        cache's dtype."""
+        b, i = self._seq(b), self._layer_index(layer)
+        return self._gather(0, self.slots(b, self.held_from(b), int(self.lengths[b])), i)
 
-    def packed(self, seq_ids):
+    def values(self, b, layer=None):
+        """Sequence b's values, as :meth:`keys`."""
+        b, i = self._seq(b), self._layer_index(layer)
+        return self._gather(1, self.slots(b, self.held_from(b), int(self.lengths[b])), i)
+
+    def packed(self, seq_ids, layer=None):
         """(keys, values, cu_seqlens_k) of sequences ``seq_ids`` packed along one token axis (dequantized)."""
-        ids = self._seq_ids(seq_ids, None)
-        slots = np.concatenate([self.slots(b, 0, int(self.lengths[b])) for b in ids.tolist()]) if ids.size else \
-            np.zeros(0, np.int64)
-        cu = np.concatenate([[0], np.cumsum(self.lengths[ids])]).astype(np.int64)
-        return self._gather(0, slots), self._gather(1, slots), cu
+        ids, i = self._seq_ids(seq_ids, None), self._layer_index(layer)
+        slots = np.concatenate([self.slots(b, self.held_from(b), int(self.lengths[b])) for b in ids.tolist()]) \
+            if ids.size else np.zeros(0, np.int64)
+        held = np.array([int(self.lengths[b]) - self.held_from(b) for b in ids.tolist()], np.int64)
+        cu = np.concatenate([[0], np.cumsum(held)]).astype(np.int64)
+        return self._gather(0, slots, i), self._gather(1, slots, i), cu
 
     def attend(self, q, *, causal=True, seq_ids=None, cu_seqlens=None, q_positions=None, scale=None, window=None,
-               softcap=None, block_size=512):
+               softcap=None, block_size=512, layer=None):
         """``rotary.attention(q, cache, ...)``: attention of q, the last tokens of sequences ``seq_ids``, over their
         own keys where they lie (:func:`rotary.paged_attention`'s plan over this cache's block table): query j of
-        sequence b sits at position ``lengths[b] - s + j`` and is rotated there (or at ``q_positions``)."""
+        sequence b sits at position ``lengths[b] - s + j`` and is rotated there (or at ``q_positions``). A windowed
+        cache attends within its window (``window`` may only narrow it)."""
+        i = self._layer_index(layer)
+        if self._step is not None and not self._step.done[i]:
+            raise ValueError(f"layer {i} attends before appending this step's keys: append them first")
+        if self.window is not None:
+            if window is None:
+                window = self.window
+            elif not causal or (isinstance(window, (int, np.integer)) and window > self.window):
+                raise ValueError(f"window={window!r}: this cache keeps keys for a window of {self.window} (causal): "
+                                 "a call may only narrow it")
         self._check_type(q, "q")
         qp, counts, dense_shape = _kv.packed_queries(q, cu_seqlens, self.layout)
         ids = self._seq_ids(seq_ids, counts.size)
@@ -428,14 +664,169 @@ class KVCache:
         qr = _kv.rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, self.backend)
         q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         table = self.block_table if ids is self._all_ids else self.block_table[ids]
-        o = plan.attend(qr, self._stores, table, self.page_size, lens, q_starts, scale=scale, softcap=softcap,
-                        window=window, causal=causal)
+        o = plan.attend(qr, self._layer_stores[i], table, self.page_size, lens, q_starts, scale=scale,
+                        softcap=softcap, window=window, causal=causal)
         if dense_shape is None:
             return o
         o = o.reshape(dense_shape)
         return o if self.layout == "bshd" else o.transpose(0, 2, 1, 3)
 
+    # -- sharing and rolling back --------------------------------------------------------------------------------
+    def fork(self, src, dst=None, length=None) -> int:
+        """Sequence ``dst`` (a free slot taken as :meth:`add` does when None; a slot in use is refused) now holds
+        sequence ``src``'s first ``length`` tokens (all by default): beams, parallel sampling, a shared prefix.
+        A paged cache shares src's pages (each one holder more: no token copied; a shared partial last page is
+        copied when either sequence writes into it); a contiguous cache copies the tokens. Returns dst."""
+        self._between_steps("fork")
+        src = self._seq(src, "src")
+        if not self._in_use[src]:
+            raise ValueError(f"src = {src} is not a sequence in use (cache.active: {self.active.tolist()})")
+        held = int(self.lengths[src])
+        length = held if length is None else as_int(length, "length")
+        if not 0 <= length <= held:
+            raise ValueError(f"length must be in [0, {held}] (the tokens sequence {src} holds), got {length}")
+        if dst is None:
+            if self._in_use.all():
+                raise KVCacheFullError(f"every one of the cache's {self.batch} sequence slots is in use: free "
+                                       "finished sequences with cache.free(seq_ids)")
+            dst = int(np.flatnonzero(~self._in_use)[0])
+        else:
+            dst = self._seq(dst, "dst")
+            if self._in_use[dst]:
+                raise ValueError(f"dst = {dst} is in use: fork into a free slot (dst=None takes one)")
+        if self.paged:
+            pages = -(-length // self.page_size)
+            row = self.block_table[src, :pages]
+            for page in row.tolist():
+                if page >= 0:
+                    self._book.share(page)
+            self.block_table[dst, :pages] = row
+        else:
+            for pool in self._pools:
+                if pool is not None:
+                    pool[:, dst, :length] = pool[:, src, :length]
+        self.lengths[dst] = length
+        self._in_use[dst] = True
+        entry = self._tokens.get(src)
+        if entry is not None:
+            tokens, keys, kept = entry
+            self._tokens[dst] = [tokens, keys, min(kept, length // self.page_size)]
+        return dst
+
+    def truncate(self, seq_ids, lengths):
+        """Roll sequences ``seq_ids`` back to ``lengths`` tokens (speculative decoding's rejected drafts): pages
+        past the new length lose a holder (back to the pool when they have none); the next append writes from
+        there."""
+        self._between_steps("truncate")
+        ids = self._seq_ids(seq_ids, None)
+        new = host_int_array(lengths, "lengths")
+        new = np.broadcast_to(new, ids.shape) if new.ndim == 0 else new
+        if new.shape != ids.shape:
+            raise ValueError(f"lengths must be an int or one length per sequence ({ids.size}), got shape {new.shape}")
+        held = self.lengths[ids]
+        bad = np.flatnonzero((new < 0) | (new > held))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(f"lengths[{j}] = {int(new[j])}: sequence {int(ids[j])} holds {int(held[j])} tokens; "
+                             "truncate keeps 0 .. its length")
+        for b, n in zip(ids.tolist(), new.tolist()):
+            if self.paged:
+                keep = -(-n // self.page_size)
+                self._book.release(self.block_table[b, keep:])
+                self.block_table[b, keep:] = -1
+            self.lengths[b] = n
+            entry = self._tokens.get(b)
+            if entry is not None:
+                entry[2] = min(entry[2], n // self.page_size)
+
     # -- moving keys ---------------------------------------------------------------------------------------------
+    def export(self, seq_id, start=0, stop=None) -> KVChunk:
+        """Keys and values of sequence ``seq_id``'s positions ``start .. stop - 1`` as a :class:`KVChunk` (keys rotated
+        there, dequantized), to :meth:`insert` into a sequence at another position."""
+        b = self._seq(seq_id, "seq_id")
+        length = int(self.lengths[b])
+        stop = length if stop is None else as_int(stop, "stop")
+        start = as_int(start, "start")
+        if not self.held_from(b) <= start <= stop <= length:
+            raise ValueError(f"start, stop must satisfy {self.held_from(b)} <= start <= stop <= {length} (the "
+                             f"positions sequence {b} holds), got {start}, {stop}")
+        slots = self.slots(b, start, stop)
+        keys = [self._gather(0, slots, i) for i in range(self._n_layers)]
+        values = [self._gather(1, slots, i) for i in range(self._n_layers)]
+        if self.layers is None:
+            return KVChunk(keys[0], values[0], start, self.spec)
+        from array_api_compat import array_namespace
+
+        xp = array_namespace(keys[0])
+        return KVChunk(xp.stack(keys), xp.stack(values), start, self.spec)
+
+    def insert(self, seq_id, keys, values=None, *, from_position=None, at_position=None):
+        """Append a chunk of keys cached at positions ``from_position ..`` (and their values) to sequence ``seq_id``,
+        whose length is ``at_position`` (default: its length), by one exact re-rotation of the keys by
+        ``at_position - from_position`` (:func:`rotary.rerotate`): a document cached once, reused at any offset.
+        ``keys`` may be a :class:`KVChunk` from :meth:`export` (its values, start and spec come with it). Exact for
+        every spec whose angles do not depend on the sequence length; dynamic NTK and LongRoPE are refused."""
+        from ..attn.rerotate import rerotate
+
+        self._between_steps("insert")
+        b = self._seq(seq_id, "seq_id")
+        if isinstance(keys, KVChunk):
+            if keys.spec != self.spec:
+                raise ValueError("keys were rotated by another spec than this cache's (a chunk of another model or "
+                                 "layer type): re-rotate them with rotary.rerotate(..., to_spec=cache.spec) first")
+            if values is not None or from_position is not None:
+                raise ValueError("a KVChunk brings its values and from_position: pass neither")
+            keys, values, from_position = keys.keys, keys.values, keys.start
+        if values is None or from_position is None:
+            raise TypeError("insert needs values= and from_position= (or a KVChunk from cache.export)")
+        if self.spec.multi_axis:
+            raise ValueError("insert moves keys along 1-D positions; this cache's spec is multi-axis")
+        _refuse_length_dependent(self.spec, "insert")
+        from_position = as_int(from_position, "from_position")
+        length = int(self.lengths[b])
+        at_position = length if at_position is None else as_int(at_position, "at_position")
+        if at_position != length:
+            raise ValueError(f"at_position = {at_position}, but sequence {b} holds {length} tokens: a chunk is "
+                             "appended at the sequence's length")
+        if from_position < 0:
+            raise ValueError(f"from_position must be >= 0, got {from_position}")
+        layered = self.layers is not None
+        want = 4 if layered else 3
+        for a, name in ((keys, "keys"), (values, "values")):
+            self._check_type(a, name)
+            if a.ndim != want or tuple(a.shape[-2:]) != (self.kv_heads, self.head_dim) or \
+                    (layered and a.shape[0] != self.layers):
+                shape = "(layers, n, kv_heads, head_dim)" if layered else "(n, kv_heads, head_dim)"
+                raise ValueError(f"{name} must be {shape} with {self.kv_heads} heads of {self.head_dim}"
+                                 f"{f' and {self.layers} layers' if layered else ''}, got {tuple(a.shape)}")
+        if tuple(keys.shape) != tuple(values.shape):
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the same shape")
+        n = int(keys.shape[-3])
+        step = self._begin(np.array([b], np.int64), n, True)
+        src = np.arange(from_position, from_position + n, dtype=np.int64)
+        for i in range(self._n_layers):
+            k_i, v_i = (keys[i], values[i]) if layered else (keys, values)
+            moved = rerotate(k_i, src, src + (at_position - from_position), spec=self.spec, seq_axis=0,
+                             backend=self.backend)
+            self._write_moved(i, step.slots, moved, v_i)
+            self._done(step, i)
+
+    def _write_moved(self, layer, dst, keys, values):
+        """Write already rotated ``keys`` and ``values`` (cache dtype) into slots ``dst`` of ``layer`` (quantized
+        when the cache is)."""
+        from array_api_compat import array_namespace
+
+        k_store, v_store, k_scale, v_scale = self._layer_stores[layer]
+        dst = self._convert(dst) if self._convert else dst
+        if self.kv_dtype is None:
+            k_store[dst] = keys
+            v_store[dst] = values
+            return
+        xp = array_namespace(keys)
+        for store, scale, a in ((k_store, k_scale, keys), (v_store, v_scale, values)):
+            entries, scales = kv_entries.quantize(xp, xp.astype(a, self.work), self.kv_dtype)
+            store[dst], scale[dst] = entries, scales
+
     def slide(self, *, sinks, window, seq_ids=None):
         """StreamingLLM's cache: keep each sequence's first ``sinks`` tokens and its last ``window`` ones,
         renumbered to positions ``sinks .. sinks + window - 1``; the kept keys move there by
@@ -444,51 +835,58 @@ class KVCache:
         A spec whose angles depend on the sequence length (dynamic NTK, LongRoPE) cannot move keys: refused."""
         from ..attn.rerotate import rerotate
 
+        self._between_steps("slide")
         sinks = as_int(sinks, "sinks")
         if sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {sinks}")
         window = _positive(window, "window")
         if self.spec.multi_axis:
             raise ValueError("slide renumbers 1-D positions; this cache's spec is multi-axis")
+        if self.window is not None:
+            raise ValueError("a cache made with window= gives its pages back itself; slide is for a cache without one")
         _refuse_length_dependent(self.spec, "slide")
-        for b in self._seq_ids(seq_ids, None).tolist():
+        ids = self._seq_ids(seq_ids, None)
+        if self.paged:
+            for b in ids.tolist():
+                row = self.block_table[b]
+                if int(self.lengths[b]) > sinks + window and np.any(self._book.counts[row[row >= 0]] > 1):
+                    raise ValueError(f"slide rewrites sequence {b}'s pages in place, and it shares pages with another "
+                                     "sequence or the prefix cache (fork, add(tokens=)): not moved")
+        for b in ids.tolist():
             length = int(self.lengths[b])
             if length <= sinks + window:
                 continue
             old_slots = self.slots(b, length - window, length)
             new_slots = self.slots(b, sinks, sinks + window)
             old_pos = np.arange(length - window, length, dtype=np.int64)
-            keys = self._gather(0, old_slots)
-            moved = rerotate(keys, old_pos, old_pos - (length - window - sinks), spec=self.spec, seq_axis=0,
-                             backend=self.backend)
-            src, dst = (self._convert(a) if self._convert else a for a in (old_slots, new_slots))
-            k_store, v_store, k_scale, v_scale = self._stores
-            v_store[dst] = v_store[src]
-            if self.kv_dtype is None:
-                k_store[dst] = moved
-            else:
-                from array_api_compat import array_namespace
+            for i in range(self._n_layers):
+                keys = self._gather(0, old_slots, i)
+                values = self._gather(1, old_slots, i)
+                moved = rerotate(keys, old_pos, old_pos - (length - window - sinks), spec=self.spec, seq_axis=0,
+                                 backend=self.backend)
+                if self.kv_dtype is None:
+                    self._write_moved(i, new_slots, moved, values)
+                else:   # the values' entries and scales move as they are
+                    src, dst = (self._convert(a) if self._convert else a for a in (old_slots, new_slots))
+                    k_store, v_store, k_scale, v_scale = self._layer_stores[i]
+                    v_store[dst], v_scale[dst] = v_store[src], v_scale[src]
+                    from array_api_compat import array_namespace
 
-                xp = array_namespace(moved)
-                v_scale[dst] = v_scale[src]
-                entries, scales = kv_entries.quantize(xp, xp.astype(moved, self.work), self.kv_dtype)
-                k_store[dst], k_scale[dst] = entries, scales
+                    xp = array_namespace(moved)
+                    k_store[dst], k_scale[dst] = kv_entries.quantize(xp, xp.astype(moved, self.work), self.kv_dtype)
             self.lengths[b] = sinks + window
             if self.paged:   # pages past the new length back to the pool
                 keep = -(-(sinks + window) // self.page_size)
-                pages = self.block_table[b, keep:]
-                self._free_pages.extend(sorted(pages[pages >= 0].tolist(), reverse=True))
+                self._book.release(self.block_table[b, keep:])
                 self.block_table[b, keep:] = -1
 
     # -- copies ----------------------------------------------------------------------------------------------------
+    _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_region", "_layer_pools",
+                "_layer_stores")
+
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_stores",
-                              "_region")}
-        if not self.paged:
-            state.pop("_free_pages", None)
-        return state
+        return {k: v for k, v in self.__dict__.items() if k not in self._DERIVED}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -500,8 +898,7 @@ class KVCache:
             for new, a in zip(carved, held):
                 new[...] = a
             pools = carved + [None] * (4 - len(carved))
-        self._pools = tuple(pools)
-        self._stores = _kv.flat_stores(pools[0], pools[1], self.scales)
+        self._set_pools(pools)
 
     def __copy__(self):
         """An independent cache (pools, tables and lengths copied): appending to the copy leaves this one as it is."""
@@ -520,9 +917,39 @@ class KVCache:
     def __repr__(self):
         kind = (f"paged, page_size={self.page_size}, num_pages={self.num_pages}" if self.paged
                 else f"capacity={self.capacity}")
-        return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, {kind}, "
+        extra = "".join(f", {name}={getattr(self, name)}" for name in ("layers", "window")
+                        if getattr(self, name) is not None)
+        return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, {kind}{extra}, "
                 f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r}, backend={self.module.NAME!r}, "
                 f"lengths={self.lengths.tolist()})")
+
+
+class KVCacheLayer:
+    """Layer ``index`` of a :class:`KVCache` (``cache.layer(i)``): its ``append``, ``attend``, ``keys`` and ``values``,
+    and ``rotary.attention(q, cache.layer(i))``."""
+
+    __slots__ = ("cache", "index")
+
+    def __init__(self, cache, index):
+        self.cache, self.index = cache, index
+
+    def append(self, k, v, seq_ids=None, **kwargs):
+        return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
+
+    def attend(self, q, **kwargs):
+        return self.cache.attend(q, layer=self.index, **kwargs)
+
+    def keys(self, b):
+        return self.cache.keys(b, layer=self.index)
+
+    def values(self, b):
+        return self.cache.values(b, layer=self.index)
+
+    def __getattr__(self, name):   # spec, layout, backend, lengths, ... of the cache
+        return getattr(self.cache, name)
+
+    def __repr__(self):
+        return f"<layer {self.index} of {self.cache!r}>"
 
 
 def _carve(parts, align=64):
