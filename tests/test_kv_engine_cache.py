@@ -1,0 +1,342 @@
+"""rotary.KVCache as an engine's cache (issue 42): one pool for all layers (steps), sequences as slots, shared pages
+with holder counts (fork, copy on write, prefix reuse), rollback (truncate), position-independent reuse (export /
+insert, against the float64 oracle), sliding-window caches that give pages back; bad calls leave the cache bit for
+bit unchanged."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary.kvcache.store import KVCacheFullError, KVChunk
+from rotary.testing import rope_complex
+
+from .conftest import backend_params
+
+CPU_BACKENDS = [p for p in backend_params() if p.values[0] != "cupy"]
+H, D = 2, 16
+
+
+def spec16(**kw):
+    return rotary.RopeSpec(D, base=100.0, **kw)
+
+
+def paged(backend="auto", **kw):
+    args = dict(batch=4, kv_heads=H, head_dim=D, page_size=4, num_pages=16, backend=backend)
+    args.update(kw)
+    return rotary.KVCache(kw.pop("spec", None) or spec16(), **{k: v for k, v in args.items() if k != "spec"})
+
+
+def tokens(rng, n, dtype=np.float32):
+    return rng.standard_normal((n, H, D)).astype(dtype)
+
+
+def state(cache):
+    return (cache.lengths.copy(), cache.block_table.copy(), cache.free_pages, cache.active.tolist(),
+            [None if a is None else a.copy() for a in cache._pools])
+
+
+def assert_state(cache, snap):
+    lengths, table, free, active, pools = snap
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    np.testing.assert_array_equal(cache.block_table, table)
+    assert cache.free_pages == free and cache.active.tolist() == active
+    for a, b in zip(cache._pools, pools):
+        if b is not None:
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def oracle_keys(k, positions, spec=None):
+    spec = spec or spec16()
+    inv = spec.base ** (-np.arange(0, spec.rotary_dim, 2, dtype=np.float64) / spec.rotary_dim)
+    return rope_complex(np.asarray(k, np.float64).transpose(1, 0, 2), np.asarray(positions), inv).transpose(1, 0, 2)
+
+
+# -- one pool for every layer -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_layers_share_one_table_and_equal_separate_caches(backend, rng):
+    """A 3-layer cache: layer 0's append takes the step's pages, layers 1 and 2 write the same slots; each layer's
+    keys and attention equal a single-layer cache fed that layer's tokens (bit for bit)."""
+    L = 3
+    multi = paged(backend, layers=L)
+    singles = [paged(backend) for _ in range(L)]
+    cu = np.array([0, 5, 6, 13])
+    ks = [tokens(rng, 13) for _ in range(L)]
+    for i in range(L):
+        multi.append(ks[i], ks[i] * 2, seq_ids=[0, 2, 3], cu_seqlens=cu, layer=i)
+        singles[i].append(ks[i], ks[i] * 2, seq_ids=[0, 2, 3], cu_seqlens=cu)
+    for step in range(2):
+        kd = [rng.standard_normal((3, 1, H, D)).astype(np.float32) for _ in range(L)]
+        multi.reserve([0, 2, 3], 1) if step else None
+        for i in range(L):
+            multi.layer(i).append(kd[i], kd[i], seq_ids=[0, 2, 3])
+            singles[i].append(kd[i], kd[i], seq_ids=[0, 2, 3])
+    assert multi.k_pool.shape[0] == L and multi.lengths.tolist() == [7, 0, 3, 9]
+    q = rng.standard_normal((3, 1, 4, D)).astype(np.float32)
+    for i in range(L):
+        np.testing.assert_array_equal(multi.keys(3, layer=i), singles[i].keys(3))
+        np.testing.assert_array_equal(rotary.attention(q, multi.layer(i), seq_ids=[0, 2, 3]),
+                                      rotary.attention(q, singles[i], seq_ids=[0, 2, 3]))
+
+
+def test_a_step_is_written_by_every_layer_in_order(rng):
+    cache = paged(layers=2)
+    k = rng.standard_normal((4, 1, H, D)).astype(np.float32)
+    with pytest.raises(ValueError, match="layer 1 appends before layer 0"):
+        cache.append(k, k, layer=1)
+    with pytest.raises(ValueError, match="pass layer="):
+        cache.append(k, k)
+    cache.append(k, k, layer=0)
+    snap = state(cache)
+    for bad, match in ((lambda: cache.append(k, k, layer=0), "layer 0 has appended this step's keys already"),
+                       (lambda: cache.append(k[:2], k[:2], seq_ids=[0, 1], layer=1), "other sequences"),
+                       (lambda: cache.append(np.concatenate([k, k], 1), np.concatenate([k, k], 1), layer=1),
+                        "token counts"),
+                       (lambda: cache.free([0]), r"free waits for the step under way: layers \[1\]"),
+                       (lambda: cache.fork(0), "fork waits"),
+                       (lambda: rotary.attention(k[:, :, :1].repeat(2, 2), cache.layer(1)), "attends before appending"),
+                       (lambda: cache.append(k, k, layer=2), r"layer must be in \[0, 2\)")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+        assert_state(cache, snap)
+    cache.append(k, k, layer=1)
+    assert cache._step is None and cache.lengths.tolist() == [1, 1, 1, 1]
+
+
+# -- sequences as slots ---------------------------------------------------------------------------------------------
+def test_add_active_free(rng):
+    cache = paged(batch=3)
+    assert [cache.add(), cache.add()] == [0, 1] and cache.active.tolist() == [0, 1]
+    cache.free([0])
+    assert cache.active.tolist() == [1] and cache.add() == 0
+    cache.add()
+    snap = state(cache)
+    with pytest.raises(KVCacheFullError, match="every one of the cache's 3 sequence slots is in use"):
+        cache.add()
+    assert_state(cache, snap)
+    k = tokens(rng, 2)[None]
+    cache.free([2])
+    cache.append(k, k, seq_ids=[2])   # an append makes its sequence active too
+    assert cache.active.tolist() == [0, 1, 2]
+
+
+# -- shared pages --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_fork_shares_pages_and_copies_the_partial_page_on_write(backend, rng):
+    cache = paged(backend)
+    base = cache.free_pages
+    src = cache.add()
+    prompt = tokens(rng, 10)    # pages: 4 + 4 + 2 tokens
+    cache.append(prompt[None], prompt[None], seq_ids=[src])
+    dst = cache.fork(src)
+    assert cache.block_table[dst, :3].tolist() == cache.block_table[src, :3].tolist()
+    assert cache.free_pages == base - 3   # no page taken by the fork
+    a, b = tokens(rng, 1), tokens(rng, 1)
+    cache.append(a[None], a[None], seq_ids=[src])
+    cache.append(b[None], b[None], seq_ids=[dst])
+    assert cache.block_table[dst, 2] != cache.block_table[src, 2]   # the partial page: copied on write
+    assert cache.block_table[dst, :2].tolist() == cache.block_table[src, :2].tolist()
+    for seq, tail in ((src, a), (dst, b)):
+        want = oracle_keys(np.concatenate([prompt, tail]), np.arange(11))
+        np.testing.assert_allclose(cache.keys(seq), want, atol=2e-6)
+    cache.free([src, dst])
+    assert cache.free_pages == base and sorted(cache._book.free_list) == list(range(cache._book.allocated))
+
+
+def test_fork_of_part_into_a_chosen_slot_and_refusals(rng):
+    cache = paged()
+    k = tokens(rng, 9)
+    cache.append(k[None], k[None], seq_ids=[0])
+    assert cache.fork(0, dst=2, length=5) == 2 and cache.lengths[2] == 5
+    np.testing.assert_array_equal(cache.keys(2), cache.keys(0)[:5])
+    snap = state(cache)
+    for bad, error, match in ((lambda: cache.fork(0, dst=2), ValueError, "dst = 2 is in use"),
+                              (lambda: cache.fork(1), ValueError, "src = 1 is not a sequence in use"),
+                              (lambda: cache.fork(0, length=10), ValueError, r"length must be in \[0, 9\]"),
+                              (lambda: cache.fork(0, dst=7), ValueError, "out of range")):
+        with pytest.raises(error, match=match):
+            bad()
+        assert_state(cache, snap)
+
+
+def test_fork_on_a_contiguous_cache_copies(rng):
+    cache = rotary.KVCache(spec16(), batch=2, kv_heads=H, head_dim=D, capacity=12)
+    k = tokens(rng, 7)
+    cache.append(k[None], k[None], seq_ids=[0])
+    cache.fork(0)
+    np.testing.assert_array_equal(cache.keys(1), cache.keys(0))
+
+
+def test_free_never_returns_a_shared_page_twice(rng):
+    """Today's defect: sharing by writing the public block table made free return a page twice."""
+    cache = paged(num_pages=4, batch=3)
+    k = tokens(rng, 8)
+    cache.append(k[None], k[None], seq_ids=[0])
+    cache.fork(0)
+    cache.fork(0)
+    cache.free([0, 1])
+    assert cache.free_pages == 2
+    cache.free([2])
+    assert cache.free_pages == 4 and len(cache._book.free_list) == len(set(cache._book.free_list))
+
+
+def test_prefix_reuse_shares_kept_pages_and_evicts_them_last(rng):
+    cache = paged(num_pages=6)
+    prompt = list(range(100, 111))   # 11 tokens: pages 0..3, 4..7 full; 8..10 partial
+    k = tokens(rng, 11)
+    a = cache.add(tokens=prompt)
+    assert cache.lengths[a] == 0
+    cache.append(k[None], k[None], seq_ids=[a])
+    b = cache.add(tokens=prompt[:9] + [7, 7])   # shares pages 0 and 1 (8 tokens)
+    assert cache.lengths[b] == 8 and cache.block_table[b, :2].tolist() == cache.block_table[a, :2].tolist()
+    tail = tokens(rng, 3)
+    cache.append(tail[None], tail[None], seq_ids=[b])
+    np.testing.assert_array_equal(cache.keys(b)[:8], cache.keys(a)[:8])
+    c = cache.add(tokens=[1, 2, 3, 4, 5])        # another prompt: nothing kept
+    assert cache.lengths[c] == 0
+    cache.free([a, b, c])
+    assert cache._book.kept() == 2 and cache.free_pages == 6   # kept pages count as available
+    d = cache.add(tokens=prompt)                 # still kept: reused
+    assert cache.lengths[d] == 8
+    cache.free([d])
+    big = tokens(rng, 24)                        # needs every page: the kept ones are given back
+    cache.append(big[None], big[None], seq_ids=[0])
+    assert cache._book.kept() == 0 and cache.free_pages == 0
+    cache.free([0])
+    assert cache.add(tokens=prompt) == 0 and cache.lengths[0] == 0
+
+
+def test_a_full_prompt_hit_still_leaves_its_last_page_to_prefill(rng):
+    cache = paged()
+    prompt = list(range(8))
+    k = tokens(rng, 8)
+    cache.append(k[None], k[None], seq_ids=[cache.add(tokens=prompt)])
+    assert cache.lengths[cache.add(tokens=prompt)] == 4   # the last token's logits need a forward
+
+
+# -- rollback ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_truncate_rolls_back_and_returns_pages(backend, rng):
+    cache = paged(backend)
+    base = cache.free_pages
+    k = tokens(rng, 6)
+    cache.append(k[None], k[None], seq_ids=[1])
+    draft = tokens(rng, 5)
+    cache.append(draft[None], draft[None], seq_ids=[1])   # 11 tokens: 3 pages
+    cache.truncate([1], [7])                               # 2 drafts accepted: 2 pages
+    assert cache.lengths[1] == 7 and cache.free_pages == base - 2
+    nxt = tokens(rng, 1)
+    cache.append(nxt[None], nxt[None], seq_ids=[1])
+    want = oracle_keys(np.concatenate([k, draft[:1], nxt]), np.arange(8))
+    np.testing.assert_allclose(cache.keys(1), want, atol=2e-6)
+    snap = state(cache)
+    for bad, match in ((lambda: cache.truncate([1], [9]), r"lengths\[0\] = 9: sequence 1 holds 8 tokens"),
+                       (lambda: cache.truncate([1], [-1]), "lengths"),
+                       (lambda: cache.truncate([1, 2], [1, 2, 3]), "one length per sequence")):
+        with pytest.raises(ValueError, match=match):
+            bad()
+        assert_state(cache, snap)
+
+
+# -- position-independent reuse ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kind", ["plain", "yarn", "layers"])
+def test_insert_moves_an_exported_chunk_exactly(backend, kind, rng):
+    """A document's keys cached at positions 0.. and inserted after a 13-token prefix equal the float64 oracle's keys
+    at positions 13.. to float64 rounding; values as they were."""
+    scaling = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16) if kind == "yarn" else None
+    spec = rotary.RopeSpec(D, base=100.0, scaling=scaling, max_position_embeddings=64 if scaling else None)
+    layers = 2 if kind == "layers" else None
+    cache = rotary.KVCache(spec, batch=3, kv_heads=H, head_dim=D, page_size=4, num_pages=20, dtype=np.float64,
+                           backend=backend, layers=layers)
+    doc = rng.standard_normal((6, H, D))
+    prefix = rng.standard_normal((13, H, D))
+    for i in range(layers or 1):
+        cache.append(doc[None], doc[None] + i, seq_ids=[0], layer=None if layers is None else i)
+    chunk = cache.export(0)
+    assert isinstance(chunk, KVChunk) and chunk.start == 0
+    for i in range(layers or 1):
+        cache.append(prefix[None], prefix[None], seq_ids=[1], layer=None if layers is None else i)
+    cache.insert(1, chunk)
+    fresh = rotary.KVCache(spec, batch=1, kv_heads=H, head_dim=D, capacity=32, dtype=np.float64, backend=backend)
+    fresh.append(np.concatenate([prefix, doc])[None], np.concatenate([prefix, doc])[None])
+    for i in range(layers or 1):
+        got = cache.keys(1, layer=None if layers is None else i)
+        np.testing.assert_allclose(got, fresh.keys(0), rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(cache.values(1, layer=None if layers is None else i)[13:], doc + i)
+
+
+def test_insert_refusals_leave_the_cache_unchanged(rng):
+    cache = paged(dtype=np.float64, capacity=16)
+    doc = rng.standard_normal((6, H, D))
+    cache.append(doc[None], doc[None], seq_ids=[0])
+    chunk = cache.export(0, 2, 6)
+    other = rotary.KVCache(spec16(layout="interleaved"), batch=1, kv_heads=H, head_dim=D, capacity=8,
+                           dtype=np.float64)
+    other.append(doc[None, :4], doc[None, :4])
+    snap = state(cache)
+    for bad, error, match in (
+            (lambda: cache.insert(0, chunk, at_position=3), ValueError, "at_position = 3, but sequence 0 holds 6"),
+            (lambda: cache.insert(0, other.export(0)), ValueError, "another spec"),
+            (lambda: cache.insert(0, chunk.keys), TypeError, "needs values= and from_position="),
+            (lambda: cache.insert(0, chunk.keys[:, :1], chunk.values, from_position=0), ValueError, "must be"),
+            (lambda: cache.insert(0, np.zeros((11, H, D)), np.zeros((11, H, D)), from_position=0), KVCacheFullError,
+             "past the cache's capacity of 16"),
+            (lambda: cache.export(0, 4, 9), ValueError, "start, stop")):
+        with pytest.raises(error, match=match):
+            bad()
+        assert_state(cache, snap)
+    dyn = rotary.KVCache(spec16(scaling=dict(rope_type="dynamic", factor=2.0), max_position_embeddings=8), batch=1,
+                         kv_heads=H, head_dim=D, capacity=16, dtype=np.float64)
+    dyn.append(doc[None], doc[None])
+    with pytest.raises(ValueError, match="depend on the sequence length"):
+        dyn.insert(0, dyn.export(0))
+
+
+# -- sliding-window caches -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_window_cache_gives_pages_back_and_attends_as_a_full_cache(backend, rng):
+    W = 5
+    win = paged(backend, window=W, num_pages=8, batch=2)
+    full = paged(backend, num_pages=16, batch=2)
+    k = tokens(rng, 9)
+    for cache in (win, full):
+        cache.append(np.stack([k, k]), np.stack([k, -k]))
+    for step in range(14):
+        kd = rng.standard_normal((2, 1, H, D)).astype(np.float32)
+        q = rng.standard_normal((2, 1, 4, D)).astype(np.float32)
+        outs = []
+        for cache in (win, full):
+            cache.append(kd, kd)
+            outs.append(rotary.attention(q, cache, **({} if cache is win else dict(window=W))))
+        np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=1e-6)
+        held = np.count_nonzero(win.block_table[0] >= 0)
+        assert held <= -(-W // 4) + 1   # the pages of the window only
+    assert win.held_from(0) > 0 and win.keys(0).shape[0] == int(win.lengths[0]) - win.held_from(0)
+    q = rng.standard_normal((2, 3, 4, D)).astype(np.float32)
+    with pytest.raises(ValueError, match="may only narrow it"):
+        rotary.attention(q, win, window=W + 1)
+    for bad in (0, 2.5, True, -3):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            paged(window=bad)
+
+
+# -- copies of an engine's cache -----------------------------------------------------------------------------------
+def test_copies_keep_shared_pages_and_prefix(rng):
+    cache = paged(layers=2)
+    prompt = list(range(9))
+    k = tokens(rng, 9)
+    a = cache.add(tokens=prompt)
+    for i in range(2):
+        cache.append(k[None], k[None], seq_ids=[a], layer=i)
+    cache.fork(a)
+    for clone in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert_state(clone, state(cache))
+        assert clone.lengths[clone.add(tokens=prompt)] == 8
+        clone.free(clone.active)
+        assert clone.free_pages == cache.num_pages
+        assert cache.active.tolist() == [0, 1]
