@@ -51,18 +51,21 @@ class PageBook:
         self.counts[page] = 1
         return page
 
-    def share(self, page: int) -> None:
-        self.counts[page] += 1
+    def share(self, pages) -> None:
+        """One holder more for each of ``pages`` (the >= 0 entries of a block table row: distinct pages)."""
+        pages = np.asarray(pages, np.int64)
+        self.counts[pages[pages >= 0]] += 1
 
     def release(self, pages) -> None:
-        """One holder fewer for each of ``pages`` (>= 0 entries of a block table row); a page no one holds is free."""
-        for page in pages:
-            page = int(page)
-            if page < 0:
-                continue
-            self.counts[page] -= 1
-            if self.counts[page] == 0:
-                self.free_list.append(page)
+        """One holder fewer for each of ``pages`` (the >= 0 entries of a block table row: distinct pages); a page no
+        one holds is free."""
+        pages = np.asarray(pages, np.int64)
+        pages = pages[pages >= 0]
+        if pages.size == 0:
+            return
+        self.counts[pages] -= 1
+        freed = pages[self.counts[pages] == 0]
+        self.free_list.extend(np.sort(freed)[::-1].tolist())
 
     def reset(self) -> None:
         """Every page free, the prefix cache empty."""

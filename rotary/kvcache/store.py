@@ -347,9 +347,8 @@ class KVCache:
             ps = self.page_size
             keys = PageBook.hashes(tokens, ps, len(tokens) // ps)
             reuse = self._book.lookup(keys[:max(0, (len(tokens) - 1) // ps)])
-            for j, page in enumerate(reuse):
-                self._book.share(page)
-                self.block_table[b, j] = page
+            self._book.share(reuse)
+            self.block_table[b, :len(reuse)] = reuse
             self.lengths[b] = len(reuse) * ps
             self._tokens[b] = [tokens, keys, len(reuse)]   # prompt, its page keys, pages kept so far
         return b
@@ -697,9 +696,7 @@ class KVCache:
         if self.paged:
             pages = -(-length // self.page_size)
             row = self.block_table[src, :pages]
-            for page in row.tolist():
-                if page >= 0:
-                    self._book.share(page)
+            self._book.share(row)
             self.block_table[dst, :pages] = row
         else:
             for pool in self._pools:
