@@ -1,7 +1,8 @@
 """The KV cache: stateless primitives over caller-owned pools and tables (:mod:`.primitives`: ``kv_append``,
-``paged_attention``) and :class:`KVCache`, a thin owner of pools, tables and lengths over them (:mod:`.store`)."""
+``paged_attention``; engines' tables in :mod:`.tables`) and :class:`KVCache`, a thin owner of pools, tables and
+lengths over them (:mod:`.store`), with its page book (:mod:`.pages`: holder counts, the prefix cache)."""
 
 from .primitives import kv_append, paged_attention
-from .store import KVCache, KVCacheFullError
+from .store import KVCache, KVCacheFullError, KVCacheLayer, KVChunk
 
-__all__ = ["KVCache", "KVCacheFullError", "kv_append", "paged_attention"]
+__all__ = ["KVCache", "KVCacheFullError", "KVCacheLayer", "KVChunk", "kv_append", "paged_attention"]
