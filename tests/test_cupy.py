@@ -153,3 +153,67 @@ def test_out_overlapping_the_other_input_is_an_error(cupy):
     q_rot, k_rot = rotary.apply_qk(q, k, out=(q, k), seq_axis=1, backend="cupy")   # fused-qkv in place: fine
     assert q_rot is q and k_rot is k
     np.testing.assert_array_equal(cupy.asnumpy(qkv[:, :, 2]), before[:, :, 2])   # v untouched
+
+
+# -- the KV primitives on the GPU (tests/test_kv_cache_cuda_shim.py runs the same kernels on the host shim) ------
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_kv_append_keys_are_rotated_keys_bit_for_bit(cupy, dtype, layout):
+    """The rounding contract on the device: rope_rotate's rotation and kv_append's keys (float entries) are the
+    same bits, and both are NumPy's (x_a c - x_b s in the work dtype, each product and sum rounded alone: no FMA,
+    then one rounding to the dtype); padding slots (-1) are skipped, other slots left alone."""
+    rng = np.random.default_rng(4)
+    T, H, D = 40, 4, 64
+    spec = RopeSpec(D, layout=layout)
+    work = np.float64 if dtype == "float64" else np.float32
+    cos, sin = (np.ascontiguousarray(a) for a in spec.cos_sin(np.arange(4096), dtype=work))
+    rows = rng.integers(0, 4096, T)
+    k = rng.standard_normal((T, H, D)).astype(dtype)
+    ia = 2 * np.arange(D // 2) if layout == "interleaved" else np.arange(D // 2)
+    ib = ia + (1 if layout == "interleaved" else D // 2)
+    w, c, s = k.astype(work), cos[rows][:, None], sin[rows][:, None]
+    y = w.copy()
+    y[..., ia], y[..., ib] = w[..., ia] * c - w[..., ib] * s, w[..., ib] * c + w[..., ia] * s
+    want = y.astype(dtype)
+    cos_d, sin_d = cupy.asarray(cos), cupy.asarray(sin)
+    (rot,) = cb.rotate([(cupy.asarray(k[None]), None)], cos_d, sin_d, cupy.asarray(rows[None]), rotary_dim=D,
+                       layout=layout, inverse=False)
+    slots = rng.permutation(T + 8)[:T]
+    slots[::7] = -1
+    stores = (cupy.full((T + 8, H, D), np.nan, dtype), cupy.full((T + 8, H, D), np.nan, dtype), None, None)
+    cb.append_kv(cupy.asarray(k), cupy.asarray(k), cos_d, sin_d, cupy.asarray(rows), cupy.asarray(slots), stores,
+                 rotary_dim=D, layout=layout, offset=0, kv_dtype=None)
+    np.testing.assert_array_equal(cupy.asnumpy(rot)[0].view(np.uint8), want.view(np.uint8))
+    entries, keep = cupy.asnumpy(stores[0]), slots >= 0
+    np.testing.assert_array_equal(entries[slots[keep]].view(np.uint8), want[keep].view(np.uint8))
+    assert np.isnan(np.delete(entries, slots[keep], axis=0)).all()
+
+
+KV_GPU_FORMATS = [("float32", None), ("float32", "int8"), ("float32", "float8_e4m3"), ("float16", None),
+                  ("float16", "int8"), ("float16", "float8_e4m3"), ("float64", None), ("float64", "int8")]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", KV_GPU_FORMATS, ids=[f"{d}-{k}" for d, k in KV_GPU_FORMATS])
+def test_kv_primitives_on_the_gpu(cupy, dtype, kv_dtype):
+    """cb.append_kv replays a paged pool's appends (packed prefill, decode steps, padding, a forked page) bit for bit
+    the reference's; cb.paged_attention over it (GQA, mixed prefill + decode in one launch, dense decode, window,
+    softcap, non-causal) against the float64 oracle of tests/test_kv_cache_cuda_shim.py."""
+    from .test_kv_cache_cuda_shim import ATTENTION_CASES, SEQ_LENS, SHARED, Pool, assert_close, assert_same_bits, oracle
+
+    pool = Pool(None, dtype=dtype, kv_dtype=kv_dtype, seq_lens=SEQ_LENS, shared=SHARED, seed=5)
+    dev = tuple(None if a is None else cupy.asarray(a) for a in pool.initial)
+    cos, sin = (cupy.asarray(a) for a in pool.tables)
+    for k, v, rows, slots in pool.batches:
+        cb.append_kv(cupy.asarray(k), cupy.asarray(v), cos, sin, cupy.asarray(rows), cupy.asarray(slots), dev,
+                     rotary_dim=pool.spec.rotary_dim, layout=pool.spec.layout, offset=pool.spec.rotary_offset,
+                     kv_dtype=kv_dtype)
+    assert_same_bits([None if a is None else cupy.asnumpy(a) for a in dev], pool.stores)
+    rng = np.random.default_rng(6)
+    for case, (seqs, counts, kw) in ATTENTION_CASES.items():
+        q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
+        kw = dict(dict(scale=32 ** -0.5, softcap=None, window=None, causal=True), **kw)
+        table, lens, starts = pool.block_table[seqs], pool.seq_lens[seqs], pool.q_starts(counts)
+        o = cb.paged_attention(cupy.asarray(q), dev, cupy.asarray(table), pool.page_size, cupy.asarray(lens),
+                               cupy.asarray(starts), kv_dtype=kv_dtype, **kw)
+        want = oracle(q, pool.stores, table, pool.page_size, lens, starts, kv_dtype=kv_dtype, **kw)
+        assert_close(cupy.asnumpy(o), want, dtype)

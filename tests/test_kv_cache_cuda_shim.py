@@ -98,13 +98,19 @@ def launch_append(kernels, k, v, cos, sin, rows, slots, stores, *, spec, kv_dtyp
     return plan
 
 
+def append_reference(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+    """The reference append (kv_entries.append_kv) of the tokens that are not padding, into ``stores``."""
+    keep = np.asarray(slots) >= 0
+    kv_entries.append_kv(k[keep], v[keep], cos, sin, np.asarray(rows, np.int64)[keep],
+                         np.asarray(slots, np.int64)[keep], stores, rotary_dim=rotary_dim, layout=layout,
+                         offset=offset, kv_dtype=kv_dtype)
+
+
 def reference(k, v, cos, sin, rows, slots, stores, *, spec, kv_dtype):
     """The reference append of the tokens that are not padding, on copies of ``stores``."""
     out = copy_stores(stores)
-    keep = np.asarray(slots) >= 0
-    kv_entries.append_kv(k[keep], v[keep], cos, sin, np.asarray(rows, np.int64)[keep],
-                         np.asarray(slots, np.int64)[keep], out, rotary_dim=spec.rotary_dim, layout=spec.layout,
-                         offset=spec.rotary_offset, kv_dtype=kv_dtype)
+    append_reference(k, v, cos, sin, rows, slots, out, rotary_dim=spec.rotary_dim, layout=spec.layout,
+                     offset=spec.rotary_offset, kv_dtype=kv_dtype)
     return out
 
 
@@ -391,10 +397,12 @@ ATTENTION_TOL = {"float32": 2e-6, "float64": 1e-12, "float16": 2e-3}
 
 
 class Pool:
-    """A paged KV pool the append kernel filled, with its host tables. Sequences ``seq_lens`` (ragged, one empty),
-    pages of ``page_size`` slots in a scattered order; sequence ``shared[1]`` reads its first ``shared[2]`` pages
-    from sequence ``shared[0]``'s table (a fork: those keys are the other sequence's). Unused slots and the table
-    entries past each sequence's pages hold NaN keys and values (NaN scales for quantized formats)."""
+    """A paged KV pool the append kernel filled (``kernels`` None: the reference append), with its host tables.
+    Sequences ``seq_lens`` (ragged, one empty), pages of ``page_size`` slots in a scattered order; sequence
+    ``shared[1]`` reads its first ``shared[2]`` pages from sequence ``shared[0]``'s table (a fork: those keys are
+    the other sequence's). Unused slots and the table entries past each sequence's pages hold NaN keys and values
+    (NaN scales for quantized formats). ``initial``, ``tables`` and ``batches`` (k, v, rows, slots of each append)
+    replay the appends elsewhere (tests/test_cupy.py: on a GPU)."""
 
     def __init__(self, kernels, *, dtype, kv_dtype, seq_lens, page_size=4, kv_heads=2, head_dim=32, shared=None,
                  seed=0, check_bits=False, geometry=None):
@@ -425,10 +433,12 @@ class Pool:
             self.stores = (np.zeros(shape, entry), np.zeros(shape, entry), np.full(shape[:2], np.nan, work),
                            np.full(shape[:2], np.nan, work))
         self.spec = RopeSpec(head_dim, rotary_dim=head_dim - 8, layout="interleaved", base=500.0)
-        cos, sin = tables(self.spec, int(self.seq_lens.max(initial=1)), work)
-        module = kv_shim_backend(kernels, append=dict(zip(("threads", "group", "max_tokens_per_block"),
-                                                          GEOMETRIES[geometry or "default"])))
-        want = copy_stores(self.stores) if check_bits else None
+        self.tables = cos, sin = tables(self.spec, int(self.seq_lens.max(initial=1)), work)
+        append = append_reference if kernels is None else kv_shim_backend(
+            kernels, append=dict(zip(("threads", "group", "max_tokens_per_block"), GEOMETRIES[geometry or "default"]))
+        ).append_kv
+        self.initial = copy_stores(self.stores)
+        self.batches = []
         # a packed prefill of every sequence's keys but its last two, then two decode steps (padding among them)
         for step, (lo, hi) in enumerate(((None, -2), (-2, -1), (-1, None))):
             ks, vs, rows, slots = [], [], [], []
@@ -441,11 +451,14 @@ class Pool:
                 vs.append(rng.standard_normal((len(positions), kv_heads, head_dim)))
             k, v = np.concatenate(ks).astype(dtype), np.concatenate(vs).astype(dtype)
             k, v, rows, slots = with_padding(rng, k, v, np.concatenate(rows), np.concatenate(slots), 2)
-            module.append_kv(k, v, cos, sin, rows, slots, self.stores, rotary_dim=self.spec.rotary_dim,
-                             layout=self.spec.layout, offset=self.spec.rotary_offset, kv_dtype=kv_dtype)
-            if check_bits:
-                want = reference(k, v, cos, sin, rows, slots, want, spec=self.spec, kv_dtype=kv_dtype)
-        if check_bits:
+            self.batches.append((k, v, rows, slots))
+            append(k, v, cos, sin, rows, slots, self.stores, rotary_dim=self.spec.rotary_dim,
+                   layout=self.spec.layout, offset=self.spec.rotary_offset, kv_dtype=kv_dtype)
+        if check_bits:   # the kernel's pool is the reference's, bit for bit
+            want = copy_stores(self.initial)
+            for k, v, rows, slots in self.batches:
+                append_reference(k, v, cos, sin, rows, slots, want, rotary_dim=self.spec.rotary_dim,
+                                 layout=self.spec.layout, offset=self.spec.rotary_offset, kv_dtype=kv_dtype)
             assert_same_bits(self.stores, want)
 
     def q_starts(self, counts):
