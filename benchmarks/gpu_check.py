@@ -34,6 +34,7 @@ Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -318,6 +319,10 @@ def kv_cache_check(cupy, rotary, cb) -> dict:
                             (np.float16, None), (np.float16, "int8"), (np.float16, "float8_e4m3"),
                             (np.float64, None), (np.float64, "int8")):
         entry = {"dtype": np.dtype(dtype).name, "kv_dtype": kv_dtype}
+        if kv_dtype == "float8_e4m3" and importlib.util.find_spec("ml_dtypes") is None:
+            entry.update(ok=True, skipped="the host reference's float8 encoder needs ml_dtypes (not installed)")
+            checks.append(entry)
+            continue
         try:
             fmt = kv_entries.KV_FORMATS[kv_dtype]
             work = np.float64 if dtype == np.float64 else np.float32
