@@ -1,5 +1,6 @@
-"""The docs' NumPy decoder (docs/scripts/numpy_decoder.py: one rotary.KVCache per layer, a packed prefill of a
-ragged batch, decode steps with attention(q, cache)) against Hugging Face transformers' ``generate``.
+"""The package's NumPy decoder (rotary.examples.decoder: one multi-layer rotary.KVCache per kind of layer, a packed
+prefill of a ragged batch, decode steps with attention(q, cache.layer(i))) against Hugging Face transformers'
+``generate`` (tests/test_engine_hf.py checks the engine over it).
 
 Llama 3.1 (llama3 scaling), Qwen3 (q/k norms, YaRN) and Gemma 3 text (sliding layers on the local base,
 global layers on rope_theta with linear scaling) with tiny random weights in float64: a left-padded batch of
@@ -16,7 +17,6 @@ docs/decoding.md quotes), a paged cache against the contiguous one, EOS stopping
 (cache.slide) against a fresh prefill of the tokens it keeps.
 """
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import rotary
+from rotary.examples import decoder as dec
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("llama", "qwen3", "gemma3")
@@ -33,16 +34,6 @@ NEW_TOKENS = 8
 PAD = 0
 
 
-def _decoder_module():
-    path = ROOT / "docs" / "scripts" / "numpy_decoder.py"
-    spec = importlib.util.spec_from_file_location("numpy_decoder_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-dec = _decoder_module()
 
 
 # -- the HF oracle ---------------------------------------------------------------------------------------------
@@ -153,8 +144,10 @@ def test_config_reads_each_family(hf_family):
         local, glob = cfg.specs[0], cfg.specs[1]
         assert local.base == 10000.0 and glob.base == 1000000.0 and glob.scaling is not None and local.scaling is None
         decoder = dec.Decoder(cfg, {"model.embed_tokens.weight": np.zeros((1, 1))})
-        assert [a["window"] for a in decoder.attn_args] == [4, None, 4]
         assert decoder.attn_args[0]["scale"] == 24 ** -0.5
+        cache = decoder.new_cache(2, 16, page_size=4)   # one cache per kind: sliding layers 0, 2; global layer 1
+        assert [(c.layers, c.window) for c in cache.caches] == [(2, 4), (1, None)]
+        assert cache.layers_of == [[0, 2], [1]] and cache.caches[0].spec == local and cache.caches[1].spec == glob
     else:
         assert cfg.specs[0].scaling_dict["rope_type"] == {"llama": "llama3", "qwen3": "yarn"}[family]
 
@@ -185,7 +178,7 @@ def test_generate_matches_hf_prompt_by_prompt(hf_family):
     """Each prompt alone (no padding) through HF's forward gives the logits of our batched prefill."""
     torch = pytest.importorskip("torch")
     family, model, cfg, weights = hf_family
-    ours = dec.Decoder(cfg, weights).forward(PROMPTS, dec.Decoder(cfg, weights).new_caches(3, 16))
+    ours = dec.Decoder(cfg, weights).forward(PROMPTS, dec.Decoder(cfg, weights).new_cache(3, 16))
     for n, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             theirs = model(torch.tensor([prompt])).logits[0, -1].numpy()
@@ -230,10 +223,10 @@ def _random_decoder(family, dtype=np.float64, **overrides):
 
 def _logits_along(decoder, prompts, tokens, **cache_args):
     """Teacher-forced logits (n, steps, vocab): the prompts, then the given tokens one step at a time."""
-    caches = decoder.new_caches(len(prompts), max(map(len, prompts)) + len(tokens[0]), **cache_args)
-    out = [decoder.forward(prompts, caches)]
+    cache = decoder.new_cache(len(prompts), max(map(len, prompts)) + len(tokens[0]), **cache_args)
+    out = [decoder.forward(prompts, cache)]
     for j in range(len(tokens[0]) - 1):
-        out.append(decoder.forward([[t[j]] for t in tokens], caches))
+        out.append(decoder.forward([[t[j]] for t in tokens], cache))
     return np.stack(out, axis=1)
 
 
@@ -270,16 +263,24 @@ def test_paged_cache_gives_the_contiguous_tokens(family):
 
 
 def test_paged_cache_memory_grows_with_tokens():
+    """One pool for every layer (llama: one cache of 3 layers): it grows with the pages in use, 3 per sequence after
+    12 tokens; Gemma's sliding-window cache gives pages wholly outside the window back, its global cache does not."""
     decoder = _random_decoder("llama")
-    paged = decoder.new_caches(3, 64, page_size=4)[0]
-    contiguous = decoder.new_caches(3, 64)[0]
+    paged, contiguous = decoder.new_cache(3, 64, page_size=4), decoder.new_cache(3, 64)
+    assert len(paged.caches) == 1 and paged.caches[0].layers == 3
     start = paged.nbytes
-    k = np.zeros((3, 2, 2, 16))
-    paged.append(k, k)
+    decoder.forward([[1, 2]] * 3, paged)
     assert paged.nbytes == start < contiguous.nbytes    # 3 pages of 4 tokens, one per sequence
     for _ in range(5):
-        paged.append(k, k)
-    assert paged.nbytes > start and paged.free_pages == paged.num_pages - 3 * 3
+        decoder.forward([[3, 4]] * 3, paged)
+    assert paged.nbytes > start and paged.free_pages == paged.caches[0].num_pages - 3 * 3
+    gemma = _random_decoder("gemma3")
+    cache = gemma.new_cache(3, 64, page_size=4)
+    for _ in range(6):
+        gemma.forward([[3, 4]] * 3, cache)
+    sliding, glob = cache.caches            # window 4: the last query's window and the next one's in 2 pages
+    assert sliding.window == 4 and glob.window is None
+    assert glob.free_pages == glob.num_pages - 9 and sliding.free_pages == sliding.num_pages - 3 * 2
 
 
 def test_sliding_cache_matches_fresh_prefill_of_what_it_keeps():
@@ -293,15 +294,16 @@ def test_sliding_cache_matches_fresh_prefill_of_what_it_keeps():
         for j in range(1, NEW_TOKENS):
             end = len(prompt) + j                   # the new token is stream[end - 1]
             kept = stream[:end - 1] if end - 1 <= sinks + window else stream[:sinks] + stream[end - 1 - window:end - 1]
-            fresh = decoder.forward([kept + [stream[end - 1]]], decoder.new_caches(1, 32))[0]
+            fresh = decoder.forward([kept + [stream[end - 1]]], decoder.new_cache(1, 32))[0]
             np.testing.assert_allclose(logits[b][j], fresh, rtol=0, atol=1e-10, err_msg=f"sequence {b} step {j}")
     full = dec.generate(decoder, PROMPTS, NEW_TOKENS, return_logits=True)[1]
     assert np.abs(np.array(full[1][-1]) - np.array(logits[1][-1])).max() > 1e-3   # the slide changed something
 
 
-def test_script_prints_tokens():
-    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "scripts" / "numpy_decoder.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("command", [["docs/scripts/numpy_decoder.py"], ["-m", "rotary.examples.decoder"]],
+                         ids=["docs-shim", "module"])
+def test_script_prints_tokens(command):
+    proc = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().split("\n")
     assert [line.split()[0] for line in lines if not line.startswith(" ")] == list(FAMILIES)

@@ -1,0 +1,12 @@
+"""Worked examples shipped with the package, imported only when asked (``import rotary`` never loads them).
+
+* :mod:`rotary.examples.decoder`: a decoder-only transformer in NumPy + rotary (Llama 3.1, Qwen3, Gemma 3 text
+  read from a Hugging Face config) over one multi-layer :class:`rotary.KVCache` per kind of layer, and its greedy
+  ``generate``;
+* :mod:`rotary.examples.engine`: a small continuous-batching engine over that decoder (admission, prefill chunks
+  and decode tokens in one forward per step, EOS, parallel sampling by ``fork``, speculative rollback by
+  ``truncate``, prefix reuse, position-independent reuse of a cached document by ``export`` / ``insert``).
+
+Both are checked token for token against Hugging Face ``generate`` (``tests/test_decoding_hf.py``,
+``tests/test_engine_hf.py``); docs/decoding.md walks through them.
+"""
