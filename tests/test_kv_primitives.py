@@ -584,3 +584,25 @@ def test_copies_and_pickles_are_independent_caches(kv_dtype, rng):
         assert_state(cache, snap)   # the original untouched
         np.testing.assert_array_equal(rotary.attention(q, clone, seq_ids=[1, 2]),
                                       rotary.attention(q, twin, seq_ids=[1, 2]))
+
+
+@grid
+def test_pages_before_the_window_may_be_gone(backend, rng):
+    """With a causal window, pages wholly before the first query's window are never read: an engine (or a windowed
+    KVCache) gives them back and marks them -1; the result is the oracle's over the pages still held."""
+    spec = rotary.RopeSpec(32, base=500.0)
+    k_pool, v_pool, _, table, lens = filled(rng, "numpy", dtype=np.float32, kv_dtype=None, spec=spec,
+                                            lens=(11, 6, 1, 13), shared=False)
+    counts, window = np.array([1, 2, 1, 1]), 3
+    gone = table.copy()
+    for i, (L, c) in enumerate(zip(lens.tolist(), counts.tolist())):
+        gone[i, :max(0, L - c - window + 1) // 4] = -1
+    assert (gone == -1).sum() > (table == -1).sum()
+    q = rng.standard_normal((int(counts.sum()), 8, 32)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    o = rotary.paged_attention(q, k_pool, v_pool, gone, lens, spec=spec, cu_seqlens=cu, window=window,
+                               backend=backend)
+    want = oracle_paged(q, counts, k_pool, v_pool, None, table, lens, None, spec, scale=32 ** -0.5, window=window)
+    np.testing.assert_allclose(o, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="is not a page of the pool"):   # without the window they are read
+        rotary.paged_attention(q, k_pool, v_pool, gone, lens, spec=spec, cu_seqlens=cu, backend=backend)
