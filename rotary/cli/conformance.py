@@ -5,6 +5,10 @@ with the float64 complex-multiplication oracle; a case passes when
 ``|y - y_ref| <= atol + rtol * |y_ref|`` everywhere (tolerances from ``rotary.testing``).
 Prints one table row per (backend, case) and a summary line. Exit status: 0 when every case
 passed on every backend, 1 when any case failed, 2 when a named backend is unavailable here.
+
+``--impl package.module:function`` runs the cases against another implementation instead
+(``rotary.conformance.check``, docs/conformance.md): one row per case with its diagnosis; exit status
+0 when no applicable case failed, 1 when one did, 2 when the implementation cannot be loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ HELP = "run the cross-backend conformance suite against float64 oracles"
 EPILOG = """examples:
   python -m rotary conformance --quick              # a representative subset on every available backend
   python -m rotary conformance --backend numba      # every case on one backend (exit 1 on a failure, 2 if unavailable)
-  python -m rotary conformance --errors             # the bad-input catalogue: each case's error and message"""
+  python -m rotary conformance --errors             # the bad-input catalogue: each case's error and message
+  python -m rotary conformance --impl mypkg.rope:apply_rope --quick      # your f(x, positions, spec) -> y
+  python -m rotary conformance --impl transformers.models.gpt_neox.modeling_gpt_neox:apply_rotary_pos_emb --signature hf"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failures-only", action="store_true", help="print only the failing rows")
     parser.add_argument("--errors", action="store_true",
                         help="run the bad-input catalogue instead (each case's exception and message, or exact value)")
+    from ..conformance.adapters import ARRAYS, DTYPES, SIGNATURES
+
+    impl = parser.add_argument_group("another implementation (rotary.conformance.check; docs/conformance.md)")
+    impl.add_argument("--impl", metavar="MODULE:FUNCTION",
+                      help="run the cases against this RoPE (package.module:function) instead of rotary's backends")
+    impl.add_argument("--signature", choices=SIGNATURES, default="plain",
+                      help="how --impl is called (default plain: f(x, positions, spec) -> y)")
+    impl.add_argument("--arrays", choices=ARRAYS, help="array library of the inputs (default: the signature's)")
+    impl.add_argument("--dtypes", default=",".join(DTYPES), metavar="D1,D2",
+                      help=f"comma-separated dtypes (default {','.join(DTYPES)})")
+    impl.add_argument("--cos-sin", metavar="MODULE:FUNCTION",
+                      help="hf / flash_attn: the implementation's own cos/sin instead of rotary's")
+    impl.add_argument("--skip", action="append", default=[], metavar="PATTERN",
+                      help="case names (fnmatch patterns) --impl does not implement: reported n/a (repeatable)")
+    impl.add_argument("--strict", action="store_true", help="exact angles in every case (no float32-angle allowance)")
+    impl.add_argument("--plot", metavar="PATH", help="save the error against position (matplotlib) to PATH")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -61,6 +83,8 @@ def run_cli(args: argparse.Namespace, stdout=None) -> int:
     stdout = stdout or sys.stdout
     if getattr(args, "errors", False):
         return run_errors(args, stdout)
+    if getattr(args, "impl", None):
+        return run_impl(args, stdout)
     avail = available_backends()
     if args.backends:
         requested = list(dict.fromkeys(args.backends))
@@ -83,6 +107,31 @@ def run_cli(args: argparse.Namespace, stdout=None) -> int:
     print(f"conformance ({'quick' if args.quick else 'full'}): {verdict}; cases passed per backend: {per_backend}",
           file=stdout)
     return 1 if failed else 0
+
+
+def run_impl(args: argparse.Namespace, stdout) -> int:
+    """``--impl``: rotary.conformance.check on the named implementation; the report, then exit 0 / 1 / 2."""
+    from ..conformance.check import check, load_impl
+
+    try:
+        impl = load_impl(args.impl)
+        cos_sin = load_impl(args.cos_sin) if args.cos_sin else None
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"cannot load {args.impl!r}: {type(exc).__name__}: {exc}", file=stdout)
+        return 2
+    dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+    try:
+        report = check(impl, signature=args.signature, cases="quick" if args.quick else "full", dtypes=dtypes,
+                       report=False, arrays=args.arrays, cos_sin=cos_sin, strict=args.strict, skip=args.skip,
+                       name=args.impl)
+    except (ImportError, ValueError) as exc:
+        print(f"cannot run the check: {exc}", file=stdout)
+        return 2
+    print(report.format(failures_only=args.failures_only), file=stdout)
+    if args.plot:
+        report.plot(args.plot)
+        print(f"error against position saved to {args.plot}", file=stdout)
+    return 0 if report.passed else 1
 
 
 def run_errors(args: argparse.Namespace, stdout) -> int:

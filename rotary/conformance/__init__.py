@@ -1,3 +1,17 @@
-"""The cross-backend conformance cases (:mod:`.cases`, run by the tests and ``python -m rotary
-conformance``) and the bad-input catalogue (:mod:`.error_cases`, ``python -m rotary conformance
---errors``)."""
+"""Conformance: rotary's cases against float64 oracles.
+
+- :func:`check` (``rotary.conformance.check``): the cases run against anyone's RoPE through an adapter per
+  signature (plain, HF, flash-attn, vLLM, MLX), with a report per case and a diagnosis of failures
+  (``python -m rotary conformance --impl package.module:function``; docs/conformance.md);
+- :mod:`.cases`: the cross-backend cases of rotary's own backends (the tests and ``python -m rotary
+  conformance``); :mod:`.kv_cases` the KV-cache cases; :mod:`.error_cases` the bad-input catalogue
+  (``python -m rotary conformance --errors``).
+
+Importing this package imports NumPy and rotary only (torch, JAX, MLX and matplotlib load when a check
+uses them).
+"""
+
+from .adapters import SIGNATURES, NotApplicable
+from .check import CaseResult, ImplCase, Report, check   # noqa: F811 (the function shadows the submodule)
+
+__all__ = ["check", "Report", "CaseResult", "ImplCase", "NotApplicable", "SIGNATURES"]
