@@ -83,7 +83,7 @@ class Arrays:
 
             if not jax.config.jax_enable_x64:
                 raise NotApplicable("JAX has no float64 unless jax_enable_x64 is set")
-        return getattr(self.lib, name)
+        return getattr(self.lib.numpy if self.name == "jax" else self.lib, name)
 
     def array(self, host: np.ndarray, dtype: str):
         """``host`` rounded to ``dtype`` as this library's array."""

@@ -304,12 +304,17 @@ class Runner:
         self.adapter.applicable(spec, case.form, case.inverse)
         rng = np.random.default_rng(zlib.crc32(case.name.encode()))
         shape = case.shape
-        x = self.arrays.array(rng.standard_normal(shape), case.dtype)
-        k = None
-        if case.k_heads is not None:
-            k = self.arrays.array(rng.standard_normal(shape[:2] + (case.k_heads,) + shape[3:]), case.dtype)
+        try:
+            x = self.arrays.array(rng.standard_normal(shape), case.dtype)
+            k = None
+            if case.k_heads is not None:
+                k = self.arrays.array(rng.standard_normal(shape[:2] + (case.k_heads,) + shape[3:]), case.dtype)
+            xs_host = [self.arrays.host(a) for a in (x, k) if a is not None]
+        except NotApplicable:
+            raise
+        except Exception as exc:
+            raise _Harness() from exc
         positions, offsets = case.make_positions(rng)
-        xs_host = [self.arrays.host(a) for a in (x, k) if a is not None]
         call = Call(spec, x, k, positions, offsets, case.inverse, self.arrays)
         outs = self.adapter.run(self.impl, call)
         ins = [a for a in (x, k) if a is not None]
@@ -330,6 +335,8 @@ class Runner:
         t0 = time.perf_counter()
         try:
             spec, xs, positions, ys = self._execute(case)
+        except _Harness as exc:   # rotary's side (inputs in the array library): raised, not blamed on impl
+            raise exc.__cause__
         except NotApplicable as exc:
             return CaseResult(case.name, "n/a", case.dtype, diagnosis=str(exc) or "not applicable")
         except _Wrong as exc:
@@ -430,6 +437,10 @@ class Runner:
 def _coarser(a: str, b: str) -> str:
     """The dtype of the two with the looser tolerance."""
     return a if tolerance(a)[0] >= tolerance(b)[0] else b
+
+
+class _Harness(Exception):
+    """An error on rotary's side of a case (making its inputs), raised as the error it wraps."""
 
 
 class _Wrong(Exception):

@@ -94,9 +94,6 @@ def hypotheses(spec: RopeSpec, positions, inverse: bool) -> list[Hypothesis]:
         add(f"frequencies base**(-2i/{full}): the head size, not rotary_dim={d}, as the exponent's denominator",
             _with_frequencies(spec, _base_freqs(spec.base, d, full), A))
         add(f"the whole head rotates: rotary_dim={d} ignored", spec.replace(rotary_dim=full - full % 2))
-    if spec.frequencies is None and spec.scaling is None and spec.head_dim % 2 and d == spec.head_dim - 1:
-        add(f"frequencies base**(-2i/{spec.head_dim}): the odd head size as the exponent's denominator",
-            _with_frequencies(spec, _base_freqs(spec.base, d, spec.head_dim), A))
     return out
 
 
@@ -189,7 +186,8 @@ class PrecisionFit:
     ``angles`` is "exact" (the error stays at the output's rounding), one of "fp64", "fp32", "fp16",
     "bf16" (the error grows as position x 2**-bits of that format), "fp16 positions" / "bf16 positions"
     (exact until positions stop being representable, then off by radians), "inexact" (off by radians
-    from some position on, format not named), or "unknown"."""
+    from some position on, format not named), "flat" (an error above the output's rounding that does not
+    grow with position: coarser arithmetic, not the angles), or "unknown"."""
 
     dtype: str
     positions: list
@@ -202,7 +200,7 @@ class PrecisionFit:
 
     @property
     def inexact(self) -> bool:
-        return self.angles not in ("exact", "unknown")
+        return self.angles not in ("exact", "unknown", "flat")
 
     @property
     def named(self) -> bool:
@@ -233,6 +231,9 @@ def fit_precision(dtype: str, positions, errors, units, atol: float) -> Precisio
     finite = [(p, e) for p, e in zip(positions, errors) if np.isfinite(e)]
     nonfinite = [p for p, e in zip(positions, errors) if not np.isfinite(e)]
     tail = f", NaN or inf from position {min(nonfinite)} on" if nonfinite else ""
+    if not positions:
+        fit.message = "precision not measured: no probe call ran"
+        return fit
     if not finite:
         fit.message = "precision not measured: every probe output is NaN or inf"
         return fit
@@ -248,6 +249,13 @@ def fit_precision(dtype: str, positions, errors, units, atol: float) -> Precisio
         else:
             fit.message = "precision not measured: the error is large from the smallest probe position on"
         return fit
+    if len(pts) >= 2:   # angle errors grow with |angle|; a flat error is the arithmetic's, not the angles'
+        slope = np.polyfit(np.log([u for _, _, u in pts]), np.log([e for _, e, _ in pts]), 1)[0]
+        if slope < 0.5:
+            fit.angles = "flat"
+            fit.message = (f"error flat in position at about {np.median([e for _, e, _ in pts]):.0e}, above "
+                           f"{dtype}'s rounding: computed in a coarser precision than the data{tail}")
+            return fit
     rel = np.median([e / u for _, e, u in pts])
     fit.exponent = float(np.log2(rel))
     bits = -fit.exponent
