@@ -105,7 +105,7 @@ def test_linear_attention_fullgraph_matches_eager_oracle_and_grads():
 
 
 def test_opcheck_every_op():
-    key = torch_ops.spec_key(SPEC, {}, 16)
+    key = torch_ops.spec_key(SPEC, {})
     q, k = _rand(1, 5, 4, 16, grad=True), _rand(1, 5, 2, 16, seed=1, grad=True)
     v = _rand(1, 5, 2, 8, seed=2, grad=True)
     pos = torch.arange(3, 8)
@@ -126,7 +126,7 @@ def test_ops_gradcheck_float64():
     """The ops' autograd: rotation's (inverse rotation, twice differentiable) and the attention ops'
     (a VJP of the recomputed eager path), against finite differences (the NumPy backend: no float64
     Numba compile)."""
-    key = torch_ops.spec_key(rotary.RopeSpec(4, base=100.0), {}, 4)
+    key = torch_ops.spec_key(rotary.RopeSpec(4, base=100.0), {})
     pos = torch.arange(2, 6)
     q = _rand(1, 4, 2, 4).double().requires_grad_(True)
     k = _rand(1, 4, 1, 4, seed=1).double().requires_grad_(True)
@@ -161,10 +161,90 @@ def test_forms_without_an_op_run_eagerly_with_a_graph_break():
 def test_spec_key_round_trips():
     spec = rotary.RopeSpec(32, base=1e6, scaling={"rope_type": "yarn", "factor": 4.0,
                                                   "original_max_position_embeddings": 64}, layout="interleaved")
-    key = torch_ops.spec_key(spec, {}, 32)
-    torch_ops._SPECS.pop(key)
-    assert torch_ops._spec(key) == spec
-    assert torch_ops.spec_key(None, {}, None) == "" and torch_ops._spec("") is None
+    key = torch_ops.spec_key(spec, {})
+    torch_ops._SPECS.pop(key)   # as in another process: rebuilt from the key
+    torch_ops._RESOLVED.clear()
+    assert torch_ops._spec(key, 32) == spec
+    scaling = {"rope_type": "linear", "factor": np.float64(2.0)}
+    kw = torch_ops.spec_key(None, {"base": np.float32(500.0), "scaling": scaling})   # keywords: no head_dim in it
+    assert torch_ops.spec_key(None, {"scaling": scaling, "base": 500.0}) == kw
+    torch_ops._SPECS.pop(kw)
+    for head_dim in (16, 8):   # resolved against the op's input
+        assert torch_ops._spec(kw, head_dim) == rotary.RopeSpec(head_dim, base=500.0, scaling=scaling)
+    assert torch_ops.spec_key(None, {}) == "" and torch_ops._spec("", 8) is None
+    with pytest.raises(TypeError, match="not both"):
+        torch_ops.spec_key(spec, {"base": 2.0})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        torch_ops.spec_key(None, {"bsae": 2.0})
+
+
+# -- dynamic shapes (torch.compile(..., dynamic=True)) --------------------------------------------------
+def _dynamic_case(what):
+    """(function, args of two shapes) for one of the four entry points (sizes >= 2: Dynamo specializes 0 and 1;
+    no two sizes equal: it would guard on their equality)."""
+    spec = rotary.RopeSpec(16, base=500.0)
+    if what == "apply":
+        return (lambda x, p: rotary.apply(x, p, spec=spec, seq_axis=-3),
+                [(_rand(b, s, 3, 16, seed=s, grad=True), torch.arange(2, 2 + s)) for b, s in ((5, 6), (7, 9))])
+    if what == "apply_qk":   # spec keywords and an int offset
+        return (lambda q, k, off: rotary.apply_qk(q, k, off, base=500.0, seq_axis=-3),
+                [(_rand(b, s, 4, 16, seed=s, grad=True), _rand(b, s, 2, 16, seed=s + 1, grad=True), off)
+                 for b, s, off in ((3, 5, 13), (5, 7, 21))])
+    if what == "attention":
+        return (lambda q, k, v, p: rotary.attention(q, k, v, p, spec=spec, seq_axis=-3, causal=True, softcap=5.0,
+                                                    block_size=4),
+                [(_rand(b, s, 4, 16, seed=s, grad=True), _rand(b, s, 2, 16, seed=s + 1, grad=True),
+                  _rand(b, s, 2, 8, seed=s + 2, grad=True), torch.arange(1, 1 + s)) for b, s in ((3, 6), (5, 11))])
+    return (lambda q, k, v, p: rotary.linear_attention(q, k, v, p, spec=spec, seq_axis=-3, causal=True),
+            [(_rand(b, s, 2, 16, seed=s, grad=True), _rand(b, s, 2, 16, seed=s + 1, grad=True),
+              _rand(b, s, 2, 8, seed=s + 2, grad=True), torch.arange(s)) for b, s in ((3, 6), (5, 10))])
+
+
+@pytest.mark.parametrize("what", ["apply", "apply_qk", "attention", "linear_attention"])
+def test_dynamic_shapes_fullgraph_forward_and_backward(what):
+    """torch.compile(f, fullgraph=True, dynamic=True): each entry point traces once with symbolic shapes (the
+    spec never depends on them), a second batch/sequence length runs without a recompile, and outputs and
+    gradients equal eager."""
+    from torch._dynamo.utils import counters
+
+    fn, calls = _dynamic_case(what)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, args in enumerate(calls):
+        stance = torch.compiler.set_stance("fail_on_recompile" if i else "default")
+        with stance:
+            out = compiled(*args)
+        eager_args = [a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                      for a in args]
+        want = fn(*eager_args)
+        outs, wants = (out, want) if isinstance(out, tuple) else ((out,), (want,))
+        for got, exp in zip(outs, wants):
+            assert_close(got, exp.detach(), rtol=1e-5, atol=1e-6)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        eager_leaves = [a for a in eager_args if isinstance(a, torch.Tensor) and a.requires_grad]
+        cot = [_rand(*o.shape, seed=7) for o in outs]
+        got_grads = torch.autograd.grad(outs, leaves, cot)
+        want_grads = torch.autograd.grad(wants, eager_leaves, cot)
+        for got, exp in zip(got_grads, want_grads):
+            assert_close(got, exp, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+def test_compile_path_uses_no_private_torch_api():
+    """The ops, their autograd and the Dynamo handlers use torch's public surface (torch.library.custom_op,
+    register_fake / register_autograd, torch.func, torch.compiler): no torch._C dispatch-key guards and no
+    Dynamo internals (issue 44)."""
+    import inspect
+
+    from rotary.interop import torch_adapter, torch_hook
+
+    for module in (torch_ops, torch_adapter, torch_hook):
+        source = inspect.getsource(module)
+        for private in ("_ForceDispatchKeyGuard", "set_code_exec_strategy", "torch._C", "FrameExecStrategy",
+                        "from torch._", "import torch._"):
+            assert private not in source, (module.__name__, private)
 
 
 # -- a tiny Llama block --------------------------------------------------------------------------------

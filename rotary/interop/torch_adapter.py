@@ -183,9 +183,12 @@ def _rotate_function():
         """y = a R_p x on rotary's kernels; dx = a R_{-p} dy (the same call with inverse flipped)."""
 
         @staticmethod
-        def forward(ctx, core, names, positions, kwargs, *xs):
-            ctx.call = (core, names, positions, kwargs)
+        def forward(core, names, positions, kwargs, *xs):
             return tuple(_rotate_plain(core, xs, [None] * len(xs), names, positions, kwargs))
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):   # the separate form torch.func transforms need (torch_ops' VJP)
+            ctx.call = inputs[:4]
 
         @staticmethod
         def backward(ctx, *grads):

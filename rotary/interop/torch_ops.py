@@ -5,18 +5,26 @@ Four ops in the ``rotary`` namespace (``torch.library.custom_op``): ``torch.ops.
 autograd. Their real implementation is the eager torch path of :mod:`.torch_adapter` (the Numba / CUDA
 kernels, exact angles from host tables), so a compiled model computes what an eager one does.
 
-Dynamo never traces rotary's Python: :func:`register` installs ``torch.compiler.substitute_in_graph``
-handlers for ``rotary.apply``, ``apply_qk``, ``attention`` and ``linear_attention`` that call the ops
-directly. A spec is not a tensor: it reaches the ops as a string (its fields as JSON, the same spec
-rebuilt on the other side; :func:`spec_key`), evaluated once at trace time. Positions are a tensor
-argument (no recompile when their values change) or an int offset (a SymInt: one recompile to a
+Dynamo does not trace rotary's Python for these calls: :func:`register` installs
+``torch.compiler.substitute_in_graph`` handlers for ``rotary.apply``, ``apply_qk``, ``attention`` and
+``linear_attention`` that call the ops directly. A spec is not a tensor: it reaches the ops as a string
+(:func:`spec_key`: a spec's fields, or the spec keywords, as JSON; the op resolves keywords against its own
+input's head_dim), computed once at trace time by ``torch.compiler.assume_constant_result`` from the spec
+object and the keywords only, never from a shape, so ``dynamic=True`` (symbolic shapes) traces too. Positions
+are a tensor argument (no recompile when their values change) or an int offset (a SymInt: one recompile to a
 dynamic offset, none with ``dynamic=True``).
 
 Backward: rotation's is the rotation by the opposite angle (the op itself with ``inverse`` flipped, so
 double backward works too); attention's and linear attention's are one op each
 (``attention_backward``, ``linear_attention_backward``) whose implementation recomputes the forward
 through rotary's differentiable eager path (torch operations on the tensors, rotation through the
-kernels) and takes its vector-Jacobian product; they have no double backward.
+kernels) and takes its vector-Jacobian product with ``torch.func.vjp``; they have no double backward.
+
+Only torch's public surface: ``torch.library.custom_op`` / ``register_fake`` / ``register_autograd``,
+``torch.func.vjp`` and ``torch.compiler`` (``substitute_in_graph``, ``assume_constant_result``, ``disable``).
+What that costs, against the private APIs used before (docs/interop.md): a call without an op, after its
+graph break, has its frontend Python traced by Dynamo (more graph breaks, about a second more compile time)
+instead of being skipped whole.
 
 Calls the ops cannot express (``out=``, ``cu_seqlens``, a callable feature map, a linear-attention
 ``state``, positions that are neither a tensor nor an int, non-tensor inputs: any keyword of the
@@ -37,6 +45,7 @@ from __future__ import annotations
 import json
 import types
 
+import numpy as np
 import torch
 
 from ..attn.linear import linear_attention as _linear_attention
@@ -44,32 +53,68 @@ from ..attn.softmax import attention as _attention
 from ..frontend.rotate import apply as _apply
 from ..frontend.rotate import apply_qk as _apply_qk
 from ..frontend.axes import normalize_seq_axis, take_tensor_layout
+from ..frontend.arguments import _SPEC_KEYWORDS as SPEC_KEYWORDS
 from ..frontend.normalize import resolve_spec
 from ..spec.rope_spec import RopeSpec
 
 _NS = "rotary"
-_SPECS: dict[str, RopeSpec | None] = {}
+_SPECS: dict[str, RopeSpec | dict] = {}   # key -> the spec object, or the spec keywords, it was made from
+_RESOLVED: dict[tuple[str, int], RopeSpec] = {}   # (key, head_dim) -> the spec the op's call uses
 
 
 # -- specs as strings ----------------------------------------------------------------------------
-def spec_key(spec, spec_kwargs, head_dim, name="x") -> str:
-    """The op argument for ``spec``/``**spec_kwargs`` at this head_dim: the resolved spec's fields as
-    JSON ("" for no spec). Evaluated at trace time (a constant of the graph)."""
-    if spec is None and not spec_kwargs and head_dim is None:
+def _plain(value):
+    """JSON for the NumPy values a spec keyword may hold (exact: float64/float32 scalars and arrays as Python
+    floats and lists)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"a spec keyword's value of type {type(value).__name__} is not a number, string, list or dict")
+
+
+def spec_key(spec, spec_kwargs) -> str:
+    """The op argument for ``spec`` or the spec keywords ``**spec_kwargs``: ``""`` for neither, ``"spec:"`` and
+    the spec's fields as JSON, or ``"keywords:"`` and the keywords as JSON (resolved by the op against its
+    input's head_dim, so the key never depends on a shape: a symbolic head_dim under ``dynamic=True`` stays
+    out of it). Evaluated at trace time (``torch.compiler.assume_constant_result``: a constant of the graph);
+    the objects are kept here, so the op finds the very spec object back in this process."""
+    if spec is None and not spec_kwargs:
         return ""
-    spec = resolve_spec(spec, dict(spec_kwargs), int(head_dim), name)
-    key = json.dumps(spec._init_kwargs(), sort_keys=True)
-    _SPECS.setdefault(key, spec)
+    if spec is not None:
+        if spec_kwargs:
+            raise TypeError(f"pass either spec= or the spec keywords {sorted(spec_kwargs)}, not both")
+        if not isinstance(spec, RopeSpec):
+            raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
+        key = "spec:" + json.dumps(spec._init_kwargs(), sort_keys=True)
+        _SPECS.setdefault(key, spec)
+        return key
+    unknown = set(spec_kwargs) - set(SPEC_KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; spec keywords are {SPEC_KEYWORDS}")
+    key = "keywords:" + json.dumps(dict(spec_kwargs), sort_keys=True, default=_plain)
+    _SPECS.setdefault(key, dict(spec_kwargs))
     return key
 
 
-def _spec(key: str):
-    """The spec of a key (the registered object, or rebuilt from the JSON in another process)."""
+def _spec(key: str, head_dim: int, name: str = "x"):
+    """The spec of a key at this head_dim: the registered spec object, or one built from the keywords (once per
+    key and head_dim), or rebuilt from the JSON (a graph from another process); None for ``""``."""
     if not key:
         return None
-    spec = _SPECS.get(key)
-    if spec is None:
-        spec = _SPECS.setdefault(key, RopeSpec(**json.loads(key)))
+    found = _RESOLVED.get((key, head_dim))
+    if found is not None:
+        return found
+    kind, _, text = key.partition(":")
+    given = _SPECS.get(key)
+    if given is None:
+        given = json.loads(text)
+        given = _SPECS.setdefault(key, RopeSpec(**given) if kind == "spec" else given)
+    if kind == "spec":
+        spec = resolve_spec(given, {}, head_dim, name)
+    else:
+        spec = resolve_spec(None, dict(given), head_dim, name)
+    _RESOLVED[(key, head_dim)] = spec
     return spec
 
 
@@ -85,31 +130,21 @@ def _fresh(t, inputs):
     return t
 
 
-class _AutogradOn:
-    """Autograd recorded inside an op's implementation (the dispatcher excludes the autograd keys below
-    an op's autograd kernel; the backward ops re-run a differentiable forward)."""
-
-    def __enter__(self):
-        exclude = torch._C._dispatch_tls_local_exclude_set()
-        for key in ("AutogradCPU", "AutogradCUDA", "AutogradOther", "ADInplaceOrView"):
-            exclude = exclude.remove(getattr(torch._C.DispatchKey, key))
-        self._guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
-        self._guard.__enter__()
-        self._grad = torch.enable_grad()
-        self._grad.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._grad.__exit__(*exc)
-        self._guard.__exit__(*exc)
+def _host(positions):
+    """Tensor positions as a NumPy array, read before :func:`_vjp` (a tensor's data cannot be read inside
+    ``torch.func`` transforms; positions are not differentiated)."""
+    return positions.detach().cpu().numpy() if isinstance(positions, torch.Tensor) else positions
 
 
 def _vjp(forward, inputs, grad):
-    """Gradients of ``forward(*inputs)`` against ``grad``, through rotary's differentiable eager path."""
-    with _AutogradOn():
-        leaves = [a.detach().requires_grad_(True) for a in inputs]
-        out = forward(*leaves)
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    """Gradients of ``forward(*inputs)`` against ``grad``, through rotary's differentiable eager path.
+
+    This runs inside an op's implementation, below the autograd keys the dispatcher has already passed (plain
+    ``torch.autograd`` records nothing there): ``torch.func.vjp`` differentiates on its own transform level,
+    which works at any depth of dispatch."""
+    with torch.enable_grad():
+        _, pullback = torch.func.vjp(forward, *inputs)
+        grads = pullback(grad)
     return tuple(torch.zeros_like(a) if g is None else g.contiguous() for a, g in zip(inputs, grads))
 
 
@@ -119,8 +154,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor | None, offset: int, spec: s
            backend: str) -> torch.Tensor:
     """``rotary.apply(x, positions or offset, spec=..., seq_axis=..., inverse=...)``."""
     with torch.no_grad():
-        y = _apply(x, _positions(positions, offset), spec=_spec(spec), seq_axis=seq_axis, inverse=inverse,
-                   backend=backend)
+        y = _apply(x, _positions(positions, offset), spec=_spec(spec, x.shape[-1]), seq_axis=seq_axis,
+                   inverse=inverse, backend=backend)
     return _fresh(y, [x])
 
 
@@ -149,8 +184,8 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, 
               seq_axis: int, inverse: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary.apply_qk(q, k, positions or offset, ...)``: q and k in one pass (GQA head counts)."""
     with torch.no_grad():
-        qr, kr = _apply_qk(q, k, _positions(positions, offset), spec=_spec(spec), seq_axis=seq_axis,
-                           inverse=inverse, backend=backend)
+        qr, kr = _apply_qk(q, k, _positions(positions, offset), spec=_spec(spec, q.shape[-1], "q"),
+                           seq_axis=seq_axis, inverse=inverse, backend=backend)
     return _fresh(qr, [q, k]), _fresh(kr, [q, k])
 
 
@@ -184,8 +219,8 @@ rotate_qk.register_autograd(_rotate_qk_backward, setup_context=_rotate_qk_setup)
 # -- softmax attention -----------------------------------------------------------------------------
 def _attention_call(q, k, v, positions, offset, q_positions, k_positions, spec, seq_axis, causal, scale, rope,
                     window, softcap, block_size, backend):
-    kw = dict(causal=causal, scale=scale, spec=_spec(spec), seq_axis=seq_axis, rope=rope, window=window,
-              softcap=softcap, block_size=block_size, backend=backend)
+    kw = dict(causal=causal, scale=scale, spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, rope=rope,
+              window=window, softcap=softcap, block_size=block_size, backend=backend)
     if q_positions is not None:
         return _attention(q, k, v, q_positions=q_positions, k_positions=k_positions, **kw)
     return _attention(q, k, v, _positions(positions, offset), **kw)
@@ -215,8 +250,8 @@ def attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        scale: float | None, rope: bool, window: int | None, softcap: float | None, block_size: int,
                        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`attention`: the eager differentiable path recomputed, its VJP."""
-    rest = (positions, offset, q_positions, k_positions, spec, seq_axis, causal, scale, rope, window, softcap,
-            block_size, backend)
+    rest = (_host(positions), offset, _host(q_positions), _host(k_positions), spec, seq_axis, causal, scale, rope,
+            window, softcap, block_size, backend)
     return _vjp(lambda q, k, v: _attention_call(q, k, v, *rest), (q, k, v), grad)
 
 
@@ -245,8 +280,8 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 def _linear_call(q, k, v, positions, offset, spec, seq_axis, causal, feature_map, eps, chunk, decay, normalize,
                  backend):
     return _linear_attention(q, k, v, _positions(positions, offset), causal=causal, feature_map=feature_map, eps=eps,
-                             spec=_spec(spec), seq_axis=seq_axis, chunk=chunk, decay=decay, normalize=normalize,
-                             backend=backend)
+                             spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk, decay=decay,
+                             normalize=normalize, backend=backend)
 
 
 @torch.library.custom_op(f"{_NS}::linear_attention", mutates_args=())
@@ -271,7 +306,7 @@ def linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               feature_map: str, eps: float, chunk: int, decay: float | None, normalize: bool,
                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`linear_attention` (the differentiable reference path recomputed)."""
-    rest = (positions, offset, spec, seq_axis, causal, feature_map, eps, chunk, decay, normalize, backend)
+    rest = (_host(positions), offset, spec, seq_axis, causal, feature_map, eps, chunk, decay, normalize, backend)
     return _vjp(lambda q, k, v: _linear_call(q, k, v, *rest), (q, k, v), grad)
 
 
@@ -381,7 +416,7 @@ def _handlers():
         x = call["x"]
         axis = _axis(call, spec_kwargs, x, "x")
         tensor, offset = _split(call.get("positions"))
-        key = spec_key(_get(call, "spec", None), spec_kwargs, x.shape[-1])
+        key = spec_key(_get(call, "spec", None), spec_kwargs)
         return torch.ops.rotary.rotate(x, tensor, offset, key, axis,
                                        _get(call, "inverse", False), _get(call, "backend", "auto"))
 
@@ -389,7 +424,7 @@ def _handlers():
         q, k = call["q"], call["k"]
         axis = _axis(call, spec_kwargs, q, "q")
         tensor, offset = _split(call.get("positions"))
-        key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
+        key = spec_key(_get(call, "spec", None), spec_kwargs)
         return torch.ops.rotary.rotate_qk(q, k, tensor, offset, key, axis,
                                           _get(call, "inverse", False), _get(call, "backend", "auto"))
 
@@ -402,9 +437,8 @@ def _handlers():
             if positions is not None or not _tensors(qp, kp):
                 return None
         tensor, offset = _split(positions)
-        spec, rope = _get(call, "spec", None), _get(call, "rope", True)
-        with_spec = rope or spec is not None or spec_kwargs
-        key = spec_key(spec, spec_kwargs, q.shape[-1] if with_spec else None, "q")
+        rope = _get(call, "rope", True)
+        key = spec_key(_get(call, "spec", None), spec_kwargs)
         return torch.ops.rotary.attention(
             q, k, v, tensor, offset, qp, kp, key, axis, _get(call, "causal", False),
             _get(call, "scale", None), rope, _get(call, "window", None), _get(call, "softcap", None),
@@ -417,7 +451,7 @@ def _handlers():
             return None
         axis = _axis(call, spec_kwargs, q, "q")
         tensor, offset = _split(call.get("positions"))
-        key = spec_key(_get(call, "spec", None), spec_kwargs, q.shape[-1], "q")
+        key = spec_key(_get(call, "spec", None), spec_kwargs)
         return torch.ops.rotary.linear_attention(
             q, k, v, tensor, offset, key, axis, _get(call, "causal", False), feature_map,
             _get(call, "eps", 1e-6), _get(call, "chunk", 64), _get(call, "decay", None),
@@ -435,19 +469,6 @@ def _handlers():
     )
 
 
-def _run_eagerly(fn):
-    """Dynamo never compiles a frame of fn nor what it calls: after a graph break at a call of fn (a
-    form without an op) the whole call runs eagerly instead of Dynamo tracing rotary's Python."""
-    try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:   # another torch: rotary's Python is traced there (graph breaks)
-        return
-    code = getattr(fn, "__wrapped__", fn).__code__
-    for c in {code, fn.__code__}:
-        set_code_exec_strategy(c, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-
-
 _HANDLERS = []
 
 
@@ -459,8 +480,6 @@ def register():
         return _HANDLERS[0]
     _HANDLERS.append(None)
     torch.compiler.assume_constant_result(spec_key)   # marks spec_key in place: Dynamo calls it at trace time
-    for fn in (_apply, _apply_qk, _attention, _linear_attention):
-        _run_eagerly(fn)
     _HANDLERS[0] = _handlers()
     return _HANDLERS[0]
 
