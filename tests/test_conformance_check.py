@@ -388,7 +388,6 @@ def hf_cos_sin(spec, q, position_ids):
     params = hf_rope_parameters(spec)
     if params["rope_type"] != "default" and params["rope_type"] not in modeling_rope_utils.ROPE_INIT_FUNCTIONS:
         raise NotApplicable(f"transformers {transformers.__version__} has no rope_type {params['rope_type']!r}")
-    params.setdefault("partial_rotary_factor", 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = transformers.GPTNeoXConfig(hidden_size=2 * spec.head_dim, num_attention_heads=2, num_hidden_layers=1,

@@ -396,11 +396,11 @@ def adapter(signature, cos_sin=None) -> Adapter:
 
 def hf_rope_parameters(spec: RopeSpec) -> dict:
     """The HF ``rope_parameters`` of a spec (``rope_type``, ``rope_theta``, the rule's keys and
-    ``partial_rotary_factor``), for building an implementation's own rotary module from a case's spec."""
+    ``partial_rotary_factor``, 1.0 included), for building an implementation's own rotary module (an HF
+    ``...RotaryEmbedding(config)``) from a case's spec."""
     if spec.frequencies is not None or spec.multi_axis or spec.rotary_offset:
         raise NotApplicable("this spec has no HF rope_parameters (custom frequencies, multi-axis or rotary_offset)")
     params = spec.scaling_dict or {"rope_type": "default"}
     params["rope_theta"] = spec.base
-    if spec.rotary_dim != spec.head_dim:
-        params["partial_rotary_factor"] = spec.rotary_dim / spec.head_dim
+    params["partial_rotary_factor"] = spec.rotary_dim / spec.head_dim   # always: GPT-NeoX's default is 0.25
     return params
