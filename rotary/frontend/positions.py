@@ -1,5 +1,5 @@
 """Positions in every form callers pass -> an int64 (or float64) host array ``(Bp, S[, n])`` with Bp in {1, B}:
-None / int offset / (S,) / (batch, S) / multi-axis (S, n) or (batch, S, n) / packed (``cu_seqlens``) /
+None / int offset / (S,) / (batch, S) or (1, S) / multi-axis (S, n) or (batch, S, n) / packed (``cu_seqlens``) /
 continuing a linear-attention state; :func:`prepared_rows` is the same parse for a planned call's common
 forms (no copy, no range check: the backend checks rows against its table)."""
 
@@ -24,10 +24,12 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
     (float64 for a spec with ``float_positions``).
 
     None -> 0..S-1; an integer -> offset + 0..S-1; an integer array of shape (S,) or (batch, S)
-    with batch = lead_shape[0]. A multi-axis spec takes (S, n_axes) or (batch, S, n_axes), and None
-    or an integer for M-RoPE only (text tokens: the same position on every axis). ``canonical_batch``
-    (default lead_shape[0]) is the B of the canonical view (see :func:`canonical_axes`); rows are
-    repeated when it merges more axes.
+    with batch = lead_shape[0], or (1, S): one row for every batch entry (a leading 1 broadcasts over the batch
+    axis, as in NumPy and HF's position_ids; never onto a heads axis: a 2-D array is (batch, S) and nothing
+    else, and an input without a batch axis takes no 2-D positions). A multi-axis spec takes (S, n_axes) or
+    (batch, S, n_axes) (or (1, S, n_axes)), and None or an integer for M-RoPE only (text tokens: the same
+    position on every axis). ``canonical_batch`` (default lead_shape[0]) is the B of the canonical view (see
+    :func:`canonical_axes`); rows are repeated when it merges more axes.
     """
     n_axes = spec.n_axes if spec is not None and spec.multi_axis else 0
     float_ok = spec is not None and spec.float_positions
@@ -88,11 +90,8 @@ def normalize_positions(positions, lead_shape: tuple, seq_len: int, name: str = 
         if not lead_shape:
             raise ValueError(f"{name} of shape {p.shape} has a batch axis but the input has no batch axis before the "
                              f"sequence axis; pass shape {(seq_len, *tail)}")
-        if core[0] == 1 and core[1] == seq_len and lead_shape[0] != 1:   # HF's (1, S) position_ids
-            raise ValueError(f"{name} of shape {p.shape} has one row but the input's batch axis has {lead_shape[0]}: "
-                             f"to use the same positions for every batch row pass {name}[0] (shape "
-                             f"{(seq_len, *tail)}), else one row per batch entry, shape "
-                             f"{(lead_shape[0], seq_len, *tail)}; positions are never broadcast silently")
+        if core == (1, seq_len):   # one row (HF's (1, S) position_ids): every batch row, as NumPy broadcasts it
+            return np.ascontiguousarray(p)
         if core != (lead_shape[0], seq_len):
             raise ValueError(f"{name} of shape {p.shape} must be {(seq_len, *tail)} or (batch, seq{', n_axes' if n_axes else ''}) "
                              f"= {(lead_shape[0], seq_len, *tail)}; positions are never broadcast onto other axes")
@@ -208,7 +207,8 @@ def prepared_rows(positions, seq_len: int, lead0: int, batch_rep: int, default_r
     """``(rows, start)`` for the common positions of a prepared call (:class:`rotary.Rope`): token (b, s)
     is at position ``rows[b or 0, s] + start``; rows are C-contiguous aligned int64 (Bp, S) (the caller's
     positions or a view of them: backends only read them) and not range-checked (the backend checks them
-    against its table). None, an int offset, a C-contiguous int64 (S,) or (batch, S) array are taken (with
+    against its table). None, an int offset, a C-contiguous int64 (S,) or (batch, S) array are taken, and (1, S)
+    where the input has a batch axis (``lead0`` >= 0; -1 for none) (with
     ``device_rows``, also device int64 arrays of those shapes); None is returned for anything else, which
     :func:`normalize_positions` then parses on the general path."""
     if positions is None:
@@ -218,12 +218,13 @@ def prepared_rows(positions, seq_len: int, lead0: int, batch_rep: int, default_r
     if device_rows and type(positions).__module__.startswith("cupy") and positions.dtype == np.int64:
         if positions.shape == (seq_len,):
             return positions.reshape(1, seq_len), 0
-        return (positions, 0) if positions.shape == (lead0, seq_len) and batch_rep == 1 else None
+        return (positions, 0) if (positions.shape == (lead0, seq_len) and batch_rep == 1
+                                  or positions.shape == (1, seq_len) and lead0 >= 0) else None
     if type(positions) is not np.ndarray or positions.dtype != np.int64:
         return None
     flags = positions.flags
     if not (flags.c_contiguous and flags.aligned):
         return None
-    if positions.shape == (lead0, seq_len) and batch_rep == 1:
+    if positions.shape == (lead0, seq_len) and batch_rep == 1 or (positions.shape == (1, seq_len) and lead0 >= 0):
         return positions, 0
     return (positions.reshape(1, seq_len), 0) if positions.shape == (seq_len,) else None

@@ -72,6 +72,8 @@ def _positions_array(positions, x, ax, spec, name="positions"):
         raise TypeError(f"{name} must have an integer dtype, got {p.dtype}")
     base = p.ndim - int(coord)
     tail = (p.shape[-1],) if coord else ()
+    if base == 2 and ax > 0 and p.shape[:2] == (1, seq) and x.shape[0] != 1:   # one row for every batch entry
+        p, base = p[0], 1
     if base == 1 and p.shape[0] == seq:
         index, chunks = (ax,), (x.chunks[ax],)
     elif base == 2 and ax > 0 and p.shape[:2] == (x.shape[0], seq):

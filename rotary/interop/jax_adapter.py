@@ -157,6 +157,8 @@ def _rotate_traced(xs, names, positions, *, spec=None, seq_axis=None, inverse=Fa
         p = p[None, :]
     elif p.ndim == 2 and ax > 0 and p.shape == (shape0[0], seq):
         p = jnp.repeat(p, B // shape0[0], axis=0)
+    elif p.ndim == 2 and ax > 0 and p.shape == (1, seq):   # one row for every batch entry (HF's position_ids)
+        pass
     else:
         raise ValueError(f"positions of shape {tuple(p.shape)} must be ({seq},) or (batch, seq) = "
                          f"({shape0[0] if ax > 0 else 'no batch axis'}, {seq})")
@@ -215,7 +217,7 @@ def _jax_positions(p, lead, seq, name):
         return (p + jnp.arange(seq, dtype=p.dtype))[None, :]
     if p.ndim == 1 and p.shape[0] == seq:
         return p[None, :]
-    if p.ndim == 2 and lead and p.shape == (lead[0], seq):
+    if p.ndim == 2 and lead and p.shape in ((lead[0], seq), (1, seq)):   # (1, seq): every batch entry
         return p
     raise ValueError(f"{name} of shape {tuple(p.shape)} must be ({seq},) or (batch, seq) = "
                      f"({lead[0] if lead else 'no batch axis'}, {seq})")

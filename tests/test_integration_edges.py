@@ -1,0 +1,88 @@
+"""Rough edges a new user meets integrating rotary (issue 44): HF's (1, seq) position_ids with a batch, a
+NumPy-made LinearAttentionState as a lax.scan carry, float32 attention with a softcap float32 cannot hold, and the
+errors of ``angles=``."""
+
+import numpy as np
+import pytest
+
+import rotary
+from rotary.testing import assert_close
+
+from .conftest import AVAILABLE
+
+
+# -- (1, seq) positions broadcast over the batch (as NumPy and HF do), never onto heads ----------------------
+@pytest.mark.parametrize("shape, seq_axis", [((2, 5, 3, 8), -3), ((2, 3, 5, 8), -2), ((2, 5, 8), -2)])
+@pytest.mark.parametrize("backend", AVAILABLE[:2])
+def test_one_row_of_positions_broadcasts_over_the_batch(shape, seq_axis, backend):
+    x = np.random.default_rng(0).standard_normal(shape)
+    ids = np.arange(4, 9)[None]
+    want = rotary.apply(x, ids[0], seq_axis=seq_axis, backend=backend)
+    assert_close(rotary.apply(x, ids, seq_axis=seq_axis, backend=backend), want, rtol=0, atol=0)
+    assert_close(rotary.apply(x, np.repeat(ids, 2, axis=0), seq_axis=seq_axis, backend=backend), want, rtol=0, atol=0)
+    q, k = rotary.apply_qk(x, x[:, :2] if seq_axis == -2 and len(shape) == 4 else x, ids, seq_axis=seq_axis,
+                           backend=backend)
+    assert_close(q, want, rtol=0, atol=0)
+    rope = rotary.Rope(rotary.RopeSpec(8), seq_axis=seq_axis, backend=backend, dtype=np.float64)
+    for _ in range(2):   # the first call plans, the second takes the prepared path
+        assert_close(rope.apply(x, ids), want, rtol=0, atol=0)
+
+
+def test_one_row_of_positions_in_attention_and_linear_attention():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((3, 6, h, 8)) for h in (4, 2, 2))
+    ids = np.arange(10, 16)[None]
+    for fn in (rotary.attention, rotary.linear_attention):
+        want = fn(q, k, v, ids[0], causal=True, seq_axis=-3)
+        assert_close(fn(q, k, v, ids, causal=True, seq_axis=-3), want, rtol=0, atol=0)
+
+
+def test_one_row_of_multi_axis_positions_broadcasts():
+    spec = rotary.RopeSpec(16, mrope_section=(2, 3, 3))
+    x = np.random.default_rng(2).standard_normal((2, 5, 16))
+    pos = np.random.default_rng(3).integers(0, 50, (1, 5, 3))
+    assert_close(rotary.apply(x, pos, spec=spec, seq_axis=-2, backend="numpy"),
+                 rotary.apply(x, pos[0], spec=spec, seq_axis=-2, backend="numpy"), rtol=0, atol=0)
+
+
+def test_positions_still_never_broadcast_onto_heads():
+    x = np.zeros((2, 4, 5, 8), dtype=np.float32)   # (B, H, S, D): positions (H, S) must not pass as (B, S)
+    with pytest.raises(ValueError, match="never broadcast"):
+        rotary.apply(x, np.zeros((4, 5), dtype=int), seq_axis=-2)
+    with pytest.raises(ValueError, match="no batch axis"):   # (S, D): no batch axis a leading 1 could mean
+        rotary.apply(np.zeros((5, 8), dtype=np.float32), np.zeros((1, 5), dtype=int), seq_axis=-2)
+    with pytest.raises(ValueError, match="never broadcast"):   # 3 rows for a batch of 2
+        rotary.apply(x, np.zeros((3, 5), dtype=int), seq_axis=-2)
+
+
+def test_hf_position_ids_with_a_batch_on_torch_tensors():
+    torch = pytest.importorskip("torch")
+    q, k = torch.randn(3, 4, 6, 8), torch.randn(3, 2, 6, 8)   # HF's (B, H, S, D) with its (1, S) position_ids
+    pos = torch.arange(6)[None]
+    got = rotary.apply_qk(q, k, pos, seq_axis=-2)
+    want = rotary.apply_qk(q, k, pos[0], seq_axis=-2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_one_row_of_positions_with_jax_concrete_and_traced():
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 5, 3, 8)), jnp.float32)
+    k = x[:, :, :1]
+    p = jnp.arange(3, 8)[None]
+    want = rotary.apply(x, p[0], seq_axis=-3)
+    assert_close(rotary.apply(x, p, seq_axis=-3), want, rtol=0, atol=0)
+    assert_close(jax.jit(lambda x, p: rotary.apply(x, p, seq_axis=-3))(x, p), want, rtol=1e-6, atol=1e-6)
+    for fn in (rotary.attention, rotary.linear_attention):
+        want = fn(x, k, k, p[0], causal=True, seq_axis=-3)
+        got = jax.jit(lambda q, k, p: fn(q, k, k, p, causal=True, seq_axis=-3))(x, k, p)
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_row_of_positions_with_dask():
+    da = pytest.importorskip("dask.array")
+    x = np.random.default_rng(7).standard_normal((2, 5, 3, 8))
+    d = da.from_array(x, chunks=(1, 5, 3, 8))
+    ids = np.arange(3, 8)[None]
+    assert_close(rotary.apply(d, ids, seq_axis=-3).compute(), rotary.apply(x, ids[0], seq_axis=-3), rtol=0, atol=0)
