@@ -192,18 +192,6 @@ def accepts(fn, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _no_inverse(call: Call, what: str) -> None:
-    if call.inverse:
-        raise NotApplicable(f"{what} has no inverse rotation")
-
-
-def _plain_spec_only(spec: RopeSpec, what: str) -> None:
-    if spec.rotary_offset:
-        raise NotApplicable(f"{what} rotates from coordinate 0 (the spec has rotary_offset={spec.rotary_offset})")
-    if spec.multi_axis:
-        raise NotApplicable(f"{what} has no multi-axis positions")
-
-
 def _layout_twice(c: np.ndarray, layout: str) -> np.ndarray:
     """Each frequency's value written twice, in the coordinates its pair occupies."""
     return np.concatenate([c, c], axis=-1) if layout == "half" else np.repeat(c, 2, axis=-1)
@@ -227,6 +215,23 @@ class Adapter:
     def applicable(self, spec: RopeSpec, form: str, inverse: bool) -> None:
         """Raise NotApplicable for a spec / positions form ("scalar", "vector", "tokens", "batch") /
         inverse this signature cannot express."""
+
+
+class _ForwardOnly(Adapter):
+    """A peer's signature: rotation from coordinate 0, 1-D positions, no inverse (``what`` names the call)."""
+
+    what = "?"
+    default_arrays = "torch"
+    arrays_allowed = ("torch",)
+
+    def applicable(self, spec, form, inverse):
+        if spec.rotary_offset:
+            raise NotApplicable(f"{self.what} rotates from coordinate 0 (the spec has rotary_offset="
+                                f"{spec.rotary_offset})")
+        if spec.multi_axis:
+            raise NotApplicable(f"{self.what} has no multi-axis positions")
+        if inverse:
+            raise NotApplicable(f"{self.what} has no inverse rotation")
 
     def run(self, impl, call: Call) -> list:
         raise NotImplementedError
@@ -253,15 +258,9 @@ class PlainAdapter(Adapter):
         return [impl(a, pos, call.spec, **kwargs) for a in (call.x, call.k) if a is not None]
 
 
-class HFAdapter(Adapter):
+class HFAdapter(_ForwardOnly):
     name = "hf"
-    default_arrays = "torch"
-    arrays_allowed = ("torch",)
-
-    def applicable(self, spec, form, inverse):
-        _plain_spec_only(spec, "apply_rotary_pos_emb")
-        if inverse:
-            raise NotApplicable("apply_rotary_pos_emb has no inverse rotation")
+    what = "apply_rotary_pos_emb"
 
     def run(self, impl, call):
         torch = call.arrays.lib
@@ -286,15 +285,12 @@ class HFAdapter(Adapter):
         return ""
 
 
-class FlashAttnAdapter(Adapter):
+class FlashAttnAdapter(_ForwardOnly):
     name = "flash_attn"
-    default_arrays = "torch"
-    arrays_allowed = ("torch",)
+    what = "apply_rotary_emb"
 
     def applicable(self, spec, form, inverse):
-        _plain_spec_only(spec, "apply_rotary_emb")
-        if inverse:
-            raise NotApplicable("apply_rotary_emb has no inverse rotation")
+        super().applicable(spec, form, inverse)
         if form == "batch":
             raise NotApplicable("apply_rotary_emb takes one table row per token for every sequence, or offsets "
                                 "(not per-sequence positions)")
@@ -318,17 +314,11 @@ class FlashAttnAdapter(Adapter):
                 for a in (call.x, call.k) if a is not None]
 
 
-class VLLMAdapter(Adapter):
+class VLLMAdapter(_ForwardOnly):
     """``impl`` is a factory ``spec -> module`` (``max_position=`` passed when it takes it)."""
 
     name = "vllm"
-    default_arrays = "torch"
-    arrays_allowed = ("torch",)
-
-    def applicable(self, spec, form, inverse):
-        _plain_spec_only(spec, "forward_native")
-        if inverse:
-            raise NotApplicable("forward_native has no inverse rotation")
+    what = "forward_native"
 
     def run(self, impl, call):
         need = call.seq_len
@@ -346,15 +336,14 @@ class VLLMAdapter(Adapter):
         return outs + ([ko.reshape(call.k.shape)] if call.k is not None else [])
 
 
-class MLXAdapter(Adapter):
+class MLXAdapter(_ForwardOnly):
     name = "mlx"
+    what = "mlx rope"
     default_arrays = "mlx"
     arrays_allowed = ("mlx",)
 
     def applicable(self, spec, form, inverse):
-        _plain_spec_only(spec, "mlx rope")
-        if inverse:
-            raise NotApplicable("mlx rope has no inverse rotation")
+        super().applicable(spec, form, inverse)
         if form not in ("scalar", "vector"):
             raise NotApplicable("mlx rope takes offsets, not per-token "
                                 "positions")
