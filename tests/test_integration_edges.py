@@ -86,3 +86,29 @@ def test_one_row_of_positions_with_dask():
     d = da.from_array(x, chunks=(1, 5, 3, 8))
     ids = np.arange(3, 8)[None]
     assert_close(rotary.apply(d, ids, seq_axis=-3).compute(), rotary.apply(x, ids[0], seq_axis=-3), rtol=0, atol=0)
+
+
+# -- angles= errors name angles ----------------------------------------------------------------------------
+def test_angles_wrong_batch_names_angles():
+    x = np.ones((2, 5, 3, 8))
+    with pytest.raises(ValueError) as info:
+        rotary.apply(x, seq_axis=-3, angles=np.zeros((3, 5, 4)))
+    message = str(info.value)
+    assert "angles" in message and "(3, 5, 4)" in message and "positions" not in message, message
+    with pytest.raises(ValueError, match=r"angles of shape \(2, 5, 4\)"):   # no batch axis at all
+        rotary.apply(np.ones((5, 8)), seq_axis=0, angles=np.zeros((2, 5, 4)))
+    # a leading 1 broadcasts over the batch, as positions do
+    one = rotary.apply(x, seq_axis=-3, angles=np.full((1, 5, 4), 0.25))
+    assert_close(one, rotary.apply(x, seq_axis=-3, angles=np.full((5, 4), 0.25)), rtol=0, atol=0)
+
+
+def test_angles_with_cu_seqlens_names_cu_seqlens():
+    x = np.ones((5, 3, 8))
+    with pytest.raises(ValueError) as info:
+        rotary.apply(x, seq_axis=0, angles=np.zeros((5, 4)), cu_seqlens=np.array([0, 2, 5]))
+    message = str(info.value)
+    assert "cu_seqlens" in message and "not both" not in message, message
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        rotary.apply_qk(x, x, seq_axis=0, angles=np.zeros((5, 4)), cu_seqlens=np.array([0, 2, 5]))
+    with pytest.raises(ValueError, match="angles or positions, not both"):   # positions really passed
+        rotary.apply(x, np.arange(5), seq_axis=0, angles=np.zeros((5, 4)))

@@ -35,6 +35,15 @@ def rotate_arrays(xs, outs, names, positions, *, spec, seq_axis, inverse, backen
     return plan.run(xs, outs, positions, tables)
 
 
+def check_angles_unpacked(angles, cu_seqlens, seqlen_offsets):
+    """angles give each token its angles, so the packed-batch arguments (which set positions) do not apply."""
+    if angles is not None and (cu_seqlens is not None or seqlen_offsets is not None):
+        given = "cu_seqlens" if cu_seqlens is not None else "seqlen_offsets"
+        raise ValueError(f"angles give every token's angles; {given} only sets positions (restarting per packed "
+                         "sequence), which angles replace: pass the angles of the packed tokens, shape "
+                         "(total_tokens, rotary_dim / 2), without cu_seqlens / seqlen_offsets")
+
+
 def given_values(x, name, positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles):
     """``(positions, tables, spec_kwargs)`` of a call that brings its own cos/sin values (``cos_sin_cache`` or
     ``angles``, see :mod:`rotary.spec.given_tables`), or the arguments unchanged (tables None)."""
@@ -49,9 +58,16 @@ def given_values(x, name, positions, spec, seq_axis, spec_kwargs, cos_sin_cache,
         if positions is not None:
             raise ValueError("angles give every token's angles: pass angles or positions, not both")
         tables, rotary_dim, positions = angle_tables(angles)
-        seq_len = x.shape[normalize_seq_axis(seq_axis, x.ndim, name)]
+        ax = normalize_seq_axis(seq_axis, x.ndim, name)
+        seq_len, shape = x.shape[ax], (*positions.shape, rotary_dim // 2)
         if positions.shape[-1] != seq_len:
             raise ValueError(f"angles of {positions.shape[-1]} tokens do not match {name}'s sequence length {seq_len}")
+        if positions.ndim == 2 and ax == 0:
+            raise ValueError(f"angles of shape {shape} have a batch axis, but {name} has no batch axis before its "
+                             f"sequence axis: pass angles of shape {shape[1:]}")
+        if positions.ndim == 2 and positions.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"angles of shape {shape} have {shape[0]} batch rows, but {name}'s batch axis has "
+                             f"{x.shape[0]}: pass {shape[1:]} (the same for every row) or {(x.shape[0], *shape[1:])}")
         what = f"angles of {rotary_dim // 2} pairs"
     if spec is None:
         spec_kwargs = {**spec_kwargs}
@@ -111,6 +127,7 @@ def apply(x, positions=None, *, spec=None, seq_axis=None, inverse=False, out=Non
         no memory with x. With ``inverse`` the pairs are still read in the spec's layout.
     """
     seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
+    check_angles_unpacked(angles, cu_seqlens, seqlen_offsets)
     positions, _ = packed_positions(x, seq_axis, positions, cu_seqlens, seqlen_offsets, spec=spec)
     positions, tables, spec_kwargs = given_values(x, "x", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     return rotate_arrays([x], [out], ["x"], positions, spec=spec, seq_axis=seq_axis, inverse=inverse,
@@ -133,6 +150,7 @@ def apply_qk(q, k, positions=None, *, spec=None, seq_axis=None, inverse=False, o
     else:
         raise TypeError("out must be None or a pair (q_out, k_out)")
     seq_axis, spec_kwargs = take_tensor_layout(seq_axis, spec_kwargs)
+    check_angles_unpacked(angles, cu_seqlens, seqlen_offsets)
     positions, _ = packed_positions(q, seq_axis, positions, cu_seqlens, seqlen_offsets, "q", spec)
     positions, tables, spec_kwargs = given_values(q, "q", positions, spec, seq_axis, spec_kwargs, cos_sin_cache, angles)
     q_rot, k_rot = rotate_arrays([q, k], outs, ["q", "k"], positions, spec=spec, seq_axis=seq_axis,

@@ -4,7 +4,8 @@
   columns and ``sin(p w_i)`` in the rest (vLLM / SGLang's ``cos_sin_cache``, FlashInfer's
   ``apply_rope_with_cos_sin_cache``), rotated at the call's positions (row ``p`` for position ``p``).
 - ``angles``: the angle of every token and pair, ``(S, rotary_dim / 2)`` or per batch row
-  ``(batch, S, rotary_dim / 2)``, turned into cos/sin in float64 (TransformerEngine's ``freqs``
+  ``(batch, S, rotary_dim / 2)`` (``(1, S, rotary_dim / 2)``: one row for every batch entry), turned into cos/sin in
+  float64 (TransformerEngine's ``freqs``
   ``(S, 1, 1, rotary_dim)`` holds each angle twice: ``angles = freqs[:, 0, 0, :rotary_dim // 2]`` for its
   half-split layout, ``freqs[:, 0, 0, ::2]`` for interleaved; per batch ``(S, B, 1, d)``:
   ``np.moveaxis(freqs[:, :, 0, :rotary_dim // 2], 0, 1)``).
