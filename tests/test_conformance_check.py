@@ -363,6 +363,17 @@ def test_vllm_adapter():
     assert "pairs (i, i+d/2): layout='half'" in wrong["inte-basic"].diagnosis
 
 
+def test_importing_conformance_stays_cheap():
+    """rotary.conformance imports NumPy and rotary only: torch, JAX, MLX, matplotlib and pytest load when used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rotary.conformance, rotary.testing; "
+            "print(sorted(m for m in ('torch', 'jax', 'mlx', 'matplotlib', 'pytest', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_signature_and_arrays_are_checked():
     with pytest.raises(ValueError, match="signature must be one of"):
         check(correct, signature="nope", report=False)
@@ -505,6 +516,20 @@ def test_lucidrains_rotary_embedding_torch():
     assert report["inte-huge-offset"].diagnosis.startswith("angles formed in fp32")
     assert report["half-huge-offset-fp16"].diagnosis.startswith("positions formed in fp16")   # arange in x.dtype
     assert not report["scaling-yarn"].applicable
+
+
+@pytest.mark.peer
+def test_flash_attn_apply_rotary_emb():
+    """flash-attn's own apply_rotary_emb (Triton: a CUDA device), where installed."""
+    pytest.importorskip("torch")
+    rotary_mod = pytest.importorskip("flash_attn.layers.rotary")
+    if not torch.cuda.is_available():
+        pytest.skip("flash-attn's rotary kernel needs a CUDA device")
+    report = check(rotary_mod.apply_rotary_emb, signature="flash_attn", device="cuda",
+                   dtypes=("float32", "float16", "bfloat16"), report=False)
+    for r in report.results:
+        if "huge" not in r.case and r.applicable:
+            assert r.passed, r
 
 
 @pytest.mark.peer
