@@ -340,3 +340,32 @@ def test_copies_keep_shared_pages_and_prefix(rng):
         clone.free(clone.active)
         assert clone.free_pages == cache.num_pages
         assert cache.active.tolist() == [0, 1]
+
+
+def test_fits_and_cancel_step_for_engines_with_several_caches(rng):
+    """An engine checks every cache before it reserves any (fits), and can undo a reservation (cancel_step): the
+    cache bit for bit as before the step."""
+    glob = paged(num_pages=8, batch=2)
+    slid = paged(num_pages=2, batch=2, window=4)
+    for c in (glob, slid):
+        c.add()
+    assert glob.fits([0], [12]) and not slid.fits([0], [12])
+    snap = state(glob)
+    glob.reserve([0], [12])
+    with pytest.raises(KVCacheFullError):
+        slid.reserve([0], [12])
+    glob.cancel_step()
+    lengths, table, free, active, pools = snap
+    assert_state(glob, (lengths, table, free, active, [None] * 4))   # (the pool may stay grown)
+    for a, b in zip(glob._pools, pools):
+        if b is not None:
+            np.testing.assert_array_equal(a[:, :b.shape[1]].view(np.uint8), b.view(np.uint8))
+    k = tokens(rng, 5)
+    glob.append(k[None], k[None], seq_ids=[0])   # the cache works on
+    np.testing.assert_allclose(glob.keys(0), oracle_keys(k, np.arange(5)), atol=2e-6)
+    prompt = list(range(9))
+    a = glob.add(tokens=prompt)
+    glob.reserve([a], [9])
+    glob.cancel_step()   # the prompt's pages were never written: not kept for later requests
+    glob.free([a])
+    assert glob._book.kept() == 0 and glob.lengths[glob.add(tokens=prompt)] == 0

@@ -74,11 +74,12 @@ def _positive(value, name, *, allow_none=False):
 class _Step:
     """The step under way: its sequences, token counts, slots and rotation positions, and the layers written."""
 
-    __slots__ = ("ids", "counts", "dense", "slots", "tok_pos", "done")
+    __slots__ = ("ids", "counts", "dense", "slots", "tok_pos", "done", "start", "was_in_use")
 
-    def __init__(self, ids, counts, dense, slots, tok_pos, layers):
+    def __init__(self, ids, counts, dense, slots, tok_pos, layers, start, was_in_use):
         self.ids, self.counts, self.dense, self.slots, self.tok_pos = ids, counts, dense, slots, tok_pos
         self.done = np.zeros(layers, bool)
+        self.start, self.was_in_use = start, was_in_use
 
 
 class KVCache:
@@ -373,9 +374,9 @@ class KVCache:
         if self.paged:
             self._book.reset()
 
-    def _fit(self, ids, new_lengths):
+    def _fit(self, ids, new_lengths, dry_run=False):
         """Check that ``new_lengths`` fit (capacity, free pages, a copy of each shared partial last page), then
-        give the sequences their pages; returns the pages copied on write [(b, j, old, new)]."""
+        (unless ``dry_run``) give the sequences their pages; returns the pages copied on write [(b, j, old, new)]."""
         if new_lengths.size and new_lengths.max() > self.capacity:
             over = np.flatnonzero(new_lengths > self.capacity)
             i = int(over[0])
@@ -397,6 +398,8 @@ class KVCache:
             raise KVCacheFullError(f"no free page for sequence {int(ids[short[0]])}: this step needs {wanted} new "
                                    f"pages of {ps} tokens and {book.available()} of the pool's {self.num_pages} are "
                                    "free (free finished sequences with cache.free(seq_ids)); nothing was written")
+        if dry_run:
+            return []
         if wanted > len(book.free_list) and book.allocated < self.num_pages:
             in_use = book.allocated - len(book.free_list)
             self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + wanted)))
@@ -428,6 +431,7 @@ class KVCache:
             tok_seq = np.repeat(ids, counts)
             tok_pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts),
                                                                               counts)
+        was_in_use = self._in_use[ids].copy()
         self._fit(ids, new_lengths)
         if self.paged:
             slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
@@ -435,17 +439,15 @@ class KVCache:
             slots = tok_seq * self.page_size + tok_pos
         self.lengths[ids] = new_lengths
         self._in_use[ids] = True
-        if self._tokens:
-            self._keep_prefix_pages(ids)
         if self.window is not None and self.paged:
             self._release_outside_window(ids, start)
-        step = _Step(ids, counts, dense, slots, tok_pos, self._n_layers)
+        step = _Step(ids, counts, dense, slots, tok_pos, self._n_layers, start, was_in_use)
         self._step = step
         return step
 
     def _keep_prefix_pages(self, ids):
-        """The prompt pages each sequence has filled, kept in the prefix cache (they are written by the end of this
-        step, before any later request can share them)."""
+        """The prompt pages each sequence has filled, kept in the prefix cache (at the end of a step: every layer
+        has written them)."""
         ps = self.page_size
         for b in ids.tolist():
             entry = self._tokens.get(b)
@@ -578,6 +580,40 @@ class KVCache:
         step.done[i] = True
         if step.done.all():
             self._step = None
+            if self._tokens:
+                self._keep_prefix_pages(step.ids)
+
+    def fits(self, seq_ids=None, tokens=1) -> bool:
+        """Whether a step of ``tokens`` new tokens (an int, or one count per sequence) for sequences ``seq_ids`` fits
+        now (capacity, free pages, copies of shared partial pages): what :meth:`reserve` or layer 0's append would
+        check, nothing changed (an engine with several caches checks each before it reserves any)."""
+        if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, (bool, np.bool_)):
+            ids = self._seq_ids(seq_ids, None)
+            counts = np.full(ids.size, int(tokens), np.int64)
+        else:
+            counts = host_int_array(tokens, "tokens")
+            ids = self._seq_ids(seq_ids, counts.size)
+        try:
+            self._fit(ids, self.lengths[ids] + counts, dry_run=True)
+        except KVCacheFullError:
+            return False
+        return True
+
+    def cancel_step(self):
+        """Undo the step under way (a :meth:`reserve`, or a step some layers have appended): the sequences' lengths
+        and slots back to where they were, the pages it took back to the pool. Nothing happens between steps."""
+        step = self._step
+        if step is None:
+            return
+        self._step = None
+        ids = step.ids
+        if self.paged:
+            keep = -(-step.start // self.page_size)
+            for b, k in zip(ids.tolist(), keep.tolist()):
+                self._book.release(self.block_table[b, k:])
+                self.block_table[b, k:] = -1
+        self.lengths[ids] = step.start
+        self._in_use[ids] = step.was_in_use
 
     def _given_positions(self, positions, n_tokens, n, counts, name):
         """Rotation positions given as dense (n, s[, n_axes]) (``counts`` None) or packed (T[, n_axes])."""
