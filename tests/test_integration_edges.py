@@ -88,6 +88,37 @@ def test_one_row_of_positions_with_dask():
     assert_close(rotary.apply(d, ids, seq_axis=-3).compute(), rotary.apply(x, ids[0], seq_axis=-3), rtol=0, atol=0)
 
 
+# -- float32 attention with a softcap float32 cannot hold -----------------------------------------------------
+@pytest.mark.parametrize("softcap", [1e39, 1e300, 1e-46, 1e-40])
+@pytest.mark.parametrize("backend", AVAILABLE[:2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_softcap_outside_float32_is_refused_for_float32_work(softcap, backend, dtype):
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((5, 2, 8)).astype(dtype) for _ in range(3))
+    with pytest.raises(ValueError, match="softcap"):
+        rotary.attention(q, k, v, causal=True, seq_axis=0, softcap=softcap, backend=backend)
+    # float64 holds it: the call runs and gives finite values
+    o = rotary.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True, seq_axis=0, softcap=softcap,
+                         backend=backend)
+    assert np.all(np.isfinite(o))
+
+
+@pytest.mark.parametrize("softcap", [3e38, 1e-30, 50.0])
+def test_softcap_within_float32_still_runs(softcap):
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(3))
+    o = rotary.attention(q, k, v, causal=True, seq_axis=0, softcap=softcap)
+    o64 = rotary.attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True, seq_axis=0, softcap=softcap)
+    assert_close(o, o64, rtol=1e-5, atol=1e-5)
+
+
+def test_softcap_refused_with_a_large_scale():
+    """What matters is scale / softcap (folded into q): finite in float32."""
+    q = np.ones((4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        rotary.attention(q, q, q, causal=True, seq_axis=0, softcap=1e-36, scale=1e3)
+
+
 # -- angles= errors name angles ----------------------------------------------------------------------------
 def test_angles_wrong_batch_names_angles():
     x = np.ones((2, 5, 3, 8))

@@ -330,7 +330,26 @@ def checked_arguments(q, k, v, *, causal, scale, spec, seq_axis, rope, window, s
         scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(d)
     else:
         scale = optional_number(scale, "scale")
+    if softcap is not None and q.dtype != xp.float64:
+        check_float32_softcap(softcap, scale, q.dtype)
     return xp, ax, gaxis, spec, scale, window, softcap, block_size
+
+
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def check_float32_softcap(softcap, scale, dtype):
+    """A softcap the float32 work dtype (scores of float32/16 and bfloat16 inputs) holds: ``c tanh(s / c)`` is
+    computed as ``tanh(s * (scale / c)) * c`` in float32, so c and scale / c must be finite normal float32 values
+    (1e39 would be inf there and 1e-46 zero, and every score NaN). ValueError naming softcap otherwise."""
+    fold = scale / softcap if isinstance(scale, (int, float, np.floating)) else 1.0   # a traced scale: not read
+    if _F32_TINY <= softcap <= _F32_MAX and abs(fold) <= _F32_MAX:
+        return
+    raise ValueError(f"softcap={softcap!r} does not fit float32, the work dtype of attention on {dtype} inputs "
+                     f"(scores are float32 for float32, float16 and bfloat16 inputs): the cap must lie in "
+                     f"[{_F32_TINY:.4g}, {_F32_MAX:.4g}] and scale / softcap (here {scale!r} / {softcap!r}) must be "
+                     f"at most {_F32_MAX:.4g}. Pass softcap=None for a huge cap (c tanh(s / c) = s to float32 "
+                     "precision for |s| < c / 3000), a larger softcap or smaller scale, or float64 inputs")
 
 
 def _numpy_path(*arrays):
