@@ -237,24 +237,3 @@ def max_error(actual, desired) -> float:
     """max |actual - desired| in float64."""
     d = to_numpy64(actual) - np.asarray(desired, dtype=np.float64)
     return float(np.max(np.abs(d))) if d.size else 0.0
-
-
-def conformance_cases(impl, *, signature="plain", cases="quick", dtypes=None, **options) -> list:
-    """pytest parameters, one per conformance case of ``impl`` (``rotary.conformance.check``'s cases), to run
-    them inside a project's own suite::
-
-        @pytest.mark.parametrize("case", rotary.testing.conformance_cases(my_rope))
-        def test_rope_conformance(case):
-            case.check()   # skips a case that does not apply; fails with the diagnosis
-
-    ``signature``, ``cases``, ``dtypes`` and the other keywords (``arrays``, ``cos_sin``, ``skip``,
-    ``strict``, ``device``) are those of ``rotary.conformance.check``. Each parameter's id is the case name;
-    the cases share one runner (and its precision probe, run when a failure needs it).
-    """
-    import pytest
-
-    from .conformance.adapters import DTYPES
-    from .conformance.check import items
-
-    return [pytest.param(item, id=item.name)
-            for item in items(impl, signature=signature, cases=cases, dtypes=dtypes or DTYPES, **options)]

@@ -153,9 +153,9 @@ def test_rotary_passes_in_other_array_libraries(arrays):
             assert "jax_enable_x64" in report["half-basic-fp64"].diagnosis
 
 
-@pytest.mark.parametrize("case", rotary.testing.conformance_cases(rotary_plain, cases="quick"))
+@pytest.mark.parametrize("case", rotary.conformance.conformance_cases(rotary_plain, cases="quick"))
 def test_pytest_entry_point(case):
-    """rotary.testing.conformance_cases: the cases as a project's own parametrized tests."""
+    """rotary.conformance.conformance_cases: the cases as a project's own parametrized tests."""
     result = case.check()
     assert result.passed
 

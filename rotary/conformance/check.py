@@ -625,7 +625,7 @@ def check(impl, *, signature="plain", cases="quick", dtypes=DTYPES, report=True,
 
 
 class ConformanceItem:
-    """One case of one implementation, for a pytest parametrization (``rotary.testing.conformance_cases``):
+    """One case of one implementation, for a pytest parametrization (:func:`conformance_cases`):
     ``run()`` returns its :class:`CaseResult`; ``check()`` skips it (pytest) when not applicable and raises
     AssertionError with the diagnosis when it fails."""
 
@@ -659,3 +659,21 @@ def items(impl, *, signature="plain", cases="quick", dtypes=DTYPES, **options) -
     """One :class:`ConformanceItem` per case, sharing one runner (and its precision probe)."""
     runner = Runner(impl, signature=signature, **options)
     return [ConformanceItem(runner, c) for c in select_cases(cases, dtypes)]
+
+
+def conformance_cases(impl, *, signature="plain", cases="quick", dtypes=None, **options) -> list:
+    """pytest parameters, one per conformance case of ``impl`` (``rotary.conformance.check``'s cases), to run
+    them inside a project's own suite::
+
+        @pytest.mark.parametrize("case", rotary.conformance.conformance_cases(my_rope))
+        def test_rope_conformance(case):
+            case.check()   # skips a case that does not apply; fails with the diagnosis
+
+    ``signature``, ``cases``, ``dtypes`` and the other keywords (``arrays``, ``cos_sin``, ``skip``,
+    ``strict``, ``device``) are those of ``rotary.conformance.check``. Each parameter's id is the case name;
+    the cases share one runner (and its precision probe, run when a failure needs it).
+    """
+    import pytest
+
+    return [pytest.param(item, id=item.name)
+            for item in items(impl, signature=signature, cases=cases, dtypes=dtypes or DTYPES, **options)]
