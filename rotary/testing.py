@@ -237,3 +237,55 @@ def max_error(actual, desired) -> float:
     """max |actual - desired| in float64."""
     d = to_numpy64(actual) - np.asarray(desired, dtype=np.float64)
     return float(np.max(np.abs(d))) if d.size else 0.0
+
+
+def dequantize64(entries, scales, kv_dtype):
+    """float64 values of stored KV entries, by the formats' definitions written out here (independent of
+    ``rotary.backends.kv_entries``): float entries as they are; int8 times the scale of the (token, head); float8
+    e4m3fn bits decoded (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0: m 2^-9) times the scale."""
+    entries = np.asarray(entries)
+    if kv_dtype is None:
+        return entries.astype(np.float64)
+    scales = np.asarray(scales, np.float64)[..., None]
+    if kv_dtype == "int8":
+        return entries.astype(np.float64) * scales
+    bits = entries.astype(np.int64)
+    e, m = (bits >> 3) & 15, bits & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e - 10.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return np.where(bits >> 7, -mag, mag) * scales
+
+
+def paged_attention64(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap=None, window=None,
+                      causal=True, kv_dtype=None):
+    """Oracle of the ``paged_attention`` primitive (``rotary.backends``' contract) in float64: packed rotated q
+    (T, Hq, D); stores = flat (slots, Hk, D) entries and (slots, Hk) scales; sequence i's keys ``0 ..
+    seq_lens[i] - 1`` gathered through ``block_table`` (only those some query sees: pages before a window may be
+    -1) and dequantized (:func:`dequantize64`); its queries ``q_starts[i] ..`` at the last positions; an explicit
+    masked softmax per query and head (q head h reads k/v head h // (Hq / Hk)); a query that sees no key gets 0."""
+    k_ent, v_ent, k_scale, v_scale = stores
+    q = np.asarray(q, np.float64)
+    table, lens, starts = (np.asarray(a, np.int64) for a in (block_table, seq_lens, q_starts))
+    groups = q.shape[1] // k_ent.shape[1]
+    o = np.zeros(q.shape)
+    for i, length in enumerate(lens.tolist()):
+        count = int(starts[i + 1] - starts[i])
+        at = length - count + np.arange(count)   # each query's position
+        first = max(0, length - count - window + 1) if causal and window is not None else 0
+        p = np.arange(first, length)
+        slots = table[i, p // page_size] * page_size + p % page_size
+        keys = dequantize64(k_ent[slots], None if k_scale is None else k_scale[slots], kv_dtype)
+        values = dequantize64(v_ent[slots], None if v_scale is None else v_scale[slots], kv_dtype)
+        keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)   # (L, Hq, D)
+        scores = scale * np.einsum("jhd,phd->jhp", q[starts[i]:starts[i + 1]], keys)
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        seen = np.ones((count, p.size), bool)
+        if causal:
+            seen = (p[None] <= at[:, None]) & (True if window is None else at[:, None] - p[None] < window)
+        seen = np.broadcast_to(seen[:, None, :], scores.shape)
+        top = np.where(seen, scores, -np.inf).max(-1, keepdims=True, initial=-np.inf)
+        weights = np.where(seen, np.exp(np.where(seen, scores - np.where(np.isfinite(top), top, 0.0), 0.0)), 0.0)
+        total = weights.sum(-1, keepdims=True)
+        o[starts[i]:starts[i + 1]] = np.einsum("jhp,phd->jhd", weights / np.where(total > 0, total, 1.0), values)
+    return o

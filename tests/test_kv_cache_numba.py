@@ -220,36 +220,9 @@ def test_append_kv_matches_a_float64_oracle(rng, dtype, layout):
 # -- paged_attention -------------------------------------------------------------------------------------------
 def oracle_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
                      kv_dtype):
-    """float64 softmax attention of packed q over each sequence's keys gathered through its block table and
-    dequantized: an explicit mask and softmax per sequence (a query that sees no key gets 0)."""
-    k_ent, v_ent, k_scale, v_scale = stores
-    q = np.asarray(q, np.float64)
-    groups = q.shape[1] // k_ent.shape[1]
-    o = np.zeros(q.shape)
-    for i, length in enumerate(np.asarray(seq_lens)):
-        p = np.arange(length)
-        slots = block_table[i, p // page_size] * page_size + p % page_size
-        keys, values = k_ent[slots].astype(np.float64), v_ent[slots].astype(np.float64)
-        if kv_dtype == "int8":
-            keys = keys * k_scale[slots][..., None].astype(np.float64)
-            values = values * v_scale[slots][..., None].astype(np.float64)
-        keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)   # (L, Hq, D)
-        rows = slice(q_starts[i], q_starts[i + 1])
-        count = q_starts[i + 1] - q_starts[i]
-        scores = scale * np.einsum("jhd,phd->jhp", q[rows], keys)
-        if softcap is not None:
-            scores = softcap * np.tanh(scores / softcap)
-        at = length - count + np.arange(count)[:, None]   # each query's position
-        seen = np.ones((count, length), bool)
-        if causal:
-            seen = (p[None] <= at) & (True if window is None else at - p[None] < window)
-        seen = np.broadcast_to(seen[:, None, :], scores.shape)
-        weights = np.exp(np.where(seen, scores - np.where(seen, scores, -np.inf).max(-1, keepdims=True,
-                                                                                         initial=-np.inf), -np.inf))
-        weights = np.where(seen, weights, 0.0)
-        total = weights.sum(-1, keepdims=True)
-        o[rows] = np.einsum("jhp,phd->jhd", weights / np.where(total > 0, total, 1.0), values)
-    return o
+    """The float64 oracle of the contract: :func:`rotary.testing.paged_attention64`."""
+    return testing.paged_attention64(q, stores, block_table, page_size, seq_lens, q_starts, scale=scale,
+                                     softcap=softcap, window=window, causal=causal, kv_dtype=kv_dtype)
 
 
 def _rel(got, want):

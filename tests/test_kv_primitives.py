@@ -13,7 +13,7 @@ import pytest
 import rotary
 from rotary.backends import kv_entries
 from rotary.kvcache.tables import block_table_from_csr, slots_from_block_table
-from rotary.testing import rope_complex
+from rotary.testing import dequantize64, paged_attention64, rope_complex
 
 from .conftest import backend_params
 
@@ -49,19 +49,6 @@ def oracle_rotate(x, positions, spec):
     y = rope_complex(x, np.asarray(positions), inv_freq64(spec.rotary_dim, spec.base), layout=spec.layout,
                      rotary_offset=spec.rotary_offset)
     return y.transpose(1, 0, 2)
-
-
-def dequantize64(entries, scales, kv_dtype):
-    """float64 values of stored entries: int8 * scale, or the float8_e4m3fn bits decoded (sign, exponent bias 7,
-    3 mantissa bits; subnormals m 2^-9) times the scale; float entries as they are."""
-    if kv_dtype is None:
-        return entries.astype(np.float64)
-    if kv_dtype == "int8":
-        return entries.astype(np.float64) * scales[..., None]
-    bits = entries.astype(np.int64)
-    e, m = (bits >> 3) & 15, bits & 7
-    mag = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e - 10.0))
-    return np.where(bits >> 7, -mag, mag) * scales[..., None]
 
 
 def make_pools(rng, num_pages, page_size, heads, head_dim, dtype, kv_dtype):
@@ -220,39 +207,19 @@ def filled(rng, backend, *, dtype, kv_dtype, spec, page_size=4, num_pages=24, le
 
 def oracle_paged(q, counts, k_pool, v_pool, scales, table, lens, kv_dtype, spec, *, scale, causal=True, window=None,
                  softcap=None, q_positions=None):
-    """float64 attention of packed q (T, Hq, D) (rotated here at each sequence's last positions, or q_positions)
-    over keys read through the block table and dequantized by :func:`dequantize64`."""
-    ps = k_pool.shape[1]
-    flat = lambda a: a.reshape((-1,) + a.shape[2:])   # noqa: E731
-    o = np.zeros(q.shape)
-    start = 0
-    for i, c in enumerate(counts.tolist()):
-        L = int(lens[i])
-        slots = table[i, np.arange(L) // ps] * ps + np.arange(L) % ps
-        keys = dequantize64(flat(k_pool)[slots], None if scales is None else flat(scales[0])[slots], kv_dtype)
-        values = dequantize64(flat(v_pool)[slots], None if scales is None else flat(scales[1])[slots], kv_dtype)
-        pos = np.arange(L - c, L) if q_positions is None else q_positions[start:start + c]
-        qi = oracle_rotate(q[start:start + c], pos, spec) if spec is not None else np.asarray(q[start:start + c],
-                                                                                           np.float64)
-        g = q.shape[1] // keys.shape[1]
-        for j in range(c):
-            at = L - c + j
-            for h in range(q.shape[1]):
-                s = keys[:, h // g] @ qi[j, h] * scale
-                if softcap:
-                    s = softcap * np.tanh(s / softcap)
-                vis = np.ones(L, bool)
-                if causal:
-                    vis &= np.arange(L) <= at
-                    if window is not None:
-                        vis &= at - np.arange(L) < window
-                if not vis.any():
-                    continue
-                s = np.where(vis, s, -np.inf)
-                w = np.exp(s - s.max())
-                o[start + j, h] = (w / w.sum()) @ values[:, h // g]
-        start += c
-    return o
+    """float64 attention of packed q (T, Hq, D), rotated here by complex multiplication at each sequence's last
+    positions (or q_positions; not at all without a spec), over keys read through the block table:
+    :func:`rotary.testing.paged_attention64`."""
+    counts, lens = np.asarray(counts), np.asarray(lens)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    if spec is not None:
+        pos = np.concatenate([np.arange(L - c, L) for L, c in zip(lens.tolist(), counts.tolist())]) \
+            if q_positions is None else np.asarray(q_positions)
+        q = oracle_rotate(q, pos, spec)
+    flat = lambda a: None if a is None else a.reshape((-1,) + a.shape[2:])   # noqa: E731
+    stores = (flat(k_pool), flat(v_pool)) + ((None, None) if scales is None else (flat(scales[0]), flat(scales[1])))
+    return paged_attention64(q, stores, table, k_pool.shape[1], lens, starts, scale=scale, softcap=softcap,
+                             window=window, causal=causal, kv_dtype=kv_dtype)
 
 
 CASES = {   # name: (queries per sequence, attention keywords)
