@@ -2,6 +2,9 @@
 NumPy-made LinearAttentionState as a lax.scan carry, float32 attention with a softcap float32 cannot hold, and the
 errors of ``angles=``."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -86,6 +89,42 @@ def test_one_row_of_positions_with_dask():
     d = da.from_array(x, chunks=(1, 5, 3, 8))
     ids = np.arange(3, 8)[None]
     assert_close(rotary.apply(d, ids, seq_axis=-3).compute(), rotary.apply(x, ids[0], seq_axis=-3), rtol=0, atol=0)
+
+
+# -- a LinearAttentionState made by NumPy is a JAX pytree before any JAX call into rotary -----------------------
+_SCAN = """
+import sys
+{first}
+import numpy as np
+q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
+o, state = rotary.linear_attention(q, q, q, causal=True, seq_axis=-3, return_state=True)
+assert 'jax' not in sys.modules or {jax_first}
+{then}
+import jax, jax.numpy as jnp
+def body(st, x):
+    return st, x
+carry, _ = jax.lax.scan(body, state, jnp.arange(3))
+leaves = jax.tree_util.tree_leaves(carry)
+assert len(leaves) == 3 and carry.spec == state.spec, leaves
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["rotary-then-jax", "jax-then-rotary"])
+def test_numpy_state_is_a_scan_carry_without_a_jax_call(order):
+    pytest.importorskip("jax")
+    if order == "rotary-then-jax":
+        code = _SCAN.format(first="import rotary", jax_first="False", then="")
+    else:
+        code = _SCAN.format(first="import jax\nimport rotary", jax_first="True", then="")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+def test_import_rotary_does_not_import_jax():
+    code = "import sys, rotary; print('jax' in sys.modules, 'torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["False", "False"], run.stderr[-2000:]
 
 
 # -- float32 attention with a softcap float32 cannot hold -----------------------------------------------------

@@ -110,6 +110,12 @@ class LinearAttentionState:
                 f"decay={self.decay!r}, normalize={self.normalize}, groups={self.groups})")
 
 
+# a JAX pytree (a lax.scan / fori_loop carry) as soon as jax is imported, before or after rotary
+from ..interop import jax_hook  # noqa: E402  (torch- and jax-free)
+
+jax_hook.install()
+
+
 def _rebuild_state(S, z, next_position, spec, feature_map, decay=None, normalize=True, groups=1):
     return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map, decay=decay,
                                 normalize=normalize, groups=groups)

@@ -44,8 +44,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             try:
                 callback()
-            except Exception as exc:   # never break the import of torch._dynamo
-                warnings.warn(f"rotary could not register its torch.compile handlers: {exc!r}", stacklevel=2)
+            except Exception as exc:   # never break the import of the module itself
+                warnings.warn(f"rotary could not register its hook for {fullname}: {exc!r}", stacklevel=2)
 
         spec.loader.exec_module = exec_then_call
         return spec
@@ -56,5 +56,5 @@ def install():
     if _DYNAMO in sys.modules:
         if "torch" in sys.modules and hasattr(sys.modules["torch"].library, "custom_op"):
             _register()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    elif not any(isinstance(f, _AfterImport) and f.name == _DYNAMO for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport(_DYNAMO, _register))
