@@ -3,7 +3,12 @@ continues a call: same spec, feature map, decay, normalize, GQA groups and shape
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
 import numbers
+import sys
+import warnings
 
 import numpy as np
 
@@ -110,12 +115,6 @@ class LinearAttentionState:
                 f"decay={self.decay!r}, normalize={self.normalize}, groups={self.groups})")
 
 
-# a JAX pytree (a lax.scan / fori_loop carry) as soon as jax is imported, before or after rotary
-from ..interop import jax_hook  # noqa: E402  (torch- and jax-free)
-
-jax_hook.install()
-
-
 def _rebuild_state(S, z, next_position, spec, feature_map, decay=None, normalize=True, groups=1):
     return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map, decay=decay,
                                 normalize=normalize, groups=groups)
@@ -151,3 +150,80 @@ def check_state(state, q, spec, feature_map, kv_other, m, dv, decay, normalize, 
     if state.groups != groups:
         raise ValueError(f"state was made with {state.groups} q heads per k/v head (GQA groups), this call has "
                          f"{groups}")
+
+
+# -- a JAX pytree as soon as jax is imported -----------------------------------------------------------------
+class _Frozen:
+    """A hashable, comparable holder of a state's decay (a read-only NumPy array or None) for pytree aux data."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        a, b = self.value, getattr(other, "value", object())
+        return isinstance(other, _Frozen) and (a is b or (a is not None and b is not None
+                                                          and a.shape == b.shape and np.array_equal(a, b)))
+
+    def __hash__(self):
+        return 0 if self.value is None else hash((self.value.shape, self.value.tobytes()))
+
+
+def register_jax_pytree():
+    """:class:`LinearAttentionState` as a JAX pytree (S, z, next_position the leaves; a ``lax.scan`` /
+    ``fori_loop`` carry, a jitted function's result). Imports jax; once (a second call does nothing)."""
+    import jax
+
+    def flatten(st):
+        return (st.S, st.z, st.next_position), (st.spec, st.feature_map, _Frozen(st.decay), st.normalize, st.groups)
+
+    def unflatten(aux, children):
+        spec, feature_map, decay, normalize, groups = aux
+        return LinearAttentionState._trusted(*children, spec, feature_map, decay.value, normalize, groups)
+
+    try:
+        jax.tree_util.register_pytree_node(LinearAttentionState, flatten, unflatten)
+    except ValueError:   # registered already
+        pass
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback once a module has been imported (its body executed), then leaves sys.meta_path: how
+    rotary reacts to a library's import without importing it (this pytree; torch.compile's handlers,
+    :mod:`rotary.interop.torch_hook`)."""
+
+    def __init__(self, name, callback):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_call(module):
+            exec_module(module)
+            try:
+                callback()
+            except Exception as exc:   # never break the import of the module itself
+                warnings.warn(f"rotary could not register its hook for {fullname}: {exc!r}", stacklevel=2)
+
+        spec.loader.exec_module = exec_then_call
+        return spec
+
+
+def after_import(name, callback):
+    """``callback()`` now if module ``name`` is loaded, else right after it is imported (once)."""
+    if name in sys.modules:
+        callback()
+    elif not any(isinstance(f, AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(name, callback))
+
+
+# the state is a pytree as soon as jax is imported, before or after rotary (import rotary never imports jax)
+after_import("jax", register_jax_pytree)

@@ -455,39 +455,6 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
 
 
 # -- the linear-attention state as a pytree (a scan / fori_loop carry) ----------------------------------
-class _Frozen:
-    """A hashable, comparable holder of a state's decay (a read-only NumPy array or None) for pytree aux data."""
+from ..attn.linear_state import register_jax_pytree  # noqa: E402
 
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __eq__(self, other):
-        a, b = self.value, getattr(other, "value", object())
-        return isinstance(other, _Frozen) and (a is b or (a is not None and b is not None
-                                                          and a.shape == b.shape and np.array_equal(a, b)))
-
-    def __hash__(self):
-        return 0 if self.value is None else hash((self.value.shape, self.value.tobytes()))
-
-
-def _register_state():
-    import jax
-
-    from ..attn.linear_state import LinearAttentionState
-
-    def flatten(st):
-        return (st.S, st.z, st.next_position), (st.spec, st.feature_map, _Frozen(st.decay), st.normalize, st.groups)
-
-    def unflatten(aux, children):
-        spec, feature_map, decay, normalize, groups = aux
-        return LinearAttentionState._trusted(*children, spec, feature_map, decay.value, normalize, groups)
-
-    try:
-        jax.tree_util.register_pytree_node(LinearAttentionState, flatten, unflatten)
-    except ValueError:   # registered already (a reloaded module)
-        pass
-
-
-_register_state()
+register_jax_pytree()   # already done where jax was imported before this module (rotary.attn.linear_state)
