@@ -110,6 +110,7 @@ print("ok")
 """
 
 
+@pytest.mark.interop("JAX", "cpu", "reference (jax.numpy)", "a NumPy-made linear-attention state as a scan carry")
 @pytest.mark.parametrize("order", ["rotary-then-jax", "jax-then-rotary"])
 def test_numpy_state_is_a_scan_carry_without_a_jax_call(order):
     pytest.importorskip("jax")

@@ -200,6 +200,7 @@ def _dynamic_case(what):
               _rand(b, s, 2, 8, seed=s + 2, grad=True), torch.arange(s)) for b, s in ((3, 6), (5, 10))])
 
 
+@pytest.mark.interop("torch", "cpu", "numba", "torch.compile fullgraph, dynamic=True, autograd")
 @pytest.mark.parametrize("what", ["apply", "apply_qk", "attention", "linear_attention"])
 def test_dynamic_shapes_fullgraph_forward_and_backward(what):
     """torch.compile(f, fullgraph=True, dynamic=True): each entry point traces once with symbolic shapes (the
@@ -303,6 +304,7 @@ def _step(model, x, pos):
     return y.detach(), grads
 
 
+@pytest.mark.interop("torch", "cpu", "numba", "torch.compile fullgraph, autograd (a Llama block)")
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_llama_block_compiles_fullgraph_forward_backward_without_recompiles(backend):
     """RMSNorm, q/k/v projections, apply_qk, causal GQA attention, o projection, SwiGLU MLP: one graph,
