@@ -1,7 +1,7 @@
 """rotary.interop.hf.patch_model: rotary's RoPE inside a Hugging Face transformers model (issue 44).
 
 Tiny random-weight LlamaForCausalLM (llama3 scaling), Qwen3ForCausalLM (q/k norms, YaRN with its attention factor)
-and Gemma3ForCausalLM (sliding layers on the local base, global layers with linear scaling) as in
+and Gemma3ForCausalLM (sliding layers on the local base, global layers with linear scaling): the configs of
 tests/test_decoding_hf.py. The patched model's logits against the unpatched model's:
 
 - float32: HF's own model, its float32 angles (``position_ids.float() * inv_freq``) against rotary's exact ones:
@@ -28,29 +28,14 @@ if int(transformers.__version__.split(".")[0]) < 5:
 
 from rotary.interop import hf  # noqa: E402
 
+# the tiny configs of the decoder's HF tests, and HF's RMSNorm formulas without their float32 cast
+from .test_decoding_hf import _hf_config as _config  # noqa: E402
+from .test_decoding_hf import _norm_forward  # noqa: E402
+
 pytestmark = pytest.mark.peer
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 IDS = [[5, 17, 3, 42, 8, 11, 60, 2], [7, 9, 11, 13, 15, 17, 19, 21]]
-
-
-def _config(family):
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=None,
-                  bos_token_id=None, attn_implementation="sdpa")
-    if family == "llama":
-        return transformers.LlamaForCausalLM, transformers.LlamaConfig(
-            num_hidden_layers=2, rope_theta=500000.0, tie_word_embeddings=False, **common,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 32})
-    if family == "qwen3":
-        return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-            num_hidden_layers=2, rope_theta=1000000.0, tie_word_embeddings=False, **common,
-            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
-    return transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig(
-        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=4, query_pre_attn_scalar=24, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, **common)
 
 
 def _model(family, dtype):
@@ -85,18 +70,8 @@ def _float64_steps(model, family):
     rope.forward = rope_forward
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = _norm_forward(module, gemma)
+            module.forward = _norm_forward(torch, module, gemma)
     return model
-
-
-def _norm_forward(module, gemma):
-    eps = module.eps if gemma else module.variance_epsilon
-
-    def forward(x):
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return y * (1.0 + module.weight) if gemma else module.weight * y
-
-    return forward
 
 
 def _pair(family, dtype):
