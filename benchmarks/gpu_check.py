@@ -25,7 +25,10 @@
    and as a fraction of the copy bandwidth; microseconds per paged_attention launch over 32 sequences of 2048 keys
    (32 q / 8 kv heads, fp16 and int8 entries), dense decode and with one 512-token prefill chunk mixed in, and the
    pool's bytes over that time against the copy bandwidth; host microseconds per ``KVCache.append`` decode step
-   (32 sequences x 1 token).
+   (32 sequences x 1 token). Decode attention at the memory limit (``paged_attention_decode``): 32 sequences x 2048
+   keys and batch 1 x 32768 keys (Llama-3-8B: 32/8 heads, d=128), fp16 and int8 entries, against a
+   device-to-device copy of the same K+V bytes in the same run (goal >= 0.7 of the copy bandwidth), at the split
+   rule's count and a sweep of forced split counts.
 6. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
    copy bandwidth and FLOP over the FP32 peak, both of this device), as the fraction estimate / measured.
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
@@ -430,11 +433,13 @@ def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int =
             q = cupy.random.standard_normal((sum(counts), q_heads, d), dtype=cupy.float32).astype(cupy.float16)
             o = cupy.empty_like(q)
             plan = cb.plan_paged_attention(q, o, stores, table, page, lens, starts, dtype_name="float16",
-                                           scale=d ** -0.5, softcap=None, window=None, causal=True, kv_dtype=kv_dtype)
-            t_kernel = _events_time(cupy, lambda: cb._launch(plan, "float16"), 10)
+                                           scale=d ** -0.5, softcap=None, window=None, causal=True, kv_dtype=kv_dtype,
+                                           empty=cupy.empty)
+            t_kernel = _events_time(cupy, lambda: _launch_all(cb, plan, "float16"), 10)
             attention[f"{kv_dtype} {label}"] = {
                 "sequences": n_seq, "context": context, "q_rows": sum(counts), "q_heads": q_heads,
-                "kernel": plan.kernel, "grid": plan.grid, "us_per_launch": t_kernel * 1e6,
+                "kernels": [launch.kernel for launch in plan.launches], "grid": plan.geometry.grid,
+                "splits": plan.geometry.splits, "us_per_call": t_kernel * 1e6,
                 "cache_GBps": held / t_kernel / 1e9, "cache_fraction_of_copy": held / t_kernel / 1e9 / copy_GBps}
         del stores
     del kp
@@ -457,6 +462,79 @@ def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int =
         decode["error"] = f"{type(exc).__name__}: {exc}"
     return {"tokens": tokens, "heads": heads, "d": d, "runs": runs, "decode_append_host_us": decode,
             "paged_attention": attention, "fp16_time_over_plain_copy": runs[0]["time_over_plain_copy"]}
+
+
+def _launch_all(cb, plan, dtype_name: str) -> None:
+    for launch in plan.launches:   # paged_attention, then the split-K combine when the plan splits
+        cb._launch(launch, dtype_name)
+
+
+def paged_attention_speed(cupy, cb, quick: bool = False) -> dict:
+    """paged_attention at decode (Llama-3-8B shapes: 32 q / 8 kv heads, d=128, pages of 16 keys in a scattered
+    order, fp16 q) over fp16 and int8 entries, against a device-to-device copy of the same K+V bytes (entries and
+    scales) in the same run: 32 sequences x 2048 keys, and batch 1 x 32768 keys (quick: 8 x 2048, 1 x 8192). The
+    fraction is (K+V bytes / attention time) / (2 x bytes / copy time) (the copy reads and writes them; goal >= 0.7).
+    Each shape at the split rule's count (the plan's default) and at forced counts (the best is reported beside it);
+    the largest difference between the rule's output and the unsplit one (expected ~1e-3 of max |o| in fp16)."""
+    rng = np.random.default_rng(3)
+    q_heads, kv_heads, d, page = 32, 8, 128, 16
+    shapes = {"32 x 2048 decode": (8 if quick else 32, 2048), "1 x 32768 decode": (1, 8192 if quick else 32768)}
+    out = {}
+    for label, (n_seq, context) in shapes.items():
+        per_seq = context // page
+        table = cupy.asarray(rng.permutation(n_seq * per_seq).reshape(n_seq, per_seq).astype(np.int64))
+        lens = cupy.full(n_seq, context, dtype=cupy.int64)
+        starts = cupy.arange(n_seq + 1, dtype=cupy.int64)
+        q = cupy.random.standard_normal((n_seq, q_heads, d), dtype=cupy.float32).astype(cupy.float16)
+        n_slots = n_seq * per_seq * page
+        for kv_dtype in (None, "int8"):
+            if kv_dtype is None:
+                entries = [cupy.random.standard_normal((n_slots, kv_heads, d), dtype=cupy.float32)
+                           .astype(cupy.float16) for _ in range(2)]
+                stores = (*entries, None, None)
+            else:
+                entries = [cupy.random.randint(-127, 128, (n_slots, kv_heads, d)).astype(cupy.int8) for _ in range(2)]
+                scales = [cupy.random.uniform(0.001, 0.02, (n_slots, kv_heads)).astype(cupy.float32)
+                          for _ in range(2)]
+                stores = (*entries, *scales)
+            nbytes = sum(a.nbytes for a in stores if a is not None)   # every key of every sequence is read
+            src = cupy.empty(nbytes, dtype=cupy.uint8)
+            dst = cupy.empty_like(src)
+            stream = cupy.cuda.get_current_stream().ptr
+            t_copy = _events_time(cupy, lambda: cupy.cuda.runtime.memcpyAsync(
+                dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream), 10)
+            del src, dst
+            copy_GBps = 2 * nbytes / t_copy / 1e9
+            runs = []
+            outputs = {}
+            rule = cb.plan_paged_attention(q, cupy.empty_like(q), stores, table, page, lens, starts,
+                                           dtype_name="float16", scale=d ** -0.5, softcap=None, window=None,
+                                           causal=True, kv_dtype=kv_dtype, empty=cupy.empty).geometry.splits
+            for splits in sorted({rule, 1, 2, 4, 8, 16, 33, 66}):
+                if splits > 1 and context // splits < 64:
+                    continue
+                o = cupy.empty_like(q)
+                plan = cb.plan_paged_attention(q, o, stores, table, page, lens, starts, dtype_name="float16",
+                                               scale=d ** -0.5, softcap=None, window=None, causal=True,
+                                               kv_dtype=kv_dtype, splits=splits, empty=cupy.empty)
+                t = _events_time(cupy, lambda: _launch_all(cb, plan, "float16"), 10)
+                outputs[splits] = o
+                gbps = nbytes / t / 1e9
+                runs.append({"splits": splits, "rule": splits == rule, "grid": plan.geometry.grid,
+                             "threads": plan.geometry.threads, "tile": plan.geometry.tile, "us": t * 1e6,
+                             "GBps": gbps, "fraction_of_copy": gbps / copy_GBps})
+            ref = outputs[1].astype(cupy.float32)
+            diff = float(cupy.abs(outputs[rule].astype(cupy.float32) - ref).max() / cupy.abs(ref).max())
+            best = max(runs, key=lambda r: r["GBps"])
+            at_rule = next(r for r in runs if r["rule"])
+            out[f"{kv_dtype or 'float16'} {label}"] = {
+                "sequences": n_seq, "keys": context, "q_heads": q_heads, "kv_heads": kv_heads, "d": d,
+                "kv_bytes": nbytes, "copy_us": t_copy * 1e6, "copy_GBps": copy_GBps, "rule_splits": rule,
+                "us": at_rule["us"], "fraction_of_copy": at_rule["fraction_of_copy"],
+                "best_splits": best["splits"], "best_fraction_of_copy": best["fraction_of_copy"],
+                "rule_vs_unsplit_max_rel_diff": diff, "runs": runs}
+            del stores, entries, outputs
+    return out
 
 
 def roofline(results: dict) -> dict:
@@ -522,6 +600,7 @@ def main(argv=None) -> int:
     step("decode_fp16", lambda: decode(cupy, rotary, cb))
     step("kv_cache_check", lambda: kv_cache_check(cupy, rotary, cb))
     step("kv_cache_append", lambda: kv_cache_speed(cupy, rotary, cb, copy_GBps, 4096 if args.quick else 16384))
+    step("paged_attention_decode", lambda: paged_attention_speed(cupy, cb, args.quick))
     step("prefill_multi_axis_fp16", lambda: prefill_multi_axis(cupy, rotary, cupy.float16, tokens))
     peak = results["device"].get("GFLOPs", float("nan"))
     step("linear_attention_causal_fp32",
@@ -555,6 +634,10 @@ def main(argv=None) -> int:
         ("KV append fp16 kernel time / plain copy of k, v (<= 1.5)",
          results["kv_cache_append"].get("fp16_time_over_plain_copy"), 1.5, False),
     ]
+    for key in ("float16 32 x 2048 decode", "float16 1 x 32768 decode", "int8 32 x 2048 decode",
+                "int8 1 x 32768 decode"):
+        entry = results["paged_attention_decode"].get(key, {})
+        summary.append((f"paged attention {key} / D2D copy BW (>= 0.7)", entry.get("fraction_of_copy"), 0.7, True))
     results["goals"] = {name: {"value": v, "status": goal(v, t, a)} for name, v, t, a in summary}
     (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
     print("\nSUMMARY")

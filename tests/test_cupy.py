@@ -217,3 +217,42 @@ def test_kv_primitives_on_the_gpu(cupy, dtype, kv_dtype):
                                cupy.asarray(starts), kv_dtype=kv_dtype, **kw)
         want = oracle(q, pool.stores, table, pool.page_size, lens, starts, kv_dtype=kv_dtype, **kw)
         assert_close(cupy.asnumpy(o), want, dtype)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("float16", None), ("float32", "int8"), ("float16", "float8_e4m3")],
+                         ids=["float16-None", "float32-int8", "float16-float8_e4m3"])
+def test_paged_attention_gqa_and_splits_on_the_gpu(cupy, dtype, kv_dtype):
+    """The block per (q row, kv head) and split-K on the device (cp.async staging on sm_80+): GQA 1, 4, 8 and 9 (two
+    head chunks) with 1, 2 and 7 forced splits (empty ones among them) and the split rule's own choice, over a pool
+    the reference append filled, against the float64 oracle; the rule splits a long batch-1 decode."""
+    from .test_kv_cache_cuda_shim import Pool, assert_close, kernels_of, oracle
+
+    pool = Pool(None, dtype=dtype, kv_dtype=kv_dtype, seq_lens=[23, 0, 9, 1, 40], page_size=4, seed=21)
+    dev = tuple(None if a is None else cupy.asarray(a) for a in pool.stores)
+    rows, counts = [0, 1, 2, 3, 4], [3, 0, 1, 1, 5]
+    table, lens, starts = pool.block_table[rows], pool.seq_lens[rows], pool.q_starts(counts)
+    rng = np.random.default_rng(8)
+    for group, splits, window in ((1, 7, None), (4, 2, 13), (8, 1, None), (9, 7, None), (4, None, 6)):
+        q = rng.standard_normal((sum(counts), 2 * group, 32)).astype(dtype)
+        o = cupy.empty(q.shape, q.dtype)
+        kw = dict(scale=32 ** -0.5, softcap=None, window=window, causal=True)
+        plan = cb.plan_paged_attention(cupy.asarray(q), o, dev, cupy.asarray(table), pool.page_size,
+                                       cupy.asarray(lens), cupy.asarray(starts), dtype_name=dtype, kv_dtype=kv_dtype,
+                                       splits=splits, empty=cupy.empty, **kw)
+        assert tuple(launch.kernel for launch in plan.launches) == kernels_of(dtype, kv_dtype, plan.geometry.splits)
+        for launch in plan.launches:
+            cb._launch(launch, dtype)
+        want = oracle(q, pool.stores, table, pool.page_size, lens, starts, kv_dtype=kv_dtype, **kw)
+        assert_close(cupy.asnumpy(o), want, dtype)
+    # batch 1, 1000 keys (64 pages of 16 in the table): the rule splits through cb.paged_attention (the combine
+    # over a workspace from cupy.empty)
+    long = Pool(None, dtype=dtype, kv_dtype=kv_dtype, seq_lens=[1000], page_size=16, kv_heads=2, seed=2)
+    dev = tuple(None if a is None else cupy.asarray(a) for a in long.stores)
+    q = rng.standard_normal((1, 8, 32)).astype(dtype)
+    kw = dict(scale=32 ** -0.5, softcap=None, window=None, causal=True)
+    starts = np.array([0, 1], np.int64)
+    o = cb.paged_attention(cupy.asarray(q), dev, cupy.asarray(long.block_table), 16, cupy.asarray(long.seq_lens),
+                           cupy.asarray(starts), kv_dtype=kv_dtype, **kw)
+    assert cb.paged_attention_splits(2, long.block_table.shape[1] * 16) > 1
+    assert_close(cupy.asnumpy(o), oracle(q, long.stores, long.block_table, 16, long.seq_lens, starts,
+                                         kv_dtype=kv_dtype, **kw), dtype)

@@ -9,10 +9,12 @@ entries, half and interleaved pairs, partial rotary with an offset, strided / re
 block geometries with many blocks and odd thread groups. paged_attention is compared with a float64 oracle written
 here (keys gathered through the block table, dequantized, an explicit masked softmax) over pools the append kernel
 filled: packed prefill chunks and decode steps of ragged sequences in one launch (an empty sequence among them),
-dense decode, GQA, window, softcap, non-causal, pages shared between sequences, unused slots and table entries
-holding NaN (a read of a key the query must not see shows); within 2e-6 (fp32), 1e-12 (fp64), 2e-3 (fp16) of
-max |o|. Then the plans' checks, the shim's own checks (exact-extent buffers, two shared-memory poisons,
-concurrent blocks) and the CuPy glue on NumPy-backed stand-ins.
+dense decode, GQA 1/2/4/8/9 (a block per kv head, two head chunks past 8), window, softcap, non-causal, pages
+shared between sequences, unused slots and table entries holding NaN (a read of a key the query must not see
+shows), -1 table entries before the window, 1, 2 and 7 forced splits (split-K with empty splits, merged by
+paged_attention_combine), 16-byte and entry-by-entry staging; within 2e-6 (fp32), 1e-12 (fp64), 2e-3 (fp16) of
+max |o|. Then the split rule and the geometry, the plans' checks, the shim's own checks (exact-extent buffers,
+two shared-memory poisons, concurrent blocks) and the CuPy glue on NumPy-backed stand-ins.
 """
 
 from __future__ import annotations
@@ -297,11 +299,13 @@ def test_kv_cache_family_in_the_kernel_tables():
     assert cb.SOURCES["kv_cache"] == "kv_cache.cu"
     assert cb.name_expressions("kv_cache", "float64") == [
         "kv_append<double, double, 0>", "kv_append<double, double, 1>",
-        "paged_attention<double, double, 0>", "paged_attention<double, double, 1>"]
+        "paged_attention<double, double, 0>", "paged_attention<double, double, 1>",
+        "paged_attention_combine<double, double>"]
     for dtype in ("float32", "float16", "bfloat16"):
         names = cb.name_expressions("kv_cache", dtype)
-        assert len(names) == 6 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
+        assert len(names) == 7 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
         assert names[5] == cb.paged_attention_kernel_name(dtype, "float8_e4m3")
+        assert names[6] == cb.paged_attention_combine_kernel_name(dtype)
     assert cb.kv_append_kernel_name("float32", "float8_e4m3").endswith(f"{KV_FORMATS['float8_e4m3'].code}>")
     assert cb.VARIANTS == {"append_kv": (None, "int8", "float8_e4m3"), "paged_attention": (None, "int8", "float8_e4m3")}
     for gone in ("cache_attention", "plan_cache_attention", "kv_dtype_of", "KV_DTYPES", "KV_KINDS"):
@@ -546,18 +550,85 @@ def pool_for(kernels, dtype, kv_dtype) -> Pool:
     return _pools[key]
 
 
+def kernels_of(dtype, kv_dtype, splits):
+    """The kernels of one paged_attention call (with the combine when it splits)."""
+    attention = cb.paged_attention_kernel_name(dtype, kv_dtype)
+    return (attention,) if splits == 1 else (attention, cb.paged_attention_combine_kernel_name(dtype))
+
+
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 @pytest.mark.parametrize("dtype,kv_dtype", FORMATS, ids=FORMAT_IDS)
 def test_paged_attention_matches_the_oracle(kernels, dtype, kv_dtype, case, rng):
     """GQA 4:2 over pools of every format: packed mixed prefill + decode, dense decode, window, softcap,
-    non-causal (ragged lengths, an empty sequence, shared pages, NaN in every slot no query may read)."""
+    non-causal (ragged lengths, an empty sequence, shared pages, NaN in every slot no query may read), each split
+    into 1, 2 or 7 key ranges (over the formats every case meets every split count; with 7, most rows have empty
+    splits, and the rows that see no key have only empty ones)."""
     pool = pool_for(kernels, dtype, kv_dtype)
-    module = kv_shim_backend(kernels, attention=dict(threads=8, tile=8))
+    splits = (1, 2, 7)[(FORMATS.index((dtype, kv_dtype)) + list(ATTENTION_CASES).index(case)) % 3]
+    module = kv_shim_backend(kernels, attention=dict(threads=8, tile=4, splits=splits))
     rows, counts, kw = ATTENTION_CASES[case]
     q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
     o, want = attend(module, pool, q, rows, counts, **kw)
     assert_close(o, want, dtype)
-    assert module.calls == [cb.paged_attention_kernel_name(dtype, kv_dtype)]
+    assert module.calls == [kernels_of(dtype, kv_dtype, splits)]
+
+
+#: (dtype, kv_dtype, head_dim) of the GQA / split grid: vec staging (16-byte rows), and entry by entry (fp16 rows of
+#: 40 bytes, int8 rows of 20)
+GQA_POOLS = [("float32", None, 32), ("float16", None, 20), ("float32", "int8", 20), ("float16", "float8_e4m3", 32)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,head_dim", GQA_POOLS, ids=[f"{d}-{k}-d{h}" for d, k, h in GQA_POOLS])
+def test_paged_attention_gqa_groups_and_splits(kernels, dtype, kv_dtype, head_dim, rng):
+    """One block per (q row, kv head): GQA 1, 4, 8 and 9 (two head chunks of a group past 8 heads) with 2 kv heads,
+    each with 1, 2 and 7 splits over ragged lengths (empty splits, an empty sequence, a one-key sequence) in a mixed
+    prefill + decode launch; the staging path (16-byte copies or entry by entry) the rows' alignment allows."""
+    pool = Pool(kernels, dtype=dtype, kv_dtype=kv_dtype, seq_lens=[23, 0, 9, 1, 40], page_size=4, head_dim=head_dim,
+                seed=21)
+    rows, counts = [0, 1, 2, 3, 4], [3, 0, 1, 1, 5]
+    for group, splits in ((1, 7), (4, 2), (8, 1), (9, 7), (4, 7), (8, 2)):
+        module = kv_shim_backend(kernels, attention=dict(threads=16, tile=4, splits=splits))
+        q = rng.standard_normal((sum(counts), 2 * group, head_dim)).astype(dtype)
+        assert_close(*attend(module, pool, q, rows, counts, window=13 if group == 4 else None), dtype)
+        assert module.calls == [kernels_of(dtype, kv_dtype, splits)]
+    q = rng.standard_normal((sum(counts), 18, head_dim)).astype(dtype)
+    o = np.empty_like(q)
+    table, lens, starts = pool.block_table[rows], pool.seq_lens[rows], pool.q_starts(counts)
+    plan = cb.plan_paged_attention(q, o, pool.stores, table, 4, lens, starts, dtype_name=dtype, scale=0.1,
+                                   softcap=None, window=None, causal=True, kv_dtype=kv_dtype, threads=16, tile=4)
+    entry = np.dtype(pool.stores[0].dtype).itemsize
+    assert plan.launches[0].args[-1] == (head_dim * entry % 16 == 0)   # vec
+    assert plan.geometry.heads_per_block == 8 and plan.geometry.head_chunks == 2   # group 9: 8 + 1
+
+
+def test_paged_attention_never_reads_pages_before_the_window(kernels, rng):
+    """Pages wholly before every query's window are -1 in the table (an engine gave them back): the pool sits in a
+    buffer whose page before it is NaN (entries and scales), so a read through a -1 entry would show; windows
+    across page boundaries, with 1, 2 and 7 splits and a decode row and a prefill chunk."""
+    page, lens, window = 4, np.array([37, 30], np.int64), 9
+    for dtype, kv_dtype in (("float32", None), ("float16", "int8")):
+        pool = Pool(kernels, dtype=dtype, kv_dtype=kv_dtype, seq_lens=lens, page_size=page, seed=3)
+        counts = [1, 5]
+        table = pool.block_table[:2].copy()
+        for i, (L, c) in enumerate(zip(lens, counts)):
+            table[i, :(L - c - window + 1) // page] = -1   # before the first query's window
+        assert (table == -1).sum() >= 9
+        guarded = []
+        for a in pool.stores:   # the same values, after a NaN page: slot -page .. -1 is NaN
+            if a is None:
+                guarded.append(None)
+                continue
+            big = np.full((a.shape[0] + page,) + a.shape[1:], np.nan if a.dtype.kind == "f" else 0x7f, a.dtype)
+            big[page:] = a
+            guarded.append(big[page:])
+        for splits in (1, 2, 7):
+            module = kv_shim_backend(kernels, attention=dict(threads=8, tile=3, splits=splits))
+            q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
+            kw = dict(scale=0.3, softcap=None, window=window, causal=True, kv_dtype=kv_dtype)
+            o = module.paged_attention(q, tuple(guarded), table, page, lens, pool.q_starts(counts), **kw)
+            want = oracle(q, pool.stores, pool.block_table[:2], page, lens, pool.q_starts(counts), **kw)
+            assert np.isfinite(o).all()
+            assert_close(o, want, dtype)
 
 
 @pytest.mark.parametrize("attention", [dict(threads=128), dict(threads=5, tile=3), dict(threads=48, tile=48)],
@@ -574,41 +645,78 @@ def test_paged_attention_geometries_and_strided_q(kernels, attention, rng):
 
 def test_paged_attention_long_sequences(kernels, rng):
     """Sequences of several tiles and pages (70 and 45 keys, pages of 8, 16-key tiles), float8 entries; a chunk
-    and a decode step in one launch, with a window across page boundaries and softcap."""
+    and a decode step in one launch, with a window across page boundaries and softcap; unsplit and in 3 splits of
+    whole tiles (the split rule's own choice is 1 here: 10 pages of 8 keys are under 256 keys)."""
     pool = Pool(kernels, dtype="float32", kv_dtype="float8_e4m3", seq_lens=[70, 45], page_size=8, kv_heads=1,
                 seed=11)
-    module = kv_shim_backend(kernels, attention=dict(threads=32, tile=16))
     q = rng.standard_normal((7, 3, 32)).astype(np.float32)
-    assert_close(*attend(module, pool, q, [0, 1], [6, 1]), "float32")
-    assert_close(*attend(module, pool, q, [0, 1], [6, 1], window=20, softcap=5.0), "float32")
+    for splits in (None, 3):
+        module = kv_shim_backend(kernels, attention=dict(threads=32, tile=16, splits=splits))
+        assert_close(*attend(module, pool, q, [0, 1], [6, 1]), "float32")
+        assert_close(*attend(module, pool, q, [0, 1], [6, 1], window=20, softcap=5.0), "float32")
+        assert len(module.calls[-1]) == (1 if splits is None else 2)
 
 
 def test_paged_attention_rows_without_keys_are_zero(kernels, rng):
-    """q rows past q_starts[n] (and all rows with no sequence) give 0, and so do rows seeing no key; nothing is
-    launched without q rows."""
+    """q rows past q_starts[n] (and all rows with no sequence) give 0, and so do rows seeing no key (unsplit, and
+    through the combine with every split empty); nothing is launched without q rows."""
     pool = pool_for(kernels, "float32", None)
-    module = kv_shim_backend(kernels, attention=dict(threads=8))
-    q = rng.standard_normal((6, 4, 32)).astype(np.float32)
-    table, lens = pool.block_table[[0, 4]], pool.seq_lens[[0, 4]]
-    kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype=None)
-    o = module.paged_attention(q, pool.stores, table, 4, lens, np.array([0, 2, 4]), **kw)
-    want = oracle(q[:4], pool.stores, table, 4, lens, np.array([0, 2, 4]), kv_dtype=None, scale=0.2)
-    assert_close(o[:4], want, "float32")
-    assert np.all(o[4:] == 0)
-    o = module.paged_attention(q, pool.stores, table[:0], 4, lens[:0], np.array([0]), **kw)
-    assert np.all(o == 0)
-    o = module.paged_attention(q[:2], pool.stores, table, 4, lens * 0, np.array([0, 1, 2]), **kw)   # c > length
-    assert np.all(o == 0)
-    assert module.paged_attention(q[:0], pool.stores, table, 4, lens, np.array([0, 0, 0]), **kw).shape == (0, 4, 32)
-    assert module.calls[-1] is None
+    for splits in (1, 3):
+        module = kv_shim_backend(kernels, attention=dict(threads=8, splits=splits))
+        q = rng.standard_normal((6, 4, 32)).astype(np.float32)
+        table, lens = pool.block_table[[0, 4]], pool.seq_lens[[0, 4]]
+        kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype=None)
+        o = module.paged_attention(q, pool.stores, table, 4, lens, np.array([0, 2, 4]), **kw)
+        want = oracle(q[:4], pool.stores, table, 4, lens, np.array([0, 2, 4]), kv_dtype=None, scale=0.2)
+        assert_close(o[:4], want, "float32")
+        assert np.all(o[4:] == 0)
+        o = module.paged_attention(q, pool.stores, table[:0], 4, lens[:0], np.array([0]), **kw)
+        assert np.all(o == 0)
+        o = module.paged_attention(q[:2], pool.stores, table, 4, lens * 0, np.array([0, 1, 2]), **kw)   # c > length
+        assert np.all(o == 0)
+        assert module.paged_attention(q[:0], pool.stores, table, 4, lens, np.array([0, 0, 0]), **kw).shape == \
+            (0, 4, 32)
+        assert module.calls[-1] is None
+
+
+def test_paged_attention_split_rule_and_geometry():
+    """The split rule (blocks >= 2 x 132 SMs, each split >= 256 keys of the table's reach or the window) and the
+    geometry: threads raised to the P.V chunks and the block's q heads, tiles whose shared memory fits, the
+    layout of the .cu file."""
+    geo = lambda *a, **kw: cb.paged_attention_geometry(*a, **{**dict(entry_itemsize=2, work_itemsize=4), **kw})  # noqa
+    assert geo(32, 32, 8, 128, keys=2048).splits == 2           # 256 blocks: 2 splits of 1024 keys
+    assert geo(1, 32, 8, 128, keys=32768).splits == 33          # 8 blocks: ceil(264 / 8)
+    assert geo(1, 32, 8, 128, keys=32768).grid == 264
+    assert geo(1, 32, 8, 128, keys=1000).splits == 3            # 1000 // 256
+    assert geo(1, 32, 8, 128, keys=255).splits == 1
+    assert geo(33, 32, 8, 128, keys=32768).splits == 1          # 264 blocks already
+    assert geo(512, 32, 8, 128, keys=4096).splits == 1          # a prefill chunk
+    assert geo(1, 32, 8, 128, keys=32768, splits=5).splits == 5
+    assert cb.paged_attention_splits(4, 10**6) == cb.KV_SPLIT_BLOCKS // 4
+    g = geo(1, 128, 8, 128, keys=64)                            # GQA 16: two blocks of 8 q heads per kv head
+    assert (g.heads_per_block, g.head_chunks, g.grid) == (8, 2, 16)
+    assert geo(1, 2, 2, 1000, keys=8).threads == 250            # ceil(1000 / 4) P.V chunks
+    assert geo(1, 16, 2, 8, keys=8, threads=2).threads == 8     # 8 q heads
+    for d, entry, work in ((128, 2, 4), (128, 4, 4), (128, 1, 4), (128, 8, 8), (256, 2, 4), (64, 1, 8)):
+        g = geo(4, 32, 8, d, keys=4096, entry_itemsize=entry, work_itemsize=work)
+        assert g.shared_mem <= cb.SHARED_MEM_LIMIT and g.tile >= 8 and g.tile & (g.tile - 1) == 0
+        layout = cb.paged_attention_layout(d, g.threads, g.tile, g.heads_per_block, entry, work)
+        assert layout["total"] == g.shared_mem and layout["row_stride"] % 32 == 16
+        assert layout["row_stride"] >= d * entry and layout["qs"] >= 2 * g.tile * layout["row_stride"]
+    assert geo(4, 32, 8, 128, keys=4096).tile == 64 and geo(4, 32, 8, 128, keys=4096, entry_itemsize=1).tile == 64
+    with pytest.raises(ValueError, match="threads"):
+        geo(1, 2, 2, 2048, keys=8)
+    with pytest.raises(ValueError, match="shared memory"):
+        geo(1, 2, 2, 512, keys=8, entry_itemsize=8, work_itemsize=8, tile=64)
 
 
 def test_paged_attention_plan_and_shim_checks(kernels, rng):
-    """The plan's checks, and the kernel under exact-extent copies, two shared-memory poisons and three block
-    slots (a read of shared memory no thread wrote, or past a buffer, would show)."""
+    """The plan's checks, and the kernels under exact-extent copies, two shared-memory poisons and three block
+    slots (a read of shared memory no thread wrote, or past a buffer, would show): unsplit and split (the combine
+    and its workspace), 16-byte staging and entry by entry."""
     checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
-    for kv_dtype in KV_DTYPES:
-        stores = make_stores(24, 2, 16, np.float16, kv_dtype, rng)
+    for kv_dtype, head_dim in [(kv, d) for kv in KV_DTYPES for d in (20, 16)]:   # (the checks below: the last)
+        stores = make_stores(24, 2, head_dim, np.float16, kv_dtype, rng)
         if kv_dtype is not None:
             stores = stores[:2] + tuple(np.abs(a) + 0.01 for a in stores[2:])
         else:
@@ -616,19 +724,23 @@ def test_paged_attention_plan_and_shim_checks(kernels, rng):
         table = np.array([[5, 2, 0], [1, 3, 4]], np.int64)
         lens = np.array([11, 7], np.int64)
         starts = np.array([0, 3, 4], np.int64)
-        q = rng.standard_normal((4, 4, 16)).astype(np.float16)
+        q = rng.standard_normal((4, 4, head_dim)).astype(np.float16)
         outs = []
-        for threads, tile in ((7, 3), (32, 32)):
+        for threads, tile, splits in ((7, 3, 1), (32, 32, 1), (8, 2, 3)):
             o = np.full(q.shape, np.nan, q.dtype)
             plan = cb.plan_paged_attention(q, o, stores, table, 4, lens, starts, dtype_name="float16", scale=0.25,
                                            softcap=None, window=5, causal=True, kv_dtype=kv_dtype, threads=threads,
-                                           tile=tile)
-            checked.launch(plan)
+                                           tile=tile, splits=splits)
+            assert plan.launches[0].args[-1] == (head_dim == 16)   # 16-byte staging: rows of 32 or 16 bytes
+            for launch in plan.launches:
+                checked.launch(launch)
             assert np.all(np.isfinite(o))
             outs.append(o.astype(np.float64))
         np.testing.assert_allclose(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(outs[2], outs[1], rtol=2e-3, atol=2e-3)
         want = oracle(q, stores, table, 4, lens, starts, kv_dtype=kv_dtype, scale=0.25, window=5)
         assert_close(outs[1].astype(np.float16), want, "float16")
+    assert checked.launches == 6 * 4
     o = np.empty_like(q)
     kw = dict(dtype_name="float16", scale=1.0, softcap=None, window=None, causal=True)
     args = (stores, table, 4, lens, starts)
@@ -650,11 +762,16 @@ def test_paged_attention_plan_and_shim_checks(kernels, rng):
     with pytest.raises(ValueError, match="o must be"):
         cb.plan_paged_attention(q, o.astype(np.float32), *args, kv_dtype="float8_e4m3", **kw)
     assert cb.plan_paged_attention(q[:0], o[:0], *args, kv_dtype="float8_e4m3", **kw) is None
+    plan = cb.plan_paged_attention(q, o, *args, kv_dtype="float8_e4m3", splits=4, **kw)
+    part_o, part_ml = plan.workspace
+    assert part_o.shape == (4 * 4 * 4 * 16,) and part_ml.shape == (4 * 4 * 4 * 2,) and part_o.dtype == np.float32
+    assert [launch.grid for launch in plan.launches] == [4 * 2 * 4, 4 * 4]
 
 
-def test_cupy_glue_paged_attention(fake_cupy, kernels, rng):
+def test_cupy_glue_paged_attention(fake_cupy, kernels, rng, monkeypatch):
     """rotary.backends.cupy.paged_attention with the NumPy stand-ins for CuPy (host tables copied to the
-    'device'): one launch, the bits of the same plan launched on the NumPy arrays directly."""
+    'device'): the launches (one; with the split rule forced to split, the attention and the combine over a
+    workspace from cupy.empty) and the bits of the same plan launched on the NumPy arrays directly."""
     pool = pool_for(kernels, "float32", "int8")
     rows, counts = ALL, [2, 0, 1, 3, 1, 1]
     q = rng.standard_normal((sum(counts), 4, 32)).astype(np.float32)
@@ -665,6 +782,12 @@ def test_cupy_glue_paged_attention(fake_cupy, kernels, rng):
     assert fake_cupy.launched == [cb.paged_attention_kernel_name("float32", "int8")]
     assert isinstance(o, _cpu_tests.FakeCupyArray) and o.shape == q.shape and o.dtype == q.dtype
     direct = kv_shim_backend(kernels).paged_attention(q, pool.stores, table, pool.page_size, lens, starts, **kw)
+    np.testing.assert_array_equal(np.asarray(o), direct)
+    monkeypatch.setattr(cb, "KV_SPLIT_MIN_KEYS", 8)   # 36 keys of table reach: 4 splits
+    o = cb.paged_attention(fake_cupy.wrap(q), stores, table, pool.page_size, fake_cupy.wrap(lens), starts, **kw)
+    assert fake_cupy.launched[1:] == list(kernels_of("float32", "int8", 4))
+    direct = kv_shim_backend(kernels, attention=dict(splits=4)).paged_attention(q, pool.stores, table,
+                                                                                pool.page_size, lens, starts, **kw)
     np.testing.assert_array_equal(np.asarray(o), direct)
 
 

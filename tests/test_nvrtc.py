@@ -86,6 +86,15 @@ def test_every_instantiation_compiles_with_nvrtc(family, target, output):
         fused = [name for name, low in lowered.items() if name.startswith(("rope_rotate<", "kv_append<"))
                  and re.search(r"\bfma\.rn\.f(32|64)\b", ptx_entry(text, low))]
         assert not fused, f"FMAs in {fused}"
+        # paged_attention stages each tile with cp.async from sm_80 on (16-byte global loads before), reads the
+        # staged rows 16 bytes at a time, and keeps its accumulators in registers (no local memory)
+        for name, low in lowered.items():
+            if name.startswith("paged_attention<"):
+                entry = ptx_entry(text, low)
+                staged = "cp.async.cg.shared.global" in entry and "cp.async.wait_all" in entry
+                assert staged == (arch >= 80), (name, target)
+                sixteen = re.search(r"ld\.shared\.(v4\.[buf]32|v2\.[buf]64)\b", entry)
+                assert sixteen and ".local" not in entry, (name, target)
 
 
 def test_instantiations_cover_every_dtype_width_and_layout():

@@ -716,7 +716,10 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 # kv_append rotates k, quantizes k and v per (token, head) or casts them, and writes entries and scales into
 # their slots in one launch (slot < 0: a padding token, skipped), bit for bit rotary.backends.kv_entries.append_kv
 # (the formulas are in the .cu file). paged_attention attends packed queries (prefill chunks and decode steps of
-# any sequences in one launch) over the entries where they lie (the caller's block table), dequantizing on the fly.
+# any sequences in one launch) over the entries where they lie (the caller's block table), dequantizing in
+# registers: one block per (q row, kv head) reads each key and value once for the q heads of its GQA group, and a
+# launch with too few blocks for the GPU splits each row's keys (split-K; paged_attention_combine merges the splits
+# by log-sum-exp). docs/cuda.md has the structure and the split rule.
 # The KV formats are kv_entries.KV_FORMATS (passed explicitly; never inferred from a storage dtype). Planning is
 # pure Python like the rotation's (the host shim launches the same plans).
 
@@ -724,8 +727,19 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 VARIANTS = {"append_kv": tuple(KV_FORMATS), "paged_attention": tuple(KV_FORMATS)}
 #: threads per block of kv_append
 KV_APPEND_THREADS = 256
-#: threads per block (and keys per tile) of paged_attention
+#: threads per block of paged_attention (raised where a head's P.V chunks or the block's q heads need more)
 KV_ATTENTION_THREADS = 128
+#: q heads one paged_attention block takes at most (kv_cache.cu's KV_HEADS; a larger GQA group: several blocks)
+KV_ATTENTION_HEADS = 8
+#: threads of a paged_attention block at most (kv_cache.cu's KV_MAX_THREADS: its __launch_bounds__)
+KV_ATTENTION_MAX_THREADS = 256
+#: split-K (flash-decoding): a launch of fewer blocks than this (2 x the 132 SMs of an H100 / H200 SXM) cuts each
+#: row's keys into splits until it has this many ...
+KV_SPLIT_BLOCKS = 2 * 132
+#: ... but never into splits of fewer keys than this (on the longest key range the block table allows)
+KV_SPLIT_MIN_KEYS = 256
+#: threads per block of paged_attention_combine
+KV_COMBINE_THREADS = 128
 
 
 def _kv_format(kv_dtype, where: str):
@@ -744,13 +758,19 @@ def paged_attention_kernel_name(dtype_name: str, kv_dtype) -> str:
     return f"paged_attention<{t}, {w}, {KV_FORMATS[kv_dtype].code}>"
 
 
+def paged_attention_combine_kernel_name(dtype_name: str) -> str:
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"paged_attention_combine<{t}, {w}>"
+
+
 def kv_cache_name_expressions(dtype_name: str) -> list[str]:
     """The kv_cache family's instantiations for one dtype: append and attention for each KV format (those quantized
-    from float32 work values only for fp32-work dtypes)."""
+    from float32 work values only for fp32-work dtypes), then the split-K combine."""
     fp32_work = KERNEL_TYPES[dtype_name][1] == "float"
     kinds = [name for name, f in KV_FORMATS.items() if fp32_work or not f.fp32_work_only]
     return [kv_append_kernel_name(dtype_name, kind) for kind in kinds] + \
-        [paged_attention_kernel_name(dtype_name, kind) for kind in kinds]
+        [paged_attention_kernel_name(dtype_name, kind) for kind in kinds] + \
+        [paged_attention_combine_kernel_name(dtype_name)]
 
 
 def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsize: int, quantized: bool,
@@ -871,20 +891,119 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
             _launch(plan, name)
 
 
-def paged_attention_shared_bytes(head_dim: int, tile: int, threads: int, work_itemsize: int) -> int:
-    """Dynamic shared memory of paged_attention (layout in the .cu file)."""
-    return ((2 * head_dim + tile + threads) * work_itemsize + 7) // 8 * 8 + 8 * tile
+def kv_entry_chunks(entry_itemsize: int, work_itemsize: int) -> tuple[int, int]:
+    """(entries per 16-byte chunk of the score phase, entries per P.V chunk) of paged_attention: 16 bytes of
+    entries, and as many as 16 bytes of work values hold (4 for fp32 work, 2 for fp64), at most a chunk."""
+    chunk = 16 // entry_itemsize
+    return chunk, min(chunk, 16 // work_itemsize)
+
+
+def paged_attention_layout(head_dim: int, threads: int, tile: int, heads: int, entry_itemsize: int,
+                           work_itemsize: int) -> dict:
+    """Byte offsets of paged_attention's dynamic shared memory (kv_cache.cu's kv_attention_layout, the same
+    formula): staged rows (2 * tile of ``row_stride`` bytes; at the end the key groups' sums) at 0, then ``qs``,
+    ``sp``, ``pt``, ``red``, ``hv``, ``scl``, ``slot``; ``total`` bytes."""
+    ce, cv = kv_entry_chunks(entry_itemsize, work_itemsize)
+    nck, nc = -(-head_dim * entry_itemsize // 16), -(-head_dim // cv)
+    r16 = lambda n: -(-n // 16) * 16   # noqa: E731
+    out = {"row_stride": (nck if nck % 2 else nck + 1) * 16}
+    out["qs"] = r16(max(2 * tile * out["row_stride"], threads // nc * nc * cv * work_itemsize))
+    out["sp"] = out["qs"] + r16(heads * nck * ce * work_itemsize)
+    out["pt"] = out["sp"] + r16(threads // tile * heads * tile * work_itemsize)
+    out["red"] = out["pt"] + r16(tile * KV_ATTENTION_HEADS * work_itemsize)
+    out["hv"] = out["red"] + r16(threads * work_itemsize)
+    out["scl"] = out["hv"] + r16(3 * heads * work_itemsize)
+    out["slot"] = out["scl"] + r16(4 * tile * work_itemsize)
+    out["total"] = out["slot"] + 2 * tile * 8
+    return out
+
+
+def paged_attention_splits(base_blocks: int, keys: int) -> int:
+    """The split-K rule: 1 when a launch has KV_SPLIT_BLOCKS blocks or more without splitting; else enough splits
+    to reach that many blocks, but no more than keep KV_SPLIT_MIN_KEYS keys per split of ``keys`` (the longest key
+    range a row may read). Batch 1 at 32k keys with 8 kv heads: min(ceil(264 / 8), 32768 // 256) = 33 splits;
+    32 sequences x 8 kv heads at 2048 keys: 256 blocks, 2 splits."""
+    if base_blocks >= KV_SPLIT_BLOCKS:
+        return 1
+    return max(1, min(-(-KV_SPLIT_BLOCKS // max(1, base_blocks)), keys // KV_SPLIT_MIN_KEYS))
+
+
+class PagedAttentionGeometry(NamedTuple):
+    """The launch geometry of paged_attention: blocks (q row, kv head, head chunk, split), ``threads`` per block,
+    ``tile`` keys per tile, ``heads_per_block`` q heads per block (``head_chunks`` blocks per GQA group), ``splits``
+    per row, dynamic ``shared_mem`` bytes."""
+    grid: int
+    threads: int
+    tile: int
+    heads_per_block: int
+    head_chunks: int
+    splits: int
+    shared_mem: int
+
+
+def paged_attention_geometry(n_rows: int, q_heads: int, kv_heads: int, head_dim: int, *, keys: int,
+                             entry_itemsize: int, work_itemsize: int, threads: int | None = None,
+                             tile: int | None = None, splits: int | None = None,
+                             shared_mem_limit: int = SHARED_MEM_LIMIT) -> PagedAttentionGeometry:
+    """The geometry of a paged_attention launch. ``threads`` (None: KV_ATTENTION_THREADS) is raised to the head's
+    P.V chunks (ceil(head_dim / CV)) and to the block's q heads, and must stay within KV_ATTENTION_MAX_THREADS
+    (else ValueError: head_dim <= 1024 for fp32 work, <= 512 for fp64); ``tile`` (None:
+    the largest power of two <= threads whose shared memory fits ``shared_mem_limit``) is at most ``threads``;
+    ``splits`` (None: :func:`paged_attention_splits` of the blocks without splits and ``keys``, the longest key
+    range a row may read) forces the split count."""
+    group = q_heads // kv_heads
+    heads = min(group, KV_ATTENTION_HEADS)
+    head_chunks = -(-group // heads)
+    _, cv = kv_entry_chunks(entry_itemsize, work_itemsize)
+    need = max(-(-head_dim // cv), heads)
+    threads = max(int(KV_ATTENTION_THREADS if threads is None else threads), need, 1)
+    if threads > KV_ATTENTION_MAX_THREADS:
+        raise ValueError(f"paged_attention: {threads} threads per block (head_dim {head_dim} needs {need}), more "
+                         f"than the kernel's {KV_ATTENTION_MAX_THREADS}")
+
+    def smem(n):
+        return paged_attention_layout(head_dim, threads, n, heads, entry_itemsize, work_itemsize)["total"]
+
+    if tile is None:
+        tile = 1 << (threads.bit_length() - 1)
+        while tile > 1 and smem(tile) > shared_mem_limit:
+            tile //= 2
+    tile = max(1, min(int(tile), threads))
+    if smem(tile) > shared_mem_limit:
+        raise ValueError(f"paged_attention: {smem(tile)} bytes of shared memory for head_dim {head_dim} and "
+                         f"{tile}-key tiles, more than the {shared_mem_limit} allowed")
+    base = n_rows * kv_heads * head_chunks
+    splits = paged_attention_splits(base, keys) if splits is None else max(1, int(splits))
+    if base * splits >= 2**31:
+        raise ValueError(f"paged_attention: {base * splits} blocks, more than a launch takes")
+    return PagedAttentionGeometry(base * splits, threads, tile, heads, head_chunks, splits, smem(tile))
+
+
+class PagedAttentionPlan(NamedTuple):
+    """The launches of one paged_attention call: paged_attention, then (splits > 1) paged_attention_combine over
+    the ``workspace`` (partial o (rows, q heads, splits, D) and (m, l) (rows, q heads, splits, 2), work dtype)."""
+    launches: tuple
+    geometry: PagedAttentionGeometry
+    workspace: tuple | None
+
+
+def _pointer(a) -> int:
+    """The device (CuPy) or host (NumPy) address of an array's first element."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)
+    return int(ptr) if ptr is not None else int(a.__array_interface__["data"][0])
 
 
 def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_starts, *, dtype_name: str,
                          scale: float, softcap, window, causal: bool, kv_dtype, threads: int | None = None,
-                         tile: int | None = None) -> Launch | None:
-    """The paged_attention launch: q (T, Hq, D) packed queries with any strides, o a C-contiguous (T, Hq, D) array
+                         tile: int | None = None, splits: int | None = None, empty=None,
+                         shared_mem_limit: int = SHARED_MEM_LIMIT) -> PagedAttentionPlan | None:
+    """The paged_attention launches: q (T, Hq, D) packed queries with any strides, o a C-contiguous (T, Hq, D) array
     of q's dtype, ``stores`` of format ``kv_dtype`` (entries (P, Hk, D), scales (P, Hk) or None; C-contiguous),
     block_table (n, W), seq_lens (n,) and q_starts (n + 1,) contiguous int64 (sequence i's queries are q rows
     q_starts[i] .. q_starts[i + 1] - 1, the last ones of its seq_lens[i] keys; not range-checked: the caller's).
-    ``threads`` (None: KV_ATTENTION_THREADS) per block, ``tile`` keys per tile (None: ``threads``). None when there
-    is no q row."""
+    ``threads``, ``tile``, ``splits``: :func:`paged_attention_geometry` (the keys bound of the split rule: W *
+    page_size, or the window when causal); ``empty(shape, dtype)`` (None: NumPy's) allocates the split-K workspace.
+    None when there is no q row."""
     where = "paged_attention"
     _kv_check(len(q.shape) == 3, f"q must be (tokens, q heads, head_dim), got {tuple(q.shape)}", where)
     n_rows, q_heads, head_dim = (int(d) for d in q.shape)
@@ -904,27 +1023,45 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
     if n_rows * q_heads == 0 or head_dim == 0:
         return None
     work = KERNEL_TYPES[dtype_name][1]
-    threads = max(1, min(int(KV_ATTENTION_THREADS if threads is None else threads), 1024))
-    tile = threads if tile is None else max(1, min(int(tile), threads))
     wtype = np.float64 if work == "double" else np.float32
+    work_itemsize = 8 if work == "double" else 4
+    k_store, v_store, k_scale, v_scale = stores
+    entry_itemsize = np.dtype(k_store.dtype).itemsize
+    keys = int(block_table.shape[1]) * int(page_size)
+    if causal and window:
+        keys = min(keys, int(window))
+    geo = paged_attention_geometry(n_rows, q_heads, kv_heads, head_dim, keys=keys, entry_itemsize=entry_itemsize,
+                                   work_itemsize=work_itemsize, threads=threads, tile=tile, splits=splits,
+                                   shared_mem_limit=shared_mem_limit)
+    vec = head_dim * entry_itemsize % 16 == 0 and _pointer(k_store) % 16 == 0 and _pointer(v_store) % 16 == 0
+    workspace = None
+    if geo.splits > 1:
+        empty = np.empty if empty is None else empty
+        workspace = (empty((n_rows * q_heads * geo.splits * head_dim,), wtype),
+                     empty((n_rows * q_heads * geo.splits * 2,), wtype))
+    part_o, part_ml = workspace or (o, o)   # splits == 1: never touched
     itemsize = ITEMSIZE[dtype_name]
     fold = scale / softcap if softcap else scale
-    smem = paged_attention_shared_bytes(head_dim, tile, threads, 8 if work == "double" else 4)
     i32, i64 = np.int32, np.int64
-    k_store, v_store, k_scale, v_scale = stores
-    args = (q, *_elem_strides(q, itemsize), o, k_store, v_store,
+    args = (q, *_elem_strides(q, itemsize), o, part_o, part_ml, k_store, v_store,
             seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,   # KIND 0: unread
             block_table, i64(block_table.shape[1]), i64(page_size), seq_lens, q_starts, i64(n), i32(q_heads),
             i32(kv_heads), i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)),
-            i32(tile))
-    return Launch("kv_cache", paged_attention_kernel_name(dtype_name, kv_dtype), n_rows * q_heads, threads, smem,
-                  args)
+            i32(geo.tile), i32(geo.heads_per_block), i32(geo.splits), i32(vec))
+    launches = [Launch("kv_cache", paged_attention_kernel_name(dtype_name, kv_dtype), geo.grid, geo.threads,
+                       geo.shared_mem, args)]
+    if geo.splits > 1:
+        launches.append(Launch("kv_cache", paged_attention_combine_kernel_name(dtype_name), n_rows * q_heads,
+                               max(1, min(KV_COMBINE_THREADS, head_dim)), geo.splits * work_itemsize,
+                               (part_o, part_ml, o, i32(geo.splits), i32(head_dim))))
+    return PagedAttentionPlan(tuple(launches), geo, workspace)
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
                     kv_dtype):
-    """The ``paged_attention`` capability (see :mod:`rotary.backends`): one paged_attention launch on q's device
-    and stream over the pages where they lie; returns o (T, Hq, D) in q's dtype (a torch tensor for a torch q).
+    """The ``paged_attention`` capability (see :mod:`rotary.backends`): the launches of :func:`plan_paged_attention`
+    (paged_attention, then the split-K combine when the rule splits) on q's device and stream over the pages where
+    they lie; returns o (T, Hq, D) in q's dtype (a torch tensor for a torch q).
     The tables are used as they are when they are contiguous int64 device arrays (else copied once)."""
     import cupy
 
@@ -936,7 +1073,8 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
                                                       dtype=cupy.int64) for a in (block_table, seq_lens, q_starts))
         plan = plan_paged_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens, starts,
                                     dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal,
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, empty=cupy.empty)
         if plan is not None:
-            _launch(plan, name)
+            for launch in plan.launches:   # the workspace is freed after them, in the stream's order (CuPy's pool)
+                _launch(launch, name)
     return o

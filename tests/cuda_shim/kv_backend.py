@@ -135,7 +135,8 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
     """:func:`shim_backend` plus the KV primitives ``append_kv`` and ``paged_attention`` on the kv_append and
     paged_attention kernels (NumPy arrays; tables as host NumPy arrays, any integer dtype), with ``VARIANTS``.
     ``append``: kv_append plan options (threads, group, max_tokens_per_block); ``attention``: paged_attention plan
-    options (threads, tile). ``calls`` lists the kernel of every KV launch (None: nothing to launch)."""
+    options (threads, tile, splits). ``calls`` lists each KV call's kernel (append) or kernels (attention: a tuple,
+    with the split-K combine when the plan splits); None: nothing to launch."""
     module = shim_backend(kernels, **rotation)
     append, attention = dict(append or {}), dict(attention or {})
     calls = []
@@ -157,8 +158,9 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
                                        np.ascontiguousarray(q_starts, np.int64), dtype_name=_kernel_dtype(q),
                                        scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=kv_dtype,
                                        **attention)
-        kernels.launch(plan)
-        calls.append(None if plan is None else plan.kernel)
+        for launch in () if plan is None else plan.launches:
+            kernels.launch(launch)
+        calls.append(None if plan is None else tuple(launch.kernel for launch in plan.launches))
         return o
 
     return types.SimpleNamespace(**vars(module), append_kv=append_kv, paged_attention=paged_attention,

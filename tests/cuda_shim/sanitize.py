@@ -10,7 +10,8 @@ frontend at two block geometries, and the linear-attention conformance cases), `
 partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
 decay, cu_seqlens with an empty sequence), ``random`` (random rotation and linear-attention problems:
 element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
-KV-cache appends of kv_cache.cu, bit for bit against the reference append), or ``planted:NAME`` (one kernel of
+KV-cache appends of kv_cache.cu, bit for bit against the reference append, then paged_attention and its split-K
+combine against the float64 oracle), or ``planted:NAME`` (one kernel of
 planted.cu, or ``rope_short_table``:
 the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
@@ -299,8 +300,9 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     float8), fp16/fp32/fp64, both pair layouts, partial rotary with an offset, strided and reversed k/v, paged
     slot orders with padding tokens (slot -1, row -1: a read of their table row would leave the table), odd thread
     groups and one-token blocks; then paged_attention over pools the append kernel filled against the float64
-    oracle: packed prefill + decode, dense decode, window, softcap, non-causal, GQA, shared pages, block sizes down
-    to 5 threads with 3-key tiles (tests/test_kv_cache_cuda_shim.py's helpers)."""
+    oracle: packed prefill + decode, dense decode, window, softcap, non-causal, GQA 1/2/4/8 (a block per kv head),
+    shared pages, block sizes down to 5 threads with 3-key tiles, 1, 2 and 7 splits (paged_attention_combine),
+    16-byte and entry-by-entry staging (tests/test_kv_cache_cuda_shim.py's helpers)."""
     from rotary import RopeSpec
     from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, FORMATS, GEOMETRIES, SEQ_LENS, SHARED, Pool, attend,
                                                assert_close, check_append, make_stores, paged_slots, with_padding)
@@ -341,18 +343,22 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     for i, case in enumerate(list(ATTENTION_CASES) * 2):
         dtype, kv_dtype = FORMATS[(3 * i) % len(FORMATS)]
         attention = [dict(threads=5, tile=3), dict(threads=32, tile=8), dict(threads=64)][i % 3]
-        rows, counts, kw = ATTENTION_CASES[case]
+        attention["splits"] = (1, 2, 7)[i % 3 if i < 5 else (i + 1) % 3]   # paged_attention_combine with 2 and 7
+        group = (2, 1, 4, 8)[i % 4]                                         # GQA: q heads per kv head
+        head_dim = 20 if i % 4 == 3 else 32                                 # fp16/int8 rows of 40/20 bytes: staged
+        rows, counts, kw = ATTENTION_CASES[case]                            # entry by entry
         try:
             pool = Pool(kernels, dtype=dtype, kv_dtype=kv_dtype, seq_lens=SEQ_LENS, shared=SHARED, seed=i,
-                        geometry=list(GEOMETRIES)[i % len(GEOMETRIES)], check_bits=True)
-            q = rng.standard_normal((sum(counts), 4, 32)).astype(dtype)
+                        geometry=list(GEOMETRIES)[i % len(GEOMETRIES)], check_bits=True, head_dim=head_dim)
+            q = rng.standard_normal((sum(counts), 2 * group, head_dim)).astype(dtype)
             assert_close(*attend(kv_shim_backend(kernels, attention=attention), pool, q, rows, counts, **kw), dtype)
             ok = True
         except AssertionError as exc:
             print(exc)
             ok = False
         failures += not ok
-        print(f"{'ok' if ok else 'FAIL'} paged_attention {case} {dtype} {kv_dtype} {attention}", flush=True)
+        print(f"{'ok' if ok else 'FAIL'} paged_attention {case} {dtype} {kv_dtype} GQA {group} d={head_dim} "
+              f"{attention}", flush=True)
     return failures
 
 

@@ -1,4 +1,5 @@
-// kv_cache.cu -- KV-cache append: rotate k, quantize k and v (or cast), write both into their cache slots.
+// kv_cache.cu -- KV-cache append: rotate k, quantize k and v (or cast), write both into their cache slots; and
+// paged attention over the cache (one block per GQA group, split-K with a log-sum-exp combine: the second half).
 //
 // The reference is rotary.backends.kv_entries.append_kv; every result here is bit for bit the same. Token t
 // (of n_tokens) with table row r = rows[t] goes to slot slots[t]; for each k/v head h, with pairs i < rotary_dim/2
@@ -187,20 +188,36 @@ __global__ void kv_append(
 // key p in slot block_table[i, p / page_size] * page_size + p % page_size; its queries are q's rows q_starts[i] ..
 // q_starts[i + 1] - 1 (c of them, a prefill chunk or a decode step, mixed freely in one launch), query j at position
 // pos = seq_lens[i] - c + j. A block finds its sequence by a binary search over q_starts (the last i with
-// q_starts[i] <= its row; empty sequences are passed over). Query head hq reads k/v head hq / (q_heads / kv_heads).
-// Keys seen: p <= pos (causal; also pos - p < window when window > 0), every p < seq_lens[i] otherwise. With
-// fold = scale / softcap (scale without softcap): x_p = <fold q, k_p>, x_p = softcap tanh(x_p) with softcap,
-// o = sum_p softmax(x)_p v_p, in W with entries dequantized on the fly (entry * scale of its (slot, head); float8
-// bits decoded exactly), an online softmax over tiles of `tile` keys. A row that sees no key, and a q row outside
-// q_starts[0] .. q_starts[n] - 1, gets 0. o is C-contiguous (T, q_heads, head_dim) in T. The tables are the
-// caller's device arrays, read as they are (not range-checked).
+// q_starts[i] <= its row; empty sequences are passed over). Query head hq reads k/v head hq / G (G = q_heads /
+// kv_heads). Keys seen: p <= pos (causal; also pos - p < window when window > 0), every p < seq_lens[i] otherwise;
+// no other key (nor its table entry: pages before a window may be -1) is read. With fold = scale / softcap (scale
+// without softcap): x_p = <fold q, k_p>, x_p = softcap tanh(x_p) with softcap, o = sum_p softmax(x)_p v_p, in W
+// with entries dequantized in registers (entry * scale of its (slot, head); float8 bits decoded exactly), an online
+// softmax over tiles of `tile` keys. A row that sees no key, and a q row outside q_starts[0] .. q_starts[n] - 1,
+// gets 0. o is C-contiguous (T, q_heads, head_dim) in T. The tables are the caller's device arrays, read as they
+// are (not range-checked).
 //
-// Launch geometry (rotary.backends.cupy.plan_paged_attention): one block per (q row, q head), grid.x = T * q_heads,
-// any blockDim.x; tile <= blockDim.x. Dynamic shared memory (W elements, then i64): q[head_dim] | acc[head_dim] |
-// p[tile] | red[blockDim.x] | slot[tile]. Per tile: thread t < n_tile scores key t (its slot read from the block
-// table once), the block reduces the tile's max, exponentiates, reduces the sum, and each thread rescales and
-// accumulates its own output coordinates d = tid, tid + blockDim.. (The q heads of a GQA group read their keys
-// in separate blocks.)
+// One block per (q row, kv head, head chunk, split) (rotary.backends.cupy.paged_attention_geometry): the block
+// takes the gb <= heads_per_block (<= KV_HEADS) q heads hq0 .. hq0 + gb - 1 of its kv head's GQA group (a group of
+// more than KV_HEADS heads takes several head chunks) and reads each key and value of its key range once for all
+// of them. Split s of `splits` takes keys lo + s * per .. lo + (s + 1) * per - 1 of the row's range lo .. hi, per =
+// ceil((hi - lo + 1) / splits) rounded up to whole tiles (a split past hi has no key). Per tile of N = tile keys:
+//   A. the tile's k and v rows are copied as raw entries into shared memory (16-byte loads, KV_STAGE_UNROLL in
+//      flight per thread, when every row is 16-byte aligned: vec; else entry by entry, zero-padded to whole 16-byte
+//      chunks); their slots and scales were looked up during the previous tile (double-buffered);
+//   B. scores: nthreads / N threads per key, each over every (nthreads / N)-th 16-byte chunk of the key, the
+//      chunk dequantized once in registers and multiplied with the gb q rows (fold q in shared memory) -> partial
+//      scores sp[h][g][t] (times the key's scale);
+//   P. softmax: nthreads / gb threads per q head sum a key's partials (softcap), reduce the tile max through
+//      shared memory (every thread of the head reads its head's partial maxima), rescale: p = exp(x - m_new),
+//      corr = exp(m_old - m_new) for the accumulators; each thread keeps its own part of l;
+//   D. P.V: nthreads / nc key groups (nc = ceil(D / CV) chunks of CV entries), thread (group, chunk) accumulates
+//      acc[g][0 .. CV) += p[g][t] * scale_t * v_t[chunk] for its keys and all gb heads, in registers.
+// After the last tile the key groups' accumulators and the l parts are summed in shared memory; o = acc / l with
+// splits == 1, else (acc, m, l) of the split go to part_o (rows, q_heads, splits, D) and part_ml (rows, q_heads,
+// splits, 2) for paged_attention_combine. Dynamic shared memory: kv_attention_layout (the plan computes the same).
+// No warp intrinsics and no early return (the host shim runs the same text); every barrier is reached by every
+// thread (the tile loop's trip count and gb are the block's).
 #ifdef ROTARY_ON_DEVICE
 ROTARY_FN float kv_exp(float x) { return expf(x); }
 ROTARY_FN double kv_exp(double x) { return exp(x); }
@@ -220,34 +237,114 @@ template <typename W> ROTARY_FN W kv_tanh(W x) { return std::tanh(x); }
 
 ROTARY_FN float kv_neg_inf(float) { return bits_to_float(0xff800000u); }
 
-// the float32 value of float8_e4m3fn bits (exact: rotary.backends.kv_entries.FP8_VALUES)
-ROTARY_FN float fp8_e4m3_value(unsigned char b) {
-    const unsigned int e = (b >> 3) & 15u, m = b & 7u, sign = (unsigned int)(b >> 7) << 31;
-    if (e == 15u && m == 7u) return bits_to_float(sign | 0x7fc00000u);
-    if (e == 0u) return bits_to_float(sign | float_to_bits(rn_mul((float)m, 0x1p-9f)));
-    return bits_to_float(sign | ((e + 120u) << 23) | (m << 20));
+// q heads one block takes at most (a GQA group of more heads takes several blocks, each reading K/V)
+constexpr int KV_HEADS = 8;
+// threads of a paged_attention block at most (two such blocks per SM: at most 128 registers a thread)
+constexpr int KV_MAX_THREADS = 256;
+
+// one 16-byte chunk from global to shared memory (both 16-byte aligned): cp.async on sm_80 and later (nothing held
+// in registers, every chunk of the tile in flight at once; complete after kv_copy_wait), else a load and a store
+ROTARY_FN void kv_copy16(unsigned char* dst, const unsigned char* src) {
+#if defined(ROTARY_ON_DEVICE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    unsigned long long shared_addr;
+    asm volatile("cvta.to.shared.u64 %0, %1;" : "=l"(shared_addr) : "l"((unsigned long long)dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned int)shared_addr),
+                 "l"((unsigned long long)src) : "memory");
+#else
+    unsigned int v[4];
+    load_vec<unsigned int, 4>(reinterpret_cast<const unsigned int*>(src), v);
+    store_vec<unsigned int, 4>(reinterpret_cast<unsigned int*>(dst), v);
+#endif
 }
 
-// entry d of a (slot, head) row, dequantized into W
-template <typename T, typename W, int KIND> struct KvLoad;
-template <typename T, typename W> struct KvLoad<T, W, 0> {
-    static ROTARY_FN W at(const T* row, int d, W) { return load_float(row[d]); }
-};
-template <typename T, typename W> struct KvLoad<T, W, 1> {
-    static ROTARY_FN W at(const signed char* row, int d, W scale) { return rn_mul(W(row[d]), scale); }
-};
-template <typename T, typename W> struct KvLoad<T, W, 2> {
-    static ROTARY_FN W at(const unsigned char* row, int d, W scale) { return rn_mul(W(fp8_e4m3_value(row[d])), scale); }
-};
+// this thread's kv_copy16 chunks have landed (a barrier after it shows them to the block)
+ROTARY_FN void kv_copy_wait() {
+#if defined(ROTARY_ON_DEVICE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
 
-// red[0] = op over red[0 .. blockDim.x) (all threads; each has written its red[tid]); red[0] read after return
-template <bool MAX, typename W> ROTARY_FN void kv_block_reduce(W* red, int tid, int nthreads) {
-    __syncthreads();
-    for (int step = 1; step < nthreads; step *= 2) {
-        if (tid % (2 * step) == 0 && tid + step < nthreads)
-            red[tid] = MAX ? kv_max(red[tid], red[tid + step]) : rn_add(red[tid], red[tid + step]);
-        __syncthreads();
+// M entries of a run of shared memory (aligned to its M * sizeof(entry) bytes, at most 16) as W values, without the
+// entries' scale: exact (every entry value is a W value; float8 NaN stays NaN).
+template <typename E, typename W, int KIND, int M> struct KvDecode {   // KIND 0: entries of the data type
+    static ROTARY_FN void run(const unsigned char* p, W (&x)[M]) {
+        E e[M];
+        load_vec<E, M>(reinterpret_cast<const E*>(p), e);
+#pragma unroll
+        for (int j = 0; j < M; ++j) x[j] = load_float(e[j]);
     }
+};
+// the value of an int8 entry from its byte plus 128 (0 .. 255): the float 2^23 + (entry + 128) minus 2^23 + 128, exact
+ROTARY_FN float kv_int8_value(unsigned int biased) { return bits_to_float(0x4b000000u | biased) - 8388736.0f; }
+
+// the value of float8_e4m3fn bits e: sign to bit 31, exponent and mantissa to bits 20..26 give the value times
+// 2^-120 as a float32 (a float32 subnormal for an e4m3 subnormal), then the exact product by 2^120; S.1111.111 is NaN
+ROTARY_FN float kv_fp8_value(unsigned int e) {
+    const unsigned int sign = (e & 0x80u) << 24;
+    if ((e & 0x7fu) == 0x7fu) return bits_to_float(sign | 0x7fc00000u);
+    return bits_to_float(sign | ((e & 0x7fu) << 20)) * 0x1p120f;
+}
+
+template <typename E, typename W, int KIND, int M> struct KvDecodeBytes {   // int8 / float8 entries
+    static ROTARY_FN void run(const unsigned char* p, W (&x)[M]) {
+        if constexpr (M % 4 == 0) {   // four to a 32-bit word
+            unsigned int w[M / 4];
+            load_vec<unsigned int, M / 4>(reinterpret_cast<const unsigned int*>(p), w);
+#pragma unroll
+            for (int i = 0; i < M / 4; ++i) {
+                const unsigned int u = KIND == 1 ? w[i] ^ 0x80808080u : w[i];   // int8: each byte plus 128
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const unsigned int byte = (u >> (8 * b)) & 0xffu;
+                    x[4 * i + b] = W(KIND == 1 ? kv_int8_value(byte) : kv_fp8_value(byte));
+                }
+            }
+        } else {
+            unsigned char e[M];
+            load_vec<unsigned char, M>(p, e);
+#pragma unroll
+            for (int j = 0; j < M; ++j)
+                x[j] = W(KIND == 1 ? kv_int8_value((unsigned int)e[j] ^ 0x80u) : kv_fp8_value(e[j]));
+        }
+    }
+};
+template <typename E, typename W, int M> struct KvDecode<E, W, 1, M> : KvDecodeBytes<E, W, 1, M> {};
+template <typename E, typename W, int M> struct KvDecode<E, W, 2, M> : KvDecodeBytes<E, W, 2, M> {};
+
+// M consecutive W values of shared memory, 16 bytes at a time (p 16-byte aligned, M * sizeof(W) a multiple of 16)
+template <typename W, int M> ROTARY_FN void kv_load_w(const W* p, W (&x)[M]) {
+    constexpr int V = 16 / (int)sizeof(W);
+    static_assert(M % V == 0, "whole 16-byte runs");
+#pragma unroll
+    for (int i = 0; i < M / V; ++i) {
+        W part[V];
+        load_vec<W, V>(p + i * V, part);
+#pragma unroll
+        for (int j = 0; j < V; ++j) x[i * V + j] = part[j];
+    }
+}
+
+// byte offsets of paged_attention's dynamic shared memory (rotary.backends.cupy.paged_attention_layout: the same)
+struct KvAttentionLayout {
+    int row_stride;   // bytes per staged row: whole 16-byte chunks, an odd number of them (conflict-free reads)
+    int qs, sp, pt, red, hv, scl, slot, total;   // rows (2 * tile staged rows; at the end the key groups' sums) at 0
+};
+ROTARY_FN int kv_round16(int n) { return (n + 15) / 16 * 16; }
+template <int ESZ, int WSZ, int CE, int CV>
+ROTARY_FN KvAttentionLayout kv_attention_layout(int head_dim, int threads, int tile, int heads) {
+    KvAttentionLayout L;
+    const int nck = (head_dim * ESZ + 15) / 16, nc = (head_dim + CV - 1) / CV;
+    L.row_stride = (nck % 2 ? nck : nck + 1) * 16;
+    const int stage = 2 * tile * L.row_stride, sums = threads / nc * nc * CV * WSZ;
+    L.qs = kv_round16(stage > sums ? stage : sums);
+    L.sp = L.qs + kv_round16(heads * nck * CE * WSZ);              // q: [heads][nck * CE]
+    L.pt = L.sp + kv_round16(threads / tile * heads * tile * WSZ);    // scores: [threads / tile][heads][tile]
+    L.red = L.pt + kv_round16(tile * KV_HEADS * WSZ);                 // p: [tile][KV_HEADS]
+    L.hv = L.red + kv_round16(threads * WSZ);                       // [threads]
+    L.scl = L.hv + kv_round16(3 * heads * WSZ);                     // corr, l, m: [3][heads]
+    L.slot = L.scl + kv_round16(4 * tile * WSZ);                    // scales: [2 buffers][k, v][tile]
+    L.total = L.slot + 2 * tile * 8;                                // entry rows: [2 buffers][tile] (i64)
+    return L;
 }
 
 // the sequence of packed q row `row`: the last i < n with q_starts[i] <= row (q_starts non-decreasing, n > 0,
@@ -262,88 +359,285 @@ ROTARY_FN i64 kv_sequence_of(const i64* q_starts, i64 n, i64 row) {
     return lo;
 }
 
+// the entry rows (slot * kv_heads + hk) of keys base .. base + n - 1 and, quantized, their k and v scales
+template <typename W, int KIND>
+ROTARY_FN void kv_tile_slots(i64 base, int n, const i64* table_row, i64 page_size, int kv_heads, int hk,
+                             const W* k_scale, const W* v_scale, i64* slot_of, W* scales, int tile) {
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const i64 key = base + t;
+        const i64 e = (table_row[key / page_size] * page_size + key % page_size) * kv_heads + hk;
+        slot_of[t] = e;
+        if constexpr (KIND != 0) {
+            scales[t] = k_scale[e];
+            scales[tile + t] = v_scale[e];
+        }
+    }
+}
+
 template <typename T, typename W, int KIND>
-__global__ void paged_attention(
-    const T* q, i64 qst, i64 qsh, i64 qsd, T* o,
+__global__ void ROTARY_LAUNCH_BOUNDS(KV_MAX_THREADS, 2) paged_attention(
+    const T* q, i64 qst, i64 qsh, i64 qsd, T* o, W* part_o, W* part_ml,
     const typename KvEntry<T, KIND>::type* k_store, const typename KvEntry<T, KIND>::type* v_store,
     const W* k_scale, const W* v_scale, const i64* block_table, i64 table_width, i64 page_size,
     const i64* seq_lens, const i64* q_starts, i64 n_seqs, int q_heads, int kv_heads, int head_dim, W fold,
-    W softcap, i64 window, int causal, int tile) {
+    W softcap, i64 window, int causal, int tile, int heads_per_block, int splits, int vec) {
     typedef typename KvEntry<T, KIND>::type E;
+    constexpr int ESZ = (int)sizeof(E), WSZ = (int)sizeof(W);
+    constexpr int CE = 16 / ESZ;                                    // entries of a 16-byte chunk (scores)
+    constexpr int CB = CE < 8 ? CE : 8;                             // entries decoded at a time (scores)
+    constexpr int CV = CE < 16 / WSZ ? CE : 16 / WSZ;               // entries of a P.V chunk (16 bytes of W)
+    constexpr int PV = 16 / WSZ;                                    // p values of a 16-byte load
     ROTARY_DYNAMIC_SMEM(smem);
-    W* qs = reinterpret_cast<W*>(smem);
-    W* acc = qs + head_dim;
-    W* p = acc + head_dim;
-    W* red = p + tile;
-    const int nthreads = blockDim.x;
-    const int w_bytes = (2 * head_dim + tile + nthreads) * (int)sizeof(W);
-    i64* slot_of = reinterpret_cast<i64*>(smem + (w_bytes + 7) / 8 * 8);   // [tile] (slot, head) of each key
-    const int tid = threadIdx.x;
-    const i64 block = blockIdx.x;
-    const int hq = (int)(block % q_heads);
-    const i64 qrow_index = block / q_heads;
-    const int hk = hq / (q_heads / kv_heads);
-    // every thread finds the same sequence (a few cached reads; no barrier needed before the key loop)
-    const bool covered = n_seqs > 0 && qrow_index >= q_starts[0] && qrow_index < q_starts[n_seqs];
-    const i64 i = covered ? kv_sequence_of(q_starts, n_seqs, qrow_index) : 0;
-    i64 lo = 0, hi = -1;   // the keys seen: lo .. hi (none when hi < lo)
+    const int nthreads = blockDim.x, tid = threadIdx.x;
+    const int D = head_dim, N = tile, HB = heads_per_block;
+    const KvAttentionLayout L = kv_attention_layout<ESZ, WSZ, CE, CV>(D, nthreads, N, HB);
+    const int nck = (D * ESZ + 15) / 16, dq = nck * CE, nc = (D + CV - 1) / CV;
+    unsigned char* rows = smem;                                     // [2 * N][row_stride]: k rows, v rows
+    W* qs = reinterpret_cast<W*>(smem + L.qs);
+    W* sp = reinterpret_cast<W*>(smem + L.sp);
+    W* pt = reinterpret_cast<W*>(smem + L.pt);
+    W* red = reinterpret_cast<W*>(smem + L.red);
+    W* hv = reinterpret_cast<W*>(smem + L.hv);
+    W* scl = reinterpret_cast<W*>(smem + L.scl);
+    i64* slot_of = reinterpret_cast<i64*>(smem + L.slot);
+
+    // the block: (q row, kv head, head chunk, split)
+    const int group = q_heads / kv_heads;
+    const int chunks = (group + HB - 1) / HB;
+    i64 b = blockIdx.x;
+    const int split = (int)(b % splits);
+    b /= splits;
+    const int hc = (int)(b % chunks);
+    b /= chunks;
+    const int hk = (int)(b % kv_heads);
+    const i64 qrow = b / kv_heads;
+    const int hq0 = hk * group + hc * HB;
+    const int gb = imin(HB, group - hc * HB);
+
+    // the row's keys lo .. hi, then the split's (none when hi < lo); every thread finds the same
+    const bool covered = n_seqs > 0 && qrow >= q_starts[0] && qrow < q_starts[n_seqs];
+    const i64 i = covered ? kv_sequence_of(q_starts, n_seqs, qrow) : 0;
+    i64 lo = 0, hi = -1;
     if (covered) {
         const i64 length = seq_lens[i];
-        const i64 pos = length - (q_starts[i + 1] - q_starts[i]) + (qrow_index - q_starts[i]);
+        const i64 pos = length - (q_starts[i + 1] - q_starts[i]) + (qrow - q_starts[i]);
         hi = causal ? pos : length - 1;
         lo = (causal && window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
     }
-    const T* qrow = q + qrow_index * qst + hq * qsh;
-    for (int d = tid; d < head_dim; d += nthreads) {
-        qs[d] = rn_mul(load_float(qrow[d * qsd]), fold);
-        acc[d] = W(0);
+    if (hi >= lo) {
+        const i64 per = ((hi - lo + 1 + splits - 1) / splits + N - 1) / N * N;
+        const i64 first = lo + split * per;
+        hi = first + per - 1 < hi ? first + per - 1 : hi;
+        lo = first;
     }
+
+    // the threads' roles: staging (chunk my_u of rows my_r, my_r + rp, ...), scores (key my_t, part my_h),
+    // softmax (q head my_g, lane my_lane), P.V (key group my_kg, chunk my_c)
+    const int units = vec ? nck : dq;
+    const int cl = imin(units, nthreads), rp = nthreads / cl;
+    const int my_u = tid % cl, my_r = tid / cl;
+    const int splitd = nthreads / N, my_t = tid % N, my_h = tid / N;
+    const int tpg = nthreads / gb, my_g = tid / tpg, my_lane = tid % tpg;
+    const int kgs = nthreads / nc, my_c = tid % nc, my_kg = tid / nc;
+
+    const T* qrow_p = q + qrow * qst;
+    for (int x = tid; x < HB * dq; x += nthreads) {
+        const int g = x / dq, d = x - g * dq;
+        qs[x] = (g < gb && d < D) ? load_float(qrow_p[(hq0 + g) * qsh + d * qsd]) * fold : W(0);
+    }
+    const i64* table_row = block_table + i * table_width;
+    if (hi >= lo)
+        kv_tile_slots<W, KIND>(lo, hi - lo + 1 < N ? (int)(hi - lo + 1) : N, table_row, page_size, kv_heads, hk,
+                               k_scale, v_scale, slot_of, scl, N);
     const W neg_inf = kv_neg_inf(W(0));
-    W m = neg_inf, l = W(0);
-    __syncthreads();
-    for (i64 base = lo; base <= hi; base += tile) {   // the same trip count in every thread
-        const int n_tile = hi - base + 1 < tile ? (int)(hi - base + 1) : tile;
-        for (int t = tid; t < n_tile; t += nthreads) {
-            const i64 key = base + t;
-            const i64 slot = block_table[i * table_width + key / page_size] * page_size + key % page_size;
-            const i64 e = slot * kv_heads + hk;
-            slot_of[t] = e;
-            const E* krow = k_store + e * head_dim;
-            const W ks = KIND == 0 ? W(1) : k_scale[e];
-            W x = W(0);
-            for (int d = 0; d < head_dim; ++d) x = rn_add(x, rn_mul(qs[d], KvLoad<T, W, KIND>::at(krow, d, ks)));
-            p[t] = softcap > W(0) ? rn_mul(softcap, kv_tanh(x)) : x;
-        }
-        W part = neg_inf;
-        __syncthreads();
-        for (int t = tid; t < n_tile; t += nthreads) part = kv_max(part, p[t]);
-        red[tid] = part;
-        kv_block_reduce<true, W>(red, tid, nthreads);
-        const W m_new = kv_max(m, red[0]);
-        __syncthreads();   // red[0] read by all before the sum reuses red
-        W sum = W(0);
-        for (int t = tid; t < n_tile; t += nthreads) {
-            const W w = kv_exp(rn_sub(p[t], m_new));
-            p[t] = w;
-            sum = rn_add(sum, w);
-        }
-        red[tid] = sum;
-        kv_block_reduce<false, W>(red, tid, nthreads);   // its first barrier also publishes p
-        const W corr = m == neg_inf ? W(0) : kv_exp(rn_sub(m, m_new));
-        l = rn_add(rn_mul(l, corr), red[0]);
-        m = m_new;
-        for (int d = tid; d < head_dim; d += nthreads) {
-            W a = rn_mul(acc[d], corr);
-            for (int t = 0; t < n_tile; ++t) {
-                const i64 e = slot_of[t];
-                const W vs = KIND == 0 ? W(1) : v_scale[e];
-                a = rn_add(a, rn_mul(p[t], KvLoad<T, W, KIND>::at(v_store + e * head_dim, d, vs)));
+    W m_run = neg_inf, l_run = W(0);
+    W acc[KV_HEADS][CV];
+#pragma unroll
+    for (int g = 0; g < KV_HEADS; ++g)
+#pragma unroll
+        for (int j = 0; j < CV; ++j) acc[g][j] = W(0);
+    __syncthreads();   // q and the first tile's slots
+
+    int buf = 0;
+    for (i64 base = lo; base <= hi; base += N, buf ^= 1) {   // the same trip count in every thread
+        const int n_tile = hi - base + 1 < N ? (int)(hi - base + 1) : N;
+        const i64* so = slot_of + buf * N;
+        const W* k_sc = scl + buf * 2 * N;
+        const W* v_sc = k_sc + N;
+        // A: stage the tile's k rows (0 .. n_tile - 1) and v rows (N .. N + n_tile - 1) as raw entries
+        if (my_r < rp) {
+            if (vec) {
+                for (int r = my_r; r < 2 * n_tile; r += rp) {
+                    const E* src = r < n_tile ? k_store + so[r] * D : v_store + so[r - n_tile] * D;
+                    unsigned char* dst = rows + (r < n_tile ? r : N + r - n_tile) * L.row_stride;
+                    for (int c = my_u; c < nck; c += cl)
+                        kv_copy16(dst + 16 * c, reinterpret_cast<const unsigned char*>(src) + 16 * c);
+                }
+                kv_copy_wait();
+            } else {
+                for (int r = my_r; r < 2 * n_tile; r += rp) {
+                    const E* src = r < n_tile ? k_store + so[r] * D : v_store + so[r - n_tile] * D;
+                    E* dst = reinterpret_cast<E*>(rows + (r < n_tile ? r : N + r - n_tile) * L.row_stride);
+                    for (int d = my_u; d < dq; d += cl) dst[d] = d < D ? src[d] : E();
+                }
             }
-            acc[d] = a;
         }
-        __syncthreads();   // p, slot_of and red[0] read by all before the next tile
+        __syncthreads();
+        // B: partial scores of key my_t over chunks my_h, my_h + splitd, ... for the gb q heads
+        if (my_h < splitd && my_t < n_tile) {
+            W s[KV_HEADS];
+#pragma unroll
+            for (int g = 0; g < KV_HEADS; ++g) s[g] = W(0);
+            const unsigned char* krow = rows + my_t * L.row_stride;
+            for (int c = my_h; c < nck; c += splitd) {
+#pragma unroll
+                for (int half = 0; half < CE; half += CB) {
+                    W x[CB];
+                    KvDecode<E, W, KIND, CB>::run(krow + 16 * c + half * ESZ, x);
+#pragma unroll
+                    for (int g = 0; g < KV_HEADS; ++g) {
+                        if (g < gb) {
+                            W qv[CB];
+                            kv_load_w<W, CB>(qs + g * dq + c * CE + half, qv);
+#pragma unroll
+                            for (int j = 0; j < CB; ++j) s[g] += qv[j] * x[j];
+                        }
+                    }
+                }
+            }
+            const W k_s = KIND == 0 ? W(1) : k_sc[my_t];
+#pragma unroll
+            for (int g = 0; g < KV_HEADS; ++g)
+                if (g < gb) sp[(my_h * HB + g) * N + my_t] = s[g] * k_s;
+        }
+        __syncthreads();
+        // P: each head's scores (partials summed, softcap), the tile max, p = exp(x - m_new), corr, l
+        W m_part = neg_inf;
+        if (my_g < gb) {
+            for (int t = my_lane; t < n_tile; t += tpg) {
+                W x = sp[my_g * N + t];
+                for (int h = 1; h < splitd; ++h) x += sp[(h * HB + my_g) * N + t];
+                if (softcap > W(0)) x = softcap * kv_tanh(x);
+                sp[my_g * N + t] = x;
+                m_part = kv_max(m_part, x);
+            }
+        }
+        red[tid] = m_part;
+        __syncthreads();
+        if (my_g < gb) {
+            W m_tile = neg_inf;
+            for (int j = 0; j < tpg; ++j) m_tile = kv_max(m_tile, red[my_g * tpg + j]);
+            const W m_new = kv_max(m_run, m_tile);
+            const W corr = m_run == neg_inf ? W(0) : kv_exp(m_run - m_new);
+            W l_tile = W(0);
+            for (int t = my_lane; t < n_tile; t += tpg) {
+                const W p = kv_exp(sp[my_g * N + t] - m_new);
+                pt[t * KV_HEADS + my_g] = p;
+                l_tile += p;
+            }
+            l_run = l_run * corr + l_tile;
+            m_run = m_new;
+            if (my_lane == 0) hv[my_g] = corr;
+        }
+        __syncthreads();
+        // D: acc[g] = acc[g] * corr[g] + sum over the key group's keys of p[g][t] * v_scale[t] * v_t[chunk]
+        if (my_kg < kgs) {
+#pragma unroll
+            for (int g = 0; g < KV_HEADS; ++g) {
+                if (g < gb) {
+                    const W corr = hv[g];
+#pragma unroll
+                    for (int j = 0; j < CV; ++j) acc[g][j] *= corr;
+                }
+            }
+            for (int t = my_kg; t < n_tile; t += kgs) {
+                W x[CV];
+                KvDecode<E, W, KIND, CV>::run(rows + (N + t) * L.row_stride + my_c * CV * ESZ, x);
+                const W v_s = KIND == 0 ? W(1) : v_sc[t];
+#pragma unroll
+                for (int g0 = 0; g0 < KV_HEADS; g0 += PV) {
+                    if (g0 < gb) {
+                        W p[PV];   // (p of heads past gb: not read)
+                        kv_load_w<W, PV>(pt + t * KV_HEADS + g0, p);
+#pragma unroll
+                        for (int g = g0; g < g0 + PV; ++g) {
+                            if (g < gb) {
+                                const W pv = p[g - g0] * v_s;
+#pragma unroll
+                                for (int j = 0; j < CV; ++j) acc[g][j] += pv * x[j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // the next tile's slots and scales, into the other buffer (its readers finished before this tile's A barrier)
+        if (base + N <= hi)
+            kv_tile_slots<W, KIND>(base + N, hi - base - N + 1 < N ? (int)(hi - base - N + 1) : N, table_row,
+                                   page_size, kv_heads, hk, k_scale, v_scale, slot_of + (buf ^ 1) * N,
+                                   scl + (buf ^ 1) * 2 * N, N);
+        __syncthreads();   // the tile's shared memory read by all before the next one is staged
     }
-    T* orow = o + (qrow_index * (i64)q_heads + hq) * head_dim;
-    for (int d = tid; d < head_dim; d += nthreads)   // l == 0: no key seen
-        orow[d] = Store<T>::from(l > W(0) ? rn_div(acc[d], l) : W(0));
+
+    // l of each head (its threads' parts), then per head the key groups' accumulators summed through shared memory
+    red[tid] = my_g < gb ? l_run : W(0);
+    __syncthreads();
+    if (my_g < gb && my_lane == 0) {
+        W l = W(0);
+        for (int j = 0; j < tpg; ++j) l += red[my_g * tpg + j];
+        hv[HB + my_g] = l;
+        hv[2 * HB + my_g] = m_run;
+    }
+    W* sums = reinterpret_cast<W*>(rows);   // [kgs][nc * CV]
+    const int sw = nc * CV;
+#pragma unroll
+    for (int g = 0; g < KV_HEADS; ++g) {
+        if (g < gb) {
+            if (my_kg < kgs) {
+#pragma unroll
+                for (int j = 0; j < CV; ++j) sums[my_kg * sw + my_c * CV + j] = acc[g][j];
+            }
+            __syncthreads();   // (the first also publishes hv's l and m)
+            const W l = hv[HB + g];
+            const i64 out_row = qrow * q_heads + hq0 + g;
+            for (int d = tid; d < D; d += nthreads) {
+                W a = W(0);
+                for (int k = 0; k < kgs; ++k) a += sums[k * sw + d];
+                if (splits == 1) o[out_row * D + d] = Store<T>::from(l != W(0) ? a / l : W(0));   // (NaN stays NaN)
+                else part_o[(out_row * splits + split) * D + d] = a;
+            }
+            if (splits > 1 && tid == 0) {
+                part_ml[(out_row * splits + split) * 2] = hv[2 * HB + g];
+                part_ml[(out_row * splits + split) * 2 + 1] = l;
+            }
+            __syncthreads();   // sums read by all before the next head's are written
+        }
+    }
+}
+
+// paged_attention_combine -- the splits of each (q row, q head) merged by log-sum-exp, after a paged_attention
+// launch with splits > 1. Split s left acc_s = sum_p exp(x_p - m_s) v_p over its keys, m_s and l_s = sum_p
+// exp(x_p - m_s) (l_s = 0: no key); with M = max m_s over the splits with keys and w_s = exp(m_s - M) (0 for a split
+// without keys), o = sum_s w_s acc_s / sum_s w_s l_s, or 0 when no split has a key. One block per (q row, q head):
+// grid.x = rows * q_heads, any blockDim.x; dynamic shared memory w[splits] (W).
+template <typename T, typename W>
+__global__ void paged_attention_combine(const W* part_o, const W* part_ml, T* o, int splits, int head_dim) {
+    ROTARY_DYNAMIC_SMEM(smem);
+    W* w = reinterpret_cast<W*>(smem);
+    const int tid = threadIdx.x, nthreads = blockDim.x;
+    const i64 r = blockIdx.x;
+    const W* ml = part_ml + r * splits * 2;
+    W m = kv_neg_inf(W(0));
+    for (int s = 0; s < splits; ++s)
+        if (ml[2 * s + 1] != W(0)) m = kv_max(m, ml[2 * s]);
+    for (int s = tid; s < splits; s += nthreads) w[s] = ml[2 * s + 1] != W(0) ? kv_exp(ml[2 * s] - m) : W(0);
+    __syncthreads();
+    W l = W(0);
+    for (int s = 0; s < splits; ++s) l += w[s] * ml[2 * s + 1];
+    const W* acc = part_o + r * splits * head_dim;
+    for (int d = tid; d < head_dim; d += nthreads) {
+        W a = W(0);
+        for (int s = 0; s < splits; ++s) a += w[s] * acc[(i64)s * head_dim + d];
+        o[r * head_dim + d] = Store<T>::from(l != W(0) ? a / l : W(0));
+    }
 }

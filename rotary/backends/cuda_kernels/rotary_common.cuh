@@ -12,11 +12,14 @@
 #define ROTARY_ON_DEVICE 1
 #define ROTARY_FN __device__ __forceinline__
 #define ROTARY_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+// a register cap for `blocks` resident blocks of at most `threads` threads (nothing on the host shim)
+#define ROTARY_LAUNCH_BOUNDS(threads, blocks) __launch_bounds__(threads, blocks)
 #else
 #include <cmath>
 #include <cstring>
 #define ROTARY_FN inline
 #define ROTARY_DYNAMIC_SMEM(name) unsigned char* name = rotary_shim::dynamic_smem()
+#define ROTARY_LAUNCH_BOUNDS(threads, blocks)
 #endif
 
 typedef long long i64;
