@@ -418,6 +418,8 @@ ATTENTION_ERRORS = [
     (dict(window=2, causal=False), ValueError, "window .* needs causal=True"),
     (dict(softcap=-1.0), ValueError, "softcap must be > 0"),
     (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(softcap=1e39), ValueError, r"softcap=1e\+39 does not fit float32"),
+    (dict(softcap=1e-46), ValueError, "softcap=1e-46 does not fit float32"),
     (dict(q_positions=np.arange(2)), ValueError, "q_positions goes with spec="),
 ]
 

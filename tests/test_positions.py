@@ -321,23 +321,20 @@ def test_grid_positions_match_hf_vision_position_ids(hf):
 
 # -- HF position_ids of one row ---------------------------------------------------------------------
 @pytest.mark.parametrize("shape, seq_axis", [((2, 5, 3, 8), -3), ((2, 3, 5, 8), -2), ((2, 5, 8), -2)])
-def test_one_row_of_position_ids_with_a_batch_suggests_row_zero(shape, seq_axis):
-    """HF's position_ids of shape (1, S) with a batch of 2: refused (never broadcast silently), the error
-    saying to pass positions[0] of shape (S,) for the same positions on every row; positions[0] works."""
+def test_one_row_of_position_ids_broadcasts_over_the_batch(shape, seq_axis):
+    """HF's position_ids of shape (1, S) with a batch of 2: the row serves every batch entry, as NumPy and HF
+    broadcast it (issue 44); never onto heads (tests/test_integration_edges.py)."""
     x = np.random.default_rng(0).standard_normal(shape)
     ids = np.arange(4, 9)[None]
-    with pytest.raises(ValueError) as info:
-        rotary.apply(x, ids, seq_axis=seq_axis, backend="numpy")
-    message = str(info.value)
-    for words in ("(1, 5)", "positions[0]", "(5,)", "every batch row", "(2, 5)", "broadcast"):
-        assert words in message, message
-    np.testing.assert_array_equal(rotary.apply(x, ids[0], seq_axis=seq_axis, backend="numpy"),
-                                  rotary.apply(x, np.repeat(ids, 2, axis=0), seq_axis=seq_axis, backend="numpy"))
+    want = rotary.apply(x, ids[0], seq_axis=seq_axis, backend="numpy")
+    np.testing.assert_array_equal(rotary.apply(x, ids, seq_axis=seq_axis, backend="numpy"), want)
+    np.testing.assert_array_equal(rotary.apply(x, np.repeat(ids, 2, axis=0), seq_axis=seq_axis, backend="numpy"),
+                                  want)
 
 
-def test_one_row_of_multi_axis_positions_with_a_batch_suggests_row_zero():
+def test_one_row_of_multi_axis_positions_broadcasts_over_the_batch():
     spec = rotary.RopeSpec(16, mrope_section=(2, 3, 3))
     x = np.ones((2, 5, 16))
-    pos = np.zeros((1, 5, 3), np.int64)
-    with pytest.raises(ValueError, match=r"positions\[0\] \(shape \(5, 3\)\)"):
-        rotary.apply(x, pos, spec=spec, seq_axis=-2, backend="numpy")
+    pos = np.arange(15, dtype=np.int64).reshape(1, 5, 3)
+    np.testing.assert_array_equal(rotary.apply(x, pos, spec=spec, seq_axis=-2, backend="numpy"),
+                                  rotary.apply(x, pos[0], spec=spec, seq_axis=-2, backend="numpy"))

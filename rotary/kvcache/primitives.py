@@ -335,9 +335,10 @@ def token_rotation_positions(spec, positions, n_tokens, name="positions"):
 
 
 # -- paged_attention ---------------------------------------------------------------------------------------------
-def attention_options(causal, window, softcap, scale, spec, head_dim):
+def attention_options(causal, window, softcap, scale, spec, head_dim, dtype=None):
     """(causal, window, softcap, scale) checked: the default scale head_dim**-0.5 (times the spec's
-    softmax_scale_factor when a spec is given)."""
+    softmax_scale_factor when a spec is given); a softcap the float32 work dtype of ``dtype`` inputs cannot hold
+    is refused (:func:`rotary.attn.softmax.check_float32_softcap`)."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     window = optional_number(window, "window", integer=True)
@@ -348,6 +349,10 @@ def attention_options(causal, window, softcap, scale, spec, head_dim):
         scale = getattr(spec, "softmax_scale_factor", 1.0) / math.sqrt(head_dim) if head_dim else 1.0
     else:
         scale = optional_number(scale, "scale")
+    if softcap is not None and dtype is not None and np.dtype(dtype) != np.float64:
+        from ..attn.softmax import check_float32_softcap
+
+        check_float32_softcap(softcap, scale, dtype)
     return bool(causal), window, softcap, scale
 
 
@@ -463,7 +468,8 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
         raise ValueError("q_positions goes with spec= (the queries' rotation); without a spec q is taken as rotated")
     plan = kv_plan((qp,), ("q",), k_pool, v_pool, scales, spec=spec, kv_dtype=kv_dtype, backend=backend,
                    capability="paged_attention")
-    causal, window, softcap, scale = attention_options(causal, window, softcap, scale, plan.spec, plan.shape[3])
+    causal, window, softcap, scale = attention_options(causal, window, softcap, scale, plan.spec, plan.shape[3],
+                                                       plan.dtype)
     num_pages, page_size = plan.shape[:2]
     host = _is_host(block_table) or isinstance(block_table, (list, tuple)) or plan.convert is None
     if host:

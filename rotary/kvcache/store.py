@@ -695,7 +695,7 @@ class KVCache:
         _kv.check_query_counts(counts, lens, ids)
         plan = self._plan((qp,), ("q",), "paged_attention")
         causal, window, softcap, scale = _kv.attention_options(causal, window, softcap, scale, self.spec,
-                                                               self.head_dim)
+                                                               self.head_dim, self.dtype)
         qr = _kv.rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, self.backend)
         q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         table = self.block_table if ids is self._all_ids else self.block_table[ids]
