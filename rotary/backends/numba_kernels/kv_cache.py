@@ -37,13 +37,9 @@ from numba.extending import register_jitable
 
 from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_to
-from ..feature_maps import CODES as _FEATURE_CODES
-from .simd import (KERNEL_JIT, Vec, feature, vsub, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
+from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
                    prefetch_write, vadd, vcopy_flat, vector_items, vload, vmadd, vmul, vsplat, vstore, vzeros)
 
-#: the feature map whose value at x <= 0 is exp(x) (elu + 1): the softmax's weights exp(score - max), a vector at a
-#: time, by the exp every backend's feature maps use (rotary.backends.feature_maps; below -87 in float32 it gives 0)
-ELU = _FEATURE_CODES["elu"]
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
 ROW_BLOCK = 16
@@ -352,79 +348,6 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
             page, at = page + 1, 0
 
 
-@register_jitable(inline="always")
-def score_tile(qs, qi, head_dim, entries, e0, e1, width, full):
-    """The 4 x 2 scores <qs row r, key e_k> of four q rows (qs[qi + r * head_dim ..], r < 4) and two keys (entries
-    from flat e0, e1) in qs's dtype: each key's vectors loaded once for the four rows, eight multiply-add chains in
-    registers, the lanes summed by halves, the coordinates past the last whole vector added last."""
-    a0, a1, a2, a3 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
-    b0, b1, b2, b3 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
-    for c in range(0, full, width):
-        k0, k1 = vload_as(entries, e0 + c, qs), vload_as(entries, e1 + c, qs)
-        x0, x1 = vload(qs, qi + c), vload(qs, qi + head_dim + c)
-        x2, x3 = vload(qs, qi + 2 * head_dim + c), vload(qs, qi + 3 * head_dim + c)
-        a0, b0 = vmadd(a0, x0, k0), vmadd(b0, x0, k1)
-        a1, b1 = vmadd(a1, x1, k0), vmadd(b1, x1, k1)
-        a2, b2 = vmadd(a2, x2, k0), vmadd(b2, x2, k1)
-        a3, b3 = vmadd(a3, x3, k0), vmadd(b3, x3, k1)
-    s0, s1, s2, s3 = vsum_pairwise(a0), vsum_pairwise(a1), vsum_pairwise(a2), vsum_pairwise(a3)
-    t0, t1, t2, t3 = vsum_pairwise(b0), vsum_pairwise(b1), vsum_pairwise(b2), vsum_pairwise(b3)
-    for c in range(full, head_dim):
-        k0, k1 = load_as(entries, e0 + c, qs), load_as(entries, e1 + c, qs)
-        x0, x1 = qs[qi + c], qs[qi + head_dim + c]
-        x2, x3 = qs[qi + 2 * head_dim + c], qs[qi + 3 * head_dim + c]
-        s0, t0 = s0 + x0 * k0, t0 + x0 * k1
-        s1, t1 = s1 + x1 * k0, t1 + x1 * k1
-        s2, t2 = s2 + x2 * k0, t2 + x2 * k1
-        s3, t3 = s3 + x3 * k0, t3 + x3 * k1
-    return s0, s1, s2, s3, t0, t1, t2, t3
-
-
-@register_jitable(inline="always")
-def add_weighted_pair(acc, ai, head_dim, weights, wi, entries, bases, first, last, width, full):
-    """Two rows of acc (acc[ai ..], acc[ai + head_dim ..]) += sum_j weights[row, j] entries.flat[bases[j] ..] for the
-    keys first..last of a block (weights of the rows at wi and wi + KEY_BLOCK): each value vector loaded once for
-    both rows, 4 vectors of each row in registers through the keys (eight multiply-add chains)."""
-    quads = full - full % (4 * width)
-    bi, wj = ai + head_dim, wi + KEY_BLOCK
-    for c in range(0, quads, 4 * width):
-        t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
-        t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
-        u0, u1 = vload(acc, bi + c), vload(acc, bi + c + width)
-        u2, u3 = vload(acc, bi + c + 2 * width), vload(acc, bi + c + 3 * width)
-        for j in range(first, last + 1):
-            e = bases[j] + c
-            wa, wb = vsplat(weights[wi + j]), vsplat(weights[wj + j])
-            v0, v1 = vload_as(entries, e, acc), vload_as(entries, e + width, acc)
-            v2, v3 = vload_as(entries, e + 2 * width, acc), vload_as(entries, e + 3 * width, acc)
-            t0, u0 = vmadd(t0, wa, v0), vmadd(u0, wb, v0)
-            t1, u1 = vmadd(t1, wa, v1), vmadd(u1, wb, v1)
-            t2, u2 = vmadd(t2, wa, v2), vmadd(u2, wb, v2)
-            t3, u3 = vmadd(t3, wa, v3), vmadd(u3, wb, v3)
-        vstore(acc, ai + c, t0)
-        vstore(acc, ai + c + width, t1)
-        vstore(acc, ai + c + 2 * width, t2)
-        vstore(acc, ai + c + 3 * width, t3)
-        vstore(acc, bi + c, u0)
-        vstore(acc, bi + c + width, u1)
-        vstore(acc, bi + c + 2 * width, u2)
-        vstore(acc, bi + c + 3 * width, u3)
-    for c in range(quads, full, width):
-        t, u = vload(acc, ai + c), vload(acc, bi + c)
-        for j in range(first, last + 1):
-            v = vload_as(entries, bases[j] + c, acc)
-            t, u = vmadd(t, vsplat(weights[wi + j]), v), vmadd(u, vsplat(weights[wj + j]), v)
-        vstore(acc, ai + c, t)
-        vstore(acc, bi + c, u)
-    for c in range(full, head_dim):
-        x, y = acc[ai + c], acc[bi + c]
-        for j in range(first, last + 1):
-            v = load_as(entries, bases[j] + c, acc)
-            x += weights[wi + j] * v
-            y += weights[wj + j] * v
-        acc[ai + c], acc[bi + c] = x, y
-
-
 @register_jitable
 def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
                 kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
@@ -432,12 +355,7 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
     (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
     of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
     position seq_lens[i] - c_i + j. ``zero``: 0 in the work dtype (k_scale's dtype: the scales, or a work-dtype
-    array when not ``quantized``).
-
-    The rows (queries x G heads) go in blocks of ROW_BLOCK, padded to a multiple of 4 with zero rows; per block of
-    KEY_BLOCK keys, the scores of the keys some row of the block sees, 4 rows x 2 keys at a time
-    (:func:`score_tile`: each key read once for four rows), a key outside a row's range scored -inf; the online
-    softmax per row; the values added 2 rows at a time (:func:`add_weighted_pair`: each value read once for two)."""
+    array when not ``quantized``)."""
     i = task // kv_heads
     h = task - i * kv_heads
     groups = q_heads // kv_heads
@@ -448,122 +366,65 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
     if n_rows <= 0:
         return
     rb = imin(n_rows, ROW_BLOCK)
-    padded = (rb + 3) // 4 * 4
     work = k_scale.dtype
-    width = lanes(k_scale)
-    full = head_dim - head_dim % width
-    qs = np.zeros(padded * head_dim, work)
-    acc = np.empty(padded * head_dim, work)
-    scores = np.empty(padded * KEY_BLOCK, work)
-    m = np.empty(padded, work)
-    den = np.empty(padded, work)
-    lo = np.empty(padded, np.int64)
-    hi = np.empty(padded, np.int64)
-    bases = np.empty(KEY_BLOCK + 1, np.int64)
-    neg_inf = zero - np.inf
+    qs = np.empty(rb * head_dim, work)
+    acc = np.empty(rb * head_dim, work)
+    scores = np.empty(rb * KEY_BLOCK, work)
+    m = np.empty(rb, work)
+    den = np.empty(rb, work)
+    lo = np.empty(rb, np.int64)
+    hi = np.empty(rb, np.int64)
+    bases = np.empty(KEY_BLOCK, np.int64)
     for r0 in range(0, n_rows, rb):
         nr = imin(rb, n_rows - r0)
-        nr4 = (nr + 3) // 4 * 4
         first, last = length, np.int64(-1)
-        for rr in range(nr4):
-            m[rr] = neg_inf
-            den[rr] = zero
-            for c in range(head_dim):
-                acc[rr * head_dim + c] = zero
-            if rr >= nr:   # a padding row: zero q, an empty range
-                for c in range(head_dim):
-                    qs[rr * head_dim + c] = zero
-                lo[rr], hi[rr] = length, np.int64(-1)
-                continue
+        for rr in range(nr):
             j = (r0 + rr) // groups
             qi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
             for c in range(head_dim):
                 qs[rr * head_dim + c] = load(q, qi + c) * fold
+                acc[rr * head_dim + c] = zero
             if causal:
                 at = length - count + j   # the query's position
                 hi[rr], lo[rr] = at, imax(0, at - window + 1)
             else:
                 hi[rr], lo[rr] = length - 1, 0
             first, last = imin(first, lo[rr]), imax(last, hi[rr])
+            m[rr] = -np.inf
+            den[rr] = zero
         for k0 in range(first, last + 1, KEY_BLOCK):
             k1 = imin(last + 1, k0 + KEY_BLOCK)
-            # the block's keys some row sees: a .. b (relative to k0)
-            a, b = k1 - k0, np.int64(-1)
+            block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
             for rr in range(nr):
-                a, b = imin(a, imax(lo[rr], k0) - k0), imax(b, imin(hi[rr], k1 - 1) - k0)
-            if a > b:
-                continue
-            block_bases(bases, block_table, i, k0 + a, k0 + b + 1, page_size, kv_heads, h, head_dim)
-            n_keys = b - a + 1
-            bases[n_keys] = bases[n_keys - 1]   # an odd count: the last key's pair partner (its scores unused)
-            for r4 in range(0, nr4, 4):
-                for jj in range(0, n_keys, 2):
-                    s0, s1, s2, s3, t0, t1, t2, t3 = score_tile(qs, r4 * head_dim, head_dim, k_ent, bases[jj],
-                                                                bases[jj + 1], width, full)
-                    w = r4 * KEY_BLOCK + jj
-                    scores[w], scores[w + KEY_BLOCK] = s0, s1
-                    scores[w + 2 * KEY_BLOCK], scores[w + 3 * KEY_BLOCK] = s2, s3
-                    if jj + 1 < n_keys:
-                        scores[w + 1], scores[w + KEY_BLOCK + 1] = t0, t1
-                        scores[w + 2 * KEY_BLOCK + 1], scores[w + 3 * KEY_BLOCK + 1] = t2, t3
-            for rr in range(nr4):
+                a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
+                if a > b:
+                    continue
                 w = rr * KEY_BLOCK
-                ra, rz = lo[rr] - k0 - a, hi[rr] - k0 - a   # the row's own keys, relative to the block's first
-                old = m[rr]   # the online softmax: scores (capped, masked), the new maximum, sums rescaled, weights
-                top = old
-                for j in range(n_keys):
-                    if j < ra or j > rz:
-                        x = neg_inf
-                    else:
-                        x = scores[w + j]
-                        if quantized:
-                            x = x * k_scale[bases[j] // head_dim]
-                        if softcap != zero:
-                            x = math.tanh(x) * softcap
-                        if x > top:
-                            top = x
+                for j in range(a, b + 1):   # scores
+                    x = dot_entries(qs, rr * head_dim, k_ent, bases[j], head_dim)
+                    if quantized:
+                        x = x * k_scale[bases[j] // head_dim]
+                    if softcap != zero:
+                        x = math.tanh(x) * softcap
                     scores[w + j] = x
-                safe = top if top != neg_inf else zero   # every score so far -inf: exps of 0, not NaN
+                old = m[rr]   # the online softmax: the new maximum, the sums rescaled, the weights
+                top = old
+                for j in range(a, b + 1):
+                    if scores[w + j] > top:
+                        top = scores[w + j]
+                safe = top if top != -np.inf else zero   # every score so far -inf: exps of 0, not NaN
                 if old != top:
-                    alpha = feature(old - safe, ELU)   # exp of a value <= 0 (feature_maps' exp; -inf gives 0)
+                    alpha = zero + math.exp(old - safe)   # (the work dtype in plain Python too: math.exp gives a float)
                     den[rr] *= alpha
                     scale_row(acc, rr * head_dim, alpha, head_dim)
                 total = den[rr]
-                jv = 0
-                while jv + width <= n_keys:   # the weights a vector at a time
-                    weights = feature(vsub(vload(scores, w + jv), vsplat(safe)), ELU)
-                    vstore(scores, w + jv, weights)
-                    total += vsum_pairwise(weights)
-                    jv += width
-                for j in range(jv, n_keys):
-                    weight = feature(scores[w + j] - safe, ELU)
+                for j in range(a, b + 1):
+                    weight = math.exp(scores[w + j] - safe)
                     total += weight
-                    scores[w + j] = weight
-                if quantized:
-                    for j in range(n_keys):
-                        scores[w + j] *= v_scale[bases[j] // head_dim]
+                    scores[w + j] = weight * v_scale[bases[j] // head_dim] if quantized else weight
                 den[rr] = total
                 m[rr] = top
-            for r2 in range(0, nr, 2):   # the keys both rows of a pair see, once for both; the rest row by row
-                ra0, rz0 = imax(lo[r2] - k0 - a, 0), imin(hi[r2] - k0 - a, n_keys - 1)
-                ra1, rz1 = imax(lo[r2 + 1] - k0 - a, 0), imin(hi[r2 + 1] - k0 - a, n_keys - 1)
-                if r2 + 1 >= nr:   # the pair's second row is padding: the first row's keys
-                    ra1, rz1 = ra0, rz0
-                c0, c1 = imax(ra0, ra1), imin(rz0, rz1)
-                if c0 <= c1:
-                    add_weighted_pair(acc, r2 * head_dim, head_dim, scores, r2 * KEY_BLOCK, v_ent, bases, c0, c1,
-                                      width, full)
-                else:
-                    c0, c1 = rz0 + 1, rz0   # no common key: every key of each row alone below
-                for rr, ra, rz in ((r2, ra0, rz0), (r2 + 1, ra1, rz1)):
-                    if rr >= nr:
-                        continue
-                    if ra < c0:
-                        add_weighted(acc, rr * head_dim, scores, rr * KEY_BLOCK, v_ent, bases, ra, imin(rz, c0 - 1),
-                                     head_dim)
-                    if rz > c1:
-                        add_weighted(acc, rr * head_dim, scores, rr * KEY_BLOCK, v_ent, bases, imax(ra, c1 + 1), rz,
-                                     head_dim)
+                add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
         for rr in range(nr):
             j = (r0 + rr) // groups
             oi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
