@@ -74,17 +74,14 @@ class KVPlan:
         return self.shape[0] * self.shape[1]
 
     # -- tables ---------------------------------------------------------------------------------------------------
-    def tables(self, positions, token_positions):
+    def tables(self, positions, token_positions, bounds=None):
         """(cos, sin, rows) of the work dtype for host positions: 1-D int64 token positions (``token_positions``;
-        the shared dense table when it holds them) or normalized positions (1, T[, n_axes])."""
+        the shared dense table when it holds them; ``bounds``: their (min, max) when the caller knows them) or
+        normalized positions (1, T[, n_axes])."""
         if token_positions and self.dense_key is not None and positions.size:
             entry = _tables.cached_dense(self.dense_key)
             if entry is not None:
-                if positions.size <= 64:   # decode-sized: cheaper in Python than two NumPy reductions
-                    values = positions.tolist()
-                    lo, hi = min(values), max(values)
-                else:
-                    lo, hi = int(positions.min()), int(positions.max())
+                lo, hi = bounds if bounds is not None else value_range(positions)
                 if lo >= 0 and hi < entry[0]:
                     rows = positions if self.convert is None else self.convert(positions)
                     return entry[1], entry[2], rows
@@ -93,9 +90,10 @@ class KVPlan:
         return cos, sin, rows.reshape(-1)
 
     # -- running ---------------------------------------------------------------------------------------------------
-    def append(self, k, v, stores, slots, positions, token_positions=True):
-        """The backend's append_kv: k rotated at host ``positions`` into host int64 ``slots`` (checked)."""
-        cos, sin, rows = self.tables(positions, token_positions)
+    def append(self, k, v, stores, slots, positions, token_positions=True, bounds=None):
+        """The backend's append_kv: k rotated at host ``positions`` (1-D token positions: their (min, max) in
+        ``bounds`` when known) into host int64 ``slots`` (checked)."""
+        cos, sin, rows = self.tables(positions, token_positions, bounds)
         if self.convert is not None:
             slots = self.convert(slots)
         spec = self.spec
@@ -111,6 +109,15 @@ class KVPlan:
             q = q.copy(order="C")
         return self.module.paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, scale=scale,
                                            softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name)
+
+
+def value_range(a):
+    """(min, max) of a non-empty host int array: in Python for decode-sized arrays (cheaper than two NumPy
+    reductions)."""
+    if a.size <= 64:
+        values = a.tolist()
+        return min(values), max(values)
+    return int(a.min()), int(a.max())
 
 
 def check_pools(k_pool, v_pool, scales, *, dtype, kv_dtype, head_dim=None, kv_heads=None, x="k"):
@@ -215,14 +222,20 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     inputs (k and v) share none with the pools or scales (a write into the pools would change what is read).
     ``region``: one host array spanning every pool and scale (a cache allocates them so), tested first: an input
     apart from it is apart from each of them."""
+    if region is not None:   # the cache's own pools: one buffer, writable unless a caller flipped the flag
+        if k_pool.flags.writeable and v_pool.flags.writeable and (scales is None or (
+                scales[0].flags.writeable and scales[1].flags.writeable)):
+            for a in arrays:
+                if np.may_share_memory(a, region):
+                    break
+            else:
+                return
     stores = [(k_pool, "k_pool"), (v_pool, "v_pool")]
     if scales is not None:
         stores += [(scales[0], "scales[0]"), (scales[1], "scales[1]")]
     for a, name in stores:
         if _is_host(a) and not a.flags.writeable:
             raise ValueError(f"{name} is read-only")
-    if region is not None and not any(np.may_share_memory(a, region) for a in arrays):
-        return
     if overlaps(k_pool, v_pool):
         raise ValueError("k_pool and v_pool share memory: pass two separate pools")
     for a, name in zip(arrays, names):

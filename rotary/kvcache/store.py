@@ -74,12 +74,17 @@ def _positive(value, name, *, allow_none=False):
 class _Step:
     """The step under way: its sequences, token counts, slots and rotation positions, and the layers written."""
 
-    __slots__ = ("ids", "counts", "dense", "slots", "tok_pos", "done", "start", "was_in_use")
+    __slots__ = ("ids", "counts", "dense", "slots", "tok_pos", "done", "left", "start", "was_in_use", "bounds")
 
     def __init__(self, ids, counts, dense, slots, tok_pos, layers, start, was_in_use):
         self.ids, self.counts, self.dense, self.slots, self.tok_pos = ids, counts, dense, slots, tok_pos
-        self.done = np.zeros(layers, bool)
+        self.done = [False] * layers   # which layers have written the step
+        self.left = layers
         self.start, self.was_in_use = start, was_in_use
+        self.bounds = None   # (min, max) of tok_pos when known
+
+    def missing(self) -> list:
+        return [i for i, d in enumerate(self.done) if not d]
 
 
 class KVCache:
@@ -191,6 +196,7 @@ class KVCache:
         self._plans = {}
         self._all_ids = np.arange(self.batch, dtype=np.int64)
         self._all_ids.flags.writeable = False
+        self._row_starts = self._all_ids * self.page_size   # a contiguous cache's first slot of each sequence
 
     # -- storage ------------------------------------------------------------------------------------------
     @property
@@ -323,7 +329,7 @@ class KVCache:
 
     def _between_steps(self, what):
         if self._step is not None:
-            missing = np.flatnonzero(~self._step.done).tolist()
+            missing = self._step.missing()
             raise ValueError(f"{what} waits for the step under way: layers {missing} have not appended its keys")
 
     def add(self, tokens=None) -> int:
@@ -374,10 +380,10 @@ class KVCache:
         if self.paged:
             self._book.reset()
 
-    def _fit(self, ids, new_lengths, dry_run=False):
+    def _fit(self, ids, new_lengths, dry_run=False, longest=None):
         """Check that ``new_lengths`` fit (capacity, free pages, a copy of each shared partial last page), then
         (unless ``dry_run``) give the sequences their pages; returns the pages copied on write [(b, j, old, new)]."""
-        if new_lengths.size and new_lengths.max() > self.capacity:
+        if new_lengths.size and (int(new_lengths.max()) if longest is None else longest) > self.capacity:
             over = np.flatnonzero(new_lengths > self.capacity)
             i = int(over[0])
             raise KVCacheFullError(f"sequence {int(ids[i])} would hold {int(new_lengths[i])} tokens, past the cache's "
@@ -420,28 +426,40 @@ class KVCache:
     def _begin(self, ids, counts, dense, tok_pos=None):
         """A new step for sequences ``ids`` with ``counts`` new tokens each (dense: one count for all): pages taken
         (the last check: from here on the cache changes), lengths advanced, slots and token positions made."""
-        start = self.lengths[ids]
+        every = ids is self._all_ids
+        start = self.lengths.copy() if every else self.lengths[ids]
+        bounds = longest = None
         if dense:
             s = int(counts)
             new_lengths = start + s
             tok_seq = ids if s == 1 else np.repeat(ids, s)
             tok_pos = start if s == 1 else (start[:, None] + np.arange(s, dtype=np.int64)).reshape(-1)
+            if start.size and s:   # the positions' range, once, for the capacity check and the tables
+                lo, hi = _kv.value_range(start)
+                bounds, longest = (lo, hi + s - 1), hi + s
         else:
             new_lengths = start + counts
             tok_seq = np.repeat(ids, counts)
             tok_pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts),
                                                                               counts)
-        was_in_use = self._in_use[ids].copy()
-        self._fit(ids, new_lengths)
+        was_in_use = self._in_use.copy() if every else self._in_use[ids]
+        self._fit(ids, new_lengths, longest=longest)
         if self.paged:
             slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
-        else:   # page b is sequence b's, page_size = capacity
+        elif every and dense and s == 1:   # page b is sequence b's, page_size = capacity
+            slots = self._row_starts + tok_pos
+        else:
             slots = tok_seq * self.page_size + tok_pos
-        self.lengths[ids] = new_lengths
-        self._in_use[ids] = True
+        if every:
+            self.lengths[...] = new_lengths
+            self._in_use[...] = True
+        else:
+            self.lengths[ids] = new_lengths
+            self._in_use[ids] = True
         if self.window is not None and self.paged:
             self._release_outside_window(ids, start)
         step = _Step(ids, counts, dense, slots, tok_pos, self._n_layers, start, was_in_use)
+        step.bounds = bounds
         self._step = step
         return step
 
@@ -563,13 +581,14 @@ class KVCache:
                                                          "positions")
         if step is None:
             step = self._begin(ids, counts, dense)   # the last check (capacity, pages); from here on the cache changes
-        plan.append(kt, vt, self._layer_stores[i], step.slots, step.tok_pos if pos is None else pos, token_positions)
+        plan.append(kt, vt, self._layer_stores[i], step.slots, step.tok_pos if pos is None else pos, token_positions,
+                    step.bounds if pos is None else None)
         self._done(step, i)
 
     def _check_step(self, step, ids, counts, dense, i):
         if step.done[i]:
             raise ValueError(f"layer {i} has appended this step's keys already; the step waits for layers "
-                             f"{np.flatnonzero(~step.done).tolist()}")
+                             f"{step.missing()}")
         same = (ids is step.ids or (ids.shape == step.ids.shape and bool(np.all(ids == step.ids)))) and \
             dense == step.dense and (counts == step.counts if dense else np.array_equal(counts, step.counts))
         if not same:
@@ -578,7 +597,8 @@ class KVCache:
 
     def _done(self, step, i):
         step.done[i] = True
-        if step.done.all():
+        step.left -= 1
+        if not step.left:
             self._step = None
             if self._tokens:
                 self._keep_prefix_pages(step.ids)
@@ -914,8 +934,8 @@ class KVCache:
                 self.block_table[b, keep:] = -1
 
     # -- copies ----------------------------------------------------------------------------------------------------
-    _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_region", "_layer_pools",
-                "_layer_stores")
+    _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
+                "_layer_pools", "_layer_stores")
 
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
