@@ -369,3 +369,16 @@ def test_fits_and_cancel_step_for_engines_with_several_caches(rng):
     glob.cancel_step()   # the prompt's pages were never written: not kept for later requests
     glob.free([a])
     assert glob._book.kept() == 0 and glob.lengths[glob.add(tokens=prompt)] == 0
+
+
+def test_truncating_two_sequences_that_share_pages_counts_each_holder(rng):
+    cache = paged(num_pages=8, batch=3)
+    base = cache.free_pages
+    k = tokens(rng, 12)
+    cache.append(k[None], k[None], seq_ids=[0])
+    cache.fork(0)
+    cache.truncate([0, 1], [3, 3])   # both let go of pages 2 and 3 of the shared prefix
+    assert cache.free_pages == base - 1 and cache._book.counts.max() == 2
+    cache.free([0, 1])
+    assert cache.free_pages == base and cache._book.counts.max() == 0
+    assert len(cache._book.free_list) == len(set(cache._book.free_list))

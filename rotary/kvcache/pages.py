@@ -52,20 +52,20 @@ class PageBook:
         return page
 
     def share(self, pages) -> None:
-        """One holder more for each of ``pages`` (the >= 0 entries of a block table row: distinct pages)."""
+        """One holder more for each entry of ``pages`` that is >= 0 (a page named twice: two holders more)."""
         pages = np.asarray(pages, np.int64)
-        self.counts[pages[pages >= 0]] += 1
+        np.add.at(self.counts, pages[pages >= 0], 1)
 
     def release(self, pages) -> None:
-        """One holder fewer for each of ``pages`` (the >= 0 entries of a block table row: distinct pages); a page no
-        one holds is free."""
+        """One holder fewer for each entry of ``pages`` that is >= 0 (block table entries of one or several
+        sequences: a page named twice loses two holders); a page no one holds is free."""
         pages = np.asarray(pages, np.int64)
         pages = pages[pages >= 0]
         if pages.size == 0:
             return
-        self.counts[pages] -= 1
-        freed = pages[self.counts[pages] == 0]
-        self.free_list.extend(np.sort(freed)[::-1].tolist())
+        np.subtract.at(self.counts, pages, 1)
+        freed = np.unique(pages[self.counts[pages] == 0])
+        self.free_list.extend(freed[::-1].tolist())
 
     def reset(self) -> None:
         """Every page free, the prefix cache empty."""

@@ -782,12 +782,16 @@ class KVCache:
             j = int(bad[0])
             raise ValueError(f"lengths[{j}] = {int(new[j])}: sequence {int(ids[j])} holds {int(held[j])} tokens; "
                              "truncate keeps 0 .. its length")
-        for b, n in zip(ids.tolist(), new.tolist()):
-            if self.paged:
-                keep = -(-n // self.page_size)
-                self._book.release(self.block_table[b, keep:])
-                self.block_table[b, keep:] = -1
-            self.lengths[b] = n
+        if self.paged:   # the pages wholly past each new length, all sequences at once
+            cols = np.arange(self.block_table.shape[1])[None, :]
+            past = (cols >= -(-new[:, None] // self.page_size)) & (self.block_table[ids] >= 0)
+            if past.any():
+                rows = self.block_table[ids]
+                self._book.release(rows[past])
+                rows[past] = -1
+                self.block_table[ids] = rows
+        self.lengths[ids] = new
+        for b, n in zip(ids.tolist(), new.tolist()) if self._tokens else ():
             entry = self._tokens.get(b)
             if entry is not None:
                 entry[2] = min(entry[2], n // self.page_size)
