@@ -16,6 +16,7 @@ from rotary.kvcache.tables import block_table_from_csr, slots_from_block_table
 from rotary.testing import dequantize64, paged_attention64, rope_complex
 
 from .conftest import backend_params
+from .test_kv_engine_cache import assert_state, state
 
 BACKENDS = [p for p in backend_params() if p.values[0] != "cupy"] + ["cuda-shim"]
 FORMATS = [None, "int8", "float8_e4m3"]
@@ -441,21 +442,6 @@ def small_cache(backend="auto", **kw):
     args = dict(batch=3, kv_heads=2, head_dim=16, page_size=4, num_pages=12)
     args.update(kw)
     return rotary.KVCache(rotary.RopeSpec(16, base=100.0), backend=backend, **args)
-
-
-def state(cache):
-    return (cache.lengths.copy(), cache.block_table.copy(), cache.free_pages,
-            [None if a is None else a.copy() for a in cache.stores])
-
-
-def assert_state(cache, snap):
-    lengths, table, free, stores = snap
-    np.testing.assert_array_equal(cache.lengths, lengths)
-    np.testing.assert_array_equal(cache.block_table, table)
-    assert cache.free_pages == free
-    for a, b in zip(cache.stores, stores):
-        if b is not None:
-            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @grid
