@@ -51,8 +51,9 @@ __all__ = [
     "table_cache_info",
 ]
 
-#: submodules imported on first attribute access (``rotary.testing``), so ``import rotary`` stays cheap
-_LAZY_SUBMODULES = ("testing",)
+#: submodules imported on first attribute access (``rotary.testing``, ``rotary.conformance.check``), so
+#: ``import rotary`` stays cheap
+_LAZY_SUBMODULES = ("testing", "conformance")
 
 
 def __getattr__(name):

@@ -63,7 +63,7 @@ def _rotary_apply(original):
             return sin.rotate(q, k, cos, *args, **kwargs)
         return original(q, k, cos, sin, *args, **kwargs)
 
-    apply_rotary_pos_emb.__wrapped__ = original
+    apply_rotary_pos_emb._rotary_original = original
     apply_rotary_pos_emb.__doc__ = original.__doc__
     return apply_rotary_pos_emb
 
@@ -128,7 +128,7 @@ def patch_model(model, *, backend: str = "auto"):
         rope.__dict__[_ORIGINAL] = rope.__dict__.get("forward")
     rope.forward = forward
     for module in modules:
-        if not hasattr(module.apply_rotary_pos_emb, "__wrapped__"):
+        if not hasattr(module.apply_rotary_pos_emb, "_rotary_original"):
             module.apply_rotary_pos_emb = _rotary_apply(module.apply_rotary_pos_emb)
     return model
 

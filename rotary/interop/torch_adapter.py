@@ -60,7 +60,9 @@ def _eager_under_dynamo():
     reason = "rotary's torch adapter runs eagerly (this call has no custom op, see docs/interop.md)"
     glob = globals()
     for name in ("rotate", "linear_attention"):
-        glob[name] = disable(glob[name], reason=reason)
+        if not getattr(glob[name], "_rotary_eager", False):   # (once: the hook and the import may both ask)
+            glob[name] = disable(glob[name], reason=reason)
+            glob[name]._rotary_eager = True
 
 
 def _needs_grad(tensors) -> bool:

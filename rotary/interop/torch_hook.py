@@ -19,9 +19,14 @@ _DYNAMO = "torch._dynamo"
 
 def _register():
     """Import the ops and install the handlers with Dynamo off: this may run inside a call that Dynamo
-    compiles (the first torch call of rotary under torch.compile), whose new frames Dynamo would trace."""
+    compiles (the first torch call of rotary under torch.compile), whose new frames Dynamo would trace. A torch
+    adapter imported before Dynamo loaded gets its eager entry points now (the forms without an op run
+    eagerly under Dynamo, a graph break, instead of Dynamo tracing rotary's Python)."""
     disable = sys.modules["torch"].compiler.disable
     disable(lambda: importlib.import_module("rotary.interop.torch_ops").register())()
+    eager = getattr(sys.modules.get("rotary.interop.torch_adapter"), "_eager_under_dynamo", None)
+    if eager is not None:   # (an adapter still being imported calls it itself, at its end)
+        eager()
 
 
 def install():
