@@ -32,6 +32,18 @@ decay=None, normalize=True[, cu_seqlens=None])``
     offsets; q, k, v of batch 1, rows ``(1, T)``): a packed batch of N sequences in one call, sequence n
     its tokens ``cu_seqlens[n]:cu_seqlens[n + 1]`` with state and decay row n (state ``(N, Hk, ...)``).
 
+``linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal, feature_map, eps, chunk,
+state, decay=None, normalize=True, grad_state=None)`` -> ``(dq, dk, dv, dstate)``
+    The vector-Jacobian product of ``linear_attention`` (same arguments and conventions, no ``cu_seqlens``):
+    ``grad_o`` ``(B, S, H, dv)`` is dL/do, ``grad_state`` None or ``(G_S, G_z)`` (either None: zeros) is dL/d
+    of the returned state ``(S, z)`` (training over chunks with a carried state). Returns dq, dk, dv in q's,
+    k's, v's dtypes (gradients through the feature map; k's and v's summed over the G q heads of their GQA
+    group) and ``dstate = (dS, dz)`` ``(B, Hk, m, dv)``, ``(B, Hk, m)`` in the work dtype, the gradient at the
+    state passed in (dz also when its z was None), or None when ``state`` is None. Inputs are read-only.
+    Formulas: :mod:`rotary.backends.numpy_linear_backward` (the NumPy reference, any array-API namespace).
+    A backend without it: the frontend (:func:`rotary.attn.linear_backward.linear_attention_backward`) takes
+    the reference under backend="auto".
+
 ``append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)``
     KV append (:func:`rotary.kv_append`, :class:`rotary.KVCache`): k ``(T, Hk, D)`` and v ``(T, Hk, D)`` (any
     strides, one float dtype) are T tokens; token t's key is rotated with table row ``rows[t]`` (cos/sin as for

@@ -17,6 +17,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_numpy_array
 
 from .numpy_linear import linear_attention  # noqa: F401  (the backend's linear-attention primitive)
+from .numpy_linear_backward import linear_attention_backward  # noqa: F401  (its backward)
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
 from .array_api import _compute_dtype, _rotate_xp, gather_rows  # noqa: F401  (gather_rows: tests use it)
 from .kv_entries import KV_FORMATS, append_kv, paged_attention  # noqa: F401  (the KV primitives, the references)
