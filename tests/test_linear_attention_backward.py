@@ -33,12 +33,12 @@ def _phi(x, name):
     return x
 
 
-def _rotate(x, angles, rotary_dim, layout, scale):
-    """Pairs (i, i + r/2) or (2i, 2i+1) of x's first rotary_dim features turned by ``angles`` (.., half), times
-    ``scale``; the other features unchanged."""
+def _rotate(x, angles, rotary_dim, layout, scale, offset=0):
+    """Pairs (i, i + r/2) or (2i, 2i+1) of x's features offset .. offset + rotary_dim turned by ``angles``
+    (.., half), times ``scale``; the other features unchanged."""
     half = rotary_dim // 2
     i = torch.arange(half)
-    ia, ib = (i, i + half) if layout == "half" else (2 * i, 2 * i + 1)
+    ia, ib = (i + offset, i + half + offset) if layout == "half" else (2 * i + offset, 2 * i + 1 + offset)
     c, s = scale * torch.cos(angles), scale * torch.sin(angles)
     xa, xb = x[..., ia], x[..., ib]
     y = x.clone()
@@ -47,7 +47,8 @@ def _rotate(x, angles, rotary_dim, layout, scale):
     return y
 
 
-def oracle(q, k, v, S0, z0, positions, inv_freq, *, layout, scale, causal, feature_map, eps, decay, normalize):
+def oracle(q, k, v, S0, z0, positions, inv_freq, *, layout, scale, causal, feature_map, eps, decay, normalize,
+           offset=0):
     """(o, S_out, z_out) of linear attention with RoPE as T x T matrices, torch float64, differentiable.
 
     q (B, T, H, m), k (B, T, Hk, m), v (B, T, Hk, dv), S0 (B, Hk, m, dv), z0 (B, Hk, m), positions (Bp, T)
@@ -58,8 +59,8 @@ def oracle(q, k, v, S0, z0, positions, inv_freq, *, layout, scale, causal, featu
     G = H // Hk
     angles = (positions[..., None].double() * inv_freq)[:, :, None, :]             # (Bp, T, 1, half)
     a, b = _phi(q, feature_map), _phi(k, feature_map)
-    ah = _rotate(a, angles, 2 * inv_freq.shape[0], layout, scale)
-    bh = _rotate(b, angles, 2 * inv_freq.shape[0], layout, scale)
+    ah = _rotate(a, angles, 2 * inv_freq.shape[0], layout, scale, offset)
+    bh = _rotate(b, angles, 2 * inv_freq.shape[0], layout, scale, offset)
     gamma = torch.ones(B, Hk, dtype=torch.float64) if decay is None else decay
     t = torch.arange(T)
     lag = (t[:, None] - t[None, :]).double()
@@ -231,3 +232,144 @@ def test_primitive_errors():
     with pytest.raises(ValueError, match="feature_map"):
         module.linear_attention_backward(x["q"], x["k"], x["v"], x["cos"], x["sin"], x["rows"], x["grad_o"],
                                          causal=True, **dict(kw, feature_map="softmax"))
+
+
+# -- the frontend ----------------------------------------------------------------------------------------------------
+from rotary.attn.linear_backward import linear_attention_backward  # noqa: E402
+
+
+def _spec_oracle_kw(spec, **kw):
+    return dict(layout=spec.layout, scale=spec.attention_scaling, offset=spec.rotary_offset, **kw)
+
+
+def test_frontend_bshd_gqa_decay_state_continues():
+    """(batch, seq, heads, d), GQA 4/2, per-head decay, the state of an earlier call (positions from its
+    next_position) and a gradient on the state out."""
+    rng = np.random.default_rng(11)
+    B, T, H, Hk, m, dv = 2, 9, 4, 2, 8, 6
+    spec = rotary.RopeSpec(m, base=50.0)
+    gamma = np.array([0.8, 0.95])
+    q0, k0, v0 = rng.standard_normal((B, 4, H, m)), rng.standard_normal((B, 4, Hk, m)), rng.standard_normal((B, 4, Hk, dv))
+    _, st = rotary.linear_attention(q0, k0, v0, causal=True, spec=spec, seq_axis=1, decay=gamma, return_state=True,
+                                    backend="numpy")
+    q, k, v = rng.standard_normal((B, T, H, m)), rng.standard_normal((B, T, Hk, m)), rng.standard_normal((B, T, Hk, dv))
+    go = rng.standard_normal((B, T, H, dv))
+    gs = (rng.standard_normal((B, Hk, m, dv)), rng.standard_normal((B, Hk, m)))
+    kw = dict(causal=True, spec=spec, seq_axis=1, decay=gamma, state=st, chunk=4)
+    dq, dk, dv_, (dS, dz) = linear_attention_backward(q, k, v, go, grad_state=gs, **kw)
+    want = oracle_grads(q, k, v, st.S, st.z, 4 + np.arange(T)[None], spec.inv_freq(), go, gs,
+                        **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
+                                          decay=np.broadcast_to(gamma, (B, Hk)).copy(), normalize=True))
+    for name, a, b in zip(("dq", "dk", "dv", "dS", "dz"), (dq, dk, dv_, dS, dz), want):
+        assert rel_err(a, b) <= 1e-9, (name, rel_err(a, b))
+
+
+def test_frontend_bhsd_noncausal_unnormalized_relu_rotary_offset_per_batch_positions():
+    rng = np.random.default_rng(12)
+    B, T, H, Hk, m, dv = 2, 7, 3, 1, 10, 4
+    spec = rotary.RopeSpec(m, base=30.0, rotary_dim=6, rotary_offset=2, layout="interleaved")
+    q, k, v = rng.standard_normal((B, H, T, m)), rng.standard_normal((B, Hk, T, m)), rng.standard_normal((B, Hk, T, dv))
+    go = rng.standard_normal((B, H, T, dv))
+    pos = np.stack([np.arange(T), 10 + np.arange(T)])
+    dq, dk, dv_, dstate = linear_attention_backward(q, k, v, go, pos, causal=False, spec=spec, seq_axis=-2,
+                                                    feature_map="relu", normalize=False, chunk=3)
+    assert dstate is None
+    t = lambda x: np.moveaxis(x, 1, 2)   # noqa: E731  (B, H, T, .) <-> (B, T, H, .)
+    want = oracle_grads(t(q), t(k), t(v), np.zeros((B, Hk, m, dv)), np.zeros((B, Hk, m)), pos, spec.inv_freq(),
+                        t(go), None, **_spec_oracle_kw(spec, causal=False, feature_map="relu", eps=1e-6, decay=None,
+                                                       normalize=False))
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv_), want):
+        assert rel_err(a, t(b)) <= 1e-9, (name, rel_err(a, t(b)))
+
+
+def test_frontend_gqa_on_a_middle_axis_with_a_state():
+    """q (B, T, 4, 2, m), k (B, T, 2, 2, m): GQA on axis 2, not the innermost head axis (the state's axes are
+    reordered for the backend and back)."""
+    rng = np.random.default_rng(13)
+    B, T, m, dv = 2, 6, 8, 3
+    spec = rotary.RopeSpec(m, base=20.0, layout="interleaved")
+    q, k, v = rng.standard_normal((B, T, 4, 2, m)), rng.standard_normal((B, T, 2, 2, m)), rng.standard_normal((B, T, 2, 2, dv))
+    _, st = rotary.linear_attention(q[:, :2], k[:, :2], v[:, :2], causal=True, spec=spec, seq_axis=1,
+                                    return_state=True, backend="numpy")
+    go = rng.standard_normal((B, T, 4, 2, dv))
+    gs = (rng.standard_normal(st.S.shape), rng.standard_normal(st.z.shape))
+    dq, dk, dv_, (dS, dz) = linear_attention_backward(q, k, v, go, causal=True, spec=spec, seq_axis=1, state=st,
+                                                      grad_state=gs, chunk=4)
+    flat = lambda x: np.moveaxis(x, 3, 2).reshape(B, T, -1, x.shape[-1])              # noqa: E731  head j*G + h
+    unflat = lambda x, h: np.moveaxis(x.reshape(B, T, 2, h, x.shape[-1]), 2, 3)       # noqa: E731
+    sflat = lambda x: np.moveaxis(x, 2, 1).reshape((B, 4) + x.shape[3:])              # noqa: E731  (B, hk, j, ..)
+    sunflat = lambda x: np.moveaxis(x.reshape((B, 2, 2) + x.shape[2:]), 1, 2)         # noqa: E731
+    want = oracle_grads(flat(q), flat(k), flat(v), sflat(st.S), sflat(st.z), 2 + np.arange(T)[None], spec.inv_freq(),
+                        flat(go), (sflat(gs[0]), sflat(gs[1])),
+                        **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6, decay=None, normalize=True))
+    got = (dq, dk, dv_, dS, dz)
+    for name, a, b in zip(("dq", "dk", "dv", "dS", "dz"), got, (unflat(want[0], 4), unflat(want[1], 2),
+                                                                 unflat(want[2], 2), sunflat(want[3]), sunflat(want[4]))):
+        assert rel_err(a, b) <= 1e-9, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("kind", ["torch", "jax", "float32"])
+def test_frontend_other_arrays_and_float32(kind):
+    """torch tensors and JAX arrays through the reference (any array-API namespace): their type back, the NumPy
+    result; float32 within the float64 oracle at float32's tolerance."""
+    rng = np.random.default_rng(14)
+    q, k, v, go = (rng.standard_normal((1, 6, 2, 8)) for _ in range(4))
+    v, go = v[..., :5], go[..., :5]
+    kw = dict(causal=True, base=100.0, seq_axis=1, decay=0.9, chunk=4)
+    ref = linear_attention_backward(q, k, v, go, **kw)[:3]
+    if kind == "float32":
+        got = linear_attention_backward(*(x.astype(np.float32) for x in (q, k, v, go)), **kw)[:3]
+        assert all(g.dtype == np.float32 for g in got)
+        assert all(rel_err(g, r) <= 2e-5 for g, r in zip(got, ref))
+        return
+    if kind == "torch":
+        args = [torch.tensor(x) for x in (q, k, v, go)]
+        got = linear_attention_backward(*args, **kw)[:3]
+        assert all(isinstance(g, torch.Tensor) for g in got)
+        got = [g.numpy() for g in got]
+    else:
+        jax = pytest.importorskip("jax")
+        jax.config.update("jax_enable_x64", True)
+        got = linear_attention_backward(*(jax.numpy.asarray(x) for x in (q, k, v, go)), **kw)[:3]
+        got = [np.asarray(g) for g in got]
+    assert all(rel_err(g, r) <= 1e-12 for g, r in zip(got, ref))
+
+
+def test_frontend_empty_sequence_and_errors():
+    rng = np.random.default_rng(15)
+    q, k, v = rng.standard_normal((1, 3, 2, 8)), rng.standard_normal((1, 3, 2, 8)), rng.standard_normal((1, 3, 2, 4))
+    _, st = rotary.linear_attention(q, k, v, causal=True, base=100.0, seq_axis=1, return_state=True)
+    gs = (rng.standard_normal(st.S.shape), rng.standard_normal(st.z.shape))
+    e = np.zeros((1, 0, 2, 8))
+    dq, dk, dv, (dS, dz) = linear_attention_backward(e, e, e[..., :4], e[..., :4], causal=True, seq_axis=1, state=st,
+                                                     grad_state=gs)
+    assert dq.shape == e.shape and np.array_equal(dS, gs[0]) and np.array_equal(dz, gs[1])
+    go = rng.standard_normal((1, 3, 2, 4))
+    with pytest.raises(ValueError, match="grad_o"):
+        linear_attention_backward(q, k, v, go[:, :2], seq_axis=1)
+    with pytest.raises(TypeError, match="feature_map"):
+        linear_attention_backward(q, k, v, go, seq_axis=1, feature_map=lambda x: x * x)
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        linear_attention_backward(q[0], k[0], v[0], go[0], seq_axis=0, cu_seqlens=np.array([0, 1, 3]))
+    with pytest.raises(ValueError, match="grad_state"):
+        linear_attention_backward(q, k, v, go, seq_axis=1, causal=True, state=st, grad_state=(gs[0][..., :2], None))
+    with pytest.raises(ValueError, match="decay"):
+        linear_attention_backward(q, k, v, go, seq_axis=1, causal=False, decay=0.5)
+
+
+def test_frontend_named_backend_without_the_primitive(monkeypatch):
+    """backend="auto" falls back to the NumPy reference; a named backend without ``linear_attention_backward``
+    is NotImplementedError naming it."""
+    import types
+
+    rng = np.random.default_rng(16)
+    q, k, v, go = (rng.standard_normal((1, 3, 2, 8)) for _ in range(4))
+    fake = types.SimpleNamespace(NAME="fake", accepts=lambda x: True)
+    real_pick = _backends.pick
+    monkeypatch.setattr(_backends, "pick", lambda arrays, name: fake if name in ("fake", "auto") else
+                        real_pick(arrays, name))
+    with pytest.raises(NotImplementedError, match="linear_attention_backward"):
+        linear_attention_backward(q, k, v, go, seq_axis=1, backend="fake")
+    ref = linear_attention_backward(q, k, v, go, seq_axis=1, backend="numpy")
+    for a, b in zip(linear_attention_backward(q, k, v, go, seq_axis=1, backend="auto")[:3], ref[:3]):
+        np.testing.assert_array_equal(a, b)
