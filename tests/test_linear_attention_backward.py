@@ -373,3 +373,72 @@ def test_frontend_named_backend_without_the_primitive(monkeypatch):
     ref = linear_attention_backward(q, k, v, go, seq_axis=1, backend="numpy")
     for a, b in zip(linear_attention_backward(q, k, v, go, seq_axis=1, backend="auto")[:3], ref[:3]):
         np.testing.assert_array_equal(a, b)
+
+
+# -- torch autograd: the custom op's backward calls the primitive ------------------------------------------------
+def _op(spec_obj, seq_axis, causal, feature_map, chunk, decay, normalize, backend="auto", positions=None, offset=0):
+    from rotary.interop import torch_ops
+
+    key = torch_ops.spec_key(spec_obj, {})
+    return lambda q, k, v: torch.ops.rotary.linear_attention(q, k, v, positions, offset, key, seq_axis, causal,
+                                                             feature_map, 1e-6, chunk, decay, normalize, backend)
+
+
+_OP_CASES = [
+    dict(causal=True, feature_map="elu", chunk=2, decay=0.8, normalize=True, layout="half", Hk=1),
+    dict(causal=False, feature_map="relu", chunk=3, decay=None, normalize=False, layout="interleaved", Hk=2),
+    dict(causal=True, feature_map="identity", chunk=4, decay=0.9, normalize=False, layout="interleaved", Hk=1),
+]
+
+
+@pytest.mark.parametrize("c", _OP_CASES, ids=lambda c: f"{c['feature_map']}-causal{c['causal']}")
+def test_torch_op_gradcheck_float64(c):
+    spec = rotary.RopeSpec(4, base=100.0, layout=c["layout"])
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 5, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 5, c["Hk"], 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 5, c["Hk"], 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    f = _op(spec, -3, c["causal"], c["feature_map"], c["chunk"], c["decay"], c["normalize"], positions=torch.arange(2, 7))
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_torch_op_backward_matches_the_oracle_and_has_no_double_backward():
+    rng = np.random.default_rng(21)
+    spec = rotary.RopeSpec(8, base=50.0, rotary_dim=6)
+    q, k, v, go = (rng.standard_normal(s) for s in ((2, 7, 4, 8), (2, 7, 2, 8), (2, 7, 2, 5), (2, 7, 4, 5)))
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    o = _op(spec, 1, True, "elu", 3, 0.85, True, offset=4)(*leaves)
+    grads = torch.autograd.grad(o, leaves, torch.tensor(go))
+    want = oracle_grads(q, k, v, np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)), 4 + np.arange(7)[None], spec.inv_freq(),
+                        go, None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
+                                                    decay=np.full((2, 2), 0.85), normalize=True))
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        assert rel_err(a.numpy(), b) <= 1e-9, (name, rel_err(a.numpy(), b))
+    o = _op(spec, 1, True, "elu", 3, 0.85, True)(*leaves)
+    dq, = torch.autograd.grad(o, leaves[0], torch.tensor(go), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dq.sum().backward()
+
+
+def test_torch_compiled_training_step_float32(monkeypatch):
+    """A torch.compile(fullgraph=True) step's gradients (the op's backward, which calls the frontend of the
+    backward primitive) against the float64 oracle."""
+    from rotary.attn import linear_backward
+
+    calls = []
+    real = linear_backward.linear_attention_backward
+    monkeypatch.setattr(linear_backward, "linear_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(22)
+    spec = rotary.RopeSpec(16, base=1000.0)
+    q, k, v, go = (rng.standard_normal(s).astype(np.float32) for s in ((1, 12, 4, 16), (1, 12, 2, 16),
+                                                                         (1, 12, 2, 8), (1, 12, 4, 8)))
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    f = torch.compile(lambda q, k, v: rotary.linear_attention(q, k, v, spec=spec, seq_axis=1, causal=True, chunk=5,
+                                                              decay=0.9), fullgraph=True, backend="eager")
+    grads = torch.autograd.grad(f(*leaves), leaves, torch.tensor(go))
+    assert calls == [1]
+    want = oracle_grads(q, k, v, np.zeros((1, 2, 16, 8)), np.zeros((1, 2, 16)), np.arange(12)[None], spec.inv_freq(),
+                        go, None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
+                                                    decay=np.full((1, 2), 0.9), normalize=True))
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        assert a.dtype == torch.float32 and rel_err(a.numpy(), b) <= 2e-5, (name, rel_err(a.numpy(), b))

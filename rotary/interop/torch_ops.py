@@ -16,9 +16,11 @@ dynamic offset, none with ``dynamic=True``).
 
 Backward: rotation's is the rotation by the opposite angle (the op itself with ``inverse`` flipped, so
 double backward works too); attention's and linear attention's are one op each
-(``attention_backward``, ``linear_attention_backward``) whose implementation recomputes the forward
-through rotary's differentiable eager path (torch operations on the tensors, rotation through the
-kernels) and takes its vector-Jacobian product with ``torch.func.vjp``; they have no double backward.
+(``attention_backward``, ``linear_attention_backward``). Attention's recomputes the forward through rotary's
+differentiable eager path (torch operations on the tensors, rotation through the kernels) and takes its
+vector-Jacobian product with ``torch.func.vjp``; linear attention's calls the backend's
+``linear_attention_backward`` primitive (:mod:`rotary.attn.linear_backward`: chunked, memory O(T d), no
+recomputed graph). Neither has a double backward (linear attention's raises an error saying so).
 
 Only torch's public surface: ``torch.library.custom_op`` / ``register_fake`` / ``register_autograd``,
 ``torch.func.vjp`` and ``torch.compiler`` (``substitute_in_graph``, ``assume_constant_result``, ``disable``).
@@ -305,14 +307,45 @@ def linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               positions: torch.Tensor | None, offset: int, spec: str, seq_axis: int, causal: bool,
                               feature_map: str, eps: float, chunk: int, decay: float | None, normalize: bool,
                               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of :func:`linear_attention` (the differentiable reference path recomputed)."""
-    rest = (_host(positions), offset, spec, seq_axis, causal, feature_map, eps, chunk, decay, normalize, backend)
-    return _vjp(lambda q, k, v: _linear_call(q, k, v, *rest), (q, k, v), grad)
+    """(dq, dk, dv) of :func:`linear_attention`: the backend's ``linear_attention_backward`` primitive through
+    :func:`rotary.attn.linear_backward.linear_attention_backward` (CPU tensors as NumPy views: the Numba kernels
+    where the backend has them, else the NumPy reference; CUDA tensors through the reference's torch
+    operations). A backend named for the forward that has no backward primitive leaves the choice to "auto"."""
+    from .. import backends as _backends
+    from ..attn.linear_backward import linear_attention_backward as _backward
+
+    if backend != "auto" and not _backends.supports(_backends.get(backend), "linear_attention_backward"):
+        backend = "auto"
+    cpu = q.device.type == "cpu"
+
+    def arg(t):
+        t = t.detach()
+        if not cpu:
+            return t
+        return (t.float() if t.dtype in (torch.bfloat16,) else t).numpy()
+
+    with torch.no_grad():
+        dq, dk, dv, _ = _backward(arg(q), arg(k), arg(v), arg(grad), _positions(_host(positions), offset),
+                                  causal=causal, feature_map=feature_map, eps=eps,
+                                  spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk, decay=decay,
+                                  normalize=normalize, backend=backend)
+    if cpu:
+        dq, dk, dv = (torch.from_numpy(np.ascontiguousarray(d)) for d in (dq, dk, dv))
+    return tuple(_fresh(d.to(a.dtype), [grad, q, k, v]) for d, a in zip((dq, dk, dv), (q, k, v)))
 
 
 @linear_attention_backward.register_fake
 def _(grad, q, k, v, *args):
     return tuple(torch.empty_like(a, memory_format=torch.contiguous_format) for a in (q, k, v))
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("rotary.linear_attention has no double backward: its backward (the backend's "
+                       "linear_attention_backward primitive) is not differentiable again; use torch.func / eager "
+                       "autograd through the reference path for higher derivatives")
+
+
+linear_attention_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def _linear_setup(ctx, inputs, output):
