@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python benchmarks/bench_kv_engine.py [--rounds 5] [--held 1000] [--layers 32]
 
-1. **A decode step of 32 layers on one pool** (32 sequences x 1 token, ``layers=32``): per layer ``cache.append(k, v,
-   layer=i)`` then ``rotary.attention(q, cache.layer(i))``, against the same kernels called alone on prepared
-   arguments (the append kernel on the step's slots, the rotation of q, the paged-attention kernel), and the step with
-   every kernel launch replaced by a no-op: the cache's host work per layer (the issue's bound: 5 us per layer).
+1. **A decode step of 32 layers on one pool** (32 sequences x 1 token, ``layers=32``): per layer ``layer.append(k, v)``
+   then ``layer.attend(q)`` (``layer = cache.layer(i)``; also through ``cache.append(..., layer=i)`` and
+   ``rotary.attention(q, cache.layer(i))``), against the same kernels called alone on prepared arguments (the append
+   kernel on the step's slots, the paged-attention kernel, which rotates q), and the step with every kernel launch
+   replaced by a no-op: the cache's host work per layer (the issue's bound: 5 us per layer). Every step adds a token
+   to each sequence (no rollback between rounds: a page is taken every 16 steps, as in decoding).
 2. **fork** of a 4096-token sequence (page_size 16): the time and the pages it takes (a shared prefix: no token
    copied), against copying the sequence's keys and values.
 3. **prefix reuse**: a 1024-token prompt added a second time with ``add(tokens=prompt)``: the tokens left to
@@ -48,37 +50,41 @@ def bench_step(args, rng):
     from rotary.backends import numba_runtime as runtime
 
     B, Hk, Hq, D, L = 32, 8, 32, 128, args.layers
-    held = args.held if args.held % 16 else args.held + 8   # the step's token lands in a page already held: the
-    # truncate that repeats the step gives no page back (the replayed kernels read the live block table)
+    held = args.held
+    steps = 4 * args.rounds + 8   # every step below adds one token to each sequence (a page every 16 steps)
     spec = rotary.RopeSpec(D, base=500000.0)
-    cache = rotary.KVCache(spec, batch=B, kv_heads=Hk, head_dim=D, page_size=16, num_pages=B * (held + 64) // 16 + B,
-                           layers=L, backend="numba")
+    cache = rotary.KVCache(spec, batch=B, kv_heads=Hk, head_dim=D, page_size=16,
+                           num_pages=B * -(-(held + steps) // 16), layers=L, backend="numba")
     fill = rng.standard_normal((B, held, Hk, D), dtype=np.float32)
     for i in range(L):
         cache.append(fill, fill, layer=i)
     del fill
     k = rng.standard_normal((B, 1, Hk, D), dtype=np.float32)
     q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32)
+    layers = [cache.layer(i) for i in range(L)]
 
-    def step():
+    def step():   # an engine's decode step: per layer, its append, then its attention
+        for layer in layers:
+            layer.append(k, k)
+            layer.attend(q)
+
+    def step_frontend():   # the same through cache.append(layer=) and rotary.attention(q, cache.layer(i))
         for i in range(L):
             cache.append(k, k, layer=i)
             rotary.attention(q, cache.layer(i))
-        cache.truncate(None, cache.lengths - 1)   # the same step again (pages stay: one token of a page)
 
-    # the kernels alone, on prepared arguments of one layer: every kernel launched by layer 0's append and
-    # attention (the append, the rotation of q, the paged attention)
+    # the kernels alone, on prepared arguments of one layer: every kernel launched by layer 0's append and attention
+    # (the append; the paged attention, which rotates q as it reads it)
     captured = []
     launch = runtime.launch
     runtime.launch = lambda kernel, serial, kargs: (captured.append((kernel, kargs)), launch(kernel, serial, kargs))[1]
     try:
-        cache.append(k, k, layer=0)
-        rotary.attention(q, cache.layer(0))
+        layers[0].append(k, k)
+        layers[0].attend(q)
     finally:
         runtime.launch = launch
-    for i in range(1, L):
-        cache.append(k, k, layer=i)
-    cache.truncate(None, cache.lengths - 1)
+    for layer in layers[1:]:
+        layer.append(k, k)
     names = [kernel.__name__ for kernel, _ in captured]
     assert any("append" in n for n in names) and any("paged_attention" in n for n in names), names
 
@@ -88,24 +94,32 @@ def bench_step(args, rng):
                 kernel(*kargs)
 
     t_step = best_median(step, args.rounds)
+    t_front = best_median(step_frontend, args.rounds)
     t_kernels = best_median(kernels, args.rounds)
     runtime.launch = lambda kernel, serial, kargs: True   # every kernel a no-op: what is left is the host's work
     try:
         t_host = best_median(step, args.rounds)
+        t_host_front = best_median(step_frontend, args.rounds)
     finally:
         runtime.launch = launch
+    assert cache.free_pages >= 0 and int(cache.lengths.max()) <= held + steps
     per_layer = [t / L * 1e6 for t in t_host]
+    per_layer_front = [t / L * 1e6 for t in t_host_front]
     print(f"\ndecode step, {L} layers on one pool: B={B} x 1 token, {Hk} k/v heads x {D}, {Hq} q heads, fp32, "
-          f"{held} keys held; numba threads {nb.numba.get_num_threads()}; {args.rounds} rounds; {load()}")
+          f"{held}+ keys held; numba threads {nb.numba.get_num_threads()}; {args.rounds} rounds; {load()}")
     print("| what | best ms | median ms |\n|---|---|---|")
-    print(f"| the step: per layer cache.append(k, v, layer=i) + rotary.attention(q, cache.layer(i)) | "
+    print(f"| the step: per layer layer.append(k, v) + layer.attend(q) (layer = cache.layer(i)) | "
           f"{t_step[0] * 1e3:.2f} | {t_step[1] * 1e3:.2f} |")
+    print(f"| the same through cache.append(k, v, layer=i) + rotary.attention(q, cache.layer(i)) | "
+          f"{t_front[0] * 1e3:.2f} | {t_front[1] * 1e3:.2f} |")
     print(f"| the kernels alone: {L} x ({' + '.join(names)}), prepared arguments | "
           f"{t_kernels[0] * 1e3:.2f} | {t_kernels[1] * 1e3:.2f} |")
     print(f"| the step with every kernel launch a no-op (the host's work) | {t_host[0] * 1e3:.2f} | "
           f"{t_host[1] * 1e3:.2f} |")
-    print(f"| host work per layer (append + attention, the step's truncate included), us | {per_layer[0]:.1f} | "
+    print(f"| host work per layer (append + attention, the step's books included), us | {per_layer[0]:.1f} | "
           f"{per_layer[1]:.1f} |")
+    print(f"| host work per layer through cache.append(layer=) + rotary.attention, us | {per_layer_front[0]:.1f} | "
+          f"{per_layer_front[1]:.1f} |")
 
 
 def bench_fork(args, rng):

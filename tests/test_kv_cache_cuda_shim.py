@@ -597,7 +597,7 @@ def test_paged_attention_gqa_groups_and_splits(kernels, dtype, kv_dtype, head_di
     plan = cb.plan_paged_attention(q, o, pool.stores, table, 4, lens, starts, dtype_name=dtype, scale=0.1,
                                    softcap=None, window=None, causal=True, kv_dtype=kv_dtype, threads=16, tile=4)
     entry = np.dtype(pool.stores[0].dtype).itemsize
-    assert plan.launches[0].args[-1] == (head_dim * entry % 16 == 0)   # vec
+    assert plan.launches[0].args[-7] == (head_dim * entry % 16 == 0)   # vec (then the six rotation arguments)
     assert plan.geometry.heads_per_block == 8 and plan.geometry.head_chunks == 2   # group 9: 8 + 1
 
 
@@ -731,7 +731,7 @@ def test_paged_attention_plan_and_shim_checks(kernels, rng):
             plan = cb.plan_paged_attention(q, o, stores, table, 4, lens, starts, dtype_name="float16", scale=0.25,
                                            softcap=None, window=5, causal=True, kv_dtype=kv_dtype, threads=threads,
                                            tile=tile, splits=splits)
-            assert plan.launches[0].args[-1] == (head_dim == 16)   # 16-byte staging: rows of 32 or 16 bytes
+            assert plan.launches[0].args[-7] == (head_dim == 16)   # 16-byte staging: rows of 32 or 16 bytes
             for launch in plan.launches:
                 checked.launch(launch)
             assert np.all(np.isfinite(o))

@@ -382,3 +382,76 @@ def test_truncating_two_sequences_that_share_pages_counts_each_holder(rng):
     cache.free([0, 1])
     assert cache.free_pages == base and cache._book.counts.max() == 0
     assert len(cache._book.free_list) == len(set(cache._book.free_list))
+
+
+# -- the prepared calls of a step ----------------------------------------------------------------------------------
+def attention_oracle(cache, layer, q, **options):
+    """float64 attention of dense q (n, 1, Hq, D) (every sequence's next query, at its last position) over layer
+    ``layer``'s stored keys: q rotated by the float64 oracle, then rotary.testing.paged_attention64."""
+    from rotary.testing import paged_attention64
+
+    lens = cache.lengths.copy()
+    qp = np.asarray(q, np.float64)[:, 0]
+    q_rot = oracle_keys(qp, lens - 1)
+    stores = (cache.k_pool[layer].reshape(-1, H, D), cache.v_pool[layer].reshape(-1, H, D), None, None)
+    o = paged_attention64(q_rot, stores, cache.block_table, cache.page_size, lens, np.arange(lens.size + 1),
+                          scale=options.pop("scale", D ** -0.5), **options)
+    return o[:, None]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_prepared_calls_follow_every_change_of_the_tables(backend, rng):
+    """The append and attention a step's first layer prepares, and the other layers run, follow every change: a new
+    step, truncate, free + fork, other options (softcap, window, scale) and other q strides; each layer's attention
+    against the float64 oracle."""
+    L, B = 3, 4
+    cache = paged(backend, layers=L, batch=B, num_pages=48)
+    cu = np.array([0, 5, 6, 13, 15])
+    for i in range(L):
+        k = tokens(rng, 15)
+        cache.append(k, k * 0.5, cu_seqlens=cu, layer=i)
+
+    def check_all(q, **options):
+        for i in range(L):
+            o = cache.layer(i).attend(q, **options)
+            np.testing.assert_allclose(o, attention_oracle(cache, i, q, **options), atol=2e-5, rtol=0)
+
+    q = rng.standard_normal((B, 1, 2 * H, D)).astype(np.float32)
+    for _ in range(3):   # decode steps: layer i appends, then attends (layers 1, 2 run layer 0's prepared calls)
+        kd = rng.standard_normal((B, 1, H, D)).astype(np.float32)
+        for i in range(L):
+            cache.layer(i).append(kd * (i + 1), kd)
+            o = cache.layer(i).attend(q)
+            np.testing.assert_allclose(o, attention_oracle(cache, i, q), atol=2e-5, rtol=0)
+    check_all(q)
+    cache.truncate([1, 2], [3, 4])
+    check_all(q)
+    cache.free([3])
+    assert cache.fork(0, 3, length=5) == 3
+    check_all(q)
+    check_all(q, softcap=2.0)
+    check_all(q, window=3)
+    check_all(q, scale=0.3)
+    wide = rng.standard_normal((B, 1, 4 * H, D)).astype(np.float32)
+    check_all(wide[:, :, ::2])   # other strides
+    for i in range(L):   # a step whose layers pass k of other strides: each its own prepared append
+        kd = rng.standard_normal((B, 1, 2 * H, D)).astype(np.float32)
+        cache.append(kd[:, :, ::2] if i == 1 else np.ascontiguousarray(kd[:, :, ::2]), kd[:, :, :H], layer=i)
+        np.testing.assert_allclose(cache.layer(i).keys(0)[-1], oracle_keys(kd[0, :, ::2], [cache.lengths[0] - 1])[0],
+                                   atol=2e-6)
+    check_all(q)
+
+
+def test_lengths_and_block_table_are_read_only_views(rng):
+    """lengths and block_table follow the cache but cannot be written (truncate and fork change them, keeping the
+    pages' holder counts and the prepared calls true)."""
+    cache = paged()
+    k = tokens(rng, 6)
+    cache.append(k[None], k[None], seq_ids=[1])
+    lengths, table = cache.lengths, cache.block_table
+    with pytest.raises(ValueError, match="read-only"):
+        lengths[1] = 2
+    with pytest.raises(ValueError, match="read-only"):
+        table[1, 0] = 3
+    cache.truncate([1], [2])
+    assert lengths[1] == 2 and table[1, 1] == -1

@@ -220,24 +220,27 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
 
 
 def _is_cache(k) -> bool:
-    """A :class:`rotary.KVCache` or one of its layers (``cache.layer(i)``): attn never imports kvcache."""
-    return type(k).__name__ in ("KVCache", "KVCacheLayer") and type(k).__module__ == "rotary.kvcache.store"
+    """A :class:`rotary.KVCache` or one of its layers (``cache.layer(i)``), which mark their class with
+    ``_attends_through_cache``: attn never imports kvcache."""
+    return getattr(type(k), "_attends_through_cache", False) is True
 
 
 def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backend, rope, q_positions, k_positions,
                 window, softcap, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_mask_positions, k_mask_positions,
                 block_size, attention_mask, seq_ids, spec_kwargs):
     """attention(q, cache, ...): the arguments a cache takes, then the cache's own :meth:`~rotary.KVCache.attend`."""
-    given = {"v": v, "positions": positions, "k_positions": k_positions, "cu_seqlens_k": cu_seqlens_k,
-             "seqlen_offsets": seqlen_offsets, "q_mask_positions": q_mask_positions,
-             "k_mask_positions": k_mask_positions, "attention_mask": attention_mask}
-    wrong = [name for name, value in given.items() if value is not None]
-    if wrong or spec_kwargs:
+    if v is not None or positions is not None or k_positions is not None or cu_seqlens_k is not None or \
+            seqlen_offsets is not None or q_mask_positions is not None or k_mask_positions is not None or \
+            attention_mask is not None or spec_kwargs:
+        given = {"v": v, "positions": positions, "k_positions": k_positions, "cu_seqlens_k": cu_seqlens_k,
+                 "seqlen_offsets": seqlen_offsets, "q_mask_positions": q_mask_positions,
+                 "k_mask_positions": k_mask_positions, "attention_mask": attention_mask}
+        wrong = [name for name, value in given.items() if value is not None]
         raise TypeError(f"attention(q, cache) takes its keys, values, positions and mask from the cache; got "
                         f"{', '.join(wrong + sorted(spec_kwargs))}")
     if spec is not None and spec is not cache.spec:
         raise ValueError("spec must be None or the cache's own spec (the cache rotated its keys with it)")
-    if not rope:
+    if rope is not True and not rope:
         raise ValueError("attention(q, cache) rotates q at its positions in the cache (rope=False does not apply)")
     if seq_axis is not None and seq_axis not in (cache.layout, 1 if cache.layout == "bshd" else 2):
         raise ValueError(f"seq_axis={seq_axis!r} does not match the cache's layout {cache.layout!r}")

@@ -58,9 +58,12 @@ state, decay=None, normalize=True, grad_state=None)`` -> ``(dq, dk, dv, dstate)`
     (any array-API namespace) and the NumPy backend's primitive. A module offers the formats listed in its
     ``VARIANTS["append_kv"]``.
 
-``paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype) -> o``
+``paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype, rotation=None) -> o``
     Softmax attention over pages where they lie (:func:`rotary.paged_attention`, ``attention(q, cache)``): q
-    ``(T, Hq, D)`` rotated, C-contiguous, Hq a multiple G of Hk (q head h reads k/v head h // G); ``stores`` as
+    ``(T, Hq, D)`` C-contiguous, Hq a multiple G of Hk (q head h reads k/v head h // G), rotated as it is read when
+    ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` is given (row r at table row ``rows[r]``, rows a
+    ``(T,)`` int64 array of the backend's type, pairs as ``append_kv`` rotates a key, in the work dtype and not
+    rounded to q's dtype: FlashInfer's fused RoPE), taken as rotated when None; ``stores`` as
     for ``append_kv`` (the entries of format ``kv_dtype``, dequantized as ``append_kv`` quantized them);
     ``block_table`` ``(n, W)``, ``seq_lens`` ``(n,)`` and ``q_starts`` ``(n + 1,)`` int64 arrays of the
     backend's array type (host NumPy for CPU backends). Sequence i holds keys ``0 .. seq_lens[i] - 1``, key p in
@@ -91,6 +94,12 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     layout, as for ``rotate``; a backend that cannot write it returns None from ``prepare_rotation`` (the
     general path takes those calls). ``prepared.device_rows``: True when ``rows`` may be a device int64 array
     (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
+``prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset, kv_dtype) -> run``
+``prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype, rotation=None) -> run``
+    The KV primitives prepared once for the layers of a step (:class:`rotary.KVCache`): ``run(k, v, stores)``
+    appends k and v shaped and strided as the given ones, ``run(q, stores) -> o`` attends q shaped as the given one,
+    into / over any stores of the same format (each layer's); the other arguments are fixed. A backend without
+    them is called through its ``append_kv`` / ``paged_attention`` with the same arguments.
 ``table_converter(x) -> (device_key, convert)``
     Where the backend's cos/sin tables live (device tables cached per device key).
 ``VARIANTS``: ``{capability: tuple of variants}`` for capabilities that come in variants (the KV formats of

@@ -994,8 +994,8 @@ def _pointer(a) -> int:
 
 
 def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_starts, *, dtype_name: str,
-                         scale: float, softcap, window, causal: bool, kv_dtype, threads: int | None = None,
-                         tile: int | None = None, splits: int | None = None, empty=None,
+                         scale: float, softcap, window, causal: bool, kv_dtype, rotation=None,
+                         threads: int | None = None, tile: int | None = None, splits: int | None = None, empty=None,
                          shared_mem_limit: int = SHARED_MEM_LIMIT) -> PagedAttentionPlan | None:
     """The paged_attention launches: q (T, Hq, D) packed queries with any strides, o a C-contiguous (T, Hq, D) array
     of q's dtype, ``stores`` of format ``kv_dtype`` (entries (P, Hk, D), scales (P, Hk) or None; C-contiguous),
@@ -1003,6 +1003,8 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
     q_starts[i] .. q_starts[i + 1] - 1, the last ones of its seq_lens[i] keys; not range-checked: the caller's).
     ``threads``, ``tile``, ``splits``: :func:`paged_attention_geometry` (the keys bound of the split rule: W *
     page_size, or the window when causal); ``empty(shape, dtype)`` (None: NumPy's) allocates the split-K workspace.
+    ``rotation`` = (cos, sin, rows, rotary_dim, layout, offset): q rotated as it is read, row r at table row rows[r]
+    (cos/sin (R, rotary_dim // 2) C-contiguous in the work dtype, rows (T,) contiguous int64); None: q is rotated.
     None when there is no q row."""
     where = "paged_attention"
     _kv_check(len(q.shape) == 3, f"q must be (tokens, q heads, head_dim), got {tuple(q.shape)}", where)
@@ -1043,11 +1045,28 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
     itemsize = ITEMSIZE[dtype_name]
     fold = scale / softcap if softcap else scale
     i32, i64 = np.int32, np.int64
+    if rotation is None:
+        q_rot = (seq_lens, seq_lens, seq_lens, i32(0), i32(0), i32(0))   # rotary_dim 0: the tables are not read
+    else:
+        cos, sin, rows, rotary_dim, layout, offset = rotation
+        half = rotary_dim // 2
+        _kv_check(rotary_dim % 2 == 0 and 0 <= offset and offset + rotary_dim <= head_dim and
+                  layout in ("half", "interleaved"), f"rotation: rotary_dim {rotary_dim} (even) from offset {offset} in "
+                  f"layout {layout!r} does not fit head_dim {head_dim}", where)
+        work_name = "float64" if work == "double" else "float32"
+        for name, a in (("cos", cos), ("sin", sin)):
+            _kv_check(len(a.shape) == 2 and int(a.shape[1]) == half and a.flags.c_contiguous and
+                      np.dtype(a.dtype).name == work_name, f"rotation {name} must be C-contiguous {work_name} (rows, "
+                      f"{half})", where)
+        _kv_check(tuple(rows.shape) == (n_rows,) and rows.flags.c_contiguous and np.dtype(rows.dtype).name == "int64",
+                  f"rotation rows must be a contiguous int64 ({n_rows},), got {np.dtype(rows.dtype).name} "
+                  f"{tuple(rows.shape)}", where)
+        q_rot = (cos, sin, rows, i32(rotary_dim), i32(offset), i32(layout == "interleaved"))
     args = (q, *_elem_strides(q, itemsize), o, part_o, part_ml, k_store, v_store,
             seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,   # KIND 0: unread
             block_table, i64(block_table.shape[1]), i64(page_size), seq_lens, q_starts, i64(n), i32(q_heads),
             i32(kv_heads), i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)),
-            i32(geo.tile), i32(geo.heads_per_block), i32(geo.splits), i32(vec))
+            i32(geo.tile), i32(geo.heads_per_block), i32(geo.splits), i32(vec), *q_rot)
     launches = [Launch("kv_cache", paged_attention_kernel_name(dtype_name, kv_dtype), geo.grid, geo.threads,
                        geo.shared_mem, args)]
     if geo.splits > 1:
@@ -1058,11 +1077,12 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype):
+                    kv_dtype, rotation=None):
     """The ``paged_attention`` capability (see :mod:`rotary.backends`): the launches of :func:`plan_paged_attention`
     (paged_attention, then the split-K combine when the rule splits) on q's device and stream over the pages where
-    they lie; returns o (T, Hq, D) in q's dtype (a torch tensor for a torch q).
-    The tables are used as they are when they are contiguous int64 device arrays (else copied once)."""
+    they lie, q rotated as it is read when ``rotation`` is given; returns o (T, Hq, D) in q's dtype (a torch tensor
+    for a torch q). The tables are used as they are when they are contiguous int64 device arrays (else copied
+    once)."""
     import cupy
 
     exchange = _Exchange(q)
@@ -1071,9 +1091,14 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
         o = exchange.empty_like(q)
         table, lens, starts = (cupy.ascontiguousarray(cupy.asarray(exchange.to_cupy(a) if _is_torch_cuda(a) else a),
                                                       dtype=cupy.int64) for a in (block_table, seq_lens, q_starts))
+        if rotation is not None:
+            cos, sin, rows, rotary_dim, layout, offset = rotation
+            cos, sin = _work_tables(cos, sin, KERNEL_TYPES[name][1])
+            rows = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64).reshape(-1)
+            rotation = (cos, sin, rows, rotary_dim, layout, offset)
         plan = plan_paged_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens, starts,
                                     dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal,
-                                    kv_dtype=kv_dtype, empty=cupy.empty)
+                                    kv_dtype=kv_dtype, rotation=rotation, empty=cupy.empty)
         if plan is not None:
             for launch in plan.launches:   # the workspace is freed after them, in the stream's order (CuPy's pool)
                 _launch(launch, name)

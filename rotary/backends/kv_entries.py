@@ -167,9 +167,10 @@ def gather_entries(stores, which, slots, kv_format, work):
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype):
-    """Attention of packed q over pages (the backend contract in :mod:`rotary.backends`): each sequence's keys and
-    values gathered through its block table, dequantized to the work dtype, then the online-softmax engine
+                    kv_dtype, rotation=None):
+    """Attention of packed q over pages (the backend contract in :mod:`rotary.backends`): q rotated in the work dtype
+    at its table rows when ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` is given, each sequence's keys
+    and values gathered through its block table, dequantized to the work dtype, then the online-softmax engine
     (:func:`rotary.backends.online_softmax.blocked_attention`) with a packed mask."""
     from array_api_compat import array_namespace, is_numpy_array
 
@@ -181,6 +182,12 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
     counts = np.diff(starts)
     n = lens.size
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
+    dtype, scratch = q.dtype, False
+    if rotation is not None:
+        cos, sin, rows, rotary_dim, layout, offset = rotation
+        cos_tok = xp.astype(xp.take(cos, rows, axis=0), work)[:, None, :]
+        sin_tok = xp.astype(xp.take(sin, rows, axis=0), work)[:, None, :]
+        q, scratch = rotate_work(xp, q, cos_tok, sin_tok, rotary_dim, layout, offset, work), True
     first = np.zeros(n, np.int64)   # keys before every query's window are not read (their pages may be gone)
     if causal and window is not None:
         first = np.clip(lens - counts - window + 1, 0, None)
@@ -195,5 +202,6 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
     hq, hk = int(q.shape[1]), int(stores[0].shape[1])
     mask = Mask(q_pos[None], k_pos[None], q_seq, k_seq, bool(causal), window)
     tiles = is_numpy_array(q) and q_seq.size * hq * k_seq.size >= 1 << 20
-    return blocked_attention(xp, q, keys, values, 0, 1 if hq != hk else None, mask, scale, softcap, 512,
-                             numpy_tiles=tiles, q_is_scratch=False)
+    o = blocked_attention(xp, q, keys, values, 0, 1 if hq != hk else None, mask, scale, softcap, 512,
+                          numpy_tiles=tiles, q_is_scratch=scratch)
+    return o if o.dtype == dtype else xp.astype(o, dtype)

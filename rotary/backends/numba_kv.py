@@ -31,6 +31,10 @@ _WORK = (_F32, _F64)
 _ZERO = {dt: dt.type(0.0) for dt in _WORK}
 _NO_SCALES = {dt: np.zeros(0, dt) for dt in _WORK}   # the scales argument of float entries (not read)
 _INT8 = KV_FORMATS["int8"].code
+_NO_ROWS = np.zeros(0, np.int64)   # the q rows and tables of a call without a rotation (not read)
+_NO_TABLE = {dt: runtime.readonly(np.zeros((1, 1), dt)) for dt in _WORK}
+#: stores a prepared call remembers the flat buffers of (a cache's layers)
+_STORES_SEEN_MAX = 256
 
 
 def _quantized(kv_dtype) -> bool:
@@ -47,56 +51,123 @@ _APPEND_MARKERS = {(name, work): ((work.type(KV_FORMATS[name].limit), None) if _
                    for name in VARIANTS["append_kv"] for work in _WORK}
 
 
-def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
-    """Rotate k at its table rows and write it with v into their slots of ``stores`` (entries of format
-    ``kv_dtype``: None or "int8"); slots < 0 are padding, skipped. See :mod:`rotary.backends` for the contract."""
+def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset, kv_dtype):
+    """``run(k, v, stores)``: the append of keys and values shaped and strided as ``k`` and ``v`` at these tables, rows
+    and slots, into any stores of format ``kv_dtype`` (None or "int8"): each layer of a step calls it (the
+    ``prepare_append_kv`` capability of :mod:`rotary.backends`)."""
     n_tokens, heads, head_dim = k.shape
     work = _F64 if cos.dtype == np.float64 else _F32
     markers = _APPEND_MARKERS.get((kv_dtype, work))
     if markers is None:
         _quantized(kv_dtype)   # raises for a format not taken here
     if n_tokens == 0 or heads == 0 or head_dim == 0:
-        return
-    k_ent, v_ent, k_scale, v_scale = stores
-    (k_buf, v_buf), geo = runtime.flat_buffers((k, v))
-    if markers[0] is not None:
-        k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
-    else:
-        k_scale = v_scale = _NO_SCALES[work]
+        return _nothing
+    contiguous = k.flags.c_contiguous and v.flags.c_contiguous
+    _, geo = runtime.flat_buffers((k, v))   # a pure function of the shapes and strides
+    quantized = markers[0] is not None
+    no_scales = _NO_SCALES[work]
     parallel = runtime.parallel_by_size(2 * k.size, n_tokens, 1)   # sized as a decode call (tokens of many sequences)
     kernel = kernels.append_kv_parallel if parallel else kernels.append_kv_serial
-    args = (k_buf, v_buf, geo, runtime.bits(k_ent), runtime.bits(v_ent), k_scale, v_scale, runtime.readonly_c(cos),
-            runtime.readonly_c(sin), runtime.c_int64(rows), runtime.c_int64(slots), n_tokens, heads, head_dim,
-            rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
-    runtime.launch(kernel, kernels.append_kv_serial, args)
+    serial = kernels.append_kv_serial
+    tail = (runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(rows), runtime.c_int64(slots), n_tokens,
+            heads, head_dim, rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
+    bits = runtime.bits
+    flat = _FlatStores(quantized, work)
+
+    def run(k, v, stores):
+        kb, vb = (bits(k), bits(v)) if contiguous else runtime.flat_buffers((k, v))[0]
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, (kb, vb, geo) + flat(stores) + tail)
+
+    return run
 
 
-def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype):
-    """Attention of packed q (T, Hq, D) over each sequence's pages where they lie: sequence i's queries are q's rows
-    ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions; see :mod:`rotary.backends`."""
+class _FlatStores:
+    """``flat(stores)``: (k entries, v entries, k scales, v scales) as the kernels take them (flat buffers; work-dtype
+    placeholders for the scales of float entries), remembered for the stores last seen (a step's layers)."""
+
+    __slots__ = ("quantized", "no_scales", "seen")
+
+    def __init__(self, quantized, work):
+        self.quantized, self.no_scales, self.seen = quantized, _NO_SCALES[work], {}
+
+    def __call__(self, stores):
+        entry = self.seen.get(id(stores))
+        if entry is not None and entry[0] is stores:
+            return entry[1]
+        k_ent, v_ent, k_scale, v_scale = stores
+        flat = (runtime.bits(k_ent), runtime.bits(v_ent)) + (
+            (k_scale.reshape(-1), v_scale.reshape(-1)) if self.quantized else (self.no_scales, self.no_scales))
+        if len(self.seen) >= _STORES_SEEN_MAX:
+            self.seen.clear()
+        self.seen[id(stores)] = (stores, flat)   # (stores held: its id is not reused while it is here)
+        return flat
+
+
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+    """Rotate k at its table rows and write it with v into their slots of ``stores`` (entries of format
+    ``kv_dtype``: None or "int8"); slots < 0 are padding, skipped. See :mod:`rotary.backends` for the contract."""
+    prepare_append_kv(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout, offset=offset,
+                      kv_dtype=kv_dtype)(k, v, stores)
+
+
+def _nothing(*arrays):
+    return None
+
+
+def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
+                            rotation=None):
+    """``run(q, stores) -> o``: the attention of packed q shaped as ``q`` (T, Hq, D) over these tables in any stores
+    of format ``kv_dtype`` (each layer of a step calls it; the ``prepare_paged_attention`` capability), q rotated in
+    the kernel by ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` when given."""
     quantized = _quantized(kv_dtype)
-    q = np.ascontiguousarray(q)
     n_q, q_heads, head_dim = q.shape
-    k_ent, v_ent, k_scale, v_scale = stores
-    kv_heads = k_ent.shape[1]
+    dtype = np.dtype(q.dtype)
     seq_lens, q_starts = runtime.c_int64(seq_lens), runtime.c_int64(q_starts)
     n = seq_lens.shape[0]
-    if q.size == 0 or kv_heads == 0 or n == 0:
-        return np.zeros(q.shape, q.dtype)
+    work = _F64 if dtype == np.float64 else _F32
+    if q.size == 0 or n == 0:
+        return lambda q, stores: np.zeros(q.shape, q.dtype)
     covered = q_starts[0] == 0 and q_starts[n] == n_q   # every row some sequence's (else the others are 0)
-    o = np.empty(q.shape, q.dtype) if covered else np.zeros(q.shape, q.dtype)
-    work = _F64 if q.dtype == np.float64 else _F32
-    if quantized:
-        k_scale, v_scale = k_scale.reshape(-1), v_scale.reshape(-1)
-    else:
-        k_scale = v_scale = _NO_SCALES[work]
+    new_output = np.empty if covered else np.zeros
+    flat = _FlatStores(quantized, work)
     fold = work.type(scale / softcap if softcap else scale)
+    if rotation is None:
+        cos = sin = _NO_TABLE[work]
+        q_rows, half, rotary_dim, offset, interleaved = _NO_ROWS, 0, 0, 0, False
+    else:
+        cos, sin, q_rows, rotary_dim, layout, offset = rotation
+        cos, sin, q_rows = runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(q_rows)
+        half, interleaved = rotary_dim // 2, layout == "interleaved"
     work_size = int(seq_lens.sum()) * n_q // n * q_heads * head_dim   # exact for a dense step (c queries each)
-    parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK and not runtime.in_forked_child()
-    kernel = kernels.paged_attention_parallel if parallel else kernels.paged_attention_serial
-    args = (runtime.bits(q), runtime.bits(o), runtime.bits(k_ent), runtime.bits(v_ent), k_scale, v_scale,
-            runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, kv_heads, head_dim, fold,
+    tail = (runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, None, head_dim, fold,
             work.type(softcap or 0.0), _ZERO[work], _NO_WINDOW if window is None else int(window), bool(causal),
-            quantized)
-    runtime.launch(kernel, kernels.paged_attention_serial, args)
-    return o
+            quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved)
+    serial, bits = kernels.paged_attention_serial, runtime.bits
+    kernels_of = {}   # kv_heads -> (kernel, tail)
+
+    def run(q, stores):
+        kv_heads = stores[0].shape[1]
+        o = new_output(q.shape, dtype)
+        if kv_heads == 0:
+            return o
+        chosen = kernels_of.get(kv_heads)
+        if chosen is None:
+            parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK
+            chosen = kernels_of[kv_heads] = (kernels.paged_attention_parallel if parallel else serial,
+                                             tail[:5] + (kv_heads,) + tail[6:])
+        kernel, args = chosen
+        qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
+        chosen_kernel = serial if runtime.in_forked_child() else kernel
+        runtime.launch(chosen_kernel, serial, (bits(qc), bits(o)) + flat(stores) + args)
+        return o
+
+    return run
+
+
+def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
+                    rotation=None):
+    """Attention of packed q (T, Hq, D) over each sequence's pages where they lie: sequence i's queries are q's rows
+    ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions, q rotated as it is read when
+    ``rotation`` is given; see :mod:`rotary.backends`."""
+    return prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, scale=scale, softcap=softcap,
+                                   window=window, causal=causal, kv_dtype=kv_dtype, rotation=rotation)(q, stores)

@@ -89,26 +89,46 @@ class KVPlan:
                                         dtype=self.work, device_key=self.device_key, convert=self.convert)
         return cos, sin, rows.reshape(-1)
 
-    # -- running ---------------------------------------------------------------------------------------------------
-    def append(self, k, v, stores, slots, positions, token_positions=True, bounds=None):
-        """The backend's append_kv: k rotated at host ``positions`` (1-D token positions: their (min, max) in
-        ``bounds`` when known) into host int64 ``slots`` (checked)."""
+    def rotation(self, positions, token_positions=True, bounds=None):
+        """The backends' ``rotation`` argument, ``(cos, sin, rows, rotary_dim, layout, offset)``, of the spec at host
+        positions (as :meth:`tables` takes them); None without a spec."""
+        if self.spec is None:
+            return None
         cos, sin, rows = self.tables(positions, token_positions, bounds)
+        spec = self.spec
+        return cos, sin, rows, spec.rotary_dim, spec.layout, spec.rotary_offset
+
+    # -- running ---------------------------------------------------------------------------------------------------
+    def prepare_append(self, k, v, slots, rotation):
+        """``run(k, v, stores)``: the backend's append_kv of keys and values shaped and strided as ``k``, ``v`` into
+        host int64 ``slots`` (checked) at ``rotation`` (:meth:`rotation`), for the stores of any layer (its
+        ``prepare_append_kv`` capability where it has one)."""
         if self.convert is not None:
             slots = self.convert(slots)
-        spec = self.spec
-        self.module.append_kv(k, v, cos, sin, rows, slots, stores, rotary_dim=spec.rotary_dim, layout=spec.layout,
-                              offset=spec.rotary_offset, kv_dtype=self.fmt.name)
+        cos, sin, rows, rotary_dim, layout, offset = rotation
+        options = dict(rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=self.fmt.name)
+        prepare = getattr(self.module, "prepare_append_kv", None)
+        if prepare is not None:
+            return prepare(k, v, cos, sin, rows, slots, **options)
+        append_kv = self.module.append_kv
+        return lambda k, v, stores: append_kv(k, v, cos, sin, rows, slots, stores, **options)
 
-    def attend(self, q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal):
-        """The backend's paged_attention on rotated packed q (T, Hq, D): tables converted to the backend's arrays."""
+    def prepare_attention(self, q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
+                          rotation):
+        """``run(q, stores) -> o``: the backend's paged_attention of C-contiguous packed q (T, Hq, D) shaped as ``q``
+        over these tables (host tables converted to the backend's arrays), q rotated in the kernel at ``rotation``
+        (None: q is rotated), for the stores of any layer (its ``prepare_paged_attention`` capability where it has
+        one)."""
         if self.convert is not None:
             block_table, seq_lens, q_starts = (a if not _is_host(a) else self.convert(a)
                                                for a in (block_table, seq_lens, q_starts))
-        if not q.flags.c_contiguous:
-            q = q.copy(order="C")
-        return self.module.paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, scale=scale,
-                                           softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name)
+        options = dict(scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name,
+                       rotation=rotation)
+        prepare = getattr(self.module, "prepare_paged_attention", None)
+        if prepare is not None:
+            return prepare(q, block_table, page_size, seq_lens, q_starts, **options)
+        attend = self.module.paged_attention
+        return lambda q, stores: attend(q, stores, block_table, page_size, seq_lens, q_starts, **options)
 
 
 def value_range(a):
@@ -320,7 +340,8 @@ def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_d
     elif tuple(slots.shape) != (n,) or np.dtype(slots.dtype).kind not in "iu":
         raise ValueError(f"slots must be an integer array of shape ({n},), got {slots.dtype} {tuple(slots.shape)}")
     pos, token_positions = token_rotation_positions(plan.spec, positions, n)
-    plan.append(k, v, flat_stores(k_pool, v_pool, scales), slots, pos, token_positions)
+    run = plan.prepare_append(k, v, slots, plan.rotation(pos, token_positions))
+    run(k, v, flat_stores(k_pool, v_pool, scales))
 
 
 def _check_entries_arrays(k, v):
@@ -494,21 +515,26 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
             raise ValueError(f"block_table must be (n, pages) and seq_lens (n,) with n = {counts.size}, got "
                              f"{tuple(table.shape)} and {tuple(lens.shape)}")
     q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    qr = rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, backend)
-    o = plan.attend(qr, flat_stores(k_pool, v_pool, scales), table, page_size, lens, q_starts, scale=scale,
-                    softcap=softcap, window=window, causal=causal)
+    qc = contiguous(qp)
+    run = plan.prepare_attention(qc, table, page_size, lens, q_starts, scale=scale, softcap=softcap, window=window,
+                                 causal=causal, rotation=query_rotation(plan, q_positions, lens, counts, dense_shape))
+    o = run(qc, flat_stores(k_pool, v_pool, scales))
     return o if dense_shape is None else o.reshape(q.shape)
 
 
-def rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, backend):
-    """Packed q rotated at its positions by the plan's spec (the frontend's apply); q itself without a spec."""
-    if plan.spec is None:
-        return qp
-    from ..frontend.rotate import apply
+def contiguous(q):
+    """q itself when C-contiguous, else a C-contiguous copy (the backends' paged_attention takes such q)."""
+    return q if q.flags.c_contiguous else q.copy(order="C")
 
+
+def query_rotation(plan, q_positions, lens, counts, dense_shape):
+    """The rotation of packed q at its positions (``q_positions``, or each sequence's last positions) by the plan's
+    spec, as the backends' paged_attention takes it (q rotated in the kernel); None without a spec."""
+    if plan.spec is None:
+        return None
     host_lens = lens if _is_host(lens) else np.asarray(lens.get(), np.int64)
     pos, token_positions = query_positions(plan.spec, q_positions, host_lens, counts, dense_shape)
-    return apply(qp, pos if token_positions else pos[0], spec=plan.spec, seq_axis=0, backend=backend)
+    return plan.rotation(pos, token_positions)
 
 
 __all__ = ["KVPlan", "kv_append", "kv_plan", "paged_attention"]

@@ -125,6 +125,8 @@ class KVCache:
     ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give independent caches (the pools copied).
     """
 
+    _attends_through_cache = True   # rotary.attention(q, cache) calls its attend
+
     def __init__(self, spec, *, batch, kv_heads, head_dim, capacity=None, page_size=None, num_pages=None,
                  dtype=np.float32, kv_dtype=None, backend="auto", layout="bshd", layers=None, window=None):
         if not isinstance(spec, RopeSpec):
@@ -168,8 +170,8 @@ class KVCache:
         self.backend = backend
         self._bind_backend()
         self.work = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
-        self.lengths = np.zeros(self.batch, dtype=np.int64)
-        self.block_table = np.full((self.batch, pages_per_seq), -1, dtype=np.int64)
+        self._lengths = np.zeros(self.batch, dtype=np.int64)
+        self._block_table = np.full((self.batch, pages_per_seq), -1, dtype=np.int64)
         self._in_use = np.zeros(self.batch, bool)
         self._tokens = {}      # sequence -> its prompt's token ids (prefix reuse) and the prefix keys of its pages
         self._step = None
@@ -178,7 +180,7 @@ class KVCache:
         if self.paged:
             self._grow_pool(min(self.num_pages, self.batch))
         else:
-            self.block_table[:, 0] = np.arange(self.batch)
+            self._block_table[:, 0] = np.arange(self.batch)
             self._grow_pool(self.batch)
 
     def _bind_backend(self):
@@ -194,6 +196,7 @@ class KVCache:
         self._convert = table_converter(self.module, probe, None)[1]   # host index arrays to the pools' type
         self._array_type = type(probe) if backend != "auto" else np.ndarray
         self._plans = {}
+        self._layer_views = {}
         self._all_ids = np.arange(self.batch, dtype=np.int64)
         self._all_ids.flags.writeable = False
         self._row_starts = self._all_ids * self.page_size   # a contiguous cache's first slot of each sequence
@@ -233,8 +236,12 @@ class KVCache:
         self._layer_pools = [(k[i], v[i], None if ks is None else (ks[i], vs[i])) for i in range(self._n_layers)]
         self._layer_stores = [_kv.flat_stores(*p) for p in self._layer_pools]
         self._plans = {}   # plans are per pool geometry
+        self._append_memo = None
+        self._tables_changed()
 
     def _layer_index(self, layer):
+        if type(layer) is int and 0 <= layer < len(self._layer_stores):   # the common case
+            return layer
         if layer is None:
             if self.layers is not None and self.layers > 1:
                 raise ValueError(f"this cache holds {self.layers} layers: pass layer= (or use cache.layer(i))")
@@ -247,7 +254,11 @@ class KVCache:
     def layer(self, i) -> "KVCacheLayer":
         """Layer ``i`` of this cache as an object with ``append`` / ``attend`` / ``keys`` / ``values`` (and
         ``rotary.attention(q, cache.layer(i))``)."""
-        return KVCacheLayer(self, self._layer_index(i))
+        i = self._layer_index(i)
+        view = self._layer_views.get(i)
+        if view is None:
+            view = self._layer_views[i] = KVCacheLayer(self, i)
+        return view
 
     @property
     def k_pool(self):
@@ -288,10 +299,25 @@ class KVCache:
         """The sequence slots in use (added, or appended to, and not freed), ascending."""
         return np.flatnonzero(self._in_use)
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens held per sequence ``(batch,)`` int64 (a read-only view: :meth:`truncate` rolls back)."""
+        return _read_only(self._lengths)
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """Pages of each sequence ``(batch, pages per sequence)`` int64, -1 where none (a read-only view: the cache
+        keeps the pages' holder counts; :meth:`fork` shares pages)."""
+        return _read_only(self._block_table)
+
+    def _tables_changed(self):
+        """Lengths or block table changed: the attention prepared for the last ones is gone."""
+        self._attend_memo = None
+
     def slots(self, b, start, stop):
         """Slots (host int64) of sequence b's positions start..stop-1 (pages already taken)."""
         p = np.arange(start, stop, dtype=np.int64)
-        return self.block_table[b, p // self.page_size] * self.page_size + p % self.page_size
+        return self._block_table[b, p // self.page_size] * self.page_size + p % self.page_size
 
     def _plan(self, arrays, names, capability):
         """The primitives' plan for these inputs over this cache's pools (kept per input geometry)."""
@@ -348,15 +374,16 @@ class KVCache:
         b = int(free[0])
         if tokens is not None:
             tokens = [as_int(t, "tokens[i]") for t in tokens]
+        self._tables_changed()
         self._in_use[b] = True
-        self.lengths[b] = 0
+        self._lengths[b] = 0
         if tokens is not None and self.paged:
             ps = self.page_size
             keys = PageBook.hashes(tokens, ps, len(tokens) // ps)
             reuse = self._book.lookup(keys[:max(0, (len(tokens) - 1) // ps)])
             self._book.share(reuse)
-            self.block_table[b, :len(reuse)] = reuse
-            self.lengths[b] = len(reuse) * ps
+            self._block_table[b, :len(reuse)] = reuse
+            self._lengths[b] = len(reuse) * ps
             self._tokens[b] = [tokens, keys, len(reuse)]   # prompt, its page keys, pages kept so far
         return b
 
@@ -365,11 +392,12 @@ class KVCache:
         one holder fewer (back to the pool when it has none: never twice)."""
         self._between_steps("free")
         ids = self._seq_ids(seq_ids, None)
+        self._tables_changed()
         for b in ids.tolist():
             if self.paged:
-                self._book.release(self.block_table[b])
-                self.block_table[b] = -1
-            self.lengths[b] = 0
+                self._book.release(self._block_table[b])
+                self._block_table[b] = -1
+            self._lengths[b] = 0
             self._in_use[b] = False
             self._tokens.pop(b, None)
 
@@ -391,14 +419,16 @@ class KVCache:
         if not self.paged:
             return []
         ps, book = self.page_size, self._book
-        lengths = self.lengths[ids]
+        lengths = self._lengths[ids]
         have = -(-lengths // ps)
         need = -(-new_lengths // ps)
         grows = need > have
-        partial = (lengths % ps != 0) & (new_lengths > lengths)
-        shared = [(b, int(j)) for b, j, p in zip(ids.tolist(), (have - 1).tolist(), partial.tolist())
-                  if p and book.counts[self.block_table[b, j]] > 1]
-        wanted = int(np.sum(need - have)) + len(shared)
+        partial = np.flatnonzero((lengths % ps != 0) & (new_lengths > lengths))   # writes into its last page
+        shared = []
+        if partial.size:
+            last = self._block_table[ids[partial], have[partial] - 1]
+            shared = [(int(ids[x]), int(have[x]) - 1) for x in partial[book.counts[last] > 1].tolist()]
+        wanted = int((need - have).sum()) + len(shared)
         if wanted > book.available():
             short = np.flatnonzero(grows) if grows.any() else np.arange(ids.size)
             raise KVCacheFullError(f"no free page for sequence {int(ids[short[0]])}: this step needs {wanted} new "
@@ -411,23 +441,24 @@ class KVCache:
             self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + wanted)))
         copies = []
         for b, j in shared:   # copy on write: the shared partial last page becomes the sequence's own
-            old, new = int(self.block_table[b, j]), book.take()
+            old, new = int(self._block_table[b, j]), book.take()
             for pool in self._pools:
                 if pool is not None:
                     pool[:, new] = pool[:, old]
             book.release([old])
-            self.block_table[b, j] = new
+            self._block_table[b, j] = new
             copies.append((b, j, old, new))
-        for b, h, n in zip(ids.tolist(), have.tolist(), need.tolist()):
-            for j in range(h, n):
-                self.block_table[b, j] = book.take()
+        for x in np.flatnonzero(grows).tolist():
+            b = int(ids[x])
+            for j in range(int(have[x]), int(need[x])):
+                self._block_table[b, j] = book.take()
         return copies
 
     def _begin(self, ids, counts, dense, tok_pos=None):
         """A new step for sequences ``ids`` with ``counts`` new tokens each (dense: one count for all): pages taken
         (the last check: from here on the cache changes), lengths advanced, slots and token positions made."""
         every = ids is self._all_ids
-        start = self.lengths.copy() if every else self.lengths[ids]
+        start = self._lengths.copy() if every else self._lengths[ids]
         bounds = longest = None
         if dense:
             s = int(counts)
@@ -444,17 +475,18 @@ class KVCache:
                                                                               counts)
         was_in_use = self._in_use.copy() if every else self._in_use[ids]
         self._fit(ids, new_lengths, longest=longest)
+        self._tables_changed()
         if self.paged:
-            slots = self.block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
+            slots = self._block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
         elif every and dense and s == 1:   # page b is sequence b's, page_size = capacity
             slots = self._row_starts + tok_pos
         else:
             slots = tok_seq * self.page_size + tok_pos
         if every:
-            self.lengths[...] = new_lengths
+            self._lengths[...] = new_lengths
             self._in_use[...] = True
         else:
-            self.lengths[ids] = new_lengths
+            self._lengths[ids] = new_lengths
             self._in_use[ids] = True
         if self.window is not None and self.paged:
             self._release_outside_window(ids, start)
@@ -472,9 +504,9 @@ class KVCache:
             if entry is None:
                 continue
             tokens, keys, kept = entry
-            full = min(int(self.lengths[b]), len(tokens)) // ps
+            full = min(int(self._lengths[b]), len(tokens)) // ps
             for j in range(kept, full):
-                self._book.keep(keys[j], int(self.block_table[b, j]))
+                self._book.keep(keys[j], int(self._block_table[b, j]))
             entry[2] = max(kept, full)
 
     def _release_outside_window(self, ids, first_query):
@@ -482,7 +514,7 @@ class KVCache:
         ps = self.page_size
         for b, q0 in zip(ids.tolist(), first_query.tolist()):
             gone = max(0, q0 - self.window + 1) // ps
-            row = self.block_table[b, :gone]
+            row = self._block_table[b, :gone]
             if gone and row[-1] >= 0:
                 self._book.release(row)
                 row[:] = -1
@@ -537,7 +569,30 @@ class KVCache:
         layer : which layer (a cache made with ``layers=``): the first layer's append of a step takes its pages and
         advances the lengths (unless :meth:`reserve` did), each other layer writes the same slots (the same
         sequences and token counts). The cache is unchanged when an argument is wrong.
+
+        The append prepared by the step's first layer (its slots, rotation and the backend's kernel arguments) is
+        run by every other layer whose k and v have the same type, dtype, shape and strides (and no seq_ids,
+        cu_seqlens or positions): those layers check the layer, the step and the memory rule, nothing else changes.
         """
+        memo = self._append_memo
+        if memo is not None and memo[0] is self._step and seq_ids is None and cu_seqlens is None and \
+                positions is None and type(k) is self._array_type and type(v) is self._array_type and \
+                memo[1] == (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides):
+            i = self._layer_index(layer)
+            step = memo[0]
+            if step.done[i]:
+                self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
+            pools = self._layer_pools[i]
+            _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
+            pack = memo[3]
+            memo[2](pack(k), pack(v), self._layer_stores[i])
+            self._done(step, i)
+            return
+        self._append(k, v, seq_ids, cu_seqlens, positions, layer)
+
+    def _append(self, k, v, seq_ids, cu_seqlens, positions, layer):
+        """:meth:`append`'s checks and the step's books, then its prepared append (kept for the step's other layers
+        when the call is a plain one: no seq_ids, cu_seqlens or positions)."""
         i = self._layer_index(layer)
         self._check_type(k, "k")
         self._check_type(v, "v")
@@ -581,8 +636,15 @@ class KVCache:
                                                          "positions")
         if step is None:
             step = self._begin(ids, counts, dense)   # the last check (capacity, pages); from here on the cache changes
-        plan.append(kt, vt, self._layer_stores[i], step.slots, step.tok_pos if pos is None else pos, token_positions,
-                    step.bounds if pos is None else None)
+        rotation = plan.rotation(step.tok_pos if pos is None else pos, token_positions,
+                                 step.bounds if pos is None else None)
+        run = plan.prepare_append(kt, vt, step.slots, rotation)
+        run(kt, vt, self._layer_stores[i])
+        if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
+            shape = tuple(kt.shape)
+            pack = (lambda a: a.reshape(shape)) if self.layout == "bshd" else \
+                (lambda a: a.transpose(0, 2, 1, 3).reshape(shape))
+            self._append_memo = (step, (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides), run, pack)
         self._done(step, i)
 
     def _check_step(self, step, ids, counts, dense, i):
@@ -614,7 +676,7 @@ class KVCache:
             counts = host_int_array(tokens, "tokens")
             ids = self._seq_ids(seq_ids, counts.size)
         try:
-            self._fit(ids, self.lengths[ids] + counts, dry_run=True)
+            self._fit(ids, self._lengths[ids] + counts, dry_run=True)
         except KVCacheFullError:
             return False
         return True
@@ -626,13 +688,14 @@ class KVCache:
         if step is None:
             return
         self._step = None
+        self._tables_changed()
         ids = step.ids
         if self.paged:
             keep = -(-step.start // self.page_size)
             for b, k in zip(ids.tolist(), keep.tolist()):
-                self._book.release(self.block_table[b, k:])
-                self.block_table[b, k:] = -1
-        self.lengths[ids] = step.start
+                self._book.release(self._block_table[b, k:])
+                self._block_table[b, k:] = -1
+        self._lengths[ids] = step.start
         self._in_use[ids] = step.was_in_use
 
     def _given_positions(self, positions, n_tokens, n, counts, name):
@@ -669,27 +732,27 @@ class KVCache:
         b = self._seq(b)
         if not self.paged or self.window is None:
             return 0
-        row = self.block_table[b]
+        row = self._block_table[b]
         first = int(np.argmax(row >= 0)) if np.any(row >= 0) else 0
-        return min(first * self.page_size, int(self.lengths[b]))
+        return min(first * self.page_size, int(self._lengths[b]))
 
     def keys(self, b, layer=None):
         """Sequence b's rotated keys ``(lengths[b] - held_from(b), kv_heads, head_dim)`` (dequantized), in the
         cache's dtype."""
         b, i = self._seq(b), self._layer_index(layer)
-        return self._gather(0, self.slots(b, self.held_from(b), int(self.lengths[b])), i)
+        return self._gather(0, self.slots(b, self.held_from(b), int(self._lengths[b])), i)
 
     def values(self, b, layer=None):
         """Sequence b's values, as :meth:`keys`."""
         b, i = self._seq(b), self._layer_index(layer)
-        return self._gather(1, self.slots(b, self.held_from(b), int(self.lengths[b])), i)
+        return self._gather(1, self.slots(b, self.held_from(b), int(self._lengths[b])), i)
 
     def packed(self, seq_ids, layer=None):
         """(keys, values, cu_seqlens_k) of sequences ``seq_ids`` packed along one token axis (dequantized)."""
         ids, i = self._seq_ids(seq_ids, None), self._layer_index(layer)
-        slots = np.concatenate([self.slots(b, self.held_from(b), int(self.lengths[b])) for b in ids.tolist()]) \
+        slots = np.concatenate([self.slots(b, self.held_from(b), int(self._lengths[b])) for b in ids.tolist()]) \
             if ids.size else np.zeros(0, np.int64)
-        held = np.array([int(self.lengths[b]) - self.held_from(b) for b in ids.tolist()], np.int64)
+        held = np.array([int(self._lengths[b]) - self.held_from(b) for b in ids.tolist()], np.int64)
         cu = np.concatenate([[0], np.cumsum(held)]).astype(np.int64)
         return self._gather(0, slots, i), self._gather(1, slots, i), cu
 
@@ -697,11 +760,30 @@ class KVCache:
                softcap=None, block_size=512, layer=None):
         """``rotary.attention(q, cache, ...)``: attention of q, the last tokens of sequences ``seq_ids``, over their
         own keys where they lie (:func:`rotary.paged_attention`'s plan over this cache's block table): query j of
-        sequence b sits at position ``lengths[b] - s + j`` and is rotated there (or at ``q_positions``). A windowed
-        cache attends within its window (``window`` may only narrow it)."""
+        sequence b sits at position ``lengths[b] - s + j`` and is rotated there (or at ``q_positions``), in the
+        attention kernel. A windowed cache attends within its window (``window`` may only narrow it).
+
+        The attention prepared by the first layer after a change of the lengths or tables (its rotation of q, tables
+        and the backend's kernel arguments) is run by every other layer whose q has the same type, dtype, shape and
+        strides and whose options are the same (and no seq_ids, cu_seqlens or q_positions)."""
         i = self._layer_index(layer)
-        if self._step is not None and not self._step.done[i]:
+        step = self._step
+        if step is not None and not step.done[i]:
             raise ValueError(f"layer {i} attends before appending this step's keys: append them first")
+        key = None
+        if type(q) is self._array_type and seq_ids is None and cu_seqlens is None and q_positions is None:
+            key = (q.dtype, q.shape, q.strides, type(causal), causal, type(window), window, type(softcap), softcap,
+                   type(scale), scale)
+            memo = self._attend_memo
+            if memo is not None and memo[0] == key:
+                return memo[1](q, self._layer_stores[i])
+        run = self._prepare_attention(q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap)
+        if key is not None:
+            self._attend_memo = (key, run)
+        return run(q, self._layer_stores[i])
+
+    def _prepare_attention(self, q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap):
+        """:meth:`attend`'s checks, then ``run(q, stores) -> o`` for q like this one over the current tables."""
         if self.window is not None:
             if window is None:
                 window = self.window
@@ -711,20 +793,27 @@ class KVCache:
         self._check_type(q, "q")
         qp, counts, dense_shape = _kv.packed_queries(q, cu_seqlens, self.layout)
         ids = self._seq_ids(seq_ids, counts.size)
-        lens = self.lengths[ids]
+        lens = self._lengths[ids]
         _kv.check_query_counts(counts, lens, ids)
         plan = self._plan((qp,), ("q",), "paged_attention")
         causal, window, softcap, scale = _kv.attention_options(causal, window, softcap, scale, self.spec,
                                                                self.head_dim, self.dtype)
-        qr = _kv.rotate_queries(plan, qp, q_positions, lens, counts, dense_shape, self.backend)
+        rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape)
         q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        table = self.block_table if ids is self._all_ids else self.block_table[ids]
-        o = plan.attend(qr, self._layer_stores[i], table, self.page_size, lens, q_starts, scale=scale,
-                        softcap=softcap, window=window, causal=causal)
+        table = self._block_table.copy() if ids is self._all_ids else self._block_table[ids]
+        packed_shape = tuple(qp.shape)
+        prepared = plan.prepare_attention(_kv.contiguous(qp), table, self.page_size, lens, q_starts, scale=scale,
+                                          softcap=softcap, window=window, causal=causal, rotation=rotation)
         if dense_shape is None:
-            return o
-        o = o.reshape(dense_shape)
-        return o if self.layout == "bshd" else o.transpose(0, 2, 1, 3)
+            return lambda q, stores: prepared(_kv.contiguous(q), stores)
+        bshd = self.layout == "bshd"
+
+        def run(q, stores):
+            qp = (q if bshd else q.transpose(0, 2, 1, 3)).reshape(packed_shape)
+            o = prepared(_kv.contiguous(qp), stores).reshape(dense_shape)
+            return o if bshd else o.transpose(0, 2, 1, 3)
+
+        return run
 
     # -- sharing and rolling back --------------------------------------------------------------------------------
     def fork(self, src, dst=None, length=None) -> int:
@@ -736,7 +825,7 @@ class KVCache:
         src = self._seq(src, "src")
         if not self._in_use[src]:
             raise ValueError(f"src = {src} is not a sequence in use (cache.active: {self.active.tolist()})")
-        held = int(self.lengths[src])
+        held = int(self._lengths[src])
         length = held if length is None else as_int(length, "length")
         if not 0 <= length <= held:
             raise ValueError(f"length must be in [0, {held}] (the tokens sequence {src} holds), got {length}")
@@ -749,16 +838,17 @@ class KVCache:
             dst = self._seq(dst, "dst")
             if self._in_use[dst]:
                 raise ValueError(f"dst = {dst} is in use: fork into a free slot (dst=None takes one)")
+        self._tables_changed()
         if self.paged:
             pages = -(-length // self.page_size)
-            row = self.block_table[src, :pages]
+            row = self._block_table[src, :pages]
             self._book.share(row)
-            self.block_table[dst, :pages] = row
+            self._block_table[dst, :pages] = row
         else:
             for pool in self._pools:
                 if pool is not None:
                     pool[:, dst, :length] = pool[:, src, :length]
-        self.lengths[dst] = length
+        self._lengths[dst] = length
         self._in_use[dst] = True
         entry = self._tokens.get(src)
         if entry is not None:
@@ -776,21 +866,22 @@ class KVCache:
         new = np.broadcast_to(new, ids.shape) if new.ndim == 0 else new
         if new.shape != ids.shape:
             raise ValueError(f"lengths must be an int or one length per sequence ({ids.size}), got shape {new.shape}")
-        held = self.lengths[ids]
+        held = self._lengths[ids]
         bad = np.flatnonzero((new < 0) | (new > held))
         if bad.size:
             j = int(bad[0])
             raise ValueError(f"lengths[{j}] = {int(new[j])}: sequence {int(ids[j])} holds {int(held[j])} tokens; "
                              "truncate keeps 0 .. its length")
+        self._tables_changed()
         if self.paged:   # the pages wholly past each new length, all sequences at once
-            cols = np.arange(self.block_table.shape[1])[None, :]
-            past = (cols >= -(-new[:, None] // self.page_size)) & (self.block_table[ids] >= 0)
+            cols = np.arange(self._block_table.shape[1])[None, :]
+            past = (cols >= -(-new[:, None] // self.page_size)) & (self._block_table[ids] >= 0)
             if past.any():
-                rows = self.block_table[ids]
+                rows = self._block_table[ids]
                 self._book.release(rows[past])
                 rows[past] = -1
-                self.block_table[ids] = rows
-        self.lengths[ids] = new
+                self._block_table[ids] = rows
+        self._lengths[ids] = new
         for b, n in zip(ids.tolist(), new.tolist()) if self._tokens else ():
             entry = self._tokens.get(b)
             if entry is not None:
@@ -801,7 +892,7 @@ class KVCache:
         """Keys and values of sequence ``seq_id``'s positions ``start .. stop - 1`` as a :class:`KVChunk` (keys rotated
         there, dequantized), to :meth:`insert` into a sequence at another position."""
         b = self._seq(seq_id, "seq_id")
-        length = int(self.lengths[b])
+        length = int(self._lengths[b])
         stop = length if stop is None else as_int(stop, "stop")
         start = as_int(start, "start")
         if not self.held_from(b) <= start <= stop <= length:
@@ -840,7 +931,7 @@ class KVCache:
             raise ValueError("insert moves keys along 1-D positions; this cache's spec is multi-axis")
         _refuse_length_dependent(self.spec, "insert")
         from_position = as_int(from_position, "from_position")
-        length = int(self.lengths[b])
+        length = int(self._lengths[b])
         at_position = length if at_position is None else as_int(at_position, "at_position")
         if at_position != length:
             raise ValueError(f"at_position = {at_position}, but sequence {b} holds {length} tokens: a chunk is "
@@ -905,12 +996,13 @@ class KVCache:
         ids = self._seq_ids(seq_ids, None)
         if self.paged:
             for b in ids.tolist():
-                row = self.block_table[b]
-                if int(self.lengths[b]) > sinks + window and np.any(self._book.counts[row[row >= 0]] > 1):
+                row = self._block_table[b]
+                if int(self._lengths[b]) > sinks + window and np.any(self._book.counts[row[row >= 0]] > 1):
                     raise ValueError(f"slide rewrites sequence {b}'s pages in place, and it shares pages with another "
                                      "sequence or the prefix cache (fork, add(tokens=)): not moved")
+        self._tables_changed()
         for b in ids.tolist():
-            length = int(self.lengths[b])
+            length = int(self._lengths[b])
             if length <= sinks + window:
                 continue
             old_slots = self.slots(b, length - window, length)
@@ -931,15 +1023,15 @@ class KVCache:
 
                     xp = array_namespace(moved)
                     k_store[dst], k_scale[dst] = kv_entries.quantize(xp, xp.astype(moved, self.work), self.kv_dtype)
-            self.lengths[b] = sinks + window
+            self._lengths[b] = sinks + window
             if self.paged:   # pages past the new length back to the pool
                 keep = -(-(sinks + window) // self.page_size)
-                self._book.release(self.block_table[b, keep:])
-                self.block_table[b, keep:] = -1
+                self._book.release(self._block_table[b, keep:])
+                self._block_table[b, keep:] = -1
 
     # -- copies ----------------------------------------------------------------------------------------------------
     _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
-                "_layer_pools", "_layer_stores")
+                "_layer_pools", "_layer_stores", "_append_memo", "_attend_memo", "_layer_views")
 
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
@@ -978,7 +1070,7 @@ class KVCache:
                         if getattr(self, name) is not None)
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, {kind}{extra}, "
                 f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r}, backend={self.module.NAME!r}, "
-                f"lengths={self.lengths.tolist()})")
+                f"lengths={self._lengths.tolist()})")
 
 
 class KVCacheLayer:
@@ -986,6 +1078,7 @@ class KVCacheLayer:
     and ``rotary.attention(q, cache.layer(i))``."""
 
     __slots__ = ("cache", "index")
+    _attends_through_cache = True   # rotary.attention(q, layer) calls its attend
 
     def __init__(self, cache, index):
         self.cache, self.index = cache, index
@@ -1007,6 +1100,12 @@ class KVCacheLayer:
 
     def __repr__(self):
         return f"<layer {self.index} of {self.cache!r}>"
+
+
+def _read_only(a):
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _carve(parts, align=64):

@@ -5,7 +5,7 @@ primitives with the contract's signatures (:mod:`rotary.backends`), taking host 
 
     append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)
     paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype) -> o
+                    kv_dtype, rotation=None) -> o
 
 and ``VARIANTS`` (the CuPy backend's). ``register(monkeypatch)`` builds the shim (once per process; pytest.skip
 without a host C++ compiler) and installs ``kv_shim_backend`` in the registry as "cuda-shim" until the test ends,
@@ -151,13 +151,18 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
         calls.append(None if plan is None else plan.kernel)
 
     def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                        kv_dtype):
+                        kv_dtype, rotation=None):
         o = np.empty(q.shape, q.dtype)
+        if rotation is not None:
+            cos, sin, rows, rotary_dim, layout, offset = rotation
+            work = work_of(q.dtype)
+            rotation = (np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work),
+                        np.ascontiguousarray(rows, np.int64).reshape(-1), rotary_dim, layout, offset)
         plan = cb.plan_paged_attention(q, o, stores, np.ascontiguousarray(block_table, np.int64), page_size,
                                        np.ascontiguousarray(seq_lens, np.int64),
                                        np.ascontiguousarray(q_starts, np.int64), dtype_name=_kernel_dtype(q),
                                        scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=kv_dtype,
-                                       **attention)
+                                       rotation=rotation, **attention)
         for launch in () if plan is None else plan.launches:
             kernels.launch(launch)
         calls.append(None if plan is None else tuple(launch.kernel for launch in plan.launches))

@@ -195,7 +195,9 @@ __global__ void kv_append(
 // with entries dequantized in registers (entry * scale of its (slot, head); float8 bits decoded exactly), an online
 // softmax over tiles of `tile` keys. A row that sees no key, and a q row outside q_starts[0] .. q_starts[n] - 1,
 // gets 0. o is C-contiguous (T, q_heads, head_dim) in T. The tables are the caller's device arrays, read as they
-// are (not range-checked).
+// are (not range-checked). rotary_dim > 0: q is rotated as it is read (FlashInfer's fused RoPE), row r at table row
+// q_rows[r] of q_cos / q_sin ((R, rotary_dim / 2) in W), pairs of the layout in rot_offset .. rot_offset +
+// rotary_dim by rotate_pair in W (the append's rotation of a key); rotary_dim 0: q comes rotated (tables unread).
 //
 // One block per (q row, kv head, head chunk, split) (rotary.backends.cupy.paged_attention_geometry): the block
 // takes the gb <= heads_per_block (<= KV_HEADS) q heads hq0 .. hq0 + gb - 1 of its kv head's GQA group (a group of
@@ -380,7 +382,8 @@ __global__ void ROTARY_LAUNCH_BOUNDS(KV_MAX_THREADS, 2) paged_attention(
     const typename KvEntry<T, KIND>::type* k_store, const typename KvEntry<T, KIND>::type* v_store,
     const W* k_scale, const W* v_scale, const i64* block_table, i64 table_width, i64 page_size,
     const i64* seq_lens, const i64* q_starts, i64 n_seqs, int q_heads, int kv_heads, int head_dim, W fold,
-    W softcap, i64 window, int causal, int tile, int heads_per_block, int splits, int vec) {
+    W softcap, i64 window, int causal, int tile, int heads_per_block, int splits, int vec, const W* q_cos,
+    const W* q_sin, const i64* q_rows, int rotary_dim, int rot_offset, int interleaved) {
     typedef typename KvEntry<T, KIND>::type E;
     constexpr int ESZ = (int)sizeof(E), WSZ = (int)sizeof(W);
     constexpr int CE = 16 / ESZ;                                    // entries of a 16-byte chunk (scores)
@@ -441,9 +444,26 @@ __global__ void ROTARY_LAUNCH_BOUNDS(KV_MAX_THREADS, 2) paged_attention(
     const int kgs = nthreads / nc, my_c = tid % nc, my_kg = tid / nc;
 
     const T* qrow_p = q + qrow * qst;
+    const int rot_half = rotary_dim / 2;
     for (int x = tid; x < HB * dq; x += nthreads) {
         const int g = x / dq, d = x - g * dq;
-        qs[x] = (g < gb && d < D) ? load_float(qrow_p[(hq0 + g) * qsh + d * qsd]) * fold : W(0);
+        W val = W(0);
+        if (g < gb && d < D) {
+            const T* qh = qrow_p + (hq0 + g) * qsh;
+            const int r = d - rot_offset;
+            if (r >= 0 && r < rotary_dim) {   // q rotated as it is read (rotary_dim 0: q comes rotated)
+                const int p = interleaved ? r / 2 : (r < rot_half ? r : r - rot_half);
+                const int da = rot_offset + (interleaved ? 2 * p : p), db = da + (interleaved ? 1 : rot_half);
+                const i64 t = q_rows[qrow] * rot_half + p;
+                W ya, yb;
+                rotate_pair<W>(load_float(qh[da * qsd]), load_float(qh[db * qsd]), q_cos[t], q_sin[t], ya, yb);
+                val = d == da ? ya : yb;
+            } else {
+                val = load_float(qh[d * qsd]);
+            }
+            val = val * fold;
+        }
+        qs[x] = val;
     }
     const i64* table_row = block_table + i * table_width;
     if (hi >= lo)

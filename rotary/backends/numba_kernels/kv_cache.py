@@ -15,8 +15,9 @@ reference's bit for bit.
 Attention: one task per (sequence, k/v head), the q rows of its GQA group (and of its queries: q is packed, sequence
 i's queries the rows ``q_starts[i] .. q_starts[i + 1] - 1``, so prefill chunks and decode tokens of several sequences
 come in one call) in blocks of ROW_BLOCK rows against blocks of KEY_BLOCK keys read through the block table where
-they lie (no gather): scores ``cap(<q fold, k>)`` (q scaled once into a work buffer; int8 keys: the dot with the
-entries times the scale), an online softmax per row in the work dtype (float32, float64 for float64 caches; exp and
+they lie (no gather): scores ``cap(<q fold, k>)`` (q rotated at its table row when the call gives a rotation, as
+FlashInfer fuses RoPE, and scaled, once into a work buffer; int8 keys: the dot with the entries times the scale), an
+online softmax per row in the work dtype (float32, float64 for float64 caches; exp and
 tanh of ``math``), values accumulated by multiply-adds (fused where the CPU has FMA: results match the reference to
 rounding, not bit for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``),
 so a masked key is never read into a row.
@@ -350,12 +351,14 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
 
 @register_jitable
 def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+                kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half, rotary_dim,
+                offset, interleaved):
     """Task = i * kv_heads + h: the queries of sequence i, q's rows q_starts[i] .. q_starts[i + 1] - 1 (q, o flat
     (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
     of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
     position seq_lens[i] - c_i + j. ``zero``: 0 in the work dtype (k_scale's dtype: the scales, or a work-dtype
-    array when not ``quantized``)."""
+    array when not ``quantized``). ``rotary_dim > 0``: q row r is rotated as it is loaded, in the work dtype, at table
+    row ``q_rows[r]`` (:func:`rotate_head`, the append's rotation of a key), then scaled by ``fold``."""
     i = task // kv_heads
     h = task - i * kv_heads
     groups = q_heads // kv_heads
@@ -381,9 +384,16 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
         for rr in range(nr):
             j = (r0 + rr) // groups
             qi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
-            for c in range(head_dim):
-                qs[rr * head_dim + c] = load(q, qi + c) * fold
-                acc[rr * head_dim + c] = zero
+            if rotary_dim > 0:
+                rotate_head(q, qi, 1, qs, rr * head_dim, cos, sin, q_rows[q0 + j], half, rotary_dim, offset, head_dim,
+                            interleaved)
+                for c in range(head_dim):
+                    qs[rr * head_dim + c] = qs[rr * head_dim + c] * fold
+                    acc[rr * head_dim + c] = zero
+            else:
+                for c in range(head_dim):
+                    qs[rr * head_dim + c] = load(q, qi + c) * fold
+                    acc[rr * head_dim + c] = zero
             if causal:
                 at = length - count + j   # the query's position
                 hi[rr], lo[rr] = at, imax(0, at - window + 1)
@@ -435,26 +445,32 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
 
 @njit(parallel=True, **KERNEL_JIT)
 def paged_attention_parallel(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
-                             q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+                             q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin,
+                             q_rows, half, rotary_dim, offset, interleaved):
     """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head) tasks
     (:func:`attend_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
     q_starts[i] .. q_starts[i + 1] - 1; k_ent, v_ent: flat entries (slots, kv_heads, head_dim); k_scale, v_scale:
     flat scales in the work dtype (any work-dtype arrays when not ``quantized``); block_table (n, W), seq_lens (n,)
     and q_starts (n + 1,) int64; fold: the scale (over softcap when there is one); softcap: 0 for none; window: the
-    causal window (a huge number for none)."""
+    causal window (a huge number for none); cos, sin (R, half) work-dtype tables and q_rows (T,) int64: q's rotation
+    when rotary_dim > 0 (pairs of ``layout`` interleaved or half in [offset, offset + rotary_dim))."""
     n_tasks = seq_lens.shape[0] * kv_heads
     for task in prange(n_tasks):
         attend_task(np.int64(task), q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
-                    q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
+                    q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
+                    rotary_dim, offset, interleaved)
 
 
 @njit(**KERNEL_JIT)
 def paged_attention_serial(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                           kv_heads, head_dim, fold, softcap, zero, window, causal, quantized):
+                           kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
+                           rotary_dim, offset, interleaved):
     """paged_attention_parallel on the calling thread (small calls)."""
     q, o, k_ent, v_ent = borrowed(q), borrowed(o), borrowed(k_ent), borrowed(v_ent)
     k_scale, v_scale, block_table = borrowed(k_scale), borrowed(v_scale), borrowed(block_table)
-    seq_lens, q_starts = borrowed(seq_lens), borrowed(q_starts)
+    seq_lens, q_starts, cos, sin, q_rows = borrowed(seq_lens), borrowed(q_starts), borrowed(cos), borrowed(sin), \
+        borrowed(q_rows)
     for task in range(seq_lens.shape[0] * kv_heads):
         attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                    kv_heads, head_dim, fold, softcap, zero, window, causal, quantized)
+                    kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
+                    rotary_dim, offset, interleaved)
