@@ -309,7 +309,7 @@ def test_frontend_gqa_on_a_middle_axis_with_a_state():
 
 
 @pytest.mark.parametrize("kind", ["torch", "jax", "float32"])
-def test_frontend_other_arrays_and_float32(kind):
+def test_frontend_other_arrays_and_float32(kind, request):
     """torch tensors and JAX arrays through the reference (any array-API namespace): their type back, the NumPy
     result; float32 within the float64 oracle at float32's tolerance."""
     rng = np.random.default_rng(14)
@@ -328,9 +328,8 @@ def test_frontend_other_arrays_and_float32(kind):
         assert all(isinstance(g, torch.Tensor) for g in got)
         got = [g.numpy() for g in got]
     else:
-        jax = pytest.importorskip("jax")
-        jax.config.update("jax_enable_x64", True)
-        got = linear_attention_backward(*(jax.numpy.asarray(x) for x in (q, k, v, go)), **kw)[:3]
+        jax, _ = request.getfixturevalue("jax64")
+        got = jax.jit(lambda *a: linear_attention_backward(*a, **kw)[:3])(*(jax.numpy.asarray(x) for x in (q, k, v, go)))
         got = [np.asarray(g) for g in got]
     assert all(rel_err(g, r) <= 1e-12 for g, r in zip(got, ref))
 
@@ -442,3 +441,83 @@ def test_torch_compiled_training_step_float32(monkeypatch):
                                                     decay=np.full((1, 2), 0.9), normalize=True))
     for name, a, b in zip(("dq", "dk", "dv"), grads, want):
         assert a.dtype == torch.float32 and rel_err(a.numpy(), b) <= 2e-5, (name, rel_err(a.numpy(), b))
+
+
+# -- JAX: a custom_vjp whose backward is the primitive on the host ---------------------------------------------
+@pytest.fixture
+def jax64(monkeypatch):
+    """jax with x64 on (restored after), and a count of the host backward's calls."""
+    jax = pytest.importorskip("jax")
+    from rotary.attn import linear_backward
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    calls = []
+    real = linear_backward.linear_attention_backward
+    monkeypatch.setattr(linear_backward, "linear_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    yield jax, calls
+    jax.config.update("jax_enable_x64", previous)
+
+
+_JAX_CASES = [
+    dict(causal=True, decay=0.85, feature_map="elu", normalize=True, layout="half", Hk=1, chunk=4),
+    dict(causal=False, decay=None, feature_map="relu", normalize=False, layout="interleaved", Hk=2, chunk=3),
+    dict(causal=True, decay=(0.7, 1.0), feature_map="identity", normalize=False, layout="interleaved", Hk=2, chunk=2),
+]
+
+
+@pytest.mark.parametrize("c", _JAX_CASES, ids=lambda c: f"{c['feature_map']}-causal{c['causal']}")
+def test_jax_check_grads_float64(jax64, c):
+    jax, calls = jax64
+    from jax.test_util import check_grads
+
+    rng = np.random.default_rng(31)
+    q = jax.numpy.asarray(rng.standard_normal((2, 6, 2, 8)))
+    k = jax.numpy.asarray(rng.standard_normal((2, 6, c["Hk"], 8)))
+    v = jax.numpy.asarray(rng.standard_normal((2, 6, c["Hk"], 5)))
+    kw = dict(causal=c["causal"], decay=c["decay"], feature_map=c["feature_map"], normalize=c["normalize"],
+              chunk=c["chunk"], base=100.0, layout=c["layout"], seq_axis=1)
+    f = lambda q, k, v: rotary.linear_attention(q, k, v, 3, **kw)   # noqa: E731
+    check_grads(jax.jit(f), (q, k, v), order=1, modes=["rev"])
+    assert calls, "the host backward was not used"
+    go = rng.standard_normal((2, 6, 2, 5))
+    grads = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v) * go).sum(), argnums=(0, 1, 2)))(q, k, v)
+    d = None if c["decay"] is None else np.broadcast_to(np.asarray(c["decay"], np.float64), (2, c["Hk"])).copy()
+    spec = rotary.RopeSpec(8, base=100.0, layout=c["layout"])
+    want = oracle_grads(q, k, v, np.zeros((2, c["Hk"], 8, 5)), np.zeros((2, c["Hk"], 8)), 3 + np.arange(6)[None],
+                        spec.inv_freq(), go, None, **_spec_oracle_kw(spec, causal=c["causal"],
+                                                                     feature_map=c["feature_map"], eps=1e-6, decay=d,
+                                                                     normalize=c["normalize"]))
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        assert rel_err(a, b) <= 1e-9, (name, rel_err(a, b))
+
+
+def test_jax_state_in_and_out_vmap_and_the_switch(jax64, monkeypatch):
+    """Gradients at the carried state and from the returned state (check_grads), vmap over a batch of
+    examples, and HOST_BACKWARD = False: JAX's own autodiff of the forward (forward mode works there)."""
+    jax, calls = jax64
+    from jax.test_util import check_grads
+
+    from rotary.frontend.dispatch import with_arrays
+    from rotary.interop import jax_adapter
+
+    rng = np.random.default_rng(32)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal(s)) for s in ((1, 7, 4, 8), (1, 7, 2, 8), (1, 7, 2, 3)))
+    kw = dict(causal=True, base=100.0, seq_axis=1, decay=0.9, chunk=3)
+    _, st = rotary.linear_attention(q[:, :3], k[:, :3], v[:, :3], return_state=True, **kw)
+
+    def loss(q, k, v, S, z):
+        o, out = rotary.linear_attention(q, k, v, state=with_arrays(st, S, z), return_state=True, **kw)
+        return (o ** 2).sum() + (out.S * out.S).sum() + jax.numpy.sin(out.z).sum()
+
+    check_grads(jax.jit(loss), (q, k, v, st.S, st.z), order=1, modes=["rev"])
+    assert calls
+    batched = jax.jit(jax.vmap(jax.grad(lambda q: (rotary.linear_attention(q[None], k, v, **kw) ** 2).sum())))(q[0][None])
+    single = jax.jit(jax.grad(lambda q: (rotary.linear_attention(q, k, v, **kw) ** 2).sum()))(q)
+    assert rel_err(batched, single) <= 1e-12
+    monkeypatch.setattr(jax_adapter, "HOST_BACKWARD", False)
+    del calls[:]
+    f = lambda q: rotary.linear_attention(q, k, v, **kw)   # noqa: E731
+    own = jax.jit(jax.grad(lambda q: (f(q) ** 2).sum()))(q)
+    assert not calls and rel_err(own, single) <= 1e-12
+    jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)            # forward mode: JAX's own autodiff

@@ -414,6 +414,8 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
                                                         state.decay, state.normalize, state.groups)
         from_state = False
     if not from_state and (positions is None or not _is_tracer(positions)):
+        if _host_backward(kwargs):
+            return _linear_attention_host_vjp(core, q, k, v, positions, kwargs)
         return core(q, k, v, positions, **kwargs)
     bound = inspect.signature(core).bind(q, k, v, positions, **kwargs)
     bound.apply_defaults()
@@ -452,6 +454,96 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     spec_kwargs = args.pop("spec_kwargs")
     del args["q"], args["k"], args["v"], args["positions"]
     return linear.checked_call(q, k, v, None, **args, spec_kwargs=spec_kwargs, angles=angles)
+
+
+# -- linear attention's backward: the backend primitive on the host -------------------------------------------
+#: Whether JAX's gradient of ``rotary.linear_attention`` is the backend's backward primitive on the host
+#: (:func:`_linear_attention_host_vjp`): None (default) when JAX's default backend is the CPU, True / False to
+#: force it on or off. Off, JAX differentiates the forward's jax.numpy operations itself (forward mode and
+#: higher derivatives too, on any device, with the memory of its saved chunk intermediates).
+HOST_BACKWARD = None
+
+
+def _host_backward(kwargs) -> bool:
+    """The host backward applies: switched on, a named feature map, no packed batch (concrete positions and
+    state, which the caller has checked)."""
+    import jax
+
+    on = HOST_BACKWARD if HOST_BACKWARD is not None else jax.default_backend() == "cpu"
+    return bool(on) and isinstance(kwargs.get("feature_map", "elu"), str) and kwargs.get("cu_seqlens") is None \
+        and kwargs.get("seqlen_offsets") is None
+
+
+def _host_array(x):
+    """A JAX array (concrete: inside a callback) as NumPy in a dtype the backends take (bfloat16 -> float32)."""
+    a = np.asarray(x)
+    return a if a.dtype in (np.float16, np.float32, np.float64) else a.astype(np.float32)
+
+
+def _linear_attention_host_vjp(core, q, k, v, positions, kwargs):
+    """``rotary.linear_attention`` on JAX arrays with a ``jax.custom_vjp``: the forward is the reference path's
+    jax.numpy operations (``core``), the backward the frontend of the backend primitive
+    (:func:`rotary.attn.linear_backward.linear_attention_backward`: Numba kernels where the backend has them,
+    else the NumPy reference) on the host through ``jax.pure_callback`` (jit- and vmap-safe; vmap runs the
+    callback per example). It saves q, k, v and the state passed in, nothing of the forward's chunks, and
+    differentiates q, k, v and the state's S and z (the gradient of the returned state's S and z flows back
+    too). Positions and every other argument are concrete (the caller checked). Not differentiable again and
+    not in forward mode (``jax.jvp``): set :data:`HOST_BACKWARD` = False for those."""
+    import jax
+
+    from ..attn.linear_backward import linear_attention_backward
+    from ..frontend.dispatch import with_arrays
+
+    state = kwargs.get("state")
+    return_state = kwargs.get("return_state", False)
+    host_positions = positions if positions is None or isinstance(positions, (int, np.integer, np.ndarray)) \
+        else np.asarray(positions)
+    made = []
+
+    def forward(q, k, v, S0, z0):
+        st = None if state is None else with_arrays(state, S0, z0)
+        o, st_out = core(q, k, v, positions, **dict(kwargs, state=st, return_state=True))
+        made.append(st_out)                 # its static fields (spec, next position, ...) for the state returned
+        return o, st_out.S, st_out.z
+
+    def fwd(q, k, v, S0, z0):
+        return forward(q, k, v, S0, z0), (q, k, v, S0, z0)
+
+    def bwd(saved, cotangents):
+        q, k, v, S0, z0 = saved
+        go, gS, gz = cotangents
+        want = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+        if state is not None:
+            want += [jax.ShapeDtypeStruct(S0.shape, S0.dtype)] + (
+                [] if z0 is None else [jax.ShapeDtypeStruct(z0.shape, z0.dtype)])
+
+        def host(q, k, v, go, S0, z0, gS, gz):
+            arrays = [_host_array(x) for x in (q, k, v, go)]
+            st = None if state is None else with_arrays(state, _host_array(S0),
+                                                        None if z0 is None else _host_array(z0))
+            grad_state = None if gS is None else (_host_array(gS), None if gz is None else _host_array(gz))
+            dq, dk, dv, dstate = linear_attention_backward(
+                *arrays, host_positions, **dict(kwargs, state=st, backend="auto"),   # Numba where it has one
+                grad_state=grad_state)
+            out = [d.astype(w.dtype) for d, w in zip((dq, dk, dv), want)]
+            if state is not None:
+                out += [d.astype(w.dtype) for d, w in zip([x for x in dstate if x is not None], want[3:])]
+            return tuple(out)
+
+        got = jax.pure_callback(host, tuple(want), q, k, v, go, S0, z0, gS, gz, vmap_method="sequential")
+        dS = dz = None
+        if state is not None:
+            dS = got[3]
+            dz = None if z0 is None else got[4]
+        return got[0], got[1], got[2], dS, dz
+
+    f = jax.custom_vjp(forward)
+    f.defvjp(fwd, bwd)
+    S0, z0 = (None, None) if state is None else (state.S, state.z)
+    o, S, z = f(q, k, v, S0, z0)
+    if not return_state:
+        return o
+    return o, with_arrays(made[-1], S, z)
 
 
 # -- the linear-attention state as a pytree (a scan / fori_loop carry) ----------------------------------
