@@ -27,6 +27,11 @@ naming the argument and ``static_argnums``/``static_argnames``: ``causal``, ``wi
 ``block_size``, ``rope``, packing (``cu_seqlens``, ``seqlen_offsets``), spec keywords, ``decay``, ``eps``,
 ``chunk``; positions of multi-axis, float-position and length-dependent specs. A traced ``scale`` goes into
 q (``cap(s <R q, R k>) = cap(<R (s q), R k>)``).
+
+``jax.grad`` of ``linear_attention`` with concrete positions (and state) and a named feature map runs the
+backend's backward primitive on the host (a ``jax.custom_vjp`` whose backward is a ``jax.pure_callback``:
+:func:`_linear_attention_host_vjp`) when :data:`HOST_BACKWARD` allows it (default: JAX's default backend is
+the CPU); otherwise, and for traced positions, JAX differentiates the jax.numpy forward itself.
 """
 
 from __future__ import annotations
