@@ -33,7 +33,7 @@ _NO_SCALES = {dt: np.zeros(0, dt) for dt in _WORK}   # the scales argument of fl
 _INT8 = KV_FORMATS["int8"].code
 _NO_ROWS = np.zeros(0, np.int64)   # the q rows and tables of a call without a rotation (not read)
 _NO_TABLE = {dt: runtime.readonly(np.zeros((1, 1), dt)) for dt in _WORK}
-#: stores a prepared call remembers the flat buffers of (a cache's layers)
+#: stores whose flat buffers are remembered (a cache's layers)
 _STORES_SEEN_MAX = 256
 
 
@@ -71,36 +71,36 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
     serial = kernels.append_kv_serial
     tail = (runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(rows), runtime.c_int64(slots), n_tokens,
             heads, head_dim, rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
-    bits = runtime.bits
-    flat = _FlatStores(quantized, work)
+    half_bits = k.dtype == np.float16
 
     def run(k, v, stores):
-        kb, vb = (bits(k), bits(v)) if contiguous else runtime.flat_buffers((k, v))[0]
-        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, (kb, vb, geo) + flat(stores) + tail)
+        if contiguous and not half_bits:
+            kb, vb = k.reshape(-1), v.reshape(-1)
+        else:
+            kb, vb = runtime.flat_buffers((k, v))[0]
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
+                       (kb, vb, geo) + flat_stores(stores, quantized, work) + tail)
 
     return run
 
 
-class _FlatStores:
-    """``flat(stores)``: (k entries, v entries, k scales, v scales) as the kernels take them (flat buffers; work-dtype
-    placeholders for the scales of float entries), remembered for the stores last seen (a step's layers)."""
+#: id(stores) -> (stores, (k entries, v entries, k scales, v scales) flat): the stores held, so their id is not reused
+_flat_seen: dict = {}
 
-    __slots__ = ("quantized", "no_scales", "seen")
 
-    def __init__(self, quantized, work):
-        self.quantized, self.no_scales, self.seen = quantized, _NO_SCALES[work], {}
-
-    def __call__(self, stores):
-        entry = self.seen.get(id(stores))
-        if entry is not None and entry[0] is stores:
-            return entry[1]
-        k_ent, v_ent, k_scale, v_scale = stores
-        flat = (runtime.bits(k_ent), runtime.bits(v_ent)) + (
-            (k_scale.reshape(-1), v_scale.reshape(-1)) if self.quantized else (self.no_scales, self.no_scales))
-        if len(self.seen) >= _STORES_SEEN_MAX:
-            self.seen.clear()
-        self.seen[id(stores)] = (stores, flat)   # (stores held: its id is not reused while it is here)
-        return flat
+def flat_stores(stores, quantized, work):
+    """(k entries, v entries, k scales, v scales) of ``stores`` as the kernels take them (flat buffers; work-dtype
+    placeholders for the scales of float entries), remembered per stores object (a cache's layers)."""
+    entry = _flat_seen.get(id(stores))
+    if entry is not None and entry[0] is stores and entry[2] is quantized:
+        return entry[1]
+    k_ent, v_ent, k_scale, v_scale = stores
+    flat = (runtime.bits(k_ent), runtime.bits(v_ent)) + (
+        (k_scale.reshape(-1), v_scale.reshape(-1)) if quantized else (_NO_SCALES[work], _NO_SCALES[work]))
+    if len(_flat_seen) >= _STORES_SEEN_MAX:
+        _flat_seen.clear()
+    _flat_seen[id(stores)] = (stores, flat, quantized)
+    return flat
 
 
 def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
@@ -129,7 +129,6 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         return lambda q, stores: np.zeros(q.shape, q.dtype)
     covered = q_starts[0] == 0 and q_starts[n] == n_q   # every row some sequence's (else the others are 0)
     new_output = np.empty if covered else np.zeros
-    flat = _FlatStores(quantized, work)
     fold = work.type(scale / softcap if softcap else scale)
     if rotation is None:
         cos = sin = _NO_TABLE[work]
@@ -142,7 +141,7 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
     tail = (runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, None, head_dim, fold,
             work.type(softcap or 0.0), _ZERO[work], _NO_WINDOW if window is None else int(window), bool(causal),
             quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved)
-    serial, bits = kernels.paged_attention_serial, runtime.bits
+    serial, bits, half_bits = kernels.paged_attention_serial, runtime.bits, dtype == np.float16
     kernels_of = {}   # kv_heads -> (kernel, tail)
 
     def run(q, stores):
@@ -157,8 +156,9 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
                                              tail[:5] + (kv_heads,) + tail[6:])
         kernel, args = chosen
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
-        chosen_kernel = serial if runtime.in_forked_child() else kernel
-        runtime.launch(chosen_kernel, serial, (bits(qc), bits(o)) + flat(stores) + args)
+        buffers = (qc.reshape(-1), o.reshape(-1)) if not half_bits else (bits(qc), bits(o))
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
+                       buffers + flat_stores(stores, quantized, work) + args)
         return o
 
     return run

@@ -28,8 +28,13 @@ class PageBook:
     # -- sizes ---------------------------------------------------------------------------------------------------
     def available(self) -> int:
         """Pages a request can still get: free, not yet allocated, or held by the prefix cache alone."""
-        kept_only = sum(1 for page in self.prefix.values() if self.counts[page] == 1)
+        kept_only = int(np.count_nonzero(self.counts[list(self.prefix.values())] == 1)) if self.prefix else 0
         return len(self.free_list) + self.num_pages - self.allocated + kept_only
+
+    def has(self, pages: int) -> bool:
+        """Whether ``pages`` pages are :meth:`available` (the prefix cache counted only when the rest is short: a
+        decode step's check stays O(1))."""
+        return pages <= len(self.free_list) + self.num_pages - self.allocated or pages <= self.available()
 
     def grow(self, pages: int) -> None:
         """The pool now has ``pages`` pages: the new ones join the free list."""

@@ -44,6 +44,7 @@ from ..spec.validators import check_float, optional_number
 
 _PLANS_MAX = 64
 _plans: dict = {}
+_may_share = np.may_share_memory
 
 
 def _is_host(a) -> bool:
@@ -245,8 +246,10 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     if region is not None:   # the cache's own pools: one buffer, writable unless a caller flipped the flag
         if k_pool.flags.writeable and v_pool.flags.writeable and (scales is None or (
                 scales[0].flags.writeable and scales[1].flags.writeable)):
+            if len(arrays) == 2 and not (_may_share(arrays[0], region) or _may_share(arrays[1], region)):
+                return
             for a in arrays:
-                if np.may_share_memory(a, region):
+                if _may_share(a, region):
                     break
             else:
                 return
@@ -412,6 +415,14 @@ def query_positions(spec, q_positions, seq_lens, counts, dense_shape):
     """Rotation positions of the queries: ``q_positions`` as given (dense (n, s[, n_axes]) or packed
     (T[, n_axes])), else each sequence's last positions ``seq_lens[i] - c_i ..``; (positions, token_positions)
     as :func:`token_rotation_positions`."""
+    if q_positions is None and dense_shape is not None:   # s queries per sequence
+        if spec.multi_axis and spec.mrope_section is None:
+            raise ValueError("this multi-axis spec needs q_positions= (each query's coordinates)")
+        s = dense_shape[1]
+        pos = seq_lens - 1 if s == 1 else (seq_lens[:, None] + np.arange(-s, 0, dtype=np.int64)).reshape(-1)
+        if not spec.multi_axis:
+            return pos, True
+        return normalize_positions(pos, (), pos.size, "q_positions", spec=spec), False
     n_tokens = int(counts.sum())
     if q_positions is None:
         if spec.multi_axis and spec.mrope_section is None:
@@ -527,14 +538,23 @@ def contiguous(q):
     return q if q.flags.c_contiguous else q.copy(order="C")
 
 
-def query_rotation(plan, q_positions, lens, counts, dense_shape):
+def query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range=None):
     """The rotation of packed q at its positions (``q_positions``, or each sequence's last positions) by the plan's
-    spec, as the backends' paged_attention takes it (q rotated in the kernel); None without a spec."""
+    spec, as the backends' paged_attention takes it (q rotated in the kernel); None without a spec.
+    ``lens_range``: (min, max) of host ``lens`` when the caller knows it."""
     if plan.spec is None:
         return None
     host_lens = lens if _is_host(lens) else np.asarray(lens.get(), np.int64)
     pos, token_positions = query_positions(plan.spec, q_positions, host_lens, counts, dense_shape)
-    return plan.rotation(pos, token_positions)
+    bounds = None
+    if lens_range is not None and q_positions is None and dense_shape is not None:
+        bounds = (lens_range[0] - dense_shape[1], lens_range[1] - 1)
+    return plan.rotation(pos, token_positions, bounds)
+
+
+def dense_starts(n, s):
+    """q_starts of n sequences of s queries each: ``0, s, 2 s, ..``."""
+    return np.arange(0, n * s + 1, s, dtype=np.int64) if s else np.zeros(n + 1, np.int64)
 
 
 __all__ = ["KVPlan", "kv_append", "kv_plan", "paged_attention"]

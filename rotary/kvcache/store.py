@@ -408,9 +408,11 @@ class KVCache:
         if self.paged:
             self._book.reset()
 
-    def _fit(self, ids, new_lengths, dry_run=False, longest=None):
+    def _fit(self, ids, new_lengths, dry_run=False, longest=None, lengths=None, tokens=None):
         """Check that ``new_lengths`` fit (capacity, free pages, a copy of each shared partial last page), then
-        (unless ``dry_run``) give the sequences their pages; returns the pages copied on write [(b, j, old, new)]."""
+        (unless ``dry_run``) give the sequences their pages; returns the pages copied on write [(b, j, old, new)].
+        ``longest``: the largest new length, ``lengths``: the sequences' lengths now, ``tokens``: the one count of
+        new tokens of every sequence, when the caller has them."""
         if new_lengths.size and (int(new_lengths.max()) if longest is None else longest) > self.capacity:
             over = np.flatnonzero(new_lengths > self.capacity)
             i = int(over[0])
@@ -419,18 +421,26 @@ class KVCache:
         if not self.paged:
             return []
         ps, book = self.page_size, self._book
-        lengths = self._lengths[ids]
-        have = -(-lengths // ps)
-        need = -(-new_lengths // ps)
-        grows = need > have
-        partial = np.flatnonzero((lengths % ps != 0) & (new_lengths > lengths))   # writes into its last page
+        lengths = self._lengths[ids] if lengths is None else lengths
+        used = lengths % ps   # tokens in the last page
+        if tokens == 1:   # a decode step: a new page where the last is full, else a write into the last page
+            grows = np.flatnonzero(used == 0)
+            have, need = lengths // ps, None
+            partial = np.flatnonzero(used)
+            wanted = grows.size
+        else:
+            have = -(-lengths // ps)
+            need = -(-new_lengths // ps)
+            grows = np.flatnonzero(need > have)
+            partial = np.flatnonzero((used != 0) & (new_lengths > lengths))   # writes into its last page
+            wanted = int((need - have).sum())
         shared = []
         if partial.size:
-            last = self._block_table[ids[partial], have[partial] - 1]
-            shared = [(int(ids[x]), int(have[x]) - 1) for x in partial[book.counts[last] > 1].tolist()]
-        wanted = int((need - have).sum()) + len(shared)
-        if wanted > book.available():
-            short = np.flatnonzero(grows) if grows.any() else np.arange(ids.size)
+            last = self._block_table[ids[partial], (lengths[partial] - 1) // ps]
+            shared = [(int(ids[x]), (int(lengths[x]) - 1) // ps) for x in partial[book.counts[last] > 1].tolist()]
+        wanted += len(shared)
+        if not book.has(wanted):
+            short = grows if grows.size else np.arange(ids.size)
             raise KVCacheFullError(f"no free page for sequence {int(ids[short[0]])}: this step needs {wanted} new "
                                    f"pages of {ps} tokens and {book.available()} of the pool's {self.num_pages} are "
                                    "free (free finished sequences with cache.free(seq_ids)); nothing was written")
@@ -448,9 +458,9 @@ class KVCache:
             book.release([old])
             self._block_table[b, j] = new
             copies.append((b, j, old, new))
-        for x in np.flatnonzero(grows).tolist():
-            b = int(ids[x])
-            for j in range(int(have[x]), int(need[x])):
+        for x in grows.tolist():
+            b, first = int(ids[x]), int(have[x])
+            for j in range(first, first + 1 if need is None else int(need[x])):
                 self._block_table[b, j] = book.take()
         return copies
 
@@ -474,7 +484,7 @@ class KVCache:
             tok_pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts),
                                                                               counts)
         was_in_use = self._in_use.copy() if every else self._in_use[ids]
-        self._fit(ids, new_lengths, longest=longest)
+        self._fit(ids, new_lengths, longest=longest, lengths=start, tokens=int(counts) if dense else None)
         self._tables_changed()
         if self.paged:
             slots = self._block_table[tok_seq, tok_pos // self.page_size] * self.page_size + tok_pos % self.page_size
@@ -586,7 +596,10 @@ class KVCache:
             _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
             pack = memo[3]
             memo[2](pack(k), pack(v), self._layer_stores[i])
-            self._done(step, i)
+            step.done[i] = True
+            step.left -= 1
+            if not step.left:
+                self._end(step)
             return
         self._append(k, v, seq_ids, cu_seqlens, positions, layer)
 
@@ -661,9 +674,13 @@ class KVCache:
         step.done[i] = True
         step.left -= 1
         if not step.left:
-            self._step = None
-            if self._tokens:
-                self._keep_prefix_pages(step.ids)
+            self._end(step)
+
+    def _end(self, step):
+        """Every layer has written the step."""
+        self._step = None
+        if self._tokens:
+            self._keep_prefix_pages(step.ids)
 
     def fits(self, seq_ids=None, tokens=1) -> bool:
         """Whether a step of ``tokens`` new tokens (an int, or one count per sequence) for sequences ``seq_ids`` fits
@@ -793,14 +810,22 @@ class KVCache:
         self._check_type(q, "q")
         qp, counts, dense_shape = _kv.packed_queries(q, cu_seqlens, self.layout)
         ids = self._seq_ids(seq_ids, counts.size)
-        lens = self._lengths[ids]
-        _kv.check_query_counts(counts, lens, ids)
+        every = ids is self._all_ids
+        lens = self._lengths.copy() if every else self._lengths[ids]
+        lens_range = None
+        if dense_shape is not None and lens.size:   # s queries each: every sequence holds them when the shortest does
+            lens_range = _kv.value_range(lens)
+            if dense_shape[1] > lens_range[0]:
+                _kv.check_query_counts(counts, lens, ids)
+        else:
+            _kv.check_query_counts(counts, lens, ids)
         plan = self._plan((qp,), ("q",), "paged_attention")
         causal, window, softcap, scale = _kv.attention_options(causal, window, softcap, scale, self.spec,
                                                                self.head_dim, self.dtype)
-        rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape)
-        q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        table = self._block_table.copy() if ids is self._all_ids else self._block_table[ids]
+        rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range)
+        q_starts = _kv.dense_starts(lens.size, dense_shape[1]) if dense_shape is not None else \
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        table = self._block_table.copy() if every else self._block_table[ids]
         packed_shape = tuple(qp.shape)
         prepared = plan.prepare_attention(_kv.contiguous(qp), table, self.page_size, lens, q_starts, scale=scale,
                                           softcap=softcap, window=window, causal=causal, rotation=rotation)
@@ -810,7 +835,7 @@ class KVCache:
 
         def run(q, stores):
             qp = (q if bshd else q.transpose(0, 2, 1, 3)).reshape(packed_shape)
-            o = prepared(_kv.contiguous(qp), stores).reshape(dense_shape)
+            o = prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
             return o if bshd else o.transpose(0, 2, 1, 3)
 
         return run
