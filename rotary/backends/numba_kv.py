@@ -33,8 +33,6 @@ _NO_SCALES = {dt: np.zeros(0, dt) for dt in _WORK}   # the scales argument of fl
 _INT8 = KV_FORMATS["int8"].code
 _NO_ROWS = np.zeros(0, np.int64)   # the q rows and tables of a call without a rotation (not read)
 _NO_TABLE = {dt: runtime.readonly(np.zeros((1, 1), dt)) for dt in _WORK}
-#: stores whose flat buffers are remembered (a cache's layers)
-_STORES_SEEN_MAX = 256
 
 
 def _quantized(kv_dtype) -> bool:
@@ -84,23 +82,13 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
     return run
 
 
-#: id(stores) -> (stores, (k entries, v entries, k scales, v scales) flat): the stores held, so their id is not reused
-_flat_seen: dict = {}
-
-
 def flat_stores(stores, quantized, work):
-    """(k entries, v entries, k scales, v scales) of ``stores`` as the kernels take them (flat buffers; work-dtype
-    placeholders for the scales of float entries), remembered per stores object (a cache's layers)."""
-    entry = _flat_seen.get(id(stores))
-    if entry is not None and entry[0] is stores and entry[2] is quantized:
-        return entry[1]
+    """(k entries, v entries, k scales, v scales) of ``stores`` as the kernels take them: flat buffers, work-dtype
+    placeholders for the scales of float entries."""
     k_ent, v_ent, k_scale, v_scale = stores
-    flat = (runtime.bits(k_ent), runtime.bits(v_ent)) + (
-        (k_scale.reshape(-1), v_scale.reshape(-1)) if quantized else (_NO_SCALES[work], _NO_SCALES[work]))
-    if len(_flat_seen) >= _STORES_SEEN_MAX:
-        _flat_seen.clear()
-    _flat_seen[id(stores)] = (stores, flat, quantized)
-    return flat
+    if quantized:
+        return runtime.bits(k_ent), runtime.bits(v_ent), k_scale.reshape(-1), v_scale.reshape(-1)
+    return runtime.bits(k_ent), runtime.bits(v_ent), _NO_SCALES[work], _NO_SCALES[work]
 
 
 def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):

@@ -256,9 +256,16 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     stores = [(k_pool, "k_pool"), (v_pool, "v_pool")]
     if scales is not None:
         stores += [(scales[0], "scales[0]"), (scales[1], "scales[1]")]
+    host = True
     for a, name in stores:
-        if _is_host(a) and not a.flags.writeable:
-            raise ValueError(f"{name} is read-only")
+        if _is_host(a):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only")
+        else:
+            host = False
+    if host and all(type(a) is np.ndarray for a in arrays) and not _may_share(k_pool, v_pool) and not any(
+            [_may_share(a, pool) for a in arrays for pool, _ in stores]):
+        return   # host arrays whose bounds are apart (np.may_share_memory: no exact overlap test needed)
     if overlaps(k_pool, v_pool):
         raise ValueError("k_pool and v_pool share memory: pass two separate pools")
     for a, name in zip(arrays, names):
@@ -288,7 +295,7 @@ def check_slots(slots, n_tokens, total) -> np.ndarray:
     if n_tokens <= 64:   # decode-sized: cheaper in Python than NumPy's reductions and sort
         values = s.tolist()
         lo, hi = min(values), max(values)
-        used = [x for x in values if x >= 0]
+        used = values if lo >= 0 else [x for x in values if x >= 0]
         repeated = len(set(used)) != len(used)
     else:
         lo, hi = int(s.min()), int(s.max())
