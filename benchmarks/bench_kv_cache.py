@@ -17,7 +17,7 @@ Three tables, in this order:
    writes one position further each call (fresh lines, as appends do), into pools whose pages are all touched.
    The candidates are timed interleaved, round by round; best and median over rounds.
 2. **decode attention** over a cache holding ~1000 keys per sequence (fp32): ``rotary.attention(q,
-   cache)`` (q rotated, then the numba ``paged_attention`` kernel reading the keys where they lie), the same step
+   cache)`` (the numba ``paged_attention`` kernel, q rotated as it reads it, keys read where they lie), the same step
    packed (``cu_seqlens``), a mixed step (one sequence's 16-query chunk with 31 decode tokens, pages in place),
    the kernel alone on rotated q, against ``torch.nn.functional.scaled_dot_product_attention`` on the same keys and values
    gathered beforehand into dense (B, Hk, L, D) tensors (``enable_gqa=True``; the gather not timed), and the
