@@ -521,3 +521,34 @@ def test_jax_state_in_and_out_vmap_and_the_switch(jax64, monkeypatch):
     own = jax.jit(jax.grad(lambda q: (f(q) ** 2).sum()))(q)
     assert not calls and rel_err(own, single) <= 1e-12
     jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q)            # forward mode: JAX's own autodiff
+
+
+# -- the Numba kernels --------------------------------------------------------------------------------------------
+@pytest.mark.skipif("numba" not in BACKWARD_BACKENDS, reason="numba backend unavailable")
+def test_numba_is_auto_for_numpy_and_takes_float16_and_strided_views():
+    """backend="auto" picks the Numba kernels for NumPy arrays (the capability); float16 inputs (computed in
+    float32, gradients in float16) and strided views (a sliced bhsd layout) agree with the float64 oracle."""
+    from rotary.frontend.arguments import pick_backend
+
+    rng = np.random.default_rng(41)
+    q = rng.standard_normal((2, 3, 9, 8))
+    assert pick_backend([q], "auto", "linear_attention_backward").NAME == "numba"
+    big = rng.standard_normal((4, 2 * 3, 9, 8 + 5 + 5))                   # views: every other batch row, strided
+    q, k, v = big[::2, :, :, :8], big[::2, ::3, :, 8:16], big[::2, ::3, :, 13:18]
+    go = rng.standard_normal((2, 6, 9, 5))
+    spec = rotary.RopeSpec(8, base=100.0)
+    kw = dict(causal=True, spec=spec, seq_axis=2, chunk=4, decay=0.9)
+    t = lambda x: np.moveaxis(x, 1, 2)   # noqa: E731
+    want = oracle_grads(t(q), t(k), t(v), np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)), np.arange(9)[None],
+                        spec.inv_freq(), t(go), None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
+                                                                        decay=np.full((2, 2), 0.9), normalize=True))
+    for dtype, tol in ((np.float64, 1e-9), (np.float16, 2e-2)):
+        args = [np.asarray(x, dtype) for x in (q, k, v, go)] if dtype == np.float16 else [q, k, v, go]
+        if dtype == np.float16:   # the oracle of the float16-rounded inputs
+            want = oracle_grads(*(t(np.asarray(x, np.float64)) for x in args[:3]), np.zeros((2, 2, 8, 5)),
+                                np.zeros((2, 2, 8)), np.arange(9)[None], spec.inv_freq(), t(np.asarray(args[3], np.float64)),
+                                None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
+                                                        decay=np.full((2, 2), 0.9), normalize=True))
+        got = linear_attention_backward(*args, backend="numba", **kw)[:3]
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert a.dtype == dtype and rel_err(a, t(b)) <= tol, (name, dtype, rel_err(a, t(b)))
