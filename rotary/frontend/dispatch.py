@@ -26,7 +26,8 @@ def library(a) -> str | None:
     if a is None:
         return None
     if isinstance(a, np.ndarray):
-        return "bfloat16" if a.dtype.name == "bfloat16" else None
+        dtype = a.dtype   # (kind first: dtype.name is a slow property)
+        return "bfloat16" if dtype.kind == "V" and dtype.name == "bfloat16" else None
     root = type(a).__module__.partition(".")[0]
     if root in _MODULES:
         return "jax" if root == "jaxlib" else root
