@@ -249,7 +249,7 @@ def test_frontend_bshd_gqa_decay_state_continues():
     B, T, H, Hk, m, dv = 2, 9, 4, 2, 8, 6
     spec = rotary.RopeSpec(m, base=50.0)
     gamma = np.array([0.8, 0.95])
-    q0, k0, v0 = rng.standard_normal((B, 4, H, m)), rng.standard_normal((B, 4, Hk, m)), rng.standard_normal((B, 4, Hk, dv))
+    q0, k0, v0 = (rng.standard_normal(s) for s in ((B, 4, H, m), (B, 4, Hk, m), (B, 4, Hk, dv)))
     _, st = rotary.linear_attention(q0, k0, v0, causal=True, spec=spec, seq_axis=1, decay=gamma, return_state=True,
                                     backend="numpy")
     q, k, v = rng.standard_normal((B, T, H, m)), rng.standard_normal((B, T, Hk, m)), rng.standard_normal((B, T, Hk, dv))
@@ -288,7 +288,7 @@ def test_frontend_gqa_on_a_middle_axis_with_a_state():
     rng = np.random.default_rng(13)
     B, T, m, dv = 2, 6, 8, 3
     spec = rotary.RopeSpec(m, base=20.0, layout="interleaved")
-    q, k, v = rng.standard_normal((B, T, 4, 2, m)), rng.standard_normal((B, T, 2, 2, m)), rng.standard_normal((B, T, 2, 2, dv))
+    q, k, v = (rng.standard_normal(s) for s in ((B, T, 4, 2, m), (B, T, 2, 2, m), (B, T, 2, 2, dv)))
     _, st = rotary.linear_attention(q[:, :2], k[:, :2], v[:, :2], causal=True, spec=spec, seq_axis=1,
                                     return_state=True, backend="numpy")
     go = rng.standard_normal((B, T, 4, 2, dv))
@@ -302,9 +302,8 @@ def test_frontend_gqa_on_a_middle_axis_with_a_state():
     want = oracle_grads(flat(q), flat(k), flat(v), sflat(st.S), sflat(st.z), 2 + np.arange(T)[None], spec.inv_freq(),
                         flat(go), (sflat(gs[0]), sflat(gs[1])),
                         **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6, decay=None, normalize=True))
-    got = (dq, dk, dv_, dS, dz)
-    for name, a, b in zip(("dq", "dk", "dv", "dS", "dz"), got, (unflat(want[0], 4), unflat(want[1], 2),
-                                                                 unflat(want[2], 2), sunflat(want[3]), sunflat(want[4]))):
+    want = (unflat(want[0], 4), unflat(want[1], 2), unflat(want[2], 2), sunflat(want[3]), sunflat(want[4]))
+    for name, a, b in zip(("dq", "dk", "dv", "dS", "dz"), (dq, dk, dv_, dS, dz), want):
         assert rel_err(a, b) <= 1e-9, (name, rel_err(a, b))
 
 
@@ -329,7 +328,8 @@ def test_frontend_other_arrays_and_float32(kind, request):
         got = [g.numpy() for g in got]
     else:
         jax, _ = request.getfixturevalue("jax64")
-        got = jax.jit(lambda *a: linear_attention_backward(*a, **kw)[:3])(*(jax.numpy.asarray(x) for x in (q, k, v, go)))
+        run = jax.jit(lambda *a: linear_attention_backward(*a, **kw)[:3])
+        got = run(*(jax.numpy.asarray(x) for x in (q, k, v, go)))
         got = [np.asarray(g) for g in got]
     assert all(rel_err(g, r) <= 1e-12 for g, r in zip(got, ref))
 
@@ -397,7 +397,8 @@ def test_torch_op_gradcheck_float64(c):
     q = torch.randn(1, 5, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 5, c["Hk"], 4, generator=gen, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 5, c["Hk"], 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    f = _op(spec, -3, c["causal"], c["feature_map"], c["chunk"], c["decay"], c["normalize"], positions=torch.arange(2, 7))
+    f = _op(spec, -3, c["causal"], c["feature_map"], c["chunk"], c["decay"], c["normalize"],
+            positions=torch.arange(2, 7))
     assert torch.autograd.gradcheck(f, (q, k, v))
 
 
@@ -426,7 +427,8 @@ def test_torch_compiled_training_step_float32(monkeypatch):
 
     calls = []
     real = linear_backward.linear_attention_backward
-    monkeypatch.setattr(linear_backward, "linear_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(linear_backward, "linear_attention_backward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rng = np.random.default_rng(22)
     spec = rotary.RopeSpec(16, base=1000.0)
     q, k, v, go = (rng.standard_normal(s).astype(np.float32) for s in ((1, 12, 4, 16), (1, 12, 2, 16),
@@ -454,7 +456,8 @@ def jax64(monkeypatch):
     jax.config.update("jax_enable_x64", True)
     calls = []
     real = linear_backward.linear_attention_backward
-    monkeypatch.setattr(linear_backward, "linear_attention_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(linear_backward, "linear_attention_backward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     yield jax, calls
     jax.config.update("jax_enable_x64", previous)
 
@@ -512,7 +515,8 @@ def test_jax_state_in_and_out_vmap_and_the_switch(jax64, monkeypatch):
 
     check_grads(jax.jit(loss), (q, k, v, st.S, st.z), order=1, modes=["rev"])
     assert calls
-    batched = jax.jit(jax.vmap(jax.grad(lambda q: (rotary.linear_attention(q[None], k, v, **kw) ** 2).sum())))(q[0][None])
+    one = jax.grad(lambda q: (rotary.linear_attention(q[None], k, v, **kw) ** 2).sum())
+    batched = jax.jit(jax.vmap(one))(q[0][None])
     single = jax.jit(jax.grad(lambda q: (rotary.linear_attention(q, k, v, **kw) ** 2).sum()))(q)
     assert rel_err(batched, single) <= 1e-12
     monkeypatch.setattr(jax_adapter, "HOST_BACKWARD", False)
@@ -539,16 +543,13 @@ def test_numba_is_auto_for_numpy_and_takes_float16_and_strided_views():
     spec = rotary.RopeSpec(8, base=100.0)
     kw = dict(causal=True, spec=spec, seq_axis=2, chunk=4, decay=0.9)
     t = lambda x: np.moveaxis(x, 1, 2)   # noqa: E731
-    want = oracle_grads(t(q), t(k), t(v), np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)), np.arange(9)[None],
-                        spec.inv_freq(), t(go), None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
-                                                                        decay=np.full((2, 2), 0.9), normalize=True))
+    oracle_kw = _spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6, decay=np.full((2, 2), 0.9),
+                                normalize=True)
     for dtype, tol in ((np.float64, 1e-9), (np.float16, 2e-2)):
-        args = [np.asarray(x, dtype) for x in (q, k, v, go)] if dtype == np.float16 else [q, k, v, go]
-        if dtype == np.float16:   # the oracle of the float16-rounded inputs
-            want = oracle_grads(*(t(np.asarray(x, np.float64)) for x in args[:3]), np.zeros((2, 2, 8, 5)),
-                                np.zeros((2, 2, 8)), np.arange(9)[None], spec.inv_freq(), t(np.asarray(args[3], np.float64)),
-                                None, **_spec_oracle_kw(spec, causal=True, feature_map="elu", eps=1e-6,
-                                                        decay=np.full((2, 2), 0.9), normalize=True))
+        args = [np.asarray(x, dtype) for x in (q, k, v, go)]
+        x64 = [t(np.asarray(x, np.float64)) for x in args]                   # float16: the rounded inputs
+        want = oracle_grads(*x64[:3], np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)), np.arange(9)[None],
+                            spec.inv_freq(), x64[3], None, **oracle_kw)
         got = linear_attention_backward(*args, backend="numba", **kw)[:3]
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             assert a.dtype == dtype and rel_err(a, t(b)) <= tol, (name, dtype, rel_err(a, t(b)))

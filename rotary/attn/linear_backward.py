@@ -7,7 +7,8 @@ arguments as the forward does, builds the same cos/sin tables, rows and canonica
 ``backend="auto"`` falls back to the NumPy reference, which takes any array-API array (torch, CuPy, JAX
 included). With a = phi(q), b = phi(k), â, b̂ rotated, g = grad_o::
 
-    dv_s = P_s^T b̂_s,  db_s = R_s^T (P_s v_s) + Q_s,  da_t = R_t^T (S_t gN_t) + gD_t z_t,  dq = phi'(q) da, dk = phi'(k) db
+    dv_s = P_s^T b̂_s,  db_s = R_s^T (P_s v_s) + Q_s,  da_t = R_t^T (S_t gN_t) + gD_t z_t
+    dq = phi'(q) da,  dk = phi'(k) db
 
 with gN_t = g_t / (a_t.z_t + eps), gD_t = -(gN_t . N_t) / (a_t.z_t + eps) (normalize=False: gN = g, gD = 0) and
 P_s, Q_s the gradients at the running state (S_s, z_s) from the tokens >= s and ``grad_state``.

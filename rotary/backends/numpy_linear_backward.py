@@ -25,7 +25,8 @@ gamma^n only): a forward sweep keeps the state before each chunk ((T / C) states
 reverse sweep recomputes the chunk's features, N and D, and with the reverse state (P, Q) after the
 chunk forms, W = tril(gN V^T) . Gamma (C x C)::
 
-    dÂ = gamma^(i+1) gN S_in^T + W B̂        dB̂ = sum_h W^T Â + gamma^(n-1-j) V P^T      dV = sum_h tril(Â B̂^T . Gamma)^T gN + gamma^(n-1-j) B̂ P
+    dÂ = gamma^(i+1) gN S_in^T + W B̂        dB̂ = sum_h W^T Â + gamma^(n-1-j) V P^T
+    dV = sum_h tril(Â B̂^T . Gamma)^T gN + gamma^(n-1-j) B̂ P
     P <- gamma^n P + sum_h Â^T (gamma^(i+1) gN),  likewise Q with gD A
 
 Temporaries are chunk-sized (never a T x T matrix; C x C blocks per chunk). Sums are in the work dtype

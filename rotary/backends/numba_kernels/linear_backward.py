@@ -7,11 +7,12 @@ Causal, per task: a forward sweep over chunks of C tokens keeps the state (S, z)
 (T / C) m dv per task), then a reverse sweep per chunk, with a = phi(q), b = phi(k), hats rotated, gamma^j the
 decay's powers (exponents 0..C only)::
 
-    z_i = gamma^(i+1) z_in + sum_{j<=i} gamma^(i-j) b_j                   N_i = gamma^(i+1) â_i S_in + sum_{j<=i} P_ij v_j
+    z_i = gamma^(i+1) z_in + sum_{j<=i} gamma^(i-j) b_j        N_i = gamma^(i+1) â_i S_in + sum_{j<=i} P_ij v_j
     P_ij = gamma^(i-j) â_i . b̂_j,   gN_i = g_i / (a_i . z_i + eps),   gD_i = -(gN_i . N_i) / (a_i . z_i + eps)
     W_ij = gamma^(i-j) gN_i . v_j   (j <= i)
     dâ_i = gamma^(i+1) S_in gN_i + sum_j W_ij b̂_j          da_i = R_i^T dâ_i + gD_i z_i           dq = phi'(q) da
-    db̂_j = sum_h sum_i W_ij â_i + gamma^(n-1-j) P v_j     db_j = R_j^T db̂_j + sum_h sum_i gamma^(i-j) gD_i a_i + gamma^(n-1-j) Q
+    db̂_j = sum_h sum_i W_ij â_i + gamma^(n-1-j) P v_j
+    db_j = R_j^T db̂_j + sum_h sum_i gamma^(i-j) gD_i a_i + gamma^(n-1-j) Q
     dv_j = sum_h sum_i P_ij gN_i + gamma^(n-1-j) P^T b̂_j
     P <- gamma^n P + sum_h sum_i gamma^(i+1) â_i gN_i^T,     Q <- gamma^n Q + sum_h sum_i gamma^(i+1) gD_i a_i
 
