@@ -1,8 +1,10 @@
 """The KV-cache primitives of the ``numba`` backend: ``append_kv`` and ``paged_attention`` (contract in
 :mod:`rotary.backends`), the glue that turns the caller's arrays into the flat buffers of
-``numba_kernels/kv_cache.py`` and picks the serial or the parallel kernel by size. Buffers, the size rule and the
-launch under Numba's threading layer are :mod:`.numba_runtime`'s (as for the rotation); :mod:`rotary.backends.numba`
-re-exports these primitives and :data:`VARIANTS`.
+``numba_kernels/kv_cache.py``, picks the serial or the parallel kernel by size, and for a parallel attention call of
+few (sequence, k/v head) tasks over long keys the split-K count (:func:`attention_splits`: flash-decoding, each
+sequence's keys cut into parts on several threads, merged by log-sum-exp; its thresholds are this module's
+globals). Buffers, the size rule and the launch under Numba's threading layer are :mod:`.numba_runtime`'s (as for
+the rotation); :mod:`rotary.backends.numba` re-exports these primitives and :data:`VARIANTS`.
 
 They check nothing the frontend already checked: the entries and scales are C-contiguous pool arrays, rows and slots
 valid int64 (a negative slot: a padding token, skipped), the block table's pages in the pool, q_starts increasing
@@ -13,6 +15,7 @@ explicitly, never inferred from the stores' dtype); float8_e4m3 is not among :da
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from . import numba_runtime as runtime
@@ -24,6 +27,20 @@ from .numba_kernels import kv_cache as kernels
 VARIANTS = {"append_kv": (None, "int8"), "paged_attention": (None, "int8")}
 #: an attention call below this many (query row x key x coordinate) products runs on the calling thread
 ATTENTION_PARALLEL_MIN_WORK = 1 << 18
+#: split-K (flash-decoding, :func:`attention_splits`): a parallel attention call of fewer (sequence, k/v head) tasks
+#: than this many per thread (numba.get_num_threads()) cuts each sequence's keys into splits until it has that many
+#: tasks (static scheduling then leaves no thread idle: 8 tasks on 6 threads run as 24, 4 a thread) ...
+SPLIT_TASKS_PER_THREAD = 4
+#: ... but never into splits of fewer keys than this (of the longest key range a row of the call reads): a split's
+#: own cost (q loaded again, its workspace written and merged) stays small beside its keys; a call whose rows read
+#: fewer than 2 x this many keys is never split
+SPLIT_MIN_KEYS = 1024
+#: ... and never into more splits than keep the workspace (per q row and q head and split: head_dim + 2 work values)
+#: within this many bytes (a long prefill chunk of one sequence is split less, or not at all)
+SPLIT_MAX_WORKSPACE = 1 << 24
+#: the split count of every attention call (tests): None follows the rule above; an int >= 1 forces it (the
+#: ``splits`` keyword of :func:`prepare_paged_attention` forces it for one call)
+ATTENTION_SPLITS = None
 #: the window of a call without one (larger than any position difference)
 _NO_WINDOW = 1 << 62
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -102,11 +119,25 @@ def _nothing(*arrays):
     return None
 
 
+def attention_splits(tasks: int, keys: int, threads: int) -> int:
+    """The split-K rule (as CUDA's ``paged_attention_splits``): how many parts a parallel attention call of ``tasks``
+    (sequence, k/v head) pairs cuts each sequence's keys into, ``keys`` the longest key range a row reads, on
+    ``threads`` threads. 1 when the tasks are SPLIT_TASKS_PER_THREAD per thread or more; else enough splits to reach
+    that many tasks, but no more than keep SPLIT_MIN_KEYS keys per split. Batch 1 at 32k keys with 8 k/v heads: 1 split
+    on 2 threads (8 tasks, 4 a thread), min(ceil(64 / 8), 32) = 8 on 16; one k/v head on 2 threads: 8."""
+    target = SPLIT_TASKS_PER_THREAD * max(1, threads)
+    if tasks <= 0 or tasks >= target:
+        return 1
+    return max(1, min(-(-target // tasks), keys // max(1, SPLIT_MIN_KEYS)))
+
+
 def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
-                            rotation=None):
+                            rotation=None, splits=None):
     """``run(q, stores) -> o``: the attention of packed q shaped as ``q`` (T, Hq, D) over these tables in any stores
     of format ``kv_dtype`` (each layer of a step calls it; the ``prepare_paged_attention`` capability), q rotated in
-    the kernel by ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` when given."""
+    the kernel by ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` when given. ``splits`` (None:
+    ATTENTION_SPLITS, else the rule of :func:`attention_splits` for a parallel call) forces the split-K count: each
+    run allocates its own workspace for splits > 1 (runs of one prepared call from several threads share nothing)."""
     quantized = _quantized(kv_dtype)
     n_q, q_heads, head_dim = q.shape
     dtype = np.dtype(q.dtype)
@@ -126,11 +157,29 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         cos, sin, q_rows = runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(q_rows)
         half, interleaved = rotary_dim // 2, layout == "interleaved"
     work_size = int(seq_lens.sum()) * n_q // n * q_heads * head_dim   # exact for a dense step (c queries each)
+    window = _NO_WINDOW if window is None else int(window)
     tail = (runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, None, head_dim, fold,
-            work.type(softcap or 0.0), _ZERO[work], _NO_WINDOW if window is None else int(window), bool(causal),
-            quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved)
+            work.type(softcap or 0.0), _ZERO[work], window, bool(causal), quantized, cos, sin, q_rows, half, rotary_dim,
+            offset, interleaved)
     serial, bits, half_bits = kernels.paged_attention_serial, runtime.bits, dtype == np.float16
-    kernels_of = {}   # kv_heads -> (kernel, tail)
+    forced = ATTENTION_SPLITS if splits is None else splits
+    split_bytes = n_q * q_heads * (head_dim + 2) * work.itemsize   # the workspace of one split
+    kernels_of = {}   # kv_heads -> (kernel, args after the buffers, splits)
+
+    def choose(kv_heads):
+        """(kernel, tail with kv_heads and splits, splits) of calls over stores of kv_heads heads."""
+        pairs = n * kv_heads
+        big = work_size >= ATTENTION_PARALLEL_MIN_WORK
+        if forced is not None:
+            count = max(1, int(forced))
+        elif big and pairs < SPLIT_TASKS_PER_THREAD * numba.get_num_threads():
+            keys = _longest_range(seq_lens, q_starts, window, causal)
+            count = attention_splits(pairs, keys, numba.get_num_threads())
+            count = max(1, min(count, SPLIT_MAX_WORKSPACE // split_bytes))
+        else:
+            count = 1
+        kernel = kernels.paged_attention_parallel if big and pairs * count > 1 else serial
+        return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count,), count
 
     def run(q, stores):
         kv_heads = stores[0].shape[1]
@@ -139,12 +188,14 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
             return o
         chosen = kernels_of.get(kv_heads)
         if chosen is None:
-            parallel = n * kv_heads > 1 and work_size >= ATTENTION_PARALLEL_MIN_WORK
-            chosen = kernels_of[kv_heads] = (kernels.paged_attention_parallel if parallel else serial,
-                                             tail[:5] + (kv_heads,) + tail[6:])
-        kernel, args = chosen
+            chosen = kernels_of[kv_heads] = choose(kv_heads)
+        kernel, args, count = chosen
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
         buffers = (qc.reshape(-1), o.reshape(-1)) if not half_bits else (bits(qc), bits(o))
+        if count > 1:   # this run's own workspace: partial accumulators, then (max, sum), per q row, q head, split
+            buffers += (np.empty(n_q * q_heads * count * head_dim, work), np.empty(n_q * q_heads * count * 2, work))
+        else:
+            buffers += (_NO_SCALES[work], _NO_SCALES[work])
         runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
                        buffers + flat_stores(stores, quantized, work) + args)
         return o
@@ -152,10 +203,20 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
     return run
 
 
+def _longest_range(seq_lens, q_starts, window, causal) -> int:
+    """The most keys a sequence's rows read together (:func:`.numba_kernels.kv_cache.split_keys`' range: causal,
+    from its first query's window on; else all of its keys)."""
+    if not causal or window >= _NO_WINDOW:
+        return int(seq_lens.max())
+    counts = np.diff(q_starts)
+    return int(np.minimum(seq_lens, window + counts - 1).max())
+
+
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
-                    rotation=None):
+                    rotation=None, splits=None):
     """Attention of packed q (T, Hq, D) over each sequence's pages where they lie: sequence i's queries are q's rows
     ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions, q rotated as it is read when
-    ``rotation`` is given; see :mod:`rotary.backends`."""
+    ``rotation`` is given; see :mod:`rotary.backends`. ``splits``: as :func:`prepare_paged_attention`'s."""
     return prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, scale=scale, softcap=softcap,
-                                   window=window, causal=causal, kv_dtype=kv_dtype, rotation=rotation)(q, stores)
+                                   window=window, causal=causal, kv_dtype=kv_dtype, rotation=rotation,
+                                   splits=splits)(q, stores)

@@ -22,6 +22,14 @@ tanh of ``math``), values accumulated by multiply-adds (fused where the CPU has 
 rounding, not bit for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``),
 so a masked key is never read into a row.
 
+Split-K (flash-decoding): a call may cut each sequence's keys into ``splits`` contiguous parts of whole KEY_BLOCKs
+(:func:`split_keys`: the range the sequence's rows read, from its first query's first key to its last key), one task
+per (sequence, k/v head, split), so one long sequence or few k/v heads keep every thread busy. A split's task runs
+the same :func:`attend_task` on the keys of its part (each row's range clipped to it) and leaves its unnormalized
+accumulator and (max, sum) per q row in a work-dtype workspace; :func:`combine_task` then merges the splits by
+log-sum-exp (``m = max m_s``, ``l = sum l_s exp(m_s - m)``, ``o = sum acc_s exp(m_s - m) / l`` over the splits whose
+``l_s`` is not 0; a row no split gave a key gets 0, as with one split). ``splits == 1`` writes o directly.
+
 Buffers as in :mod:`.common`: flat 1-D C-contiguous buffers with int64 offsets and strides, float16 as its
 uint16 bits (converted by :func:`.common.load` / :func:`.common.store`, :func:`load_as`, :func:`vload_as`).
 """
@@ -349,16 +357,32 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
             page, at = page + 1, 0
 
 
+@register_jitable(inline="always")
+def split_keys(length, count, window, causal, split, splits):
+    """(first, last): the keys of split ``split`` of ``splits`` of a sequence of ``length`` keys whose ``count``
+    queries are its last positions: the keys its rows read (causal: from the first query's window on, else all),
+    cut into ``splits`` parts of ceil(keys / splits) keys rounded up to whole KEY_BLOCKs; a part past the last key
+    is empty (last < first)."""
+    first = imax(0, length - count - window + 1) if causal else np.int64(0)
+    keys = imax(0, length - first)
+    per = ((keys + splits - 1) // splits + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+    lo = first + split * per
+    return lo, imin(length - 1, lo + per - 1)
+
+
 @register_jitable
-def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half, rotary_dim,
-                offset, interleaved):
+def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
+                page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows,
+                half, rotary_dim, offset, interleaved, splits):
     """Task = i * kv_heads + h: the queries of sequence i, q's rows q_starts[i] .. q_starts[i + 1] - 1 (q, o flat
     (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
     of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
     position seq_lens[i] - c_i + j. ``zero``: 0 in the work dtype (k_scale's dtype: the scales, or a work-dtype
     array when not ``quantized``). ``rotary_dim > 0``: q row r is rotated as it is loaded, in the work dtype, at table
-    row ``q_rows[r]`` (:func:`rotate_head`, the append's rotation of a key), then scaled by ``fold``."""
+    row ``q_rows[r]`` (:func:`rotate_head`, the append's rotation of a key), then scaled by ``fold``.
+    ``splits > 1``: only the keys of part ``split`` (:func:`split_keys`), and the row's accumulator (not divided)
+    goes to part_o[(r * splits + split) * head_dim ..], its (max, sum) to part_ml[(r * splits + split) * 2 ..]
+    (r = row * q_heads + q head; a row without a key in the part: sum 0), for :func:`combine_task`."""
     i = task // kv_heads
     h = task - i * kv_heads
     groups = q_heads // kv_heads
@@ -367,6 +391,12 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
     count = q_starts[i + 1] - q0
     n_rows = count * groups
     if n_rows <= 0:
+        return
+    k_lo, k_hi = split_keys(length, count, window, causal, split, splits)
+    if k_hi < k_lo and splits > 1:   # a part past the last key: every row's sum 0, nothing else read
+        for r in range(n_rows):
+            j = r // groups
+            part_ml[(((q0 + j) * q_heads + h * groups + r - j * groups) * splits + split) * 2 + 1] = zero
         return
     rb = imin(n_rows, ROW_BLOCK)
     work = k_scale.dtype
@@ -396,9 +426,9 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
                     acc[rr * head_dim + c] = zero
             if causal:
                 at = length - count + j   # the query's position
-                hi[rr], lo[rr] = at, imax(0, at - window + 1)
+                hi[rr], lo[rr] = imin(at, k_hi), imax(k_lo, at - window + 1)
             else:
-                hi[rr], lo[rr] = length - 1, 0
+                hi[rr], lo[rr] = k_hi, k_lo
             first, last = imin(first, lo[rr]), imax(last, hi[rr])
             m[rr] = -np.inf
             den[rr] = zero
@@ -437,40 +467,98 @@ def attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_len
                 add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
         for rr in range(nr):
             j = (r0 + rr) // groups
-            oi = (((q0 + j) * q_heads) + h * groups + (r0 + rr - j * groups)) * head_dim
+            r = (q0 + j) * q_heads + h * groups + (r0 + rr - j * groups)
+            if splits > 1:   # the part's accumulator and (max, sum), merged by combine_task
+                at = (r * splits + split) * head_dim
+                for c in range(head_dim):
+                    part_o[at + c] = acc[rr * head_dim + c]
+                part_ml[(r * splits + split) * 2] = m[rr]
+                part_ml[(r * splits + split) * 2 + 1] = den[rr]
+                continue
             d = den[rr] if den[rr] != zero else math.exp(zero)   # 1: no key seen gives 0 (the reference's rule)
             for c in range(head_dim):
-                store(o, oi + c, acc[rr * head_dim + c] / d)
+                store(o, r * head_dim + c, acc[rr * head_dim + c] / d)
+
+
+@register_jitable
+def combine_task(task, o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim, zero, splits):
+    """The splits of task i * kv_heads + h's rows (sequence i's queries in the q heads of k/v head h) merged by
+    log-sum-exp into o: over the splits s whose sum l_s is not 0, m = max m_s, w_s = exp(m_s - m),
+    o = sum_s w_s acc_s / sum_s w_s l_s; 0 when no split has a key (a split's acc is not read then)."""
+    i = task // kv_heads
+    h = task - i * kv_heads
+    groups = q_heads // kv_heads
+    q0 = q_starts[i]
+    n_rows = (q_starts[i + 1] - q0) * groups
+    if n_rows <= 0:
+        return
+    total = np.empty(head_dim, part_o.dtype)
+    for rr in range(n_rows):
+        j = rr // groups
+        r = (q0 + j) * q_heads + h * groups + (rr - j * groups)
+        ml = r * splits * 2
+        top, seen = zero, False   # the largest max of the splits with keys (in the work dtype)
+        for s in range(splits):
+            if part_ml[ml + 2 * s + 1] != zero and (not seen or part_ml[ml + 2 * s] > top):
+                top, seen = part_ml[ml + 2 * s], True
+        for c in range(head_dim):
+            total[c] = zero
+        den = zero
+        for s in range(splits):
+            l_s = part_ml[ml + 2 * s + 1]
+            if l_s == zero:
+                continue
+            weight = zero + math.exp(part_ml[ml + 2 * s] - top)
+            den += weight * l_s
+            at = (r * splits + s) * head_dim
+            for c in range(head_dim):
+                total[c] += weight * part_o[at + c]
+        d = den if den != zero else math.exp(zero)   # no key in any split: 0 (total is 0)
+        for c in range(head_dim):
+            store(o, r * head_dim + c, total[c] / d)
 
 
 @njit(parallel=True, **KERNEL_JIT)
-def paged_attention_parallel(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
-                             q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin,
-                             q_rows, half, rotary_dim, offset, interleaved):
-    """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head) tasks
-    (:func:`attend_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
-    q_starts[i] .. q_starts[i + 1] - 1; k_ent, v_ent: flat entries (slots, kv_heads, head_dim); k_scale, v_scale:
-    flat scales in the work dtype (any work-dtype arrays when not ``quantized``); block_table (n, W), seq_lens (n,)
-    and q_starts (n + 1,) int64; fold: the scale (over softcap when there is one); softcap: 0 for none; window: the
-    causal window (a huge number for none); cos, sin (R, half) work-dtype tables and q_rows (T,) int64: q's rotation
-    when rotary_dim > 0 (pairs of ``layout`` interleaved or half in [offset, offset + rotary_dim))."""
-    n_tasks = seq_lens.shape[0] * kv_heads
-    for task in prange(n_tasks):
-        attend_task(np.int64(task), q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size,
-                    q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
-                    rotary_dim, offset, interleaved)
+def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
+                             page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos,
+                             sin, q_rows, half, rotary_dim, offset, interleaved, splits):
+    """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head, split)
+    tasks (:func:`attend_task`), then (splits > 1) one over the (sequence, k/v head) pairs merging the splits
+    (:func:`combine_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
+    q_starts[i] .. q_starts[i + 1] - 1; part_o (T * q_heads * splits * head_dim,) and part_ml
+    (T * q_heads * splits * 2,): the work-dtype workspace of the splits (any work-dtype arrays when splits == 1);
+    k_ent, v_ent: flat entries (slots, kv_heads, head_dim); k_scale, v_scale: flat scales in the work dtype (any
+    work-dtype arrays when not ``quantized``); block_table (n, W), seq_lens (n,) and q_starts (n + 1,) int64; fold:
+    the scale (over softcap when there is one); softcap: 0 for none; window: the causal window (a huge number for
+    none); cos, sin (R, half) work-dtype tables and q_rows (T,) int64: q's rotation when rotary_dim > 0 (pairs of
+    ``layout`` interleaved or half in [offset, offset + rotary_dim)). Tasks are numbered split-major (split s of
+    every pair, then s + 1), so the parts of one sequence's keys land on different threads."""
+    n_pairs = seq_lens.shape[0] * kv_heads
+    for task in prange(n_pairs * splits):
+        split = np.int64(task) // n_pairs
+        attend_task(np.int64(task) - split * n_pairs, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale,
+                    block_table, seq_lens, q_starts, page_size, q_heads, kv_heads, head_dim, fold, softcap, zero,
+                    window, causal, quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits)
+    if splits > 1:
+        for task in prange(n_pairs):
+            combine_task(np.int64(task), o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim, zero, splits)
 
 
 @njit(**KERNEL_JIT)
-def paged_attention_serial(q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                           kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
-                           rotary_dim, offset, interleaved):
+def paged_attention_serial(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
+                           page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos,
+                           sin, q_rows, half, rotary_dim, offset, interleaved, splits):
     """paged_attention_parallel on the calling thread (small calls)."""
-    q, o, k_ent, v_ent = borrowed(q), borrowed(o), borrowed(k_ent), borrowed(v_ent)
-    k_scale, v_scale, block_table = borrowed(k_scale), borrowed(v_scale), borrowed(block_table)
-    seq_lens, q_starts, cos, sin, q_rows = borrowed(seq_lens), borrowed(q_starts), borrowed(cos), borrowed(sin), \
-        borrowed(q_rows)
-    for task in range(seq_lens.shape[0] * kv_heads):
-        attend_task(task, q, o, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts, page_size, q_heads,
-                    kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows, half,
-                    rotary_dim, offset, interleaved)
+    q, o, part_o, part_ml = borrowed(q), borrowed(o), borrowed(part_o), borrowed(part_ml)
+    k_ent, v_ent, k_scale, v_scale = borrowed(k_ent), borrowed(v_ent), borrowed(k_scale), borrowed(v_scale)
+    block_table, seq_lens, q_starts = borrowed(block_table), borrowed(seq_lens), borrowed(q_starts)
+    cos, sin, q_rows = borrowed(cos), borrowed(sin), borrowed(q_rows)
+    n_pairs = seq_lens.shape[0] * kv_heads
+    for split in range(splits):
+        for task in range(n_pairs):
+            attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens,
+                        q_starts, page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal,
+                        quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits)
+    if splits > 1:
+        for task in range(n_pairs):
+            combine_task(task, o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim, zero, splits)
