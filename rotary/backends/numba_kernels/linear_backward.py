@@ -25,7 +25,6 @@ phi'(x) = 1 for x > 0, else phi(x) for elu + 1 and 0 for relu.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from numba import njit
@@ -335,20 +334,3 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
 
 _NO_POWERS = np.ones((1, 1, 1))
 _NO_POWERS.flags.writeable = False
-
-
-def _refresh_when_helpers_changed():
-    """The cached kernel inlines helpers of other files (``simd.py``, ``../feature_maps.py``): when the package's
-    helper digest stamp (``refresh_after_helper_edits``) is newer than this file, mark this file changed so that
-    Numba compiles the kernel once more (its documented cache rule: the source file's modification time)."""
-    from . import _STAMP
-
-    here = os.path.abspath(__file__)
-    try:
-        if os.path.getmtime(_STAMP) > os.path.getmtime(here):
-            os.utime(here)
-    except OSError:
-        pass
-
-
-_refresh_when_helpers_changed()
