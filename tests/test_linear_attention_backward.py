@@ -445,6 +445,68 @@ def test_torch_compiled_training_step_float32(monkeypatch):
         assert a.dtype == torch.float32 and rel_err(a.numpy(), b) <= 2e-5, (name, rel_err(a.numpy(), b))
 
 
+def test_torch_eager_autograd_runs_the_op_and_its_backward(monkeypatch):
+    """Eager calls on tensors that require grad (named feature map, no state, no packing) run the custom op: the
+    kernels forward, the backward primitive backward (counted), backend="numba" accepted; per-head decay, spec
+    keywords, a layout string and NumPy positions go through it; gradients against the float64 oracle."""
+    from rotary.attn import linear_backward
+    from rotary.interop import torch_adapter
+
+    calls = []
+    real = linear_backward.linear_attention_backward
+    monkeypatch.setattr(linear_backward, "linear_attention_backward",
+                        lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    rng = np.random.default_rng(23)
+    q, k, v, go = (rng.standard_normal(s) for s in ((2, 11, 4, 8), (2, 11, 2, 8), (2, 11, 2, 5), (2, 11, 4, 5)))
+    dec = np.array([0.9, 0.7])
+    spec = rotary.RopeSpec(8, base=50.0, layout="interleaved")
+    want = oracle_grads(q, k, v, np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)), 3 + np.arange(11)[None],
+                        spec.inv_freq(), go, None, **_spec_oracle_kw(spec, causal=True, feature_map="relu", eps=1e-6,
+                                                                      decay=np.tile(dec, (2, 1)), normalize=True))
+    for backend in [b for b in ("auto", "numba", "numpy") if b == "auto" or b in BACKWARD_BACKENDS]:
+        leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        o = rotary.linear_attention(*leaves, np.arange(3, 14), causal=True, feature_map="relu", decay=dec, chunk=4,
+                                    base=50.0, layout="interleaved", seq_axis="bshd", backend=backend)
+        assert "rotary_linear_attention" in type(o.grad_fn).__name__
+        grads = torch.autograd.grad(o, leaves, torch.tensor(go))
+        assert calls[-1] == backend
+        for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+            assert rel_err(a.numpy(), b) <= 1e-9, (backend, name, rel_err(a.numpy(), b))
+    # the switch: the differentiable reference path (torch operations; double backward works there)
+    monkeypatch.setattr(torch_adapter, "OP_BACKWARD", False)
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    o = rotary.linear_attention(*leaves, causal=True, seq_axis=1, decay=dec)
+    assert "rotary_linear_attention" not in type(o.grad_fn).__name__
+    dq, = torch.autograd.grad(o, leaves[0], torch.tensor(go), create_graph=True)
+    dq.sum().backward()
+    monkeypatch.setattr(torch_adapter, "OP_BACKWARD", True)
+    # forms the op does not take: the reference path, and a named kernel backend refused naming the fix
+    o, st = rotary.linear_attention(*leaves, causal=True, seq_axis=1, return_state=True)
+    assert "rotary_linear_attention" not in type(o.grad_fn).__name__ and st.S.requires_grad
+    with pytest.raises(ValueError, match="backend='numba' cannot run this linear_attention call"):
+        rotary.linear_attention(*leaves, causal=True, seq_axis=1, backend="numba", feature_map=lambda x: x * x)
+
+
+def test_torch_compiled_per_head_decay():
+    """A per-head decay (NumPy array) reaches the op as a float64 tensor under torch.compile(fullgraph=True)."""
+    rng = np.random.default_rng(24)
+    q, k, v, go = (rng.standard_normal(s).astype(np.float32) for s in ((1, 9, 4, 8), (1, 9, 2, 8), (1, 9, 2, 4),
+                                                                         (1, 9, 4, 4)))
+    dec = np.array([0.95, 0.6])
+    leaves = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    fn = lambda q, k, v: rotary.linear_attention(q, k, v, seq_axis=1, causal=True, decay=dec, chunk=4)  # noqa: E731
+    o = torch.compile(fn, fullgraph=True, backend="eager")(*leaves)
+    expect = rotary.linear_attention(q, k, v, seq_axis=1, causal=True, decay=dec, chunk=4)
+    assert np.allclose(o.detach().numpy(), expect, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(o, leaves, torch.tensor(go))
+    want = oracle_grads(q, k, v, np.zeros((1, 2, 8, 4)), np.zeros((1, 2, 8)), np.arange(9)[None],
+                        rotary.RopeSpec(8).inv_freq(), go, None,
+                        **_spec_oracle_kw(rotary.RopeSpec(8), causal=True, feature_map="elu", eps=1e-6,
+                                          decay=dec[None], normalize=True))
+    for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        assert rel_err(a.numpy(), b) <= 2e-5, (name, rel_err(a.numpy(), b))
+
+
 # -- JAX: a custom_vjp whose backward is the primitive on the host ---------------------------------------------
 @pytest.fixture
 def jax64(monkeypatch):

@@ -10,8 +10,11 @@ torch tensors on CUDA (their bfloat16 instantiation; ``out=`` then costs one cop
 Autograd: when grad is enabled and an input requires grad, rotation runs inside
 :class:`torch.autograd.Function` ``_Rotate`` whose backward is the same rotation with ``inverse``
 flipped (``(a R_p)^T = a R_{-p}``, a the attention scaling); double backward works the same way.
-Linear attention with grad (or a callable feature map) runs the reference array-API path on the
-tensors themselves (torch operations, differentiable by torch); see docs/interop.md.
+Linear attention with grad runs as the custom op ``torch.ops.rotary.linear_attention`` (:mod:`.torch_ops`:
+the kernels forward, the backend's ``linear_attention_backward`` primitive backward) when the op takes the
+call (a named feature map, no state, no ``return_state``, no packing); other calls with grad, and callable
+feature maps, run the reference array-API path on the tensors themselves (torch operations, differentiable
+by torch; also with :data:`OP_BACKWARD` = False); see docs/interop.md.
 
 Importing this module registers rotary's torch custom ops and their ``torch.compile`` handlers
 (:mod:`.torch_ops`; torch 2.4 or later), so a model that has called rotary once compiles with
@@ -240,10 +243,61 @@ def rotate(core, xs, outs, names, positions, **kwargs):
     return _rotate_plain(core, xs, outs, names, positions, kwargs)
 
 
+#: Eager autograd of ``rotary.linear_attention`` through ``torch.ops.rotary.linear_attention`` (the kernels'
+#: forward, the ``linear_attention_backward`` primitive as its backward) for the calls the op takes. False: the
+#: differentiable reference path (torch operations on the tensors; double backward, forward-mode AD).
+OP_BACKWARD = True
+
+#: the frontend keywords whose defaults an op call keeps (a state, packing: the reference path)
+_NO_OP = (("state", None), ("return_state", False), ("cu_seqlens", None), ("seqlen_offsets", None))
+
+
+def _op_call(q, k, v, positions, kwargs):
+    """The arguments of ``torch.ops.rotary.linear_attention`` for this call, or None when the op cannot take it:
+    a callable feature map, a state, ``return_state=True``, a packed batch, positions that are not None, an
+    int, a tensor or integers (those become an int64 tensor), or a torch without custom ops."""
+    torch = _torch()
+    if not hasattr(torch.library, "custom_op") or callable(kwargs.get("feature_map", "elu")):
+        return None
+    if any(kwargs.get(name, default) is not default for name, default in _NO_OP):
+        return None
+    if positions is not None and not isinstance(positions, (int, torch.Tensor)) or isinstance(positions, bool):
+        try:
+            ints = np.asarray(positions)
+        except (TypeError, ValueError):   # (a CuPy array: the reference path takes it)
+            return None
+        if ints.dtype.kind not in "iu":
+            return None
+        positions = torch.from_numpy(ints.astype(np.int64))
+    if isinstance(positions, torch.Tensor) and (positions.dtype.is_floating_point or positions.dtype.is_complex):
+        return None
+    from . import torch_ops
+
+    named = _frontend_keywords()
+    call = dict(kwargs, q=q, k=k, v=v, positions=positions)
+    spec_kwargs = {name: value for name, value in kwargs.items() if name not in named}
+    return torch_ops.linear_op_args(call, spec_kwargs)
+
+
+_KEYWORDS = []
+
+
+def _frontend_keywords():
+    """The names of ``rotary.linear_attention``'s own parameters (the rest of a call's keywords: spec keywords)."""
+    if not _KEYWORDS:
+        import inspect
+
+        from ..attn.linear import linear_attention as frontend
+
+        _KEYWORDS.append(frozenset(inspect.signature(frontend).parameters) - {"spec_kwargs"})
+    return _KEYWORDS[0]
+
+
 def linear_attention(core, q, k, v, positions=None, **kwargs):
     """``rotary.linear_attention`` for torch tensors: kernels when no grad is needed and the feature map
-    is a name; else the reference path on the tensors (differentiable; a callable feature map sees
-    torch tensors)."""
+    is a name; with grad, the custom op ``torch.ops.rotary.linear_attention`` (the kernels forward, the
+    backward primitive backward: :data:`OP_BACKWARD`) for the calls it takes; else the reference path on the
+    tensors (differentiable; a callable feature map sees torch tensors)."""
     torch = _torch()
     names = ("q", "k", "v")
     for a, name in zip((q, k, v), names):
@@ -258,13 +312,18 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
                             f"{type(a).__module__}.{type(a).__name__}")
     state_arrays = [a for a in state_arrays if a is not None]
     dev = _check_device([q, k, v] + state_arrays, list(names) + ["state.S", "state.z"], backend)
-    reference = (_needs_grad([q, k, v] + state_arrays) or callable(kwargs.get("feature_map", "elu"))
-                 or (dev.type == "cpu" and q.dtype == torch.bfloat16))
+    grad = _needs_grad([q, k, v] + state_arrays)
+    if grad and OP_BACKWARD:
+        op_args = _op_call(q, k, v, positions, kwargs)
+        if op_args is not None:   # the kernels forward and the backward primitive (torch.ops.rotary.linear_attention)
+            return torch.ops.rotary.linear_attention(*op_args)
+    reference = grad or callable(kwargs.get("feature_map", "elu")) or (dev.type == "cpu" and q.dtype == torch.bfloat16)
     if reference:
         if backend not in ("auto", "numpy"):
-            raise ValueError(f"backend={backend!r} cannot run this linear_attention call (inputs that require "
-                             "grad or a callable feature map use the differentiable reference path): pass "
-                             "backend='auto' or 'numpy', or call under torch.no_grad() with a named feature_map")
+            raise ValueError(f"backend={backend!r} cannot run this linear_attention call (inputs that require grad "
+                             "with a callable feature map, a state, return_state=True or cu_seqlens, or a callable "
+                             "feature map, use the differentiable reference path): pass backend='auto' or 'numpy', "
+                             "or call under torch.no_grad() with a named feature_map")
         return core(q, k, v, positions, **dict(kwargs, backend="numpy"))
     with _Bridge(dev) as bridge:
         if not bridge.native(q):

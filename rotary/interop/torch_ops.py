@@ -279,21 +279,29 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 # -- linear attention ------------------------------------------------------------------------------
+def _decay(decay, decay_heads):
+    """The frontend's ``decay``: the scalar, or the per-head values of ``decay_heads`` (a float64 tensor in k's
+    axes other than the sequence and last ones, or any shape that broadcasts to them) as a NumPy array."""
+    return decay if decay_heads is None else decay_heads.detach().cpu().numpy()
+
+
 def _linear_call(q, k, v, positions, offset, spec, seq_axis, causal, feature_map, eps, chunk, decay, normalize,
-                 backend):
+                 backend, decay_heads=None):
     return _linear_attention(q, k, v, _positions(positions, offset), causal=causal, feature_map=feature_map, eps=eps,
-                             spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk, decay=decay,
-                             normalize=normalize, backend=backend)
+                             spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk,
+                             decay=_decay(decay, decay_heads), normalize=normalize, backend=backend)
 
 
 @torch.library.custom_op(f"{_NS}::linear_attention", mutates_args=())
 def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None, offset: int,
                      spec: str, seq_axis: int, causal: bool, feature_map: str, eps: float, chunk: int,
-                     decay: float | None, normalize: bool, backend: str) -> torch.Tensor:
-    """``rotary.linear_attention`` with a named feature map and no state."""
+                     decay: float | None, normalize: bool, backend: str,
+                     decay_heads: torch.Tensor | None = None) -> torch.Tensor:
+    """``rotary.linear_attention`` with a named feature map and no state (``decay_heads``: a per-head decay as a
+    float64 tensor, ``decay`` then None)."""
     with torch.no_grad():
         o = _linear_call(q, k, v, positions, offset, spec, seq_axis, causal, feature_map, eps, chunk, decay,
-                         normalize, backend)
+                         normalize, backend, decay_heads)
     return _fresh(o, [q, k, v])
 
 
@@ -306,7 +314,8 @@ def _(q, k, v, *args):
 def linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               positions: torch.Tensor | None, offset: int, spec: str, seq_axis: int, causal: bool,
                               feature_map: str, eps: float, chunk: int, decay: float | None, normalize: bool,
-                              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              backend: str, decay_heads: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of :func:`linear_attention`: the backend's ``linear_attention_backward`` primitive through
     :func:`rotary.attn.linear_backward.linear_attention_backward` (CPU tensors as NumPy views: the Numba kernels
     where the backend has them, else the NumPy reference; CUDA tensors through the reference's torch
@@ -327,8 +336,8 @@ def linear_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
     with torch.no_grad():
         dq, dk, dv, _ = _backward(arg(q), arg(k), arg(v), arg(grad), _positions(_host(positions), offset),
                                   causal=causal, feature_map=feature_map, eps=eps,
-                                  spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk, decay=decay,
-                                  normalize=normalize, backend=backend)
+                                  spec=_spec(spec, q.shape[-1], "q"), seq_axis=seq_axis, chunk=chunk,
+                                  decay=_decay(decay, decay_heads), normalize=normalize, backend=backend)
     if cpu:
         dq, dk, dv = (torch.from_numpy(np.ascontiguousarray(d)) for d in (dq, dk, dv))
     return tuple(_fresh(d.to(a.dtype), [grad, q, k, v]) for d, a in zip((dq, dk, dv), (q, k, v)))
@@ -357,7 +366,7 @@ def _linear_setup(ctx, inputs, output):
 def _linear_backward(ctx, grad):
     q, k, v, positions = ctx.saved_tensors
     dq, dk, dv = linear_attention_backward(grad, q, k, v, positions, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 12
 
 
 linear_attention.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -444,6 +453,35 @@ def _axis(call, spec_kwargs, x, name):
     return normalize_seq_axis(seq_axis, x.ndim, name)
 
 
+def _split_decay(decay):
+    """(decay, decay_heads) for the linear-attention ops: a scalar (or None) as itself, per-head values (a NumPy
+    array, or the tensor Dynamo makes of one) as a float64 tensor."""
+    if decay is None or isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        return decay, None
+    if isinstance(decay, np.generic) or (isinstance(decay, np.ndarray) and decay.ndim == 0):
+        return float(decay), None
+    return None, torch.as_tensor(decay, dtype=torch.float64)
+
+
+def linear_op_args(call, spec_kwargs):
+    """The arguments of ``torch.ops.rotary.linear_attention`` for a ``rotary.linear_attention`` call (``call``: its
+    arguments by name, q, k and v torch tensors, positions a tensor, an int or None; ``spec_kwargs``: its spec
+    keywords), or None when the call has no op form (a callable feature map). The Dynamo handler and the torch
+    adapter's eager autograd (:func:`rotary.interop.torch_adapter.linear_attention`) both build the op call
+    here."""
+    q = call["q"]
+    feature_map = _get(call, "feature_map", "elu")
+    if not isinstance(feature_map, str):
+        return None
+    axis = _axis(call, spec_kwargs, q, "q")
+    tensor, offset = _split(call.get("positions"))
+    key = spec_key(_get(call, "spec", None), spec_kwargs)
+    decay, decay_heads = _split_decay(_get(call, "decay", None))
+    return (q, call["k"], call["v"], tensor, offset, key, axis, _get(call, "causal", False), feature_map,
+            _get(call, "eps", 1e-6), _get(call, "chunk", 64), decay, _get(call, "normalize", True),
+            _get(call, "backend", "auto"), decay_heads)
+
+
 def _handlers():
     def rotate_op(call, spec_kwargs):
         x = call["x"]
@@ -478,17 +516,8 @@ def _handlers():
             _get(call, "block_size", 512), _get(call, "backend", "auto"))
 
     def linear_op(call, spec_kwargs):
-        q, k, v = call["q"], call["k"], call["v"]
-        feature_map = _get(call, "feature_map", "elu")
-        if not isinstance(feature_map, str):
-            return None
-        axis = _axis(call, spec_kwargs, q, "q")
-        tensor, offset = _split(call.get("positions"))
-        key = spec_key(_get(call, "spec", None), spec_kwargs)
-        return torch.ops.rotary.linear_attention(
-            q, k, v, tensor, offset, key, axis, _get(call, "causal", False), feature_map,
-            _get(call, "eps", 1e-6), _get(call, "chunk", 64), _get(call, "decay", None),
-            _get(call, "normalize", True), _get(call, "backend", "auto"))
+        args = linear_op_args(call, spec_kwargs)
+        return None if args is None else torch.ops.rotary.linear_attention(*args)
 
     common = {"positions", "spec", "seq_axis", "backend"}
     return (
