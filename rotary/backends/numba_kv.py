@@ -38,8 +38,9 @@ SPLIT_MIN_KEYS = 1024
 #: ... and never into more splits than keep the workspace (per q row and q head and split: head_dim + 2 work values)
 #: within this many bytes (a long prefill chunk of one sequence is split less, or not at all)
 SPLIT_MAX_WORKSPACE = 1 << 24
-#: the split count of every attention call (tests): None follows the rule above; an int >= 1 forces it (the
-#: ``splits`` keyword of :func:`prepare_paged_attention` forces it for one call)
+#: the split count of every attention call (tests; read, as the thresholds above, when a prepared call first runs
+#: over stores of a number of k/v heads): None follows the rule above; an int >= 1 forces it (the ``splits`` keyword
+#: of :func:`prepare_paged_attention` forces it for one call)
 ATTENTION_SPLITS = None
 #: the window of a call without one (larger than any position difference)
 _NO_WINDOW = 1 << 62
@@ -162,7 +163,6 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
             work.type(softcap or 0.0), _ZERO[work], window, bool(causal), quantized, cos, sin, q_rows, half, rotary_dim,
             offset, interleaved)
     serial, bits, half_bits = kernels.paged_attention_serial, runtime.bits, dtype == np.float16
-    forced = ATTENTION_SPLITS if splits is None else splits
     split_bytes = n_q * q_heads * (head_dim + 2) * work.itemsize   # the workspace of one split
     kernels_of = {}   # kv_heads -> (kernel, args after the buffers, splits)
 
@@ -170,11 +170,11 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         """(kernel, tail with kv_heads and splits, splits) of calls over stores of kv_heads heads."""
         pairs = n * kv_heads
         big = work_size >= ATTENTION_PARALLEL_MIN_WORK
+        forced = ATTENTION_SPLITS if splits is None else splits
         if forced is not None:
             count = max(1, int(forced))
-        elif big and pairs < SPLIT_TASKS_PER_THREAD * numba.get_num_threads():
-            keys = _longest_range(seq_lens, q_starts, window, causal)
-            count = attention_splits(pairs, keys, numba.get_num_threads())
+        elif big and pairs < SPLIT_TASKS_PER_THREAD * (threads := numba.get_num_threads()):
+            count = attention_splits(pairs, _longest_range(seq_lens, q_starts, window, causal), threads)
             count = max(1, min(count, SPLIT_MAX_WORKSPACE // split_bytes))
         else:
             count = 1

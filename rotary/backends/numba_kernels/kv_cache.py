@@ -372,8 +372,8 @@ def split_keys(length, count, window, causal, split, splits):
 
 @register_jitable
 def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
-                page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin, q_rows,
-                half, rotary_dim, offset, interleaved, splits):
+                page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin,
+                q_rows, half, rotary_dim, offset, interleaved, splits):
     """Task = i * kv_heads + h: the queries of sequence i, q's rows q_starts[i] .. q_starts[i + 1] - 1 (q, o flat
     (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
     of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
@@ -520,8 +520,8 @@ def combine_task(task, o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim
 
 @njit(parallel=True, **KERNEL_JIT)
 def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
-                             page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos,
-                             sin, q_rows, half, rotary_dim, offset, interleaved, splits):
+                             page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized,
+                             cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits):
     """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head, split)
     tasks (:func:`attend_task`), then (splits > 1) one over the (sequence, k/v head) pairs merging the splits
     (:func:`combine_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
