@@ -107,7 +107,7 @@ def linear_attention_backward(q, k, v, grad_o, positions=None, *, causal=False, 
         d = from_canonical(d, shape, wax, xp)
         if perm is not None:
             d = xp.permute_dims(d, tuple(int(i) for i in np.argsort(perm)))
-        return xp.astype(d, like.dtype)
+        return xp.astype(d, like.dtype, copy=False)   # (the backends' fresh arrays: no copy in like's dtype)
 
     if seq_len == 0:
         dev = xp_device(q)

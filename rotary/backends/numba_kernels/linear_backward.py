@@ -49,22 +49,13 @@ from numba.extending import register_jitable
 
 from ..feature_maps import CODES as FEATURE_MAPS
 from .common import borrowed, element_offset, imin, load, store
-from .linear_attention import (NO_NEXT_LOAD, TILE_ROWS, aligned_zeros, keep_alive, load_features, load_values,
-                               madd_tile, padded, tile_width, transpose_rows)
+from .linear_attention import (TILE_ROWS, aligned_zeros, dot_f64, keep_alive, load_features, load_values,
+                               madd_tile, next_load, padded, streams, tile_width, transpose_rows)
 from .rotation import rotate_pairs_simd
-from .simd import KERNEL_JIT, lanes, vload, vmadd, vsum, vzeros
+from .simd import (KERNEL_JIT, is_aligned, lanes, store_fence, vadd, vload, vmadd, vmul, vsplat, vstore, vstore_stream,
+                   vsum, vzeros)
 
 _IDENTITY, _ELU = FEATURE_MAPS["identity"], FEATURE_MAPS["elu"]   # compile-time constants of the kernels
-
-
-@register_jitable
-def slope(f, feature_map):
-    """phi'(x) from f = phi(x): 1 (identity), min(f, 1) (elu + 1), 1 if f > 0 else 0 (relu)."""
-    if feature_map == _IDENTITY:
-        return 1.0
-    if feature_map == _ELU:
-        return f if f < 1.0 else 1.0
-    return 1.0 if f > 0 else 0.0
 
 
 def shifted(a, k0, rows):
@@ -104,8 +95,8 @@ def dot_work(x, xi, y, yi, n):
 
 @register_jitable
 def unrotate_row(x, i, out, cos, sin, row, half, rotary_dim, interleaved):
-    """out[0, :m] = R^T x[i, :m] (table row ``row``: the inverse rotation; features past rotary_dim copied)."""
-    m = out.shape[1]
+    """out[0, :m] = R^T x[i, :m] (m = rotary_dim and the features after it in x's row up to out's width; table
+    row ``row``: the inverse rotation; features past rotary_dim copied)."""
     done = rotate_pairs_simd(x, i * x.shape[1], out, 0, cos, sin, row, half, interleaved, True)
     step, second = (2, 1) if interleaved else (1, half)
     for p in range(done, half):
@@ -114,31 +105,181 @@ def unrotate_row(x, i, out, cos, sin, row, half, rotary_dim, interleaved):
         xa, xb = x[i, a], x[i, a + second]
         out[0, a] = xa * c - xb * s
         out[0, a + second] = xb * c + xa * s
-    for j in range(rotary_dim, m):
+    for j in range(rotary_dim, out.shape[1]):
         out[0, j] = x[i, j]
 
 
 @register_jitable
-def store_grad(d, g, b, t, h, ur, extra, extra_row, coef, feats, feats_row, m, feature_map):
-    """d[b, t, h, :m] = (ur[0, :m] + coef * extra[extra_row, :m]) * phi'(feats[feats_row, :m]) rounded to d's
-    dtype (g: d's geometry; ``coef`` 0 leaves extra unread)."""
-    base = element_offset(g[0], g[1], g[2], g[3], b, t, h)
-    step = g[4]
-    if coef != 0:
-        for r in range(m):
-            store(d, base + r * step, (ur[0, r] + coef * extra[extra_row, r]) * slope(feats[feats_row, r], feature_map))
-    else:
-        for r in range(m):
-            store(d, base + r * step, ur[0, r] * slope(feats[feats_row, r], feature_map))
+def slopes(f, sl, n, m, feature_map):
+    """sl[i, :m] = phi'(x) from f[i, :m] = phi(x), i < n: 1 (identity), min(f, 1) (elu + 1), [f > 0] (relu)."""
+    for i in range(n):
+        fr, sr = f[i], sl[i]
+        if feature_map == _ELU:
+            for r in range(m):
+                sr[r] = fr[r] if fr[r] < 1 else 1
+        elif feature_map == _IDENTITY:
+            for r in range(m):
+                sr[r] = 1
+        else:
+            for r in range(m):
+                sr[r] = 1 if fr[r] > 0 else 0
 
 
 @register_jitable
-def store_rows(d, g, b, t0, n, h, src, cols):
-    """d[b, t0 + i, h, :cols] = src[i, :cols] for i < n, rounded to d's dtype."""
+def grad_rows(d, g, b, t0, n, h, src, ur, cos, sin, rows, rb, half, rotary_dim, interleaved, extra, coef, sl, m,
+              with_extra, stream):
+    """d[b, t0 + i, h, :m] = (R_i^T src[i] + coef[0, i] extra[i]) * sl[i] for i < n (``with_extra`` False: without
+    the second term), rounded to d's dtype (g: d's geometry; d's work dtype is src's). ``stream``
+    (:func:`.linear_attention.streams`): rows of whole vectors at aligned addresses by non-temporal stores."""
+    width = lanes(ur)
+    full = m - m % width
+    row = ur[0]
+    for i in range(n):
+        unrotate_row(src, i, ur, cos, sin, rows[rb, t0 + i], half, rotary_dim, interleaved)
+        e0, s0 = i * extra.shape[1], i * sl.shape[1]
+        cv = vsplat(coef[0, i])
+        for r in range(0, full, width):
+            x = vload(ur, r)
+            if with_extra:
+                x = vmadd(x, cv, vload(extra, e0 + r))
+            vstore(ur, r, vmul(x, vload(sl, s0 + r)))
+        for r in range(full, m):
+            x = row[r]
+            if with_extra:
+                x += coef[0, i] * extra[i, r]
+            row[r] = x * sl[i, r]
+        base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
+        if stream and g[4] == 1 and full == m and is_aligned(d, base):
+            for r in range(0, m, width):
+                vstore_stream(d, base + r, vload(ur, r))
+        elif g[4] == 1:
+            for r in range(0, full, width):
+                vstore(d, base + r, vload(ur, r))
+            for r in range(full, m):
+                store(d, base + r, row[r])
+        else:
+            for r in range(m):
+                store(d, base + r * g[4], row[r])
+
+
+@register_jitable
+def store_rows(d, g, b, t0, n, h, src, cols, stream):
+    """d[b, t0 + i, h, :cols] = src[i, :cols] for i < n, rounded to d's dtype (src's work dtype is d's; ``stream``
+    as in :func:`grad_rows`)."""
+    width = lanes(src)
+    full = cols - cols % width
     for i in range(n):
         base = element_offset(g[0], g[1], g[2], g[3], b, t0 + i, h)
-        for c in range(cols):
-            store(d, base + c * g[4], src[i, c])
+        s0 = i * src.shape[1]
+        if stream and g[4] == 1 and full == cols and is_aligned(d, base):
+            for c in range(0, cols, width):
+                vstore_stream(d, base + c, vload(src, s0 + c))
+        elif g[4] == 1:
+            for c in range(0, full, width):
+                vstore(d, base + c, vload(src, s0 + c))
+            for c in range(full, cols):
+                store(d, base + c, src[i, c])
+        else:
+            for c in range(cols):
+                store(d, base + c * g[4], src[i, c])
+
+
+@register_jitable
+def scale_rows(x, factors, n, cols):
+    """x[i, :cols] *= factors[0, i] for i < n (whole vectors: x's rows padded)."""
+    width = lanes(x)
+    for i in range(n):
+        f = vsplat(factors[0, i])
+        x0 = i * x.shape[1]
+        for c in range(0, cols, width):
+            vstore(x, x0 + c, vmul(vload(x, x0 + c), f))
+
+
+@register_jitable
+def scaled_rows(x, factors, out, n, cols):
+    """out[i, :cols] = x[i, :cols] * factors[0, i] for i < n (whole vectors: rows padded)."""
+    width = lanes(x)
+    for i in range(n):
+        f = vsplat(factors[0, i])
+        x0, o0 = i * x.shape[1], i * out.shape[1]
+        for c in range(0, cols, width):
+            vstore(out, o0 + c, vmul(vload(x, x0 + c), f))
+
+
+@register_jitable
+def zero_rows(x, n):
+    """x[:n, :] = 0 (whole vectors: rows padded)."""
+    width = lanes(x)
+    zero = vzeros(x)
+    for i in range(n):
+        for c in range(0, x.shape[1], width):
+            vstore(x, i * x.shape[1] + c, zero)
+
+
+@register_jitable
+def z_recurrence(z0, f, z_rows, z_work, n, m, gamma, decayed):
+    """z_rows[i] = gamma z_rows[i - 1] + f[i] from z0 (float64, ``decayed`` False: gamma not applied), and z_work[i]
+    the same rows in the work dtype, i < n."""
+    for r in range(m):
+        z_rows[0, r] = z0[r] * gamma + f[0, r] if decayed else z0[r] + f[0, r]
+    for i in range(1, n):
+        prev, cur, fr = z_rows[i - 1], z_rows[i], f[i]
+        if decayed:
+            for r in range(m):
+                cur[r] = prev[r] * gamma + fr[r]
+        else:
+            for r in range(m):
+                cur[r] = prev[r] + fr[r]
+    for i in range(n):
+        zr, zw = z_rows[i], z_work[i]
+        for r in range(m):
+            zw[r] = zr[r]
+
+
+@register_jitable
+def inverse_denominators(f, z, z_row_step, inv, n, m, eps):
+    """inv[0, i] = 1 / (f[i] . z[i * z_row_step] + eps) for i < n (the sum in float64, as the forward's; f work
+    dtype, z float64 rows, z_row_step 0: one z for every row; inv work dtype)."""
+    for i in range(n):
+        inv[0, i] = 1.0 / (dot_f64(f[i], z[i * z_row_step], m) + eps)
+
+
+@register_jitable
+def reverse_terms(f, gd, pw_w, gamma_w, decayed, q_add, rec, dbf, n, m):
+    """The chunk's terms of gD (work dtype, i < n rows, m features in whole vectors: rows padded)::
+
+        q_add += sum_i gamma^(i+1) gD_i f_i        dbf[j] += sum_(i>=j) gamma^(i-j) gD_i f_i  (a reverse recurrence)
+    """
+    width = lanes(f)
+    gv = vsplat(gamma_w)
+    zero = vzeros(f)
+    for r in range(0, m, width):
+        vstore(rec, r, zero)
+    for i in range(n - 1, -1, -1):
+        g = vsplat(gd[0, i])
+        gi = vsplat(gd[0, i] * pw_w[0, i + 1])
+        f0, d0 = i * f.shape[1], i * dbf.shape[1]
+        for r in range(0, m, width):
+            a = vload(f, f0 + r)
+            vstore(q_add, r, vmadd(vload(q_add, r), gi, a))
+            x = vload(rec, r)
+            x = vmadd(vmul(x, gv) if decayed else x, g, a)
+            vstore(rec, r, x)
+            vstore(dbf, d0 + r, vadd(vload(dbf, d0 + r), x))
+
+
+@register_jitable(inline="always")   # a few instructions: inlined, no compile of its own
+def earlier_load(h, first_h, end_h, t, n, chunk):
+    """(head, first token, rows) of the load after rows t.. of head h in a walk over heads first_h..end_h-1
+    inside each chunk of ``chunk`` tokens (this one: n rows), chunks from the last to the first (the reverse
+    sweep's order; chunk starts are multiples of ``chunk``): the next head's rows of this chunk, or the first
+    head's rows of the chunk before (0 rows before the first). The prefetch hint of
+    :func:`.linear_attention.load_features`."""
+    if h + 1 < end_h:
+        return np.int64(h + 1), np.int64(t), np.int64(n)
+    if t == 0:
+        return np.int64(first_h), np.int64(0), np.int64(0)
+    return np.int64(first_h), np.int64(t - chunk), np.int64(chunk)
 
 
 @register_jitable
@@ -162,9 +303,10 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                           seq_len, half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers,
                           decayed, normalize, first, last):
     """Tasks first..last-1 (task = b * Hk + hk) of the backward; see the module docstring. q, k, v, go, dq, dk, dv:
-    flat buffers (float16 as uint16 bits) with their (7, 5) int64 geometry rows (offset, sB, sS, sH, sD) in that
-    order; cos, sin work dtype; rows (1 or B, T) int64; state_s, state_z, grad_s, grad_z (B, Hk, m, dv) / (B, Hk, m)
-    and d_s, d_z (written) work dtype; powers float64 (B, Hk, chunk + 1) (read when ``decayed``)."""
+    flat buffers of one dtype (float16 as uint16 bits) with their (7, 5) int64 geometry rows (offset, sB, sS, sH,
+    sD) in that order; cos, sin work dtype; rows (1 or B, T) int64; state_s, state_z, grad_s, grad_z
+    (B, Hk, m, dv) / (B, Hk, m) and d_s, d_z (written) work dtype; powers float64 (B, Hk, chunk + 1) (read when
+    ``decayed``)."""
     n_heads, m, dvd = state_s.shape[1], state_s.shape[2], state_s.shape[3]
     keep = (q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s, state_z, grad_s, grad_z, d_s, d_z, powers)
     q, k, v, go, dq, dk, dv = borrowed(q), borrowed(k), borrowed(v), borrowed(go), borrowed(dq), borrowed(dk), \
@@ -175,39 +317,46 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     cp, mw, dvw = padded(chunk, width), padded(m, width), padded(dvd, width)
     n_chunks = (seq_len + chunk - 1) // chunk
     saved_n = n_chunks if causal else 1
-    # work-dtype chunk buffers, padded to whole tiles (2-D, 64-byte aligned: the forward's aligned_zeros)
-    kf_o, k_rows_o, k_hat_t_o = aligned_zeros(cp, m, work), aligned_zeros(cp, m, work), aligned_zeros(mw, cp, work)
-    kh_o, kw_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, m, work)
+    # work-dtype chunk buffers, padded to whole tiles (2-D, 64-byte aligned: the forward's aligned_zeros). The
+    # rotated rows (k_rows, q_rows) are load_features' scratch: rows of mw, the tiles' b operands as they are
+    kf_o, k_rows_o, k_hat_t_o = aligned_zeros(cp, m, work), aligned_zeros(cp, mw, work), aligned_zeros(mw, cp, work)
+    ksl_o, kw_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work)
     vals_o, vt_o, vw_o = aligned_zeros(cp, dvw, work), aligned_zeros(dvw, cp, work), aligned_zeros(cp, dvw, work)
-    qf_o, q_rows_o, q_hat_t_o = aligned_zeros(cp, m, work), aligned_zeros(cp, m, work), aligned_zeros(mw, cp, work)
-    qh_o, gn_o, gns_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, dvw, work), aligned_zeros(cp, dvw, work)
+    qf_o, q_rows_o, q_hat_t_o = aligned_zeros(cp, m, work), aligned_zeros(cp, mw, work), aligned_zeros(mw, cp, work)
+    qsl_o, gn_o, gns_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, dvw, work), aligned_zeros(cp, dvw, work)
     w_o, wt_o, pt_o = aligned_zeros(cp, cp, work), aligned_zeros(cp + 1, cp, work), aligned_zeros(cp + 1, cp, work)
     x_o, dkh_o, dvv_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work), aligned_zeros(cp, dvw, work)
     s_chunk_o, p_add_o = aligned_zeros(mw, dvw, work), aligned_zeros(mw, dvw, work)
     p_work_o, p_t_o = aligned_zeros(mw, dvw, work), aligned_zeros(dvw, mw, work)
-    ur_o, gdot_o = aligned_zeros(1, mw, work), aligned_zeros(1, cp, work)
+    dbf_o, z_work_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work)
+    ur_o, rowsw_o, vecw_o = aligned_zeros(1, mw, work), aligned_zeros(4, cp, work), aligned_zeros(2, mw, work)
     saved_o = aligned_zeros(saved_n * dvw, mw, work)                 # S_in^T of every chunk (causal), or S^T
-    pw_w_o, pw_rev_o = aligned_zeros(1, chunk + 1, work), aligned_zeros(1, chunk + 1, work)
-    # float64: the carries, denominators, the z rows and the db rows of the reverse recurrence
+    pw_w_o = aligned_zeros(4, chunk + 1, work)   # gamma^j, gamma^(n-1-j) of a chunk, gamma^(j+1), gamma^(chunk-j)
+    # float64: the carries (S, z, P, Q), the z rows and the denominators, as the forward's
     s64_o, p64_o = aligned_zeros(m, dvd, np.float64), aligned_zeros(m, dvd, np.float64)
     z_starts_o, z_rows_o = aligned_zeros(saved_n, m, np.float64), aligned_zeros(cp, m, np.float64)
-    dbf_o, vec64_o = aligned_zeros(cp, m, np.float64), aligned_zeros(4, m, np.float64)   # z, Q, Q_add, recurrence
-    rowv_o, pw_o = aligned_zeros(3, cp, np.float64), aligned_zeros(1, chunk + 1, np.float64)   # inv, gD, -
-    kf, k_rows, k_hat_t, kh, kw = borrowed(kf_o), borrowed(k_rows_o), borrowed(k_hat_t_o), borrowed(kh_o), \
+    vec64_o, pw_o = aligned_zeros(2, m, np.float64), aligned_zeros(1, chunk + 1, np.float64)
+    kf, k_rows, k_hat_t, ksl, kw = borrowed(kf_o), borrowed(k_rows_o), borrowed(k_hat_t_o), borrowed(ksl_o), \
         borrowed(kw_o)
     vals, vt, vw = borrowed(vals_o), borrowed(vt_o), borrowed(vw_o)
-    qf, q_rows, q_hat_t, qh = borrowed(qf_o), borrowed(q_rows_o), borrowed(q_hat_t_o), borrowed(qh_o)
+    qf, q_rows, q_hat_t, qsl = borrowed(qf_o), borrowed(q_rows_o), borrowed(q_hat_t_o), borrowed(qsl_o)
     gn, gns, W, Wt, Pt = borrowed(gn_o), borrowed(gns_o), borrowed(w_o), borrowed(wt_o), borrowed(pt_o)
-    X, dkh, dvv = borrowed(x_o), borrowed(dkh_o), borrowed(dvv_o)
+    X, dkh, dvv, dbf, z_work = borrowed(x_o), borrowed(dkh_o), borrowed(dvv_o), borrowed(dbf_o), borrowed(z_work_o)
     s_chunk, p_add, p_work, p_t = borrowed(s_chunk_o), borrowed(p_add_o), borrowed(p_work_o), borrowed(p_t_o)
-    ur, gdot, saved = borrowed(ur_o), borrowed(gdot_o), borrowed(saved_o)
-    pw_w, pw_rev, pw = borrowed(pw_w_o), borrowed(pw_rev_o), borrowed(pw_o)
+    ur, rows_w, vec_w, saved = borrowed(ur_o), borrowed(rowsw_o), borrowed(vecw_o), borrowed(saved_o)
+    pw_w, pw = borrowed(pw_w_o), borrowed(pw_o)
     S64, P64, z_starts, z_rows = borrowed(s64_o), borrowed(p64_o), borrowed(z_starts_o), borrowed(z_rows_o)
-    dbf, vec64, rowv = borrowed(dbf_o), borrowed(vec64_o), borrowed(rowv_o)
-    zc, Q, q_add, rec = vec64[0], vec64[1], vec64[2], vec64[3]
-    inv, gD = rowv[0], rowv[1]
+    vec64 = borrowed(vec64_o)
+    zc, Q = vec64[0], vec64[1]
+    inv, ones, gdot, gD_w = rows_w[0:1], rows_w[1:2], rows_w[2:3], rows_w[3:4]   # per row of a chunk
+    for i in range(cp):
+        ones[0, i] = 1
+    tail_w, inter_w, rev_w = pw_w[1:2], pw_w[2:3], pw_w[3:4]
+    q_add, rec = vec_w[0], vec_w[1]
     fresh, accumulate, as_columns = np.bool_(False), np.bool_(True), np.bool_(True)
     per_batch = rows.shape[0] > 1
+    # large gradients (much larger than the caches) written by non-temporal stores, as the forward writes o
+    stream_q, stream_k, stream_v = streams(dq, ur[0]), streams(dk, ur[0]), streams(dv, ur[0])
     for task in range(first, last):
         b, hk = task // n_heads, task % n_heads
         rb = b if per_batch else 0
@@ -215,7 +364,9 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
             pw[0, j] = powers[b, hk, j] if decayed else 1.0
             pw_w[0, j] = pw[0, j]
         for j in range(chunk + 1):
-            pw_rev[0, j] = pw_w[0, chunk - j]
+            rev_w[0, j] = pw_w[0, chunk - j]
+        for j in range(chunk):
+            inter_w[0, j] = pw_w[0, j + 1]
         gamma = pw[0, 1]
         for r in range(m):
             zc[r] = state_z[b, hk, r]
@@ -233,9 +384,10 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     z_starts[c, r] = zc[r]
                     for col in range(dvd):
                         sv[col, r] = S64[r, col]
+            after = next_load(hk, hk, hk + 1, t0, chunk, seq_len)
             load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, kf,
-                          k_rows, k_hat_t, as_columns, NO_NEXT_LOAD)
-            load_values(v, geo[2], b, hk, t0, n, vals, dvd, NO_NEXT_LOAD)
+                          k_rows, k_hat_t, as_columns, after)
+            load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
             for i in range(n):
                 if decayed:
                     for r in range(m):
@@ -244,14 +396,20 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     for r in range(m):
                         zc[r] += kf[i, r]
             if decayed:
+                for j in range(n):
+                    tail_w[0, j] = pw_w[0, n - 1 - j]
                 for r in range(m):
                     for j in range(n):
-                        k_hat_t[r, j] *= pw_w[0, n - 1 - j]
+                        k_hat_t[r, j] *= tail_w[0, j]
             product(k_hat_t, vals, s_chunk, 0, m, 0, dvd, n, fresh)
             keep_n = pw[0, n]
             for r in range(m):
-                for col in range(dvd):
-                    S64[r, col] = S64[r, col] * keep_n + s_chunk[r, col] if decayed else S64[r, col] + s_chunk[r, col]
+                if decayed:
+                    for col in range(dvd):
+                        S64[r, col] = S64[r, col] * keep_n + s_chunk[r, col]
+                else:
+                    for col in range(dvd):
+                        S64[r, col] += s_chunk[r, col]
         if not causal:
             for r in range(m):
                 z_starts[0, r] = zc[r]
@@ -264,136 +422,110 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 t0 = c * chunk
                 n = imin(chunk, seq_len - t0)
                 sv = saved[c * dvw:(c + 1) * dvw]
+                after = earlier_load(hk, hk, hk + 1, t0, n, chunk)
                 load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                              kf, k_rows, k_hat_t, as_columns, NO_NEXT_LOAD)
-                load_values(v, geo[2], b, hk, t0, n, vals, dvd, NO_NEXT_LOAD)
+                              kf, k_rows, k_hat_t, as_columns, after)
+                load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
+                slopes(kf, ksl, n, m, feature_map)
                 transposed(vals, vt, n)
-                for i in range(n):
-                    w_i = pw_w[0, n - 1 - i]
-                    for r in range(m):
-                        kh[i, r] = k_rows[i, r]
-                        if decayed:
-                            kw[i, r] = k_rows[i, r] * w_i
-                    if decayed:
-                        for col in range(dvd):
-                            vw[i, col] = vals[i, col] * w_i
+                if decayed:
+                    for j in range(n):
+                        tail_w[0, j] = pw_w[0, n - 1 - j]
+                    scaled_rows(vals, tail_w, vw, n, dvw)
+                    scaled_rows(k_rows, tail_w, kw, n, mw)
                 if normalize:
-                    for r in range(m):
-                        rec[r] = z_starts[c, r]
-                    for i in range(n):
-                        for r in range(m):
-                            rec[r] = rec[r] * gamma + kf[i, r] if decayed else rec[r] + kf[i, r]
-                            z_rows[i, r] = rec[r]
-                for i in range(cp):
-                    for r in range(mw):
-                        dkh[i, r] = 0
-                    for col in range(dvw):
-                        dvv[i, col] = 0
-                    for r in range(m):
-                        dbf[i, r] = 0.0
-                for r in range(m):
-                    q_add[r] = 0.0
+                    z_recurrence(z_starts[c], kf, z_rows, z_work, n, m, gamma, decayed)
+                zero_rows(dkh, cp)
+                zero_rows(dvv, cp)
+                zero_rows(dbf, cp)
+                for r in range(mw):
+                    q_add[r] = 0
                 for g in range(groups):
                     h = hk * groups + g
+                    after = earlier_load(h, hk * groups, (hk + 1) * groups, t0, n, chunk)
                     load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                                  qf, q_rows, q_hat_t, as_columns, NO_NEXT_LOAD)
-                    load_values(go, geo[3], b, h, t0, n, gn, dvd, NO_NEXT_LOAD)
-                    for i in range(n):
-                        for r in range(m):
-                            qh[i, r] = q_rows[i, r]
-                        if normalize:
-                            den = eps
-                            for r in range(m):
-                                den += np.float64(qf[i, r]) * z_rows[i, r]
-                            inv[i] = 1.0 / den
-                            for col in range(dvd):
-                                gn[i, col] = gn[i, col] * inv[i]
+                                  qf, q_rows, q_hat_t, as_columns, after)
+                    load_values(go, geo[3], b, h, t0, n, gn, dvd, after)
+                    slopes(qf, qsl, n, m, feature_map)
+                    if normalize:
+                        inverse_denominators(qf, z_rows, 1, inv, n, m, eps)
+                        scale_rows(gn, inv, n, dvw)
                     # W = tril(gN V^T) . Gamma, then W^T
                     for i0 in range(0, n, TILE_ROWS):
                         end = imin(i0 + TILE_ROWS, n)
                         for j0 in range(0, end, width):
                             madd_tile(gn, vt, W, i0, j0, dvd, fresh)
                         for i in range(i0, end):
+                            wr = W[i]
                             for j in range(i + 1, end):
-                                W[i, j] = 0
+                                wr[j] = 0
                             if decayed:
+                                off = chunk - i
                                 for j in range(i + 1):
-                                    W[i, j] *= pw_rev[0, chunk - i + j]
+                                    wr[j] *= rev_w[0, off + j]
                     transposed(W, Wt, n)
                     # Pt = triu(B̂ Â^T) (the decay after the gD sums, which pair it with the decayed W)
                     for j0 in range(0, n, TILE_ROWS):
                         for i0 in range(j0 - j0 % width, n, width):
                             madd_tile(k_rows, q_hat_t, Pt, j0, i0, m, fresh)
                         for j in range(j0, imin(j0 + TILE_ROWS, n)):
+                            pr = Pt[j]
                             for i in range(j0, j):
-                                Pt[j, i] = 0
+                                pr[i] = 0
                     # X = gamma^(i+1) gN S_in^T
                     product(gn, sv, X, 0, n, 0, m, dvd, fresh)
                     if decayed:
-                        for i in range(n):
-                            f = pw_w[0, i + 1]
-                            for r in range(m):
-                                X[i, r] *= f
+                        scale_rows(X, inter_w, n, mw)
                     if normalize:
+                        gdot_row = gdot[0]
                         for i in range(n):
-                            gdot[0, i] = 0
+                            gdot_row[i] = 0
                         for j in range(n):
+                            pr, wr = Pt[j], Wt[j]
                             for i in range(j, n):
-                                gdot[0, i] += Pt[j, i] * Wt[j, i]
+                                gdot_row[i] += pr[i] * wr[i]
                         for i in range(n):
-                            gD[i] = -(np.float64(dot_work(q_rows, i * m, X, i * mw, m)) + np.float64(gdot[0, i])) \
-                                * inv[i]
+                            gD_w[0, i] = -(np.float64(dot_work(q_rows, i * mw, X, i * mw, m))
+                                           + np.float64(gdot_row[i])) * inv[0, i]
                     if decayed:
                         for j in range(n):
+                            pr = Pt[j]
                             for i in range(j, n):
-                                Pt[j, i] *= pw_w[0, i - j]
+                                pr[i] *= pw_w[0, i - j]
                     # dÂ = X + W B̂ (the depth of each row block up to its last row), then dq
                     for i0 in range(0, n, TILE_ROWS):
                         end = imin(i0 + TILE_ROWS, n)
                         for j0 in range(0, m, width):
-                            madd_tile(W, kh, X, i0, j0, end, accumulate)
-                    for i in range(n):
-                        unrotate_row(X, i, ur, cos, sin, rows[rb, t0 + i], half, rotary_dim, interleaved)
-                        store_grad(dq, geo[4], b, t0 + i, h, ur, z_rows, i, gD[i] if normalize else 0.0, qf, i, m,
-                                   feature_map)
+                            madd_tile(W, k_rows, X, i0, j0, end, accumulate)
+                    grad_rows(dq, geo[4], b, t0, n, h, X, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
+                              z_work, gD_w, qsl, m, normalize, stream_q)
                     # dB̂ += W^T Â, dV += Pt gN (the depth of each row block from its first row)
                     for j0 in range(0, n, TILE_ROWS):
                         wt_s, pt_s = shifted(Wt, j0, cp), shifted(Pt, j0, cp)
-                        qh_s, gn_s = qh[j0:], gn[j0:]
+                        qh_s, gn_s = q_rows[j0:], gn[j0:]
                         for c0 in range(0, m, width):
                             madd_tile(wt_s, qh_s, dkh, j0, c0, n - j0, accumulate)
                         for c0 in range(0, dvd, width):
                             madd_tile(pt_s, gn_s, dvv, j0, c0, n - j0, accumulate)
                     # the reverse state's chunk terms
                     if decayed:
-                        for i in range(n):
-                            f = pw_w[0, i + 1]
-                            for col in range(dvd):
-                                gns[i, col] = gn[i, col] * f
+                        scaled_rows(gn, inter_w, gns, n, dvw)
                         product(q_hat_t, gns, p_add, 0, m, 0, dvd, n, accumulate if g > 0 else fresh)
                     else:
                         product(q_hat_t, gn, p_add, 0, m, 0, dvd, n, accumulate if g > 0 else fresh)
                     if normalize:
-                        for r in range(m):
-                            rec[r] = 0.0
-                        for i in range(n - 1, -1, -1):
-                            gd = gD[i]
-                            f = pw[0, i + 1] * gd
-                            for r in range(m):
-                                a_r = np.float64(qf[i, r])
-                                q_add[r] += f * a_r
-                                rec[r] = rec[r] * gamma + gd * a_r if decayed else rec[r] + gd * a_r
-                                dbf[i, r] += rec[r]
+                        reverse_terms(qf, gD_w, pw_w, pw_w[0, 1], decayed, q_add, rec, dbf, n, m)
                 # the later chunks' and the state out's terms, then dk, dv
                 product(vw if decayed else vals, p_t, dkh, 0, n, 0, m, dvd, accumulate)
                 product(kw if decayed else k_rows, p_work, dvv, 0, n, 0, dvd, m, accumulate)
                 for j in range(n):
                     w_j = pw[0, n - 1 - j]
+                    dr = dbf[j]
                     for r in range(m):
-                        dbf[j, r] += w_j * Q[r]
-                    unrotate_row(dkh, j, ur, cos, sin, rows[rb, t0 + j], half, rotary_dim, interleaved)
-                    store_grad(dk, geo[5], b, t0 + j, hk, ur, dbf, j, 1.0, kf, j, m, feature_map)
-                store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd)
+                        dr[r] += w_j * Q[r]
+                grad_rows(dk, geo[5], b, t0, n, hk, dkh, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
+                          dbf, ones, ksl, m, True, stream_k)
+                store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd, stream_v)
                 keep_n = pw[0, n]
                 for r in range(m):
                     Q[r] = Q[r] * keep_n + q_add[r]
@@ -402,60 +534,62 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 to_work(P64, p_work, p_t, m, dvd)
         else:
             # 2'. non-causal: dq and (P, Q) from the whole (S, z), then dk, dv from them
+            z_all = z_starts[0:1]
+            for i in range(cp):   # (the z rows of grad_rows: one z for every row)
+                for r in range(m):
+                    z_work[i, r] = z_all[0, r]
             for c in range(n_chunks):
                 t0 = c * chunk
                 n = imin(chunk, seq_len - t0)
-                for r in range(m):
-                    q_add[r] = 0.0
+                for r in range(mw):
+                    q_add[r] = 0
                 for g in range(groups):
                     h = hk * groups + g
+                    after = next_load(h, hk * groups, (hk + 1) * groups, t0, chunk, seq_len)
                     load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                                  qf, q_rows, q_hat_t, as_columns, NO_NEXT_LOAD)
-                    load_values(go, geo[3], b, h, t0, n, gn, dvd, NO_NEXT_LOAD)
+                                  qf, q_rows, q_hat_t, as_columns, after)
+                    load_values(go, geo[3], b, h, t0, n, gn, dvd, after)
+                    slopes(qf, qsl, n, m, feature_map)
+                    if normalize:
+                        inverse_denominators(qf, z_all, 0, inv, n, m, eps)
+                        scale_rows(gn, inv, n, dvw)
+                    product(gn, saved, X, 0, n, 0, m, dvd, fresh)
                     if normalize:
                         for i in range(n):
-                            den = eps
-                            for r in range(m):
-                                den += np.float64(qf[i, r]) * z_starts[0, r]
-                            inv[i] = 1.0 / den
-                            for col in range(dvd):
-                                gn[i, col] = gn[i, col] * inv[i]
-                    product(gn, saved, X, 0, n, 0, m, dvd, fresh)
-                    for i in range(n):
-                        gd = 0.0
-                        if normalize:
-                            gd = -np.float64(dot_work(q_rows, i * m, X, i * mw, m)) * inv[i]
-                            for r in range(m):
-                                q_add[r] += gd * np.float64(qf[i, r])
-                        unrotate_row(X, i, ur, cos, sin, rows[rb, t0 + i], half, rotary_dim, interleaved)
-                        store_grad(dq, geo[4], b, t0 + i, h, ur, z_starts, 0, gd, qf, i, m, feature_map)
+                            gD_w[0, i] = -np.float64(dot_work(q_rows, i * mw, X, i * mw, m)) * inv[0, i]
+                        reverse_terms(qf, gD_w, pw_w, pw_w[0, 1], False, q_add, rec, dbf, n, m)
+                    grad_rows(dq, geo[4], b, t0, n, h, X, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
+                              z_work, gD_w, qsl, m, normalize, stream_q)
                     product(q_hat_t, gn, p_add, 0, m, 0, dvd, n, accumulate if g > 0 else fresh)
                 for r in range(m):
                     Q[r] += q_add[r]
                     for col in range(dvd):
                         P64[r, col] += p_add[r, col]
             to_work(P64, p_work, p_t, m, dvd)
+            for j in range(cp):
+                for r in range(m):
+                    dbf[j, r] = Q[r]
             for c in range(n_chunks):
                 t0 = c * chunk
                 n = imin(chunk, seq_len - t0)
+                after = next_load(hk, hk, hk + 1, t0, chunk, seq_len)
                 load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                              kf, k_rows, k_hat_t, as_columns, NO_NEXT_LOAD)
-                load_values(v, geo[2], b, hk, t0, n, vals, dvd, NO_NEXT_LOAD)
+                              kf, k_rows, k_hat_t, as_columns, after)
+                load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
+                slopes(kf, ksl, n, m, feature_map)
                 product(vals, p_t, dkh, 0, n, 0, m, dvd, fresh)
                 product(k_rows, p_work, dvv, 0, n, 0, dvd, m, fresh)
-                for j in range(n):
-                    for r in range(m):
-                        dbf[j, r] = Q[r]
-                    unrotate_row(dkh, j, ur, cos, sin, rows[rb, t0 + j], half, rotary_dim, interleaved)
-                    store_grad(dk, geo[5], b, t0 + j, hk, ur, dbf, j, 1.0, kf, j, m, feature_map)
-                store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd)
+                grad_rows(dk, geo[5], b, t0, n, hk, dkh, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
+                          dbf, ones, ksl, m, True, stream_k)
+                store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd, stream_v)
         for r in range(m):
             d_z[b, hk, r] = Q[r]
             for col in range(dvd):
                 d_s[b, hk, r, col] = P64[r, col]
-    keep_alive((kf_o, k_rows_o, k_hat_t_o, kh_o, kw_o, vals_o, vt_o, vw_o, qf_o, q_rows_o, q_hat_t_o, qh_o, gn_o,
-                gns_o, w_o, wt_o, pt_o, x_o, dkh_o, dvv_o, s_chunk_o, p_add_o, p_work_o, p_t_o, ur_o, gdot_o,
-                saved_o, pw_w_o, pw_rev_o, s64_o, p64_o, z_starts_o, z_rows_o, dbf_o, vec64_o, rowv_o, pw_o, keep))
+    store_fence()   # the non-temporal stores ordered before whatever the caller does next
+    keep_alive((kf_o, k_rows_o, k_hat_t_o, ksl_o, kw_o, vals_o, vt_o, vw_o, qf_o, q_rows_o, q_hat_t_o, qsl_o, gn_o,
+                gns_o, w_o, wt_o, pt_o, x_o, dkh_o, dvv_o, s_chunk_o, p_add_o, p_work_o, p_t_o, dbf_o, z_work_o, ur_o,
+                rowsw_o, vecw_o, saved_o, pw_w_o, s64_o, p64_o, z_starts_o, z_rows_o, vec64_o, pw_o, keep))
 
 
 # -- the backend's primitive ---------------------------------------------------------------------------------
@@ -489,7 +623,9 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
     gS, gz = (None, None) if grad_state is None else grad_state
     s_shape, z_shape = (B, Hk, m, dvd), (B, Hk, m)
     args_state = (state_arg(S0, s_shape), state_arg(z0, z_shape), state_arg(gS, s_shape), state_arg(gz, z_shape))
-    dq, dk, dv = np.empty((B, T, H, m), q.dtype), np.empty((B, T, Hk, m), k.dtype), np.empty((B, T, Hk, dvd), v.dtype)
+    from ..numba import _aligned_empty   # rows on cache-line boundaries: large gradients are streamed
+
+    dq, dk, dv = (_aligned_empty(shape, q.dtype) for shape in ((B, T, H, m), (B, T, Hk, m), (B, T, Hk, dvd)))
     d_s, d_z = np.empty(s_shape, work), np.empty(z_shape, work)
     step = max(1, min(int(chunk), T)) if T else 1
     if B * Hk and T:
@@ -497,6 +633,8 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
         sin = _runtime.readonly_c(sin if sin.dtype == work else np.asarray(sin, work))
         rows = _runtime.readonly_c(np.asarray(rows, np.int64))
         powers = _runtime.readonly(decay_powers(np.asarray(decay, np.float64), step)) if decayed else _NO_POWERS
+        if grad_o.dtype != q.dtype:   # (one dtype for every buffer; its rows are read in the work dtype anyway)
+            grad_o = grad_o.astype(q.dtype)
         bufs, geo = _runtime.flat_buffers((q, k, v, grad_o, dq, dk, dv))
         for buf in bufs[:4]:
             buf.flags.writeable = False   # one compiled signature for read-only and writable inputs
