@@ -34,6 +34,7 @@ from . import primitives as _kv
 from .pages import PageBook
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+_may_share = np.may_share_memory
 _LAYOUTS = ("bshd", "bhsd")
 
 
@@ -592,8 +593,10 @@ class KVCache:
             step = memo[0]
             if step.done[i]:
                 self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
-            pools = self._layer_pools[i]
-            _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
+            region = self._region   # the cache's own memory (its writable buffer): k, v apart from it are apart
+            if region is None or _may_share(k, region) or _may_share(v, region):   # from every pool
+                pools = self._layer_pools[i]
+                _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], None)
             pack = memo[3]
             memo[2](pack(k), pack(v), self._layer_stores[i])
             step.done[i] = True
