@@ -20,7 +20,7 @@ Causal, per task, with a = phi(q), b = phi(k), hats rotated, chunks of C tokens,
        W = tril(gN V^T) . Gamma                       Pt = triu(B̂ Â^T) . Gamma^T  (Pt = P^T, no P formed)
        X = gamma^(i+1) gN S_in^T                      gD_i = -(â_i . X_i + sum_j Pt_ji W'_ij) / (a_i . z_i + eps)
        dÂ = X + W B̂                                   da = R^T dÂ + gD z          dq = phi'(q) da
-       dB̂ += W^T Â        dV += Pt gN                 P_add += Â^T (gamma^(i+1) gN)     Q_add += sum_i gamma^(i+1) gD_i a_i
+       dB̂ += W^T Â        dV += Pt gN         P_add += Â^T (gamma^(i+1) gN)      Q_add += sum_i gamma^(i+1) gD_i a_i
        db_j += sum_(i>=j) gamma^(i-j) gD_i a_i        (a reverse recurrence over the rows, float64)
 
    (W' = W without its decay factors: gN_i . N_i = â_i . X_i + sum_j P_ij (gN_i . v_j), so the numerator N
@@ -48,12 +48,12 @@ from numba import njit
 from numba.extending import register_jitable
 
 from ..feature_maps import CODES as FEATURE_MAPS
-from .common import borrowed, element_offset, imin, load, store
-from .linear_attention import (TILE_ROWS, aligned_zeros, dot_f64, keep_alive, load_features, load_values,
+from .common import borrowed, element_offset, imin, store
+from .linear_attention import (TILE_ROWS, aligned_zeros, keep_alive, load_features, load_values,
                                madd_tile, next_load, padded, streams, tile_width, transpose_rows)
 from .rotation import rotate_pairs_simd
-from .simd import (KERNEL_JIT, is_aligned, lanes, store_fence, vadd, vload, vmadd, vmul, vsplat, vstore, vstore_stream,
-                   vsum, vzeros)
+from .simd import (KERNEL_JIT, is_aligned, lanes, store_fence, vadd, vload, vload_widened, vmadd, vmul, vsplat, vstore,
+                   vstore_stream, vsum, vzeros)
 
 _IDENTITY, _ELU = FEATURE_MAPS["identity"], FEATURE_MAPS["elu"]   # compile-time constants of the kernels
 
@@ -80,33 +80,20 @@ def product(a, b, c, row0, rows, col0, cols, depth, accumulate):
 
 
 @register_jitable
-def dot_work(x, xi, y, yi, n):
-    """sum_{j < n} x.flat[xi + j] y.flat[yi + j] in the work dtype (lanes-wide partial sums, then across lanes)."""
+def row_dots(x, y, out, n, m):
+    """out[0, i] = x[i, :m] . y[i, :m] for i < n, in the work dtype (lanes-wide partial sums, then across lanes, then
+    the last m % lanes terms)."""
     width = lanes(x)
-    full = n - n % width
-    acc = vzeros(x)
-    for j in range(0, full, width):
-        acc = vmadd(acc, vload(x, xi + j), vload(y, yi + j))
-    total = vsum(acc)
-    for j in range(full, n):
-        total += x.reshape(-1)[xi + j] * y.reshape(-1)[yi + j]
-    return total
-
-
-@register_jitable
-def unrotate_row(x, i, out, cos, sin, row, half, rotary_dim, interleaved):
-    """out[0, :m] = R^T x[i, :m] (m = rotary_dim and the features after it in x's row up to out's width; table
-    row ``row``: the inverse rotation; features past rotary_dim copied)."""
-    done = rotate_pairs_simd(x, i * x.shape[1], out, 0, cos, sin, row, half, interleaved, True)
-    step, second = (2, 1) if interleaved else (1, half)
-    for p in range(done, half):
-        c, s = cos[row, p], -sin[row, p]
-        a = p * step
-        xa, xb = x[i, a], x[i, a + second]
-        out[0, a] = xa * c - xb * s
-        out[0, a + second] = xb * c + xa * s
-    for j in range(rotary_dim, out.shape[1]):
-        out[0, j] = x[i, j]
+    full = m - m % width
+    xm, ym = x.shape[1], y.shape[1]
+    for i in range(n):
+        acc = vzeros(x)
+        for j in range(0, full, width):
+            acc = vmadd(acc, vload(x, i * xm + j), vload(y, i * ym + j))
+        total = vsum(acc)
+        for j in range(full, m):
+            total += x[i, j] * y[i, j]
+        out[0, i] = total
 
 
 @register_jitable
@@ -134,8 +121,18 @@ def grad_rows(d, g, b, t0, n, h, src, ur, cos, sin, rows, rb, half, rotary_dim, 
     width = lanes(ur)
     full = m - m % width
     row = ur[0]
+    step, second = (2, 1) if interleaved else (1, half)
     for i in range(n):
-        unrotate_row(src, i, ur, cos, sin, rows[rb, t0 + i], half, rotary_dim, interleaved)
+        row_t = rows[rb, t0 + i]                    # ur[0] = R^T src[i]: the inverse rotation, the rest copied
+        done = rotate_pairs_simd(src, i * src.shape[1], ur, 0, cos, sin, row_t, half, interleaved, True)
+        for p in range(done, half):
+            c, s = cos[row_t, p], -sin[row_t, p]
+            a = p * step
+            xa, xb = src[i, a], src[i, a + second]
+            row[a] = xa * c - xb * s
+            row[a + second] = xb * c + xa * s
+        for j in range(rotary_dim, m):
+            row[j] = src[i, j]
         e0, s0 = i * extra.shape[1], i * sl.shape[1]
         cv = vsplat(coef[0, i])
         for r in range(0, full, width):
@@ -217,19 +214,26 @@ def zero_rows(x, n):
 
 
 @register_jitable
-def z_recurrence(z0, f, z_rows, z_work, n, m, gamma, decayed):
-    """z_rows[i] = gamma z_rows[i - 1] + f[i] from z0 (float64, ``decayed`` False: gamma not applied), and z_work[i]
-    the same rows in the work dtype, i < n."""
-    for r in range(m):
-        z_rows[0, r] = z0[r] * gamma + f[0, r] if decayed else z0[r] + f[0, r]
+def z_recurrence(z0, row0, f, z_rows, z_work, n, m, gamma, decayed):
+    """z_rows[i] = gamma z_rows[i - 1] + f[i] from z0[row0] (float64 rows; ``decayed`` False: gamma not applied) and
+    z_work[i] the same rows in the work dtype, i < n (float64 vectors, f widened exactly; one call per chunk, the
+    loops here)."""
+    width = lanes(z_rows)
+    full = m - m % width
+    gv = vsplat(gamma)
+    fm, zm = f.shape[1], z_rows.shape[1]
+    for j in range(0, full, width):
+        a = vload(z0, row0 * z0.shape[1] + j)
+        vstore(z_rows, j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, j)))
+    for j in range(full, m):
+        z_rows[0, j] = (z0[row0, j] * gamma if decayed else z0[row0, j]) + f[0, j]
     for i in range(1, n):
-        prev, cur, fr = z_rows[i - 1], z_rows[i], f[i]
-        if decayed:
-            for r in range(m):
-                cur[r] = prev[r] * gamma + fr[r]
-        else:
-            for r in range(m):
-                cur[r] = prev[r] + fr[r]
+        for j in range(0, full, width):
+            a = vload(z_rows, (i - 1) * zm + j)
+            vstore(z_rows, i * zm + j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, i * fm + j)))
+        for j in range(full, m):
+            a = z_rows[i - 1, j]
+            z_rows[i, j] = (a * gamma if decayed else a) + f[i, j]
     for i in range(n):
         zr, zw = z_rows[i], z_work[i]
         for r in range(m):
@@ -237,11 +241,53 @@ def z_recurrence(z0, f, z_rows, z_work, n, m, gamma, decayed):
 
 
 @register_jitable
-def inverse_denominators(f, z, z_row_step, inv, n, m, eps):
-    """inv[0, i] = 1 / (f[i] . z[i * z_row_step] + eps) for i < n (the sum in float64, as the forward's; f work
-    dtype, z float64 rows, z_row_step 0: one z for every row; inv work dtype)."""
+def sum_rows64(z, f, n, m, gamma, decayed):
+    """z = gamma z + f[i] for i < n in turn (z float64 (m,), f work dtype rows widened exactly; ``decayed`` False:
+    gamma not applied)."""
+    width = lanes(z)
+    full = m - m % width
+    gv = vsplat(gamma)
+    fm = f.shape[1]
     for i in range(n):
-        inv[0, i] = 1.0 / (dot_f64(f[i], z[i * z_row_step], m) + eps)
+        for j in range(0, full, width):
+            a = vload(z, j)
+            vstore(z, j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, i * fm + j)))
+        for j in range(full, m):
+            z[j] = (z[j] * gamma if decayed else z[j]) + f[i, j]
+
+
+@register_jitable
+def add_rows64(x, xi, y, yi, out, oi, n, factor, scaled):
+    """out.flat[oi:oi+n] = x.flat[xi:xi+n] * factor + y.flat[yi:yi+n] (``scaled`` False: x unscaled): x, out float64,
+    y work dtype widened exactly; float64 vectors, the last n % lanes one by one."""
+    width = lanes(x)
+    full = n - n % width
+    fv = vsplat(factor)
+    xf, yf, of = x.reshape(-1), y.reshape(-1), out.reshape(-1)
+    for j in range(0, full, width):
+        a = vload(x, xi + j)
+        vstore(out, oi + j, vadd(vmul(a, fv) if scaled else a, vload_widened(y, yi + j)))
+    for j in range(full, n):
+        a = xf[xi + j]
+        of[oi + j] = (a * factor if scaled else a) + yf[yi + j]
+
+
+@register_jitable
+def inverse_denominators(f, z, z_row_step, inv, n, m, eps):
+    """inv[0, i] = 1 / (f[i] . z[i * z_row_step] + eps) for i < n (f work dtype widened exactly, z float64 rows,
+    z_row_step 0: one z for every row; inv work dtype): the sum as the forward's :func:`.linear_attention.dot_f64`
+    forms it (float64 vectors, then across lanes, then the last m % lanes terms), one call per chunk."""
+    width = lanes(z)
+    full = m - m % width
+    fm, zm = f.shape[1], z.shape[1] * z_row_step
+    for i in range(n):
+        acc = vzeros(z)
+        for j in range(0, full, width):
+            acc = vmadd(acc, vload_widened(f, i * fm + j), vload(z, i * zm + j))
+        total = vsum(acc)
+        for j in range(full, m):
+            total += np.float64(f[i, j]) * z[i * z_row_step, j]
+        inv[0, i] = 1.0 / (total + eps)
 
 
 @register_jitable
@@ -290,12 +336,30 @@ def transposed(src, dest, n):
 
 @register_jitable
 def to_work(src, dest, dest_t, m, dv):
-    """dest[:m, :dv] = src (float64 (m, dv)) and dest_t[:dv, :m] its transpose, in the work dtype."""
+    """dest[:m, :dv] = src (float64 (m, dv)) in the work dtype, and dest_t[:dv, :m] its transpose (whole-register
+    transposes, :func:`.linear_attention.transpose_rows`; dest's padding columns are zeros)."""
     for r in range(m):
+        sr, dr = src[r], dest[r]
         for c in range(dv):
-            x = src[r, c]
-            dest[r, c] = x
-            dest_t[c, r] = x
+            dr[c] = sr[c]
+    transposed(dest, dest_t, m)
+
+
+@register_jitable
+def carry(x64, chunk_sum, factor, m, dv, scaled):
+    """x64 = factor x64 + chunk_sum (float64 (m, dv); the chunk's work-dtype sum (m, >= dv) widened exactly;
+    ``scaled`` False: factor not applied)."""
+    width = lanes(x64)
+    full = dv - dv % width
+    fv = vsplat(factor)
+    cm = chunk_sum.shape[1]
+    for r in range(m):
+        for j in range(0, full, width):
+            a = vload(x64, r * dv + j)
+            vstore(x64, r * dv + j, vadd(vmul(a, fv) if scaled else a, vload_widened(chunk_sum, r * cm + j)))
+        for j in range(full, dv):
+            a = x64[r, j]
+            x64[r, j] = (a * factor if scaled else a) + chunk_sum[r, j]
 
 
 @njit(nogil=True, **KERNEL_JIT)
@@ -327,8 +391,9 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     w_o, wt_o, pt_o = aligned_zeros(cp, cp, work), aligned_zeros(cp + 1, cp, work), aligned_zeros(cp + 1, cp, work)
     x_o, dkh_o, dvv_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work), aligned_zeros(cp, dvw, work)
     s_chunk_o, p_add_o = aligned_zeros(mw, dvw, work), aligned_zeros(mw, dvw, work)
+    s_work_o = aligned_zeros(mw, dvw, work)
     p_work_o, p_t_o = aligned_zeros(mw, dvw, work), aligned_zeros(dvw, mw, work)
-    dbf_o, z_work_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work)
+    dbf_o, z_work_o, qw_o = aligned_zeros(cp, mw, work), aligned_zeros(cp, mw, work), aligned_zeros(1, mw, work)
     ur_o, rowsw_o, vecw_o = aligned_zeros(1, mw, work), aligned_zeros(4, cp, work), aligned_zeros(2, mw, work)
     saved_o = aligned_zeros(saved_n * dvw, mw, work)                 # S_in^T of every chunk (causal), or S^T
     pw_w_o = aligned_zeros(4, chunk + 1, work)   # gamma^j, gamma^(n-1-j) of a chunk, gamma^(j+1), gamma^(chunk-j)
@@ -343,6 +408,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     gn, gns, W, Wt, Pt = borrowed(gn_o), borrowed(gns_o), borrowed(w_o), borrowed(wt_o), borrowed(pt_o)
     X, dkh, dvv, dbf, z_work = borrowed(x_o), borrowed(dkh_o), borrowed(dvv_o), borrowed(dbf_o), borrowed(z_work_o)
     s_chunk, p_add, p_work, p_t = borrowed(s_chunk_o), borrowed(p_add_o), borrowed(p_work_o), borrowed(p_t_o)
+    s_work, q_w = borrowed(s_work_o), borrowed(qw_o)
     ur, rows_w, vec_w, saved = borrowed(ur_o), borrowed(rowsw_o), borrowed(vecw_o), borrowed(saved_o)
     pw_w, pw = borrowed(pw_w_o), borrowed(pw_o)
     S64, P64, z_starts, z_rows = borrowed(s64_o), borrowed(p64_o), borrowed(z_starts_o), borrowed(z_rows_o)
@@ -351,6 +417,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     inv, ones, gdot, gD_w = rows_w[0:1], rows_w[1:2], rows_w[2:3], rows_w[3:4]   # per row of a chunk
     for i in range(cp):
         ones[0, i] = 1
+    wvec, one_w = lanes(ones), ones[0, 0]
     tail_w, inter_w, rev_w = pw_w[1:2], pw_w[2:3], pw_w[3:4]
     q_add, rec = vec_w[0], vec_w[1]
     fresh, accumulate, as_columns = np.bool_(False), np.bool_(True), np.bool_(True)
@@ -379,22 +446,14 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
             t0 = c * chunk
             n = imin(chunk, seq_len - t0)
             if causal:
-                sv = saved[c * dvw:(c + 1) * dvw]
                 for r in range(m):
                     z_starts[c, r] = zc[r]
-                    for col in range(dvd):
-                        sv[col, r] = S64[r, col]
+                to_work(S64, s_work, saved[c * dvw:(c + 1) * dvw], m, dvd)
             after = next_load(hk, hk, hk + 1, t0, chunk, seq_len)
             load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, kf,
                           k_rows, k_hat_t, as_columns, after)
             load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
-            for i in range(n):
-                if decayed:
-                    for r in range(m):
-                        zc[r] = zc[r] * gamma + kf[i, r]
-                else:
-                    for r in range(m):
-                        zc[r] += kf[i, r]
+            sum_rows64(zc, kf, n, m, gamma, decayed)
             if decayed:
                 for j in range(n):
                     tail_w[0, j] = pw_w[0, n - 1 - j]
@@ -402,19 +461,11 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     for j in range(n):
                         k_hat_t[r, j] *= tail_w[0, j]
             product(k_hat_t, vals, s_chunk, 0, m, 0, dvd, n, fresh)
-            keep_n = pw[0, n]
-            for r in range(m):
-                if decayed:
-                    for col in range(dvd):
-                        S64[r, col] = S64[r, col] * keep_n + s_chunk[r, col]
-                else:
-                    for col in range(dvd):
-                        S64[r, col] += s_chunk[r, col]
+            carry(S64, s_chunk, pw[0, n], m, dvd, decayed)
         if not causal:
             for r in range(m):
                 z_starts[0, r] = zc[r]
-                for col in range(dvd):
-                    saved[col, r] = S64[r, col]
+            to_work(S64, s_work, saved, m, dvd)
         to_work(P64, p_work, p_t, m, dvd)
         if causal:
             # 2. the reverse sweep
@@ -434,7 +485,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     scaled_rows(vals, tail_w, vw, n, dvw)
                     scaled_rows(k_rows, tail_w, kw, n, mw)
                 if normalize:
-                    z_recurrence(z_starts[c], kf, z_rows, z_work, n, m, gamma, decayed)
+                    z_recurrence(z_starts, c, kf, z_rows, z_work, n, m, gamma, decayed)
                 zero_rows(dkh, cp)
                 zero_rows(dvv, cp)
                 zero_rows(dbf, cp)
@@ -484,9 +535,9 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                             pr, wr = Pt[j], Wt[j]
                             for i in range(j, n):
                                 gdot_row[i] += pr[i] * wr[i]
+                        row_dots(q_rows, X, gD_w, n, m)
                         for i in range(n):
-                            gD_w[0, i] = -(np.float64(dot_work(q_rows, i * mw, X, i * mw, m))
-                                           + np.float64(gdot_row[i])) * inv[0, i]
+                            gD_w[0, i] = -(gD_w[0, i] + gdot_row[i]) * inv[0, i]
                     if decayed:
                         for j in range(n):
                             pr = Pt[j]
@@ -518,19 +569,17 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 # the later chunks' and the state out's terms, then dk, dv
                 product(vw if decayed else vals, p_t, dkh, 0, n, 0, m, dvd, accumulate)
                 product(kw if decayed else k_rows, p_work, dvv, 0, n, 0, dvd, m, accumulate)
+                for r in range(m):
+                    q_w[0, r] = Q[r]
                 for j in range(n):
-                    w_j = pw[0, n - 1 - j]
-                    dr = dbf[j]
-                    for r in range(m):
-                        dr[r] += w_j * Q[r]
+                    wv = vsplat(tail_w[0, j] if decayed else one_w)
+                    for r in range(0, mw, wvec):
+                        vstore(dbf, j * mw + r, vmadd(vload(dbf, j * mw + r), wv, vload(q_w, r)))
                 grad_rows(dk, geo[5], b, t0, n, hk, dkh, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
                           dbf, ones, ksl, m, True, stream_k)
                 store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd, stream_v)
-                keep_n = pw[0, n]
-                for r in range(m):
-                    Q[r] = Q[r] * keep_n + q_add[r]
-                    for col in range(dvd):
-                        P64[r, col] = P64[r, col] * keep_n + p_add[r, col]
+                add_rows64(vec64, m, vec_w, 0, vec64, m, m, pw[0, n], decayed)   # Q (row 1 of vec64) += q_add
+                carry(P64, p_add, pw[0, n], m, dvd, decayed)
                 to_work(P64, p_work, p_t, m, dvd)
         else:
             # 2'. non-causal: dq and (P, Q) from the whole (S, z), then dk, dv from them
@@ -555,16 +604,15 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                         scale_rows(gn, inv, n, dvw)
                     product(gn, saved, X, 0, n, 0, m, dvd, fresh)
                     if normalize:
+                        row_dots(q_rows, X, gD_w, n, m)
                         for i in range(n):
-                            gD_w[0, i] = -np.float64(dot_work(q_rows, i * mw, X, i * mw, m)) * inv[0, i]
+                            gD_w[0, i] = -gD_w[0, i] * inv[0, i]
                         reverse_terms(qf, gD_w, pw_w, pw_w[0, 1], False, q_add, rec, dbf, n, m)
                     grad_rows(dq, geo[4], b, t0, n, h, X, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
                               z_work, gD_w, qsl, m, normalize, stream_q)
                     product(q_hat_t, gn, p_add, 0, m, 0, dvd, n, accumulate if g > 0 else fresh)
-                for r in range(m):
-                    Q[r] += q_add[r]
-                    for col in range(dvd):
-                        P64[r, col] += p_add[r, col]
+                add_rows64(vec64, m, vec_w, 0, vec64, m, m, 1.0, False)   # Q (row 1 of vec64) += q_add
+                carry(P64, p_add, 1.0, m, dvd, False)
             to_work(P64, p_work, p_t, m, dvd)
             for j in range(cp):
                 for r in range(m):
@@ -588,8 +636,9 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 d_s[b, hk, r, col] = P64[r, col]
     store_fence()   # the non-temporal stores ordered before whatever the caller does next
     keep_alive((kf_o, k_rows_o, k_hat_t_o, ksl_o, kw_o, vals_o, vt_o, vw_o, qf_o, q_rows_o, q_hat_t_o, qsl_o, gn_o,
-                gns_o, w_o, wt_o, pt_o, x_o, dkh_o, dvv_o, s_chunk_o, p_add_o, p_work_o, p_t_o, dbf_o, z_work_o, ur_o,
-                rowsw_o, vecw_o, saved_o, pw_w_o, s64_o, p64_o, z_starts_o, z_rows_o, vec64_o, pw_o, keep))
+                gns_o, w_o, wt_o, pt_o, x_o, dkh_o, dvv_o, s_chunk_o, p_add_o, s_work_o, qw_o, p_work_o, p_t_o, dbf_o,
+                z_work_o, ur_o, rowsw_o, vecw_o, saved_o, pw_w_o, s64_o, p64_o, z_starts_o, z_rows_o, vec64_o, pw_o,
+                keep))
 
 
 # -- the backend's primitive ---------------------------------------------------------------------------------
