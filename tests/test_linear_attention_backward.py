@@ -615,3 +615,19 @@ def test_numba_is_auto_for_numpy_and_takes_float16_and_strided_views():
         got = linear_attention_backward(*args, backend="numba", **kw)[:3]
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             assert a.dtype == dtype and rel_err(a, t(b)) <= tol, (name, dtype, rel_err(a, t(b)))
+
+
+@pytest.mark.skipif("numba" not in BACKWARD_BACKENDS, reason="numba backend unavailable")
+def test_warm_compiles_the_backward_kernels(monkeypatch):
+    """``python -m rotary warm`` has a call that runs the Numba backward kernel (compiled into the on-disk cache for
+    each dtype it is asked for)."""
+    from rotary.backends import numba_runtime
+    from rotary.cli import warm
+
+    ran = []
+    real = numba_runtime.run_tasks
+    monkeypatch.setattr(numba_runtime, "run_tasks", lambda kernel, *a: ran.append(kernel.__name__) or real(kernel, *a))
+    calls = [call for label, call in warm.warm_calls("float64") if "backward" in label]
+    assert len(calls) == 1
+    calls[0]()
+    assert "linear_backward_tasks" in ran

@@ -4,7 +4,7 @@ A kernel's first call in a process with an empty cache compiles it (seconds: lin
 every later process loads the cached machine code instead. This command makes those first calls now,
 on tiny inputs, for each dtype: the rotation kernels (serial and parallel, as ``apply_qk`` and a
 ``Rope`` call them), the linear-attention kernels (the chunked one, causal or not, with decay and
-packed sequences, and the one-token decode step) and the KV cache's (append and attention, serial and
+packed sequences, the one-token decode step, and the backward's) and the KV cache's (append and attention, serial and
 parallel, float and int8 entries). The cache lives where Numba puts it: next to the
 installed package (``__pycache__``) or under ``NUMBA_CACHE_DIR``, so run it as the user and with the
 environment of the programs that will use it. Running it again costs a cache load per kernel.
@@ -69,6 +69,11 @@ def warm_calls(dtype):
         rotary.linear_attention(q[:, :1], k[:, :1], v[:, :1], causal=True, seq_axis=1, spec=spec, backend="numba",
                                 state=state, positions=np.array([6]))
 
+    def backward():
+        from ..attn.linear_backward import linear_attention_backward
+
+        linear_attention_backward(q, k, v, v, causal=True, seq_axis=1, spec=spec, backend="numba")
+
     def kv_cache(kv_dtype):
         def call():
             cache = rotary.KVCache(spec, batch=2, kv_heads=2, head_dim=64, capacity=2056, dtype=dt, kv_dtype=kv_dtype,
@@ -92,6 +97,7 @@ def warm_calls(dtype):
         ("linear_attention, packed sequences", lambda: rotary.linear_attention(
             q, k, v, seq_axis=1, spec=spec, backend="numba", causal=True, cu_seqlens=np.array([0, 2, 6]))),
         ("linear_attention, one-token decode step", decode),
+        ("linear_attention backward (training)", backward),
         ("KV cache append and attention", kv_cache(None)),
         ("KV cache, int8 entries", kv_cache("int8")),
     ]
