@@ -631,3 +631,29 @@ def test_warm_compiles_the_backward_kernels(monkeypatch):
     assert len(calls) == 1
     calls[0]()
     assert "linear_backward_tasks" in ran
+
+
+@pytest.mark.skipif("numba" not in BACKWARD_BACKENDS, reason="numba backend unavailable")
+def test_benchmark_script_smoke(capsys):
+    """benchmarks/bench_linear_backward.py at a tiny size (rotary's rows only): a Markdown table with the
+    backward / forward ratio; the chunked torch form it times agrees with rotary's gradients."""
+    import importlib.util
+    import os
+    import types
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_linear_backward.py")
+    spec = importlib.util.spec_from_file_location("bench_linear_backward", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = types.SimpleNamespace(T=256, rounds=1, round_ms=1, quick=True, threads=1, skip="torch,jax,compile,memory")
+    result = bench.main(args)
+    out = capsys.readouterr().out
+    assert "| rotary backward |" in out and "rotary backward / forward" in out
+    assert set(result["times"]) >= {"rotary forward", "rotary backward", "rotary forward + backward"}
+    q, k, v, g, rspec = bench.inputs(256)
+    o, grads = bench.torch_calls(q, k, v, g, rspec, 1)[1]()
+    want_o, want = bench.rotary_calls(q, k, v, g, rspec)[2]()
+    assert bench.rel_error(bench.to_bshd(o.numpy()), want_o) < 1e-5
+    for got, w in zip(grads, want):
+        assert bench.rel_error(bench.to_bshd(got.numpy()), w) < 1e-4
