@@ -100,6 +100,9 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     appends k and v shaped and strided as the given ones, ``run(q, stores) -> o`` attends q shaped as the given one,
     into / over any stores of the same format (each layer's); the other arguments are fixed. A backend without
     them is called through its ``append_kv`` / ``paged_attention`` with the same arguments.
+``prepare_stores(stores, kv_dtype) -> prepared``
+    Stores made ready once for the prepared runs above (e.g. flattened), which then take ``prepared`` in place of
+    ``stores``; its owner (a cache's layer) keeps it as long as the stores (a backend keeps no such memo itself).
 ``table_converter(x) -> (device_key, convert)``
     Where the backend's cos/sin tables live (device tables cached per device key).
 ``VARIANTS``: ``{capability: tuple of variants}`` for capabilities that come in variants (the KV formats of

@@ -21,7 +21,7 @@ from .numba_kernels import common, rotation
 from .numba_kernels import linear_attention as la_kernels
 from .numba_kernels.linear_backward import linear_attention_backward  # noqa: F401  (the backward primitive)
 from .numba_kv import (VARIANTS, append_kv, paged_attention, prepare_append_kv,  # noqa: F401 - the KV primitives
-                       prepare_paged_attention)
+                       prepare_paged_attention, prepare_stores)
 from .numba_runtime import flat_view, readonly as _readonly, readonly_c as _readonly_c, strides_ok as _strides_ok
 
 NAME = "numba"

@@ -101,12 +101,32 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
 
 
 def flat_stores(stores, quantized, work):
-    """(k entries, v entries, k scales, v scales) of ``stores`` as the kernels take them: flat buffers, work-dtype
-    placeholders for the scales of float entries."""
+    """(k entries, v entries, k scales, v scales) of ``stores`` (or of a :class:`PreparedStores`) as the kernels take
+    them: flat buffers, work-dtype placeholders for the scales of float entries."""
+    if type(stores) is PreparedStores:
+        return stores.flat
     k_ent, v_ent, k_scale, v_scale = stores
     if quantized:
         return runtime.bits(k_ent), runtime.bits(v_ent), k_scale.reshape(-1), v_scale.reshape(-1)
     return runtime.bits(k_ent), runtime.bits(v_ent), _NO_SCALES[work], _NO_SCALES[work]
+
+
+class PreparedStores:
+    """One set of stores flattened once (:func:`prepare_stores`): ``stores``, their kernel buffers ``flat`` and
+    ``kv_heads``."""
+
+    __slots__ = ("stores", "flat", "kv_heads")
+
+    def __init__(self, stores, flat):
+        self.stores, self.flat, self.kv_heads = stores, flat, stores[0].shape[1]
+
+
+def prepare_stores(stores, kv_dtype):
+    """The ``prepare_stores`` capability: ``stores`` of format ``kv_dtype`` flattened once, for the prepared runs of
+    every step of their owner (a cache's layer); its lifetime is the owner's (no module-level memo holds pools)."""
+    quantized = _quantized(kv_dtype)
+    work = _F64 if (stores[2] if quantized else stores[0]).dtype == np.float64 else _F32
+    return PreparedStores(stores, flat_stores(stores, quantized, work))
 
 
 def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
@@ -173,7 +193,8 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         forced = ATTENTION_SPLITS if splits is None else splits
         if forced is not None:
             count = max(1, int(forced))
-        elif big and pairs < SPLIT_TASKS_PER_THREAD * (threads := numba.get_num_threads()):
+        elif big and pairs < SPLIT_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS and \
+                pairs < SPLIT_TASKS_PER_THREAD * (threads := numba.get_num_threads()):   # (the bound first: cheap)
             count = attention_splits(pairs, _longest_range(seq_lens, q_starts, window, causal), threads)
             count = max(1, min(count, SPLIT_MAX_WORKSPACE // split_bytes))
         else:
@@ -182,7 +203,7 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count,), count
 
     def run(q, stores):
-        kv_heads = stores[0].shape[1]
+        kv_heads = stores.kv_heads if type(stores) is PreparedStores else stores[0].shape[1]
         o = new_output(q.shape, dtype)
         if kv_heads == 0:
             return o

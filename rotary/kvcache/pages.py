@@ -24,6 +24,7 @@ class PageBook:
         self.counts = np.zeros(num_pages, np.int64)     # holders of each page
         self.prefix: dict = {}                          # hash of (tokens so far) -> page, least recently used first
         self.hash_of: dict = {}                         # page -> its prefix hash
+        self.maybe_shared = False                       # False: no page has two holders (a step skips the test)
 
     # -- sizes ---------------------------------------------------------------------------------------------------
     def available(self) -> int:
@@ -59,7 +60,9 @@ class PageBook:
     def share(self, pages) -> None:
         """One holder more for each entry of ``pages`` that is >= 0 (a page named twice: two holders more)."""
         pages = np.asarray(pages, np.int64)
-        np.add.at(self.counts, pages[pages >= 0], 1)
+        held = pages[pages >= 0]
+        np.add.at(self.counts, held, 1)
+        self.maybe_shared = self.maybe_shared or bool(held.size)
 
     def release(self, pages) -> None:
         """One holder fewer for each entry of ``pages`` that is >= 0 (block table entries of one or several
@@ -71,10 +74,13 @@ class PageBook:
         np.subtract.at(self.counts, pages, 1)
         freed = np.unique(pages[self.counts[pages] == 0])
         self.free_list.extend(freed[::-1].tolist())
+        if self.maybe_shared:
+            self.maybe_shared = bool(np.any(self.counts > 1))
 
     def reset(self) -> None:
         """Every page free, the prefix cache empty."""
         self.counts[:] = 0
+        self.maybe_shared = False
         self.prefix.clear()
         self.hash_of.clear()
         self.free_list = list(range(self.allocated - 1, -1, -1))
@@ -108,6 +114,7 @@ class PageBook:
         self.prefix[key] = page
         self.hash_of[page] = key
         self.counts[page] += 1
+        self.maybe_shared = self.maybe_shared or self.counts[page] > 1
 
     def _forget(self, key, page) -> None:
         del self.prefix[key]

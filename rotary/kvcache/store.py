@@ -236,6 +236,9 @@ class KVCache:
         k, v, ks, vs = self._pools
         self._layer_pools = [(k[i], v[i], None if ks is None else (ks[i], vs[i])) for i in range(self._n_layers)]
         self._layer_stores = [_kv.flat_stores(*p) for p in self._layer_pools]
+        prepare = getattr(self.module, "prepare_stores", None)   # what the prepared runs take (kept with the pools)
+        self._run_stores = self._layer_stores if prepare is None else [
+            prepare(st, self.kv_dtype) for st in self._layer_stores]
         self._plans = {}   # plans are per pool geometry
         self._append_memo = None
         self._tables_changed()
@@ -436,7 +439,7 @@ class KVCache:
             partial = np.flatnonzero((used != 0) & (new_lengths > lengths))   # writes into its last page
             wanted = int((need - have).sum())
         shared = []
-        if partial.size:
+        if partial.size and book.maybe_shared:
             last = self._block_table[ids[partial], (lengths[partial] - 1) // ps]
             shared = [(int(ids[x]), (int(lengths[x]) - 1) // ps) for x in partial[book.counts[last] > 1].tolist()]
         wanted += len(shared)
@@ -598,7 +601,7 @@ class KVCache:
                 pools = self._layer_pools[i]
                 _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], None)
             pack = memo[3]
-            memo[2](pack(k), pack(v), self._layer_stores[i])
+            memo[2](pack(k), pack(v), self._run_stores[i])
             step.done[i] = True
             step.left -= 1
             if not step.left:
@@ -655,7 +658,7 @@ class KVCache:
         rotation = plan.rotation(step.tok_pos if pos is None else pos, token_positions,
                                  step.bounds if pos is None else None)
         run = plan.prepare_append(kt, vt, step.slots, rotation)
-        run(kt, vt, self._layer_stores[i])
+        run(kt, vt, self._run_stores[i])
         if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
             shape = tuple(kt.shape)
             pack = (lambda a: a.reshape(shape)) if self.layout == "bshd" else \
@@ -796,11 +799,11 @@ class KVCache:
                    type(scale), scale)
             memo = self._attend_memo
             if memo is not None and memo[0] == key:
-                return memo[1](q, self._layer_stores[i])
+                return memo[1](q, self._run_stores[i])
         run = self._prepare_attention(q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap)
         if key is not None:
             self._attend_memo = (key, run)
-        return run(q, self._layer_stores[i])
+        return run(q, self._run_stores[i])
 
     def _prepare_attention(self, q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap):
         """:meth:`attend`'s checks, then ``run(q, stores) -> o`` for q like this one over the current tables."""
@@ -1059,7 +1062,7 @@ class KVCache:
 
     # -- copies ----------------------------------------------------------------------------------------------------
     _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
-                "_layer_pools", "_layer_stores", "_append_memo", "_attend_memo", "_layer_views")
+                "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_layer_views")
 
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
