@@ -455,3 +455,25 @@ def test_lengths_and_block_table_are_read_only_views(rng):
         table[1, 0] = 3
     cache.truncate([1], [2])
     assert lengths[1] == 2 and table[1, 1] == -1
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_dropped_cache_frees_its_pools(backend, rng):
+    """Nothing outside a cache keeps its pools (no module-level memo of prepared stores or flat views): once the cache
+    is dropped, its buffer goes."""
+    import gc
+    import weakref
+
+    cache = paged(backend, layers=2)
+    k = rng.standard_normal((4, 3, H, D)).astype(np.float32)
+    q = rng.standard_normal((4, 1, 2 * H, D)).astype(np.float32)
+    for i in range(2):
+        cache.layer(i).append(k, k)
+        cache.layer(i).attend(q)
+    rotary.kv_append(k[:, 0], k[:, 0], cache.k_pool[0], cache.v_pool[0], np.arange(4) * 4 + 3, np.arange(4),
+                     spec=cache.spec, backend=backend)
+    buffer = cache.k_pool.base if cache.k_pool.base is not None else cache.k_pool
+    gone = weakref.ref(buffer)
+    del cache, buffer
+    gc.collect()
+    assert gone() is None
