@@ -657,3 +657,37 @@ def test_benchmark_script_smoke(capsys):
     assert bench.rel_error(bench.to_bshd(o.numpy()), want_o) < 1e-5
     for got, w in zip(grads, want):
         assert bench.rel_error(bench.to_bshd(got.numpy()), w) < 1e-4
+
+
+_NO_JIT = """
+import numpy as np, numba
+from rotary.attn.linear_backward import linear_attention_backward
+from rotary.backends.numba_kernels import linear_backward as lb
+assert numba.config.DISABLE_JIT and not hasattr(lb.linear_backward_tasks, "signatures")
+rng = np.random.default_rng(0)
+for causal, decay, dtype in ((True, 0.9, np.float32), (False, None, np.float64), (True, None, np.float16)):
+    q, k, v, g = (rng.standard_normal((1, 19, 2, 6)).astype(dtype) for _ in range(4))
+    kw = dict(causal=causal, decay=decay, seq_axis=1, chunk=8, base=100.0, rotary_dim=4)
+    got = linear_attention_backward(q, k, v, g, backend="numba", **kw)[:3]
+    want = linear_attention_backward(q, k, v, g, backend="numpy", **kw)[:3]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        err = np.abs(a.astype(np.float64) - b).max() / np.abs(b.astype(np.float64)).max()
+        assert err < (1e-12 if dtype == np.float64 else 2e-3 if dtype == np.float16 else 1e-5), err
+print("ok")
+"""
+
+
+@pytest.mark.skipif("numba" not in BACKWARD_BACKENDS, reason="numba backend unavailable")
+def test_numba_backward_runs_as_plain_python_without_jit(tmp_path):
+    """NUMBA_DISABLE_JIT=1: the backward kernel and every helper it calls run as Python (m = 6 and a partial rotary
+    dim: the tails past whole vectors too), against the NumPy reference."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=root)
+    run = subprocess.run([sys.executable, "-c", _NO_JIT], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]

@@ -6,7 +6,10 @@ One task per (batch row, k/v head) with its G q heads, ranges of tasks on the ba
 The chunk products are the forward's register tiles (:func:`.linear_attention.madd_tile` in the work dtype:
 float32 for float32 / float16 input), its feature loads (:func:`.linear_attention.load_features`: phi, the
 rotated rows and their transpose) and buffers; as there, the carried sums (the state S, z of the forward
-sweep, the reverse state P, Q) and the denominators are float64, everything inside a chunk is work dtype.
+sweep, the reverse state P, Q), the rows of z and the denominators are float64, everything else inside a chunk
+is work dtype. Element-wise work runs as SIMD vectors (:mod:`.simd`) in helpers called once per chunk (a call
+per row cost more than the row's work), and large gradients are written by non-temporal stores (as the forward
+writes o), their rows on cache-line boundaries.
 
 Causal, per task, with a = phi(q), b = phi(k), hats rotated, chunks of C tokens, gamma^j the decay's powers
 (exponents 0..C only), i the row of a query and j of a key inside the chunk:
@@ -21,7 +24,7 @@ Causal, per task, with a = phi(q), b = phi(k), hats rotated, chunks of C tokens,
        X = gamma^(i+1) gN S_in^T                      gD_i = -(â_i . X_i + sum_j Pt_ji W'_ij) / (a_i . z_i + eps)
        dÂ = X + W B̂                                   da = R^T dÂ + gD z          dq = phi'(q) da
        dB̂ += W^T Â        dV += Pt gN         P_add += Â^T (gamma^(i+1) gN)      Q_add += sum_i gamma^(i+1) gD_i a_i
-       db_j += sum_(i>=j) gamma^(i-j) gD_i a_i        (a reverse recurrence over the rows, float64)
+       db_j += sum_(i>=j) gamma^(i-j) gD_i a_i        (a reverse recurrence over the rows)
 
    (W' = W without its decay factors: gN_i . N_i = â_i . X_i + sum_j P_ij (gN_i . v_j), so the numerator N
    is never recomputed), then per k/v head::
@@ -221,16 +224,17 @@ def z_recurrence(z0, row0, f, z_rows, z_work, n, m, gamma, decayed):
     width = lanes(z_rows)
     full = m - m % width
     gv = vsplat(gamma)
-    fm, zm = f.shape[1], z_rows.shape[1]
+    zm = z_rows.shape[1]
     for j in range(0, full, width):
         a = vload(z0, row0 * z0.shape[1] + j)
-        vstore(z_rows, j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, j)))
+        vstore(z_rows, j, vadd(vmul(a, gv) if decayed else a, vload_widened(f[0], j)))
     for j in range(full, m):
         z_rows[0, j] = (z0[row0, j] * gamma if decayed else z0[row0, j]) + f[0, j]
     for i in range(1, n):
+        fr = f[i]
         for j in range(0, full, width):
             a = vload(z_rows, (i - 1) * zm + j)
-            vstore(z_rows, i * zm + j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, i * fm + j)))
+            vstore(z_rows, i * zm + j, vadd(vmul(a, gv) if decayed else a, vload_widened(fr, j)))
         for j in range(full, m):
             a = z_rows[i - 1, j]
             z_rows[i, j] = (a * gamma if decayed else a) + f[i, j]
@@ -247,29 +251,27 @@ def sum_rows64(z, f, n, m, gamma, decayed):
     width = lanes(z)
     full = m - m % width
     gv = vsplat(gamma)
-    fm = f.shape[1]
     for i in range(n):
+        fr = f[i]
         for j in range(0, full, width):
             a = vload(z, j)
-            vstore(z, j, vadd(vmul(a, gv) if decayed else a, vload_widened(f, i * fm + j)))
+            vstore(z, j, vadd(vmul(a, gv) if decayed else a, vload_widened(fr, j)))
         for j in range(full, m):
             z[j] = (z[j] * gamma if decayed else z[j]) + f[i, j]
 
 
 @register_jitable
-def add_rows64(x, xi, y, yi, out, oi, n, factor, scaled):
-    """out.flat[oi:oi+n] = x.flat[xi:xi+n] * factor + y.flat[yi:yi+n] (``scaled`` False: x unscaled): x, out float64,
-    y work dtype widened exactly; float64 vectors, the last n % lanes one by one."""
+def carry_row(x, y, factor, n, scaled):
+    """x[:n] = x[:n] * factor + y[:n] (``scaled`` False: x unscaled): x float64 (1-D), y work dtype (1-D) widened
+    exactly; float64 vectors, the last n % lanes one by one."""
     width = lanes(x)
     full = n - n % width
     fv = vsplat(factor)
-    xf, yf, of = x.reshape(-1), y.reshape(-1), out.reshape(-1)
     for j in range(0, full, width):
-        a = vload(x, xi + j)
-        vstore(out, oi + j, vadd(vmul(a, fv) if scaled else a, vload_widened(y, yi + j)))
+        a = vload(x, j)
+        vstore(x, j, vadd(vmul(a, fv) if scaled else a, vload_widened(y, j)))
     for j in range(full, n):
-        a = xf[xi + j]
-        of[oi + j] = (a * factor if scaled else a) + yf[yi + j]
+        x[j] = (x[j] * factor if scaled else x[j]) + y[j]
 
 
 @register_jitable
@@ -279,11 +281,12 @@ def inverse_denominators(f, z, z_row_step, inv, n, m, eps):
     forms it (float64 vectors, then across lanes, then the last m % lanes terms), one call per chunk."""
     width = lanes(z)
     full = m - m % width
-    fm, zm = f.shape[1], z.shape[1] * z_row_step
+    zm = z.shape[1] * z_row_step
     for i in range(n):
+        fr = f[i]
         acc = vzeros(z)
         for j in range(0, full, width):
-            acc = vmadd(acc, vload_widened(f, i * fm + j), vload(z, i * zm + j))
+            acc = vmadd(acc, vload_widened(fr, j), vload(z, i * zm + j))
         total = vsum(acc)
         for j in range(full, m):
             total += np.float64(f[i, j]) * z[i * z_row_step, j]
@@ -352,11 +355,11 @@ def carry(x64, chunk_sum, factor, m, dv, scaled):
     width = lanes(x64)
     full = dv - dv % width
     fv = vsplat(factor)
-    cm = chunk_sum.shape[1]
     for r in range(m):
+        cr = chunk_sum[r]
         for j in range(0, full, width):
             a = vload(x64, r * dv + j)
-            vstore(x64, r * dv + j, vadd(vmul(a, fv) if scaled else a, vload_widened(chunk_sum, r * cm + j)))
+            vstore(x64, r * dv + j, vadd(vmul(a, fv) if scaled else a, vload_widened(cr, j)))
         for j in range(full, dv):
             a = x64[r, j]
             x64[r, j] = (a * factor if scaled else a) + chunk_sum[r, j]
@@ -578,7 +581,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 grad_rows(dk, geo[5], b, t0, n, hk, dkh, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
                           dbf, ones, ksl, m, True, stream_k)
                 store_rows(dv, geo[6], b, t0, n, hk, dvv, dvd, stream_v)
-                add_rows64(vec64, m, vec_w, 0, vec64, m, m, pw[0, n], decayed)   # Q (row 1 of vec64) += q_add
+                carry_row(Q, q_add, pw[0, n], m, decayed)
                 carry(P64, p_add, pw[0, n], m, dvd, decayed)
                 to_work(P64, p_work, p_t, m, dvd)
         else:
@@ -611,7 +614,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     grad_rows(dq, geo[4], b, t0, n, h, X, ur, cos, sin, rows, rb, half, rotary_dim, interleaved,
                               z_work, gD_w, qsl, m, normalize, stream_q)
                     product(q_hat_t, gn, p_add, 0, m, 0, dvd, n, accumulate if g > 0 else fresh)
-                add_rows64(vec64, m, vec_w, 0, vec64, m, m, 1.0, False)   # Q (row 1 of vec64) += q_add
+                carry_row(Q, q_add, 1.0, m, False)
                 carry(P64, p_add, 1.0, m, dvd, False)
             to_work(P64, p_work, p_t, m, dvd)
             for j in range(cp):
