@@ -485,6 +485,18 @@ def test_torch_eager_autograd_runs_the_op_and_its_backward(monkeypatch):
     assert "rotary_linear_attention" not in type(o.grad_fn).__name__ and st.S.requires_grad
     with pytest.raises(ValueError, match="backend='numba' cannot run this linear_attention call"):
         rotary.linear_attention(*leaves, causal=True, seq_axis=1, backend="numba", feature_map=lambda x: x * x)
+    # torch.func transforms (which a custom op's autograd refuses): the reference path, the oracle's gradient
+    x = torch.tensor(q)
+    got = torch.func.grad(lambda a: (rotary.linear_attention(a, a[:, :, :2], a[:, :, :2, :5], causal=True,
+                                                             seq_axis=1) * torch.tensor(go)).sum())(x)
+    parts = oracle_grads(q, q[:, :, :2], q[:, :, :2, :5], np.zeros((2, 2, 8, 5)), np.zeros((2, 2, 8)),
+                         np.arange(11)[None], rotary.RopeSpec(8).inv_freq(), go, None,
+                         **_spec_oracle_kw(rotary.RopeSpec(8), causal=True, feature_map="elu", eps=1e-6, decay=None,
+                                           normalize=True))
+    want = parts[0].copy()
+    want[:, :, :2] += parts[1]
+    want[:, :, :2, :5] += parts[2]
+    assert rel_err(got.numpy(), want) <= 1e-9
 
 
 def test_torch_compiled_per_head_decay():
