@@ -156,7 +156,7 @@ def test_linear_attention_kernels_and_reference_autograd(causal):
     assert_close(o, np.moveaxis(linear_attention_quadratic(*(np.moveaxis(to_numpy64(a), 2, 1) for a in args),
                                                            np.arange(6), spec.inv_freq(), causal=causal), 1, 2))
     with pytest.raises(ValueError, match="backend='numba' cannot run"):
-        rotary.linear_attention(*args, backend="numba", seq_axis=-2)
+        rotary.linear_attention(*args, backend="numba", seq_axis=-2, feature_map=lambda x: x)
 
 
 def _cuda_or_skip():

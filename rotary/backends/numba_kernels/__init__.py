@@ -23,7 +23,8 @@ import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: the files whose code the cached kernels inline, and the kernel files Numba stamps
-HELPER_FILES = ("__init__.py", "common.py", "simd.py", "rotation.py", os.path.join(os.pardir, "feature_maps.py"))
+HELPER_FILES = ("__init__.py", "common.py", "simd.py", "rotation.py", "linear_attention.py",
+                os.path.join(os.pardir, "feature_maps.py"))
 KERNEL_FILES = ("rotation.py", "linear_attention.py", "linear_backward.py", "kv_cache.py")
 _STAMP = os.path.join(_HERE, "__pycache__", "rotary_kernel_helpers.sha256")
 
