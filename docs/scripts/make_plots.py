@@ -261,9 +261,14 @@ def plot_multi_axis() -> Path:
     return _script("plot_multi_axis").plot()
 
 
+def plot_decode_step() -> Path:
+    return _script("plot_decode_step").plot()
+
+
 PLOTS = {"decay": plot_decay, "precision": plot_precision, "scaling": plot_scaling, "layouts": plot_layouts,
          "benchmarks": plot_benchmarks, "linear_attention_mass": plot_linear_attention_mass,
-         "linear_attention_decay": plot_linear_attention_decay, "multi_axis": plot_multi_axis}
+         "linear_attention_decay": plot_linear_attention_decay, "multi_axis": plot_multi_axis,
+         "decode_step": plot_decode_step}
 
 
 def main(argv) -> int:
