@@ -703,3 +703,79 @@ def test_numba_backward_runs_as_plain_python_without_jit(tmp_path):
     run = subprocess.run([sys.executable, "-c", _NO_JIT], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+# -- peer: flash-linear-attention's naive references, differentiated by torch autograd -----------------------------
+def _fla_naive(relative):
+    """A module of the installed fla package loaded from its file (fla/__init__ needs triton; its naive files do not)."""
+    import importlib.util
+    import pathlib
+
+    pytest.importorskip("torch")
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("flash-linear-attention (fla-core) is not installed")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.exists():
+        pytest.skip(f"fla has no {relative}")
+    loader = importlib.util.spec_from_file_location(f"_fla_bw_{path.stem}", path)
+    module = importlib.util.module_from_spec(loader)
+    try:
+        loader.loader.exec_module(module)
+    except ImportError as exc:
+        pytest.skip(f"fla's {relative} does not import here: {exc}")
+    return module
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+@pytest.mark.parametrize("normalize", [True, False])
+def test_peer_fla_naive_recurrent_linear_attn_gradients(backend, normalize):
+    """fla's naive_recurrent_linear_attn (BTHD, q scaled by d^-1/2, denominator eps 1e-10; no RoPE; it computes in
+    float32), differentiated by torch autograd, against our float32 backward with identity features of positive
+    inputs, eps=1e-10 and every token at one position (R = I): dq (times the scale), dk, dv."""
+    import torch
+
+    naive = _fla_naive("ops/linear_attn/naive.py")
+    rng = np.random.default_rng(21)
+    B, T, H, d, dv = 2, 29, 3, 8, 4
+    q, k = ((np.abs(rng.standard_normal((B, T, H, d))) + 0.1).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+    g = rng.standard_normal((B, T, H, dv)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+    o, _ = naive.naive_recurrent_linear_attn(tq, tk, tv, normalize=normalize)
+    want = torch.autograd.grad((o * torch.from_numpy(g)).sum(), (tq, tk, tv))
+    scale = d ** -0.5
+    dq, dk, dv_, _ = linear_attention_backward(q * np.float32(scale), k, v, g, np.zeros(T, np.int64), causal=True,
+                                               feature_map="identity", eps=1e-10, normalize=normalize, seq_axis=-3,
+                                               backend=backend, chunk=8)
+    for ours, theirs in zip((dq * np.float32(scale), dk, dv_), want):
+        theirs = theirs.numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("backend", BACKWARD_BACKENDS)
+def test_peer_fla_naive_retention_gradients(backend):
+    """fla's naive_retention (gamma_h = 1 - 2^(-5-h), q scaled by d^-1/2, no normalization, no RoPE; float32)
+    differentiated by torch autograd, against our float32 backward with identity features, normalize=False,
+    RetNet's gammas as decay and every token at one position."""
+    import torch
+
+    naive = _fla_naive("ops/retention/naive.py")
+    rng = np.random.default_rng(22)
+    B, H, T, d, dv = 2, 4, 23, 8, 4
+    q, k = (rng.standard_normal((B, H, T, d)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, H, T, dv)).astype(np.float32)
+    g = rng.standard_normal((B, H, T, dv)).astype(np.float32)
+    tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+    o = naive.naive_retention(tq, tk, tv)
+    want = torch.autograd.grad((o * torch.from_numpy(g)).sum(), (tq, tk, tv))
+    gammas = 1.0 - 2.0 ** (-5.0 - np.arange(H))
+    scale = d ** -0.5
+    dq, dk, dv_, _ = linear_attention_backward(q * np.float32(scale), k, v, g, np.zeros(T, np.int64), causal=True,
+                                               feature_map="identity", normalize=False, decay=gammas, seq_axis=-2,
+                                               backend=backend, chunk=8)
+    for ours, theirs in zip((dq * np.float32(scale), dk, dv_), want):
+        theirs = theirs.numpy()
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5 * np.abs(theirs).max())
