@@ -241,6 +241,7 @@ class KVCache:
             prepare(st, self.kv_dtype) for st in self._layer_stores]
         self._plans = {}   # plans are per pool geometry
         self._append_memo = None
+        self._attend_setups = {}   # plain attend calls' checked arguments, per pools (their plan)
         self._tables_changed()
 
     def _layer_index(self, layer):
@@ -800,13 +801,14 @@ class KVCache:
             memo = self._attend_memo
             if memo is not None and memo[0] == key:
                 return memo[1](q, self._run_stores[i])
-        run = self._prepare_attention(q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap)
+        run = self._prepare_attention(q, key, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap)
         if key is not None:
             self._attend_memo = (key, run)
         return run(q, self._run_stores[i])
 
-    def _prepare_attention(self, q, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap):
-        """:meth:`attend`'s checks, then ``run(q, stores) -> o`` for q like this one over the current tables."""
+    def _attention_setup(self, q, causal, cu_seqlens, scale, window, softcap):
+        """What :meth:`attend`'s arguments give whatever the tables: (packed q, counts, dense shape, plan, causal,
+        window, softcap, scale), each checked."""
         if self.window is not None:
             if window is None:
                 window = self.window
@@ -815,9 +817,26 @@ class KVCache:
                                  "a call may only narrow it")
         self._check_type(q, "q")
         qp, counts, dense_shape = _kv.packed_queries(q, cu_seqlens, self.layout)
+        plan = self._plan((qp,), ("q",), "paged_attention")
+        causal, window, softcap, scale = _kv.attention_options(causal, window, softcap, scale, self.spec,
+                                                               self.head_dim, self.dtype)
+        return qp, counts, dense_shape, plan, causal, window, softcap, scale
+
+    def _prepare_attention(self, q, key, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap):
+        """:meth:`attend`'s checks, then ``run(q, stores) -> o`` for q like this one over the current tables. The
+        checks of a plain call (``key``: see :meth:`attend`) are kept across changes of the tables (per pools)."""
+        setup = None if key is None else self._attend_setups.get(key)
+        if setup is None:
+            setup = self._attention_setup(q, causal, cu_seqlens, scale, window, softcap)
+            if key is not None:
+                if len(self._attend_setups) >= 16:
+                    self._attend_setups.clear()
+                self._attend_setups[key] = setup
+        qp, counts, dense_shape, plan, causal, window, softcap, scale = setup
         ids = self._seq_ids(seq_ids, counts.size)
         every = ids is self._all_ids
-        lens = self._lengths.copy() if every else self._lengths[ids]
+        lens = self._lengths if every else self._lengths[ids]   # (the live lengths and table: any change of them
+        # drops what is prepared here)
         lens_range = None
         if dense_shape is not None and lens.size:   # s queries each: every sequence holds them when the shortest does
             lens_range = _kv.value_range(lens)
@@ -825,13 +844,10 @@ class KVCache:
                 _kv.check_query_counts(counts, lens, ids)
         else:
             _kv.check_query_counts(counts, lens, ids)
-        plan = self._plan((qp,), ("q",), "paged_attention")
-        causal, window, softcap, scale = _kv.attention_options(causal, window, softcap, scale, self.spec,
-                                                               self.head_dim, self.dtype)
         rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range)
         q_starts = _kv.dense_starts(lens.size, dense_shape[1]) if dense_shape is not None else \
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        table = self._block_table.copy() if every else self._block_table[ids]
+        table = self._block_table if every else self._block_table[ids]
         packed_shape = tuple(qp.shape)
         prepared = plan.prepare_attention(_kv.contiguous(qp), table, self.page_size, lens, q_starts, scale=scale,
                                           softcap=softcap, window=window, causal=causal, rotation=rotation)
@@ -1062,7 +1078,8 @@ class KVCache:
 
     # -- copies ----------------------------------------------------------------------------------------------------
     _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
-                "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_layer_views")
+                "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_attend_setups",
+                "_layer_views")
 
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
