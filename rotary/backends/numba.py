@@ -22,7 +22,8 @@ from .numba_kernels import linear_attention as la_kernels
 from .numba_kernels.linear_backward import linear_attention_backward  # noqa: F401  (the backward primitive)
 from .numba_kv import (VARIANTS, append_kv, paged_attention, prepare_append_kv,  # noqa: F401 - the KV primitives
                        prepare_paged_attention, prepare_stores)
-from .numba_runtime import flat_view, readonly as _readonly, readonly_c as _readonly_c, strides_ok as _strides_ok
+from .numba_runtime import aligned_empty as _aligned_empty, flat_view, readonly as _readonly, readonly_c as _readonly_c, \
+    strides_ok as _strides_ok
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -282,15 +283,6 @@ def _linear_buffers(q, k, v, o):
     for buf in bufs[:3]:
         buf.flags.writeable = False   # one compiled signature for read-only and writable inputs
     return bufs, geo
-
-
-def _aligned_empty(shape, dtype, align=64):
-    """np.empty(shape, dtype) whose data starts at a multiple of ``align`` bytes (NumPy's own alignment is 16)."""
-    dtype = np.dtype(dtype)
-    n = int(np.prod(shape))
-    raw = np.empty(n * dtype.itemsize + align, np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
 
 
 _NO_POWERS = _readonly(np.ones((1, 1, 1)))   # the powers argument of a call without decay (not read)

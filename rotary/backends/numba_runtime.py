@@ -64,6 +64,15 @@ def flat_view(a):
     return buf.view(bits), -low // itemsize, tuple(st // itemsize for st in a.strides)
 
 
+def aligned_empty(shape, dtype, align=64):
+    """np.empty(shape, dtype) whose data starts at a multiple of ``align`` bytes (NumPy's own alignment is 16)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def bits(a):
     """The flat buffer of a C-contiguous array (a new view; float16 as its uint16 bits)."""
     flat = a.reshape(-1)

@@ -675,9 +675,9 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
     gS, gz = (None, None) if grad_state is None else grad_state
     s_shape, z_shape = (B, Hk, m, dvd), (B, Hk, m)
     args_state = (state_arg(S0, s_shape), state_arg(z0, z_shape), state_arg(gS, s_shape), state_arg(gz, z_shape))
-    from ..numba import _aligned_empty   # rows on cache-line boundaries: large gradients are streamed
+    aligned_empty = _runtime.aligned_empty   # rows on cache-line boundaries: large gradients are streamed
 
-    dq, dk, dv = (_aligned_empty(shape, q.dtype) for shape in ((B, T, H, m), (B, T, Hk, m), (B, T, Hk, dvd)))
+    dq, dk, dv = (aligned_empty(shape, q.dtype) for shape in ((B, T, H, m), (B, T, Hk, m), (B, T, Hk, dvd)))
     d_s, d_z = np.empty(s_shape, work), np.empty(z_shape, work)
     step = max(1, min(int(chunk), T)) if T else 1
     if B * Hk and T:
