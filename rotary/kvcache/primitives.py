@@ -23,7 +23,10 @@ Both are planned once per geometry (:class:`KVPlan`: array types, dtypes and sha
 the KV format, the backend with the format as a variant of its capability, where its cos/sin tables live); every
 call re-checks what can change under the same geometry: the pools' writeable flag and the memory k and v share
 with the pools (refused), and, for host tables, the slots and pages named (in the pool, distinct slots). Device
-tables (CuPy) are the caller's to keep in range, as FlashInfer's and vLLM's are.
+tables (CuPy) are the caller's to keep in range, as FlashInfer's and vLLM's are. A plan then prepares the backend's
+call (:meth:`KVPlan.prepare_append`, :meth:`KVPlan.prepare_attention`: the tables, q's rotation, which the attention
+kernel applies as it reads q, and the kernel's arguments), which :class:`rotary.KVCache` runs for every layer of a
+step.
 """
 
 from __future__ import annotations
