@@ -707,24 +707,10 @@ def test_numba_backward_runs_as_plain_python_without_jit(tmp_path):
 
 # -- peer: flash-linear-attention's naive references, differentiated by torch autograd -----------------------------
 def _fla_naive(relative):
-    """A module of the installed fla package loaded from its file (fla/__init__ needs triton; its naive files do not)."""
-    import importlib.util
-    import pathlib
+    """A module of the installed fla package's naive references (test_linear_attention_variants' loader)."""
+    from .test_linear_attention_variants import _fla_module
 
-    pytest.importorskip("torch")
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("flash-linear-attention (fla-core) is not installed")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.exists():
-        pytest.skip(f"fla has no {relative}")
-    loader = importlib.util.spec_from_file_location(f"_fla_bw_{path.stem}", path)
-    module = importlib.util.module_from_spec(loader)
-    try:
-        loader.loader.exec_module(module)
-    except ImportError as exc:
-        pytest.skip(f"fla's {relative} does not import here: {exc}")
-    return module
+    return _fla_module(relative)[1]
 
 
 @pytest.mark.peer
