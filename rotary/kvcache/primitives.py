@@ -249,8 +249,6 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     if region is not None:   # the cache's own pools: one buffer, writable unless a caller flipped the flag
         if k_pool.flags.writeable and v_pool.flags.writeable and (scales is None or (
                 scales[0].flags.writeable and scales[1].flags.writeable)):
-            if len(arrays) == 2 and not (_may_share(arrays[0], region) or _may_share(arrays[1], region)):
-                return
             for a in arrays:
                 if _may_share(a, region):
                     break
@@ -259,16 +257,9 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     stores = [(k_pool, "k_pool"), (v_pool, "v_pool")]
     if scales is not None:
         stores += [(scales[0], "scales[0]"), (scales[1], "scales[1]")]
-    host = True
     for a, name in stores:
-        if _is_host(a):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} is read-only")
-        else:
-            host = False
-    if host and all(type(a) is np.ndarray for a in arrays) and not _may_share(k_pool, v_pool) and not any(
-            [_may_share(a, pool) for a in arrays for pool, _ in stores]):
-        return   # host arrays whose bounds are apart (np.may_share_memory: no exact overlap test needed)
+        if _is_host(a) and not a.flags.writeable:
+            raise ValueError(f"{name} is read-only")
     if overlaps(k_pool, v_pool):
         raise ValueError("k_pool and v_pool share memory: pass two separate pools")
     for a, name in zip(arrays, names):

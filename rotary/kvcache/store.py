@@ -34,7 +34,6 @@ from . import primitives as _kv
 from .pages import PageBook
 
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
-_may_share = np.may_share_memory
 _LAYOUTS = ("bshd", "bhsd")
 
 
@@ -597,16 +596,11 @@ class KVCache:
             step = memo[0]
             if step.done[i]:
                 self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
-            region = self._region   # the cache's own memory (its writable buffer): k, v apart from it are apart
-            if region is None or _may_share(k, region) or _may_share(v, region):   # from every pool
-                pools = self._layer_pools[i]
-                _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], None)
+            pools = self._layer_pools[i]
+            _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
             pack = memo[3]
             memo[2](pack(k), pack(v), self._run_stores[i])
-            step.done[i] = True
-            step.left -= 1
-            if not step.left:
-                self._end(step)
+            self._done(step, i)
             return
         self._append(k, v, seq_ids, cu_seqlens, positions, layer)
 
@@ -680,14 +674,10 @@ class KVCache:
     def _done(self, step, i):
         step.done[i] = True
         step.left -= 1
-        if not step.left:
-            self._end(step)
-
-    def _end(self, step):
-        """Every layer has written the step."""
-        self._step = None
-        if self._tokens:
-            self._keep_prefix_pages(step.ids)
+        if not step.left:   # every layer has written the step
+            self._step = None
+            if self._tokens:
+                self._keep_prefix_pages(step.ids)
 
     def fits(self, seq_ids=None, tokens=1) -> bool:
         """Whether a step of ``tokens`` new tokens (an int, or one count per sequence) for sequences ``seq_ids`` fits
