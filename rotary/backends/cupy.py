@@ -20,6 +20,7 @@ kernel sources with the same plans through the host C++ compiler.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import threading
 import warnings
@@ -41,6 +42,7 @@ COMMON_HEADER = "rotary_common.cuh"
 #: kernel file of each kernel family
 SOURCES = {"rope": "rope.cu", "linear_attention": "linear_attention.cu"}
 SOURCES["kv_cache"] = "kv_cache.cu"   # KV-cache kernels (append_kv, paged_attention; the end of this file)
+SOURCES["linear_backward"] = "linear_backward.cu"   # linear attention's backward (includes linear_attention.cu)
 #: dtype name -> (C++ storage type, C++ work type)
 KERNEL_TYPES = {
     "float32": ("float", "float"),
@@ -63,14 +65,34 @@ LINEAR_ATTENTION_THREADS = 128
 
 
 # -- sources and instantiations (pure Python) ---------------------------------------------------
+def included_sources(name: str) -> list[str]:
+    """The files of KERNEL_DIR that kernel file ``name`` includes (``#include "x"`` lines), in order."""
+    text = (KERNEL_DIR / name).read_text()
+    return [m for m in _INCLUDE.findall(text) if (KERNEL_DIR / m).is_file()]
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
+
+
 def source_text(family: str) -> str:
-    """The kernel file of ``family`` with the common header inlined (so NVRTC needs no -I)."""
+    """The kernel file of ``family`` with the common header and the kernel files it includes inlined, each once
+    (so NVRTC needs no -I; linear_backward.cu includes linear_attention.cu)."""
     text = (KERNEL_DIR / SOURCES[family]).read_text()
-    header = (KERNEL_DIR / COMMON_HEADER).read_text()
     include = f'#include "{COMMON_HEADER}"'
     if include not in text:
         raise RuntimeError(f"{SOURCES[family]} does not include {COMMON_HEADER}")
-    return text.replace(include, header, 1)
+    seen: set = set()
+
+    def inline(match):
+        name = match.group(1)
+        if not (KERNEL_DIR / name).is_file():
+            return match.group(0)
+        if name in seen:
+            return f"// {name}: inlined above"
+        seen.add(name)
+        return _INCLUDE.sub(inline, (KERNEL_DIR / name).read_text())
+
+    return _INCLUDE.sub(inline, text)
 
 
 def vector_widths(dtype_name: str) -> tuple[int, ...]:
@@ -103,6 +125,12 @@ def linear_attention_kernel_name(dtype_name: str) -> str:
     return f"linear_attention_chunked<{t}, {w}>"
 
 
+def linear_backward_kernel_names(dtype_name: str) -> tuple[str, str]:
+    """(chunked kernel, finishing kernel) of linear attention's backward for one dtype."""
+    t, w = KERNEL_TYPES[dtype_name]
+    return f"linear_backward_chunked<{t}, {w}>", f"linear_backward_finish<{t}, {w}>"
+
+
 def name_expressions(family: str, dtype_name: str, group: str | None = None) -> list[str]:
     """Every template instantiation of ``family`` for one dtype (``group``: only those of one
     :func:`kernel_group`). Rotation: each vector width, reading half-split / interleaved pairs, writing them
@@ -113,6 +141,8 @@ def name_expressions(family: str, dtype_name: str, group: str | None = None) -> 
                   for inter in (False, True)]
     elif family == "kv_cache":
         names = kv_cache_name_expressions(dtype_name)
+    elif family == "linear_backward":
+        names = list(linear_backward_kernel_names(dtype_name))
     else:
         names = [linear_attention_kernel_name(dtype_name)]
     return names if group is None else [n for n in names if kernel_group(n) == group]
@@ -340,6 +370,144 @@ def powers_table(decay, chunk: int, work_dtype):
         return None
     table = decay_powers(decay, chunk)
     return np.ascontiguousarray(table.reshape(-1, chunk + 1), dtype=work_dtype)
+
+
+# -- linear attention's backward (linear_backward.cu; pure Python planning) -------------------------------
+#: threads per block of the backward's two kernels
+LINEAR_BACKWARD_THREADS = 128
+#: the finishing kernel's chunk at most (it keeps chunk x m values in shared memory)
+LINEAR_BACKWARD_FINISH_CHUNK = 64
+
+
+def linear_backward_shared_bytes(m: int, chunk: int, dv_tile: int, work_itemsize: int) -> int:
+    """Dynamic shared memory of linear_backward_chunked (layout documented in the .cu file)."""
+    mp, dtp, pp = m | 1, dv_tile | 1, chunk + 1
+    return work_itemsize * (5 * chunk * mp + 3 * chunk * dtp + 2 * m * dtp + 2 * chunk * pp + 3 * chunk + m + 1)
+
+
+def linear_backward_finish_shared_bytes(m: int, chunk: int, work_itemsize: int) -> int:
+    """Dynamic shared memory of linear_backward_finish: chunk x (m | 1) rows and m values."""
+    return work_itemsize * (chunk * (m | 1) + m)
+
+
+class LinearBackwardGeometry(NamedTuple):
+    """The two launches of the backward: linear_backward_chunked (grid = B * Hk * n_tiles blocks, ``chunk``,
+    ``dv_tile``, ``shared_mem``) and linear_backward_finish (``finish_grid`` = B * Hk, its own chunk and shared
+    memory); ``block`` threads each."""
+    grid: int
+    block: int
+    chunk: int
+    dv_tile: int
+    n_tiles: int
+    shared_mem: int
+    finish_grid: int
+    finish_chunk: int
+    finish_shared_mem: int
+
+
+def linear_backward_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_itemsize: int, chunk: int, *,
+                             threads: int = LINEAR_BACKWARD_THREADS,
+                             shared_mem_limit: int = SHARED_MEM_LIMIT) -> LinearBackwardGeometry:
+    """The widest dv tile (<= 64) and the longest chunk (<= ``chunk``, >= 16 when possible) whose buffers fit
+    ``shared_mem_limit``, as :func:`linear_attention_geometry` chooses the forward's (a smaller chunk or tile gives
+    the same sums in other groupings); the finishing kernel's chunk: the longest power of two <= 64 that fits.
+    dv = 0: no chunked launch (n_tiles 0)."""
+    tiles = sorted({min(max(dv, 1), t) for t in (64, 32, 16, 8, 4, 2, 1)}, reverse=True)
+    chunks = sorted({c for c in (chunk, 64, 32, 16, 8, 4, 2, 1) if c <= chunk}, reverse=True)
+    finish = [c for c in (64, 32, 16, 8, 4, 2, 1)
+              if c <= LINEAR_BACKWARD_FINISH_CHUNK and linear_backward_finish_shared_bytes(m, c, work_itemsize)
+              <= shared_mem_limit]
+    for min_chunk in (min(16, chunk), 1):
+        for dt in tiles:
+            for c in chunks:
+                if c < min_chunk:
+                    break
+                smem = linear_backward_shared_bytes(m, c, dt, work_itemsize)
+                if smem <= shared_mem_limit and finish:
+                    n_tiles = math.ceil(dv / dt)
+                    return LinearBackwardGeometry(n_batch * n_heads * n_tiles, threads, c, dt, n_tiles, smem,
+                                                  n_batch * n_heads, finish[0],
+                                                  linear_backward_finish_shared_bytes(m, finish[0], work_itemsize))
+    raise ValueError(f"head dims m={m}, dv={dv} are too large for the CUDA linear attention backward kernel's "
+                     f"shared memory ({shared_mem_limit} bytes); use backend='numpy' or 'numba'")
+
+
+def linear_backward_workspace(n_batch: int, seq_len: int, n_heads_q: int, n_heads: int, m: int, dv: int,
+                              geometry: LinearBackwardGeometry) -> dict:
+    """Sizes (work-dtype elements, at least 1) of the backward's global scratch buffers: the saved states before
+    each chunk (s_saved, z_saved), the dv tiles' parts of dÂ, dB̂ and gN . N, the denominators and gD."""
+    n_chunks = -(-seq_len // geometry.chunk)
+    tiles = geometry.n_tiles
+    sizes = dict(s_saved=n_batch * n_heads * n_chunks * m * dv, z_saved=n_batch * n_heads * tiles * n_chunks * m,
+                 dA_part=tiles * n_batch * seq_len * n_heads_q * m, dB_part=tiles * n_batch * seq_len * n_heads * m,
+                 gdot_part=tiles * n_batch * seq_len * n_heads_q, den=n_batch * seq_len * n_heads_q,
+                 gD=n_batch * seq_len * n_heads_q)
+    return {name: max(1, n) for name, n in sizes.items()}
+
+
+def check_linear_backward(q, k, v, grad_o, *, feature_map: str, causal: bool, decay) -> bool:
+    """The backward's refusals (those of the Numba and NumPy backwards, same messages); returns whether a decay
+    < 1 is in effect."""
+    if feature_map not in CODES:
+        raise ValueError(f"feature_map must be one of {tuple(CODES)}, got {feature_map!r}")
+    B, T, H, m = q.shape
+    Hk, dvd = k.shape[2], v.shape[3]
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hk})")
+    if tuple(grad_o.shape) != (B, T, H, dvd):
+        raise ValueError(f"grad_o must have o's shape {(B, T, H, dvd)}, got {tuple(grad_o.shape)}")
+    decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
+    if decayed and not causal:
+        raise ValueError("decay < 1 needs causal=True (as the forward)")
+    return decayed
+
+
+def plan_linear_attention_backward(q, k, v, grad_o, dq, dk, dv, state_s, z_in, grad_s, grad_z, d_s, d_z, cos, sin,
+                                   rows, alloc, *, dtype_name: str, rotary_dim: int, layout: str, causal: bool,
+                                   feature_map: str, eps: float, chunk: int, threads: int = LINEAR_BACKWARD_THREADS,
+                                   shared_mem_limit: int = SHARED_MEM_LIMIT, powers=None,
+                                   normalize: bool = True) -> tuple:
+    """The launches of the backward (linear_backward_chunked, then linear_backward_finish; only the second when
+    dv = 0), or () when there is nothing to run (no token, head or feature). q, k, v, grad_o (B, T, ., .) read;
+    dq, dk, dv their shapes, written; state_s, grad_s, d_s (B, Hk, m, dv) and z_in, grad_z, d_z (B, Hk, m)
+    C-contiguous in the work dtype (S0, G_S, dS0; z0, G_z, dz0; zeros for None); ``alloc(n)``: a new 1-D
+    work-dtype array of n elements (the scratch of :func:`linear_backward_workspace`); ``powers`` as for
+    :func:`plan_linear_attention` (a table of at least ``chunk + 1`` columns)."""
+    itemsize = ITEMSIZE[dtype_name]
+    n_batch, seq_len, n_heads_q, m = q.shape
+    n_heads, dvd = k.shape[2], v.shape[3]
+    if n_batch * n_heads * seq_len * m == 0:
+        return ()
+    work = KERNEL_TYPES[dtype_name][1]
+    work_itemsize = 8 if work == "double" else 4
+    geo = linear_backward_geometry(n_batch, n_heads, m, dvd, work_itemsize, chunk, threads=threads,
+                                   shared_mem_limit=shared_mem_limit)
+    decayed = powers is not None
+    if decayed and powers.shape[-1] <= geo.chunk:
+        raise ValueError(f"powers table has {powers.shape[-1]} columns, the kernel's chunk {geo.chunk} needs "
+                         f"{geo.chunk + 1}")
+    ws = {name: alloc(n) for name, n in linear_backward_workspace(n_batch, seq_len, n_heads_q, n_heads, m, dvd,
+                                                                   geo).items()}
+    strides = lambda a: [a, *_elem_strides(a, itemsize)]   # noqa: E731
+    i32, scalar = np.int32, (np.float64 if work == "double" else np.float32)
+    pw = (powers, i32(powers.shape[-1])) if decayed else (z_in, i32(0))
+    tables = [cos, sin, rows, i32(rows.shape[0] > 1), np.int64(seq_len), i32(n_batch), i32(n_heads),
+              i32(n_heads_q // n_heads), i32(m)]
+    names = linear_backward_kernel_names(dtype_name)
+    launches = []
+    if geo.n_tiles:
+        args = [*strides(q), *strides(k), *strides(v), *strides(grad_o), *strides(dv), state_s, z_in, grad_s, d_s,
+                ws["s_saved"], ws["z_saved"], ws["dA_part"], ws["dB_part"], ws["gdot_part"], ws["den"], *tables,
+                i32(dvd), i32(rotary_dim), i32(layout == "interleaved"), i32(bool(causal)), i32(CODES[feature_map]),
+                scalar(eps), i32(geo.chunk), i32(geo.dv_tile), *pw, i32(decayed), i32(bool(normalize))]
+        launches.append(Launch("linear_backward", names[0], geo.grid, geo.block, geo.shared_mem, tuple(args)))
+    args = [*strides(q), *strides(k), *strides(dq), *strides(dk), z_in, grad_z, d_z, ws["dA_part"], ws["dB_part"],
+            ws["gdot_part"], ws["den"], ws["gD"], *tables, i32(rotary_dim), i32(layout == "interleaved"),
+            i32(bool(causal)), i32(CODES[feature_map]), scalar(eps), i32(geo.finish_chunk), i32(geo.n_tiles), *pw,
+            i32(decayed), i32(bool(normalize) and geo.n_tiles > 0)]
+    launches.append(Launch("linear_backward", names[1], geo.finish_grid, geo.block, geo.finish_shared_mem,
+                           tuple(args)))
+    return tuple(launches)
 
 
 # -- CuPy side ----------------------------------------------------------------------------------------
@@ -710,6 +878,73 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
 
             return o, (torch.from_dlpack(s_state), torch.from_dlpack(z_state))
     return o, (s_state, z_state)
+
+
+def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal, feature_map, eps, chunk,
+                              state, decay=None, normalize=True, grad_state=None):
+    """(dq, dk, dv, dstate) of the ``linear_attention`` primitive (contract in ``rotary.backends``; formulas in
+    :mod:`rotary.backends.numpy_linear_backward`) by linear_backward.cu's two kernels; CuPy arrays or torch CUDA
+    tensors in, the same out (dstate in the work dtype, None without ``state``). Inputs are never written."""
+    import cupy
+
+    decayed = check_linear_backward(q, k, v, grad_o, feature_map=feature_map, causal=causal, decay=decay)
+    exchange = _Exchange(q)
+    with exchange:
+        name = exchange.dtype_name(q)
+        for a, what in ((k, "k"), (v, "v")):
+            if exchange.dtype_name(a) != name:
+                raise TypeError(f"{what} must have q's dtype {name} on the cupy backend, got {a.dtype}")
+        if exchange.dtype_name(grad_o) != name:
+            grad_o = grad_o.to(q.dtype) if exchange.torch else grad_o.astype(q.dtype)
+        work = KERNEL_TYPES[name][1]
+        wdtype = cupy.float64 if work == "double" else cupy.float32
+        B, T, H, m = q.shape
+        Hk, dvd = k.shape[2], v.shape[3]
+
+        def new(shape, like, zero=False):
+            if exchange.torch:
+                import torch
+
+                return (torch.zeros if zero else torch.empty)(shape, dtype=like.dtype, device=like.device)
+            return (cupy.zeros if zero else cupy.empty)(shape, dtype=like.dtype)
+
+        def work_array(x, shape):
+            if x is None:
+                return cupy.zeros(shape, dtype=wdtype)
+            return cupy.ascontiguousarray(exchange.to_cupy(x), dtype=wdtype).reshape(shape)
+
+        S0, z0 = (None, None) if state is None else state
+        gS, gz = (None, None) if grad_state is None else grad_state
+        s_shape, z_shape = (B, Hk, m, dvd), (B, Hk, m)
+        args_state = [work_array(S0, s_shape), work_array(z0, z_shape), work_array(gS, s_shape),
+                      work_array(gz, z_shape)]
+        d_s, d_z = cupy.empty(s_shape, dtype=wdtype), cupy.empty(z_shape, dtype=wdtype)
+        c, s = _work_tables(cos, sin, work)
+        rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64)
+        table = powers_table(decay, max(1, int(chunk)), np.float64 if work == "double" else np.float32)
+        empty_plan = B * Hk * T * m == 0
+        dq, dk, dv = (new(tuple(x.shape), x, zero=empty_plan) for x in (q, k, v))
+        plans = plan_linear_attention_backward(
+            exchange.to_cupy(q), exchange.to_cupy(k), exchange.to_cupy(v), exchange.to_cupy(grad_o),
+            exchange.to_cupy(dq), exchange.to_cupy(dk), exchange.to_cupy(dv), args_state[0], args_state[1],
+            args_state[2], args_state[3], d_s, d_z, c, s, rows_dev, lambda n: cupy.empty(n, dtype=wdtype),
+            dtype_name=name, rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map, eps=eps,
+            chunk=chunk, threads=LINEAR_BACKWARD_THREADS, shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT,
+                                                                               max_shared_mem()),
+            powers=None if table is None else cupy.asarray(table), normalize=normalize)
+        for plan in plans:
+            _launch(plan, name)
+        if not plans:   # nothing ran: the state's gradient passes through
+            d_s, d_z = args_state[2], args_state[3]
+        if state is None:
+            dstate = None
+        elif exchange.torch:
+            import torch
+
+            dstate = (torch.from_dlpack(d_s), torch.from_dlpack(d_z))
+        else:
+            dstate = (d_s, d_z)
+    return dq, dk, dv, dstate
 
 
 # -- KV cache (kv_cache.cu): the append_kv and paged_attention primitives ------------------------------------

@@ -74,7 +74,9 @@ SANITIZE_FLAGS = {
 
 def _translation_unit(entries, planted: bool = False) -> str:
     lines = ['#include "cuda_shim.h"']
-    lines += [f'#include "{name}"' for name in cuda_backend.SOURCES.values()]
+    files = list(cuda_backend.SOURCES.values())
+    inner = {name for f in files for name in cuda_backend.included_sources(f)}
+    lines += [f'#include "{name}"' for name in files if name not in inner]   # (included ones come with their includer)
     if planted:
         lines.append('#include "planted.cu"')
     for i, (_, _, expr) in enumerate(entries):

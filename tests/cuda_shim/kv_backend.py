@@ -93,9 +93,56 @@ def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_lim
                                     threads=threads, shared_mem_limit=shared_mem_limit, decay=decay,
                                     normalize=normalize, cu_seqlens=cu_seqlens)
 
+    def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal, feature_map, eps,
+                                  chunk, state, decay=None, normalize=True, grad_state=None):
+        return run_linear_attention_backward(kernels, q, k, v, cos, sin, rows, grad_o, rotary_dim=rotary_dim,
+                                             layout=layout, causal=causal, feature_map=feature_map, eps=eps,
+                                             chunk=chunk, state=state, decay=decay, normalize=normalize,
+                                             grad_state=grad_state, threads=threads, shared_mem_limit=shared_mem_limit)
+
     return types.SimpleNamespace(NAME=NAME, availability=lambda: (True, "ok"),
                                  accepts=lambda x: isinstance(x, np.ndarray), rotate=rotate,
-                                 linear_attention=linear_attention, PACKED_LINEAR_ATTENTION=True)
+                                 linear_attention=linear_attention, PACKED_LINEAR_ATTENTION=True,
+                                 linear_attention_backward=linear_attention_backward)
+
+
+def run_linear_attention_backward(kernels, q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal,
+                                  feature_map, eps, chunk, state, decay=None, normalize=True, grad_state=None,
+                                  threads=cb.LINEAR_BACKWARD_THREADS, shared_mem_limit=cb.SHARED_MEM_LIMIT,
+                                  plans=None, poison=np.nan):
+    """The CuPy backend's ``linear_attention_backward`` glue on NumPy arrays: the same checks
+    (:func:`rotary.backends.cupy.check_linear_backward`) and plans (``plans``: a list that receives them), the
+    scratch buffers filled with ``poison`` (the kernels must write every value they read)."""
+    cb.check_linear_backward(q, k, v, grad_o, feature_map=feature_map, causal=causal, decay=decay)
+    if grad_o.dtype != q.dtype:
+        grad_o = grad_o.astype(q.dtype)
+    work = work_of(q.dtype)
+    B, T, H, m = q.shape
+    Hk, dvd = k.shape[2], v.shape[3]
+
+    def work_array(x, shape):
+        return np.zeros(shape, work) if x is None else np.ascontiguousarray(np.asarray(x).reshape(shape), work)
+
+    S0, z0 = (None, None) if state is None else state
+    gS, gz = (None, None) if grad_state is None else grad_state
+    s_shape, z_shape = (B, Hk, m, dvd), (B, Hk, m)
+    S0, z0, gS, gz = work_array(S0, s_shape), work_array(z0, z_shape), work_array(gS, s_shape), work_array(gz, z_shape)
+    d_s, d_z = np.full(s_shape, np.nan, work), np.full(z_shape, np.nan, work)
+    empty_plan = B * Hk * T * m == 0
+    dq, dk, dv = ((np.zeros if empty_plan else np.empty)(x.shape, x.dtype) for x in (q, k, v))
+    launches = cb.plan_linear_attention_backward(
+        q, k, v, grad_o, dq, dk, dv, S0, z0, gS, gz, d_s, d_z, np.ascontiguousarray(cos, work),
+        np.ascontiguousarray(sin, work), np.ascontiguousarray(rows, np.int64), lambda n: np.full(n, poison, work),
+        dtype_name=str(q.dtype), rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map,
+        eps=eps, chunk=chunk, threads=threads, shared_mem_limit=shared_mem_limit,
+        powers=cb.powers_table(decay, max(1, int(chunk)), work), normalize=normalize)
+    if plans is not None:
+        plans.extend(launches)
+    for launch in launches:
+        kernels.launch(launch)
+    if not launches:
+        d_s, d_z = gS, gz
+    return dq, dk, dv, (None if state is None else (d_s, d_z))
 
 
 def run_linear_attention(kernels, q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk,
