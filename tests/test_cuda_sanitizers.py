@@ -53,14 +53,14 @@ def _run(sanitized, mode, what, **kw):
 
 
 # -- the kernels are clean --------------------------------------------------------------------------
-@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache", "linear_backward"])
 def test_kernels_clean_under_address_and_undefined_sanitizers(sanitized, what):
     proc, log = _run(sanitized, "address", what, guard=True, compare=True, slots=1)
     assert proc.returncode == 0, log[-6000:]
     assert "OK" in proc.stdout and "ERROR: AddressSanitizer" not in log and "runtime error" not in log
 
 
-@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache"])
+@pytest.mark.parametrize("what", ["conformance", "direct", "random", "kvcache", "linear_backward"])
 def test_kernels_clean_under_thread_sanitizer(sanitized, what):
     proc, log = _run(sanitized, "thread", what, compare=True, slots=3)
     assert proc.returncode == 0, log[-6000:]

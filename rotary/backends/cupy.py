@@ -377,6 +377,10 @@ def powers_table(decay, chunk: int, work_dtype):
 LINEAR_BACKWARD_THREADS = 128
 #: the finishing kernel's chunk at most (it keeps chunk x m values in shared memory)
 LINEAR_BACKWARD_FINISH_CHUNK = 64
+#: shared memory budget of the backward's chunked kernel (opt-in above 48 KiB, capped by the device's maximum): its
+#: state and reverse state (2 m x dv_tile) and ten chunk buffers need more than the forward's, and each extra dv
+#: tile repeats the chunk's q/k work and adds a T x H x m slice of scratch
+LINEAR_BACKWARD_SHARED_MEM_LIMIT = 160 * 1024
 
 
 def linear_backward_shared_bytes(m: int, chunk: int, dv_tile: int, work_itemsize: int) -> int:
@@ -408,19 +412,22 @@ class LinearBackwardGeometry(NamedTuple):
 def linear_backward_geometry(n_batch: int, n_heads: int, m: int, dv: int, work_itemsize: int, chunk: int, *,
                              threads: int = LINEAR_BACKWARD_THREADS,
                              shared_mem_limit: int = SHARED_MEM_LIMIT) -> LinearBackwardGeometry:
-    """The widest dv tile (<= 64) and the longest chunk (<= ``chunk``, >= 16 when possible) whose buffers fit
-    ``shared_mem_limit``, as :func:`linear_attention_geometry` chooses the forward's (a smaller chunk or tile gives
-    the same sums in other groupings); the finishing kernel's chunk: the longest power of two <= 64 that fits.
-    dv = 0: no chunked launch (n_tiles 0)."""
+    """The widest dv tile (<= 64) and the longest chunk (<= ``chunk``) whose buffers fit ``shared_mem_limit``, in
+    rounds: chunk >= 16 with a tile >= 32, then chunk >= 8 with a tile >= 16, then anything (each tile repeats the
+    q/k work and adds scratch, so a wide tile goes before a long chunk; a smaller chunk or tile gives the same sums
+    in other groupings); the finishing kernel's chunk: the longest power of two <= 64 that fits. dv = 0: no chunked
+    launch (n_tiles 0)."""
     tiles = sorted({min(max(dv, 1), t) for t in (64, 32, 16, 8, 4, 2, 1)}, reverse=True)
     chunks = sorted({c for c in (chunk, 64, 32, 16, 8, 4, 2, 1) if c <= chunk}, reverse=True)
     finish = [c for c in (64, 32, 16, 8, 4, 2, 1)
               if c <= LINEAR_BACKWARD_FINISH_CHUNK and linear_backward_finish_shared_bytes(m, c, work_itemsize)
               <= shared_mem_limit]
-    for min_chunk in (min(16, chunk), 1):
+    for min_chunk, min_tile in ((16, 32), (8, 16), (1, 1)):
         for dt in tiles:
+            if dt < min(min_tile, dv):
+                break
             for c in chunks:
-                if c < min_chunk:
+                if c < min(min_chunk, chunk):
                     break
                 smem = linear_backward_shared_bytes(m, c, dt, work_itemsize)
                 if smem <= shared_mem_limit and finish:
@@ -929,7 +936,7 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
             exchange.to_cupy(dq), exchange.to_cupy(dk), exchange.to_cupy(dv), args_state[0], args_state[1],
             args_state[2], args_state[3], d_s, d_z, c, s, rows_dev, lambda n: cupy.empty(n, dtype=wdtype),
             dtype_name=name, rotary_dim=rotary_dim, layout=layout, causal=causal, feature_map=feature_map, eps=eps,
-            chunk=chunk, threads=LINEAR_BACKWARD_THREADS, shared_mem_limit=min(LINEAR_ATTENTION_SHARED_MEM_LIMIT,
+            chunk=chunk, threads=LINEAR_BACKWARD_THREADS, shared_mem_limit=min(LINEAR_BACKWARD_SHARED_MEM_LIMIT,
                                                                                max_shared_mem()),
             powers=None if table is None else cupy.asarray(table), normalize=normalize)
         for plan in plans:

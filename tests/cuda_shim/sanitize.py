@@ -8,7 +8,8 @@ a child Python with the runtime in LD_PRELOAD (:func:`command` builds it; :func:
 MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance cases through the
 frontend at two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches:
 partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
-decay, cu_seqlens with an empty sequence), ``random`` (random rotation and linear-attention problems:
+decay, cu_seqlens with an empty sequence), ``linear_backward`` (linear_backward.cu against the NumPy reference
+backward), ``random`` (random rotation and linear-attention problems:
 element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
 KV-cache appends of kv_cache.cu, bit for bit against the reference append, then paged_attention and its split-K
 combine against the float64 oracle), or ``planted:NAME`` (one kernel of
@@ -362,6 +363,57 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     return failures
 
 
+def run_linear_backward(kernels, seed: int = 45) -> int:
+    """linear_backward.cu's two kernels (the backward of linear attention) on small problems against the NumPy
+    reference backward (rotary.backends.numpy_linear_backward; itself checked against torch autograd of the
+    quadratic form in tests/test_linear_attention_backward.py): causal and not, decay, normalize on and off, GQA,
+    partial rotary, both layouts, every feature map, dv tiles (small budgets), chunks that do not divide T, 1 and 7
+    threads, a reversed k, a state in and a gradient on the state out; float64 to 1e-9, float32 to 5e-5."""
+    from rotary.backends import cupy as cb
+    from rotary.backends.numpy_linear_backward import linear_attention_backward as reference
+
+    from .kv_backend import run_linear_attention_backward
+
+    rng = np.random.default_rng(seed)
+    failures = 0
+    cases = [  # B, T, Hk, G, m, dv, r, layout, fmap, causal, decay, normalize, chunk, threads, budget, dtype
+        (1, 9, 1, 2, 8, 5, 8, "half", "elu", True, True, True, 4, 32, cb.SHARED_MEM_LIMIT, "float64"),
+        (2, 7, 2, 1, 6, 12, 4, "interleaved", "relu", True, False, False, 3, 7, 3000, "float64"),
+        (1, 11, 1, 3, 9, 7, 6, "half", "identity", False, False, True, 4, 1, 2500, "float64"),
+        (1, 6, 2, 2, 8, 3, 8, "interleaved", "elu", False, False, False, 16, 32, cb.SHARED_MEM_LIMIT, "float32"),
+        (2, 13, 1, 1, 10, 9, 10, "half", "elu", True, True, True, 5, 7, 2400, "float32"),
+        (1, 5, 1, 2, 4, 2, 4, "half", "relu", True, True, False, 2, 32, cb.SHARED_MEM_LIMIT, "float64"),
+    ]
+    for i, (B, T, Hk, G, m, dv, r, layout, fmap, causal, decay, normalize, chunk, threads, budget,
+            dtype) in enumerate(cases):
+        q = rng.standard_normal((B, T, Hk * G, m)).astype(dtype)
+        k = (rng.standard_normal((B, T, Hk, m)).astype(dtype)[:, ::-1] if i % 2 else
+             rng.standard_normal((B, T, Hk, m)).astype(dtype))
+        v = rng.standard_normal((B, T, Hk, dv)).astype(dtype)
+        go = rng.standard_normal((B, T, Hk * G, dv)).astype(dtype)
+        angles = (3 + np.arange(T))[:, None] / 100.0 ** (np.arange(r // 2) * 2.0 / r)
+        cos, sin = (np.ascontiguousarray(f(angles), dtype) for f in (np.cos, np.sin))
+        rows = np.arange(T, dtype=np.int64)[None]
+        state = (rng.standard_normal((B, Hk, m, dv)), np.abs(rng.standard_normal((B, Hk, m))) + 0.5) if i % 3 else None
+        grad_state = (rng.standard_normal((B, Hk, m, dv)), rng.standard_normal((B, Hk, m)) if normalize else None)
+        gammas = rng.uniform(0.5, 1.0, (B, Hk)) if decay else None
+        kw = dict(rotary_dim=r, layout=layout, causal=causal, feature_map=fmap, eps=1e-6, chunk=chunk, state=state,
+                  decay=gammas, normalize=normalize, grad_state=grad_state)
+        got = run_linear_attention_backward(kernels, q, k, v, cos, sin, rows, go, threads=threads,
+                                            shared_mem_limit=budget, **kw)
+        want = reference(q, k, v, cos, sin, rows, go, **kw)
+        pairs = list(zip(got[:3], want[:3])) + ([] if state is None else list(zip(got[3], want[3])))
+        tol = 1e-9 if dtype == "float64" else 5e-5
+        errors = [float(np.abs(np.float64(a) - np.float64(b)).max() / max(np.abs(np.float64(b)).max(), 1e-300))
+                  for a, b in pairs]
+        ok = max(errors) <= tol
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} linear backward {i}: B={B} T={T} H={Hk * G}/{Hk} m={m} dv={dv} {fmap} "
+              f"causal={causal} decay={decay} normalize={normalize} chunk={chunk} threads={threads} budget={budget} "
+              f"{dtype} {max(errors):.2g}", flush=True)
+    return failures
+
+
 def run_planted(kernels, name: str) -> None:
     from rotary.backends.cupy import Launch
 
@@ -409,7 +461,7 @@ def main(argv=None) -> int:
         run_planted(kernels, args.what.split(":", 1)[1])
         return 0
     failures = {"conformance": run_conformance, "direct": run_direct, "random": run_random,
-                "kvcache": run_kvcache}[args.what](kernels)
+                "kvcache": run_kvcache, "linear_backward": run_linear_backward}[args.what](kernels)
     print(f"{'OK' if not failures else 'FAILED'} {kernels.launches} launches, {failures} failures", flush=True)
     return 1 if failures else 0
 
