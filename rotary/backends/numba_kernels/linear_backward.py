@@ -317,6 +317,22 @@ def reverse_terms(f, gd, pw_w, gamma_w, decayed, q_add, rec, dbf, n, m):
             vstore(dbf, d0 + r, vadd(vload(dbf, d0 + r), x))
 
 
+@register_jitable
+def load_queries(q, go, geo, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, qf, q_rows,
+                 q_hat_t, qsl, gn, dvd, dvw, inv, z, z_row_step, normalize, eps, after):
+    """The q side of one chunk of q head h: phi(q) to qf, its rotation to q_rows and q_hat_t (transposed), phi'(q)
+    to qsl, grad_o's rows to gn and, with ``normalize``, the inverse denominators to inv (z, z_row_step as in
+    :func:`inverse_denominators`) and gN = gn * inv in place; ``after``: the next load's rows (prefetched)."""
+    m = qf.shape[1]
+    load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map, qf, q_rows,
+                  q_hat_t, np.bool_(True), after)
+    load_values(go, geo[3], b, h, t0, n, gn, dvd, after)
+    slopes(qf, qsl, n, m, feature_map)
+    if normalize:
+        inverse_denominators(qf, z, z_row_step, inv, n, m, eps)
+        scale_rows(gn, inv, n, dvw)
+
+
 @register_jitable(inline="always")   # a few instructions: inlined, no compile of its own
 def earlier_load(h, first_h, end_h, t, n, chunk):
     """(head, first token, rows) of the load after rows t.. of head h in a walk over heads first_h..end_h-1
@@ -423,7 +439,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     wvec, one_w = lanes(ones), ones[0, 0]
     tail_w, inter_w, rev_w = pw_w[1:2], pw_w[2:3], pw_w[3:4]
     q_add, rec = vec_w[0], vec_w[1]
-    fresh, accumulate, as_columns = np.bool_(False), np.bool_(True), np.bool_(True)
+    fresh, accumulate, as_rows, as_columns = np.bool_(False), np.bool_(True), np.bool_(False), np.bool_(True)
     per_batch = rows.shape[0] > 1
     # large gradients (much larger than the caches) written by non-temporal stores, as the forward writes o
     stream_q, stream_k, stream_v = streams(dq, ur[0]), streams(dk, ur[0]), streams(dv, ur[0])
@@ -478,7 +494,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 sv = saved[c * dvw:(c + 1) * dvw]
                 after = earlier_load(hk, hk, hk + 1, t0, n, chunk)
                 load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                              kf, k_rows, k_hat_t, as_columns, after)
+                              kf, k_hat_t, k_rows, as_rows, after)
                 load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
                 slopes(kf, ksl, n, m, feature_map)
                 transposed(vals, vt, n)
@@ -497,13 +513,8 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 for g in range(groups):
                     h = hk * groups + g
                     after = earlier_load(h, hk * groups, (hk + 1) * groups, t0, n, chunk)
-                    load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                                  qf, q_rows, q_hat_t, as_columns, after)
-                    load_values(go, geo[3], b, h, t0, n, gn, dvd, after)
-                    slopes(qf, qsl, n, m, feature_map)
-                    if normalize:
-                        inverse_denominators(qf, z_rows, 1, inv, n, m, eps)
-                        scale_rows(gn, inv, n, dvw)
+                    load_queries(q, go, geo, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                                 qf, q_rows, q_hat_t, qsl, gn, dvd, dvw, inv, z_rows, 1, normalize, eps, after)
                     # W = tril(gN V^T) . Gamma, then W^T
                     for i0 in range(0, n, TILE_ROWS):
                         end = imin(i0 + TILE_ROWS, n)
@@ -598,13 +609,8 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 for g in range(groups):
                     h = hk * groups + g
                     after = next_load(h, hk * groups, (hk + 1) * groups, t0, chunk, seq_len)
-                    load_features(q, geo[0], b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                                  qf, q_rows, q_hat_t, as_columns, after)
-                    load_values(go, geo[3], b, h, t0, n, gn, dvd, after)
-                    slopes(qf, qsl, n, m, feature_map)
-                    if normalize:
-                        inverse_denominators(qf, z_all, 0, inv, n, m, eps)
-                        scale_rows(gn, inv, n, dvw)
+                    load_queries(q, go, geo, b, h, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
+                                 qf, q_rows, q_hat_t, qsl, gn, dvd, dvw, inv, z_all, 0, normalize, eps, after)
                     product(gn, saved, X, 0, n, 0, m, dvd, fresh)
                     if normalize:
                         row_dots(q_rows, X, gD_w, n, m)
@@ -625,7 +631,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                 n = imin(chunk, seq_len - t0)
                 after = next_load(hk, hk, hk + 1, t0, chunk, seq_len)
                 load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
-                              kf, k_rows, k_hat_t, as_columns, after)
+                              kf, k_hat_t, k_rows, as_rows, after)
                 load_values(v, geo[2], b, hk, t0, n, vals, dvd, after)
                 slopes(kf, ksl, n, m, feature_map)
                 product(vals, p_t, dkh, 0, n, 0, m, dvd, fresh)
