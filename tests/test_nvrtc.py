@@ -106,6 +106,13 @@ def test_instantiations_cover_every_dtype_width_and_layout():
     assert "rope_rotate<rotary_half, float, 8, true, false>" in mixed    # interleaved in, half-split out
     assert cb.vector_widths("float64") == (1, 2) and cb.vector_widths("float32") == (1, 2, 4)
     assert cb.name_expressions("linear_attention", "bfloat16") == ["linear_attention_chunked<rotary_bfloat16, float>"]
+    assert cb.name_expressions("linear_backward", "float64") == ["linear_backward_chunked<double, double>",
+                                                                 "linear_backward_finish<double, double>"]
+    # linear_backward.cu includes linear_attention.cu (its tiles and feature maps): inlined once, with one header
+    text = cb.source_text("linear_backward")
+    assert cb.included_sources("linear_backward.cu") == [cb.COMMON_HEADER, "linear_attention.cu"]
+    assert '#include "' not in text and text.count("__global__ void linear_attention_chunked(") == 1
+    assert text.count("ROTARY_FN void rotate_pair(") == 1
 
 
 # -- nvcc standalone compile and ptxas report ---------------------------------------------------------
