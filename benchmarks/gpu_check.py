@@ -29,6 +29,10 @@
    keys and batch 1 x 32768 keys (Llama-3-8B: 32/8 heads, d=128), fp16 and int8 entries, against a
    device-to-device copy of the same K+V bytes in the same run (goal >= 0.7 of the copy bandwidth), at the split
    rule's count and a sweep of forced split counts.
+   Linear attention's backward (cuda_kernels/linear_backward.cu): dq, dk, dv of the causal fp32 problem of 4 (B*H =
+   128, T = 8192, m = dv = 128) against the forward's time on it, at several shared-memory budgets and block sizes
+   (goal, for information: <= 3x the forward, the Numba backward's ratio on a CPU); and a GQA problem with decay,
+   state and a gradient on the state out against the host's backward (fp64 within 1e-9 of the largest entry).
 6. Roofline: each measured kernel time against benchmarks/cuda_resources.py's estimate (max of bytes over the
    copy bandwidth and FLOP over the FP32 peak, both of this device), as the fraction estimate / measured.
 Writes gpu_check.json (and prints a summary). Nothing is installed or downloaded.
@@ -210,6 +214,77 @@ def linear_attention(cupy, cb, peak_GFLOPs: float, batch=4, heads=32, T=8192, d=
     ok = [r for r in runs if "error" not in r]
     best = max(ok, key=lambda r: r["GFLOPs"]) if ok else {}
     return {"B": batch, "H": heads, "T": T, "m": d, "dv": d, "runs": runs, **best}
+
+
+def linear_attention_backward(cupy, cb, batch=4, heads=32, T=8192, d=128, check_T=1000) -> dict:
+    """The backward (cuda_kernels/linear_backward.cu: dq, dk, dv from dL/do) against the forward on the same causal
+    fp32 problem (elu, state None), the forward at its default settings and the backward at several shared-memory
+    budgets and block sizes (the best reported, its time over the forward's); and, on a smaller GQA problem with a
+    decay, a carried state and a gradient on the state out (fp64 and fp32), the largest difference to the host's
+    backward (the Numba kernels, else the NumPy reference), relative to the largest entry (expected ~1e-12 fp64,
+    ~1e-5 fp32)."""
+    from rotary import RopeSpec
+    from rotary import backends as registry
+
+    spec = RopeSpec(d)
+    q, k, v, g = (cupy.random.standard_normal((batch, T, heads, d), dtype=cupy.float32) for _ in range(4))
+    cos, sin = (cupy.asarray(a) for a in spec.cos_sin(np.arange(T), dtype=np.float32))
+    rows = cupy.arange(T, dtype=cupy.int64)[None]
+    kw = dict(rotary_dim=d, layout="half", causal=True, feature_map="elu", eps=1e-6, chunk=64, state=None)
+    forward = _events_time(cupy, lambda: cb.linear_attention(q, k, v, cos, sin, rows, **kw), 2)
+    optin = cb.max_shared_mem()
+    budgets = sorted({cb.SHARED_MEM_LIMIT, min(optin, 100 * 1024), min(optin, cb.LINEAR_BACKWARD_SHARED_MEM_LIMIT),
+                      optin})
+    runs = []
+    saved = cb.LINEAR_BACKWARD_SHARED_MEM_LIMIT, cb.LINEAR_BACKWARD_THREADS
+    try:
+        for budget, threads in [(b, t) for b in budgets for t in (128, 256)]:
+            cb.LINEAR_BACKWARD_SHARED_MEM_LIMIT, cb.LINEAR_BACKWARD_THREADS = budget, threads
+            geo = cb.linear_backward_geometry(batch, heads, d, d, 4, 64, threads=threads, shared_mem_limit=budget)
+            try:
+                t = _events_time(cupy, lambda: cb.linear_attention_backward(q, k, v, cos, sin, rows, g, **kw), 2)
+            except Exception as exc:   # e.g. out of memory for the scratch of many dv tiles
+                runs.append({"budget": budget, "threads": threads, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            finally:
+                cupy.get_default_memory_pool().free_all_blocks()
+            scratch = sum(cb.linear_backward_workspace(batch, T, heads, heads, d, d, geo).values()) * 4
+            runs.append({"budget": budget, "threads": threads, "chunk": geo.chunk, "dv_tile": geo.dv_tile,
+                         "n_tiles": geo.n_tiles, "shared_mem": geo.shared_mem, "scratch_GB": scratch / 1e9,
+                         "ms": t * 1e3, "over_forward": t / forward})
+    finally:
+        cb.LINEAR_BACKWARD_SHARED_MEM_LIMIT, cb.LINEAR_BACKWARD_THREADS = saved
+    ok = [r for r in runs if "error" not in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else {}
+    result = {"B": batch, "H": heads, "T": T, "m": d, "dv": d, "forward_ms": forward * 1e3, "runs": runs, **best}
+
+    rng = np.random.default_rng(45)
+    host = registry.get("numba") if registry.available_backends()["numba"][0] else registry.get("numpy")
+    result["check_backend"] = host.NAME
+    B, H, Hk, m, dv = 2, 4, 2, 64, 48
+    for dtype in ("float64", "float32"):
+        x = [rng.standard_normal(shape).astype(dtype) for shape in
+             ((B, check_T, H, m), (B, check_T, Hk, m), (B, check_T, Hk, dv), (B, check_T, H, dv))]
+        spec = RopeSpec(m, rotary_dim=48)
+        c, s = spec.cos_sin(np.arange(check_T), dtype=np.dtype(dtype))
+        state = (rng.standard_normal((B, Hk, m, dv)), np.abs(rng.standard_normal((B, Hk, m))) + 1.0)
+        grad_state = (rng.standard_normal((B, Hk, m, dv)), rng.standard_normal((B, Hk, m)))
+        opts = dict(rotary_dim=48, layout="interleaved", causal=True, feature_map="elu", eps=1e-6, chunk=64,
+                    decay=rng.uniform(0.9, 1.0, (B, Hk)), normalize=True)
+        host_rows = np.arange(check_T, dtype=np.int64)[None]
+        want = host.linear_attention_backward(*x[:3], c, s, host_rows, x[3], state=state, grad_state=grad_state,
+                                              **opts)
+        dev = [cupy.asarray(a) for a in x]
+        got = cb.linear_attention_backward(*dev[:3], cupy.asarray(c), cupy.asarray(s), cupy.asarray(host_rows),
+                                           dev[3], state=tuple(cupy.asarray(a) for a in state),
+                                           grad_state=tuple(cupy.asarray(a) for a in grad_state), **opts)
+        errors = {}
+        for name, a, b in zip(("dq", "dk", "dv", "dS", "dz"), got[:3] + tuple(got[3]), want[:3] + tuple(want[3])):
+            a, b = cupy.asnumpy(a).astype(np.float64), np.asarray(b, np.float64)
+            errors[name] = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+        result[f"max_rel_diff_{dtype}"] = max(errors.values())
+        result[f"rel_diff_{dtype}"] = errors
+    return result
 
 
 def linear_attention_ragged(cupy, cb, heads=16, d=64, n_seqs=64, max_len=1024) -> dict:
@@ -609,6 +684,9 @@ def main(argv=None) -> int:
          lambda: linear_attention(cupy, cb, peak, T=1024 if args.quick else 8192, retention=True))
     step("linear_attention_ragged_packed_fp32",
          lambda: linear_attention_ragged(cupy, cb, n_seqs=16 if args.quick else 64))
+    step("linear_attention_backward_fp32",
+         lambda: linear_attention_backward(cupy, cb, T=1024 if args.quick else 8192,
+                                           check_T=200 if args.quick else 1000))
     plain_ms = results["linear_attention_causal_fp32"].get("ms", float("nan"))
     results["linear_attention_retention_fp32"]["ms_over_plain"] = (
         results["linear_attention_retention_fp32"].get("ms", float("nan")) / plain_ms)
@@ -629,6 +707,10 @@ def main(argv=None) -> int:
          results["linear_attention_causal_fp32"].get("fraction_of_fp32_peak"), 0.4, True),
         ("retention (decay, no denominator) ms / plain causal ms (<= 1.2)",
          results["linear_attention_retention_fp32"].get("ms_over_plain"), 1.2, False),
+        ("linear attention backward ms / forward ms (info: <= 3)",
+         results["linear_attention_backward_fp32"].get("over_forward"), 3, False),
+        ("linear attention backward fp64 vs host backward (<= 1e-9)",
+         results["linear_attention_backward_fp32"].get("max_rel_diff_float64"), 1e-9, False),
         ("KV primitives on CuPy: append bits, attention vs oracle (1 = all)",
          {True: 1.0, False: 0.0}.get(results["kv_cache_check"].get("all_ok")), 1, True),
         ("KV append fp16 kernel time / plain copy of k, v (<= 1.5)",
