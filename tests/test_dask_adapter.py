@@ -121,6 +121,84 @@ def test_linear_attention_decay_and_positions():
         assert_close(o2.compute(), e, rtol=3e-5, atol=3e-5)
 
 
+
+def _backward_case(causal, seed=14, T=96, dtype=np.float64):
+    """GQA 4/2 inputs (B, T, H, d) with a grad_o, a carried state of an earlier call and a gradient at the state
+    out (decay per head when causal)."""
+    from rotary.attn.linear_backward import linear_attention_backward
+
+    rng = np.random.default_rng(seed)
+    q, k, v = _data(seed, T=T, H=4, Hk=2, dtype=dtype)
+    g = rng.standard_normal((2, T, 4, 8)).astype(dtype)
+    dec = np.array([0.9, 0.97]) if causal else None
+    q0, k0, v0 = _data(seed + 1, T=5, H=4, Hk=2, dtype=dtype)
+    _, st = rotary.linear_attention(q0, k0, v0, causal=causal, seq_axis=-3, decay=dec, return_state=True,
+                                    backend="numpy")
+    gs = (rng.standard_normal(st.S.shape).astype(dtype), rng.standard_normal(st.z.shape).astype(dtype))
+    kw = dict(causal=causal, seq_axis=-3, decay=dec, spec=SPEC, chunk=16)
+    return linear_attention_backward, (q, k, v, g), st, gs, kw
+
+
+@pytest.mark.interop("Dask (NumPy chunks)", "cpu", "numba, numpy", "linear attention backward, threaded scheduler")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_linear_attention_backward_chunked_sequence(causal, backend):
+    """The backward on Dask arrays chunked along the sequence axis (uneven chunks, k and v chunked otherwise) gives
+    Dask arrays chunked like q, k, v: the in-memory call's gradients and the float64 oracle's (autograd of the
+    quadratic form, test_linear_attention_backward), with a carried state and a gradient at the state out, and
+    without them."""
+    tlab = pytest.importorskip("tests.test_linear_attention_backward")
+    backward, (q, k, v, g), st, gs, kw = _backward_case(causal)
+    kw["backend"] = backend
+    chunks = (20, 30, 14, 32)
+    dq, dk, dv, dg = (da.from_array(a, chunks=(2, c, a.shape[2], a.shape[3]))
+                      for a, c in ((q, chunks), (k, 48), (v, (50, 46)), (g, chunks)))
+    T, B, Hk = q.shape[1], 2, 2
+    for state, grad_state in ((st, gs), (None, None), (st, None), (None, gs)):
+        got = backward(dq, dk, dv, dg, state=state, grad_state=grad_state, **kw)
+        assert all(isinstance(x, da.Array) for x in got[:3])
+        assert got[0].chunks[1] == got[1].chunks[1] == got[2].chunks[1] == chunks
+        assert (got[3] is None) == (state is None)
+        with dask.config.set(scheduler="threads"):
+            res = dask.compute(*got[:3], *(got[3] or ()))
+        want = backward(q, k, v, g, state=state, grad_state=grad_state, **kw)
+        for a, b in zip(res, [*want[:3], *(want[3] or ())]):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert_close(a, b, rtol=1e-10, atol=1e-10)
+        S0 = np.zeros((B, Hk, 32, 8)) if state is None else state.S
+        z0 = np.zeros((B, Hk, 32)) if state is None else state.z
+        pos = (5 if state is not None else 0) + np.arange(T)[None]
+        oracle = tlab.oracle_grads(q, k, v, S0, z0, pos, SPEC.inv_freq(), g, grad_state, **tlab._spec_oracle_kw(
+            SPEC, causal=causal, feature_map="elu", eps=1e-6, normalize=True,
+            decay=None if kw["decay"] is None else np.broadcast_to(kw["decay"], (B, Hk)).copy()))
+        for a, b in zip(res, oracle[:len(res)]):
+            assert tlab.rel_err(a, b) <= 1e-9
+    assert len(dict(got[0].__dask_graph__())) <= 40 * len(chunks)   # O(number of chunks)
+
+
+def test_linear_attention_backward_float32_and_errors():
+    """float32 blocks within the float64 oracle's float32 tolerance; bad grad_o / grad_state named."""
+    tlab = pytest.importorskip("tests.test_linear_attention_backward")
+    backward, (q, k, v, g), _, _, kw = _backward_case(True, seed=21, T=64, dtype=np.float32)
+    dq, dk, dv, dg = (da.from_array(a, chunks=(2, 16, a.shape[2], a.shape[3])) for a in (q, k, v, g))
+    with dask.config.set(scheduler="threads"):
+        res = dask.compute(*backward(dq, dk, dv, dg, **kw)[:3])
+    oracle = tlab.oracle_grads(q, k, v, np.zeros((2, 2, 32, 8)), np.zeros((2, 2, 32)), np.arange(64)[None],
+                               SPEC.inv_freq(), g, None, **tlab._spec_oracle_kw(
+                                   SPEC, causal=True, feature_map="elu", eps=1e-6, normalize=True,
+                                   decay=np.broadcast_to(kw["decay"], (2, 2)).copy()))
+    for a, b in zip(res, oracle):
+        assert a.dtype == np.float32 and tlab.rel_err(a, b) <= 1e-4
+    with pytest.raises(ValueError, match=r"grad_o is chunked along axes \[2\].*rechunk"):
+        backward(dq, dk, dv, da.from_array(g, chunks=(2, 16, 2, 8)), **kw)
+    with pytest.raises(TypeError, match="grad_o must be a Dask array"):
+        backward(dq, dk, dv, g, **kw)
+    with pytest.raises(ValueError, match="grad_o must have the output's shape"):
+        backward(dq, dk, dv, dg[..., :4], **kw)
+    with pytest.raises(ValueError, match=r"grad_state\[0\] \(dL/dS\) must have"):
+        backward(dq, dk, dv, dg, grad_state=(np.zeros((2, 2, 3, 8)), None), **kw)
+
+
 @pytest.fixture(scope="module")
 def cluster_client():
     distributed = pytest.importorskip("distributed")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import device as xp_device
 
+from ..frontend import dispatch as _adapters
 from ..frontend.normalize import (canonical, canonical_shape, check_float, from_canonical, namespace,
                                   normalize_positions, normalize_seq_axis, pick_backend, resolve_spec,
                                   start_positions, table_converter)
@@ -32,6 +33,7 @@ from .linear_args import check_decay, check_scalars, check_shapes
 from .linear_state import LinearAttentionState, check_feature_map, check_state
 
 
+@_adapters.dispatch("linear_attention_backward", 4)   # Dask: rotary/interop/dask_adapter.py
 def linear_attention_backward(q, k, v, grad_o, positions=None, *, causal=False, feature_map="elu", eps=1e-6,
                               spec=None, seq_axis=None, state=None, return_state=False, backend="auto", chunk=64,
                               decay=None, normalize=True, cu_seqlens=None, seqlen_offsets=None, grad_state=None,

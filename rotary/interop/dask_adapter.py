@@ -205,28 +205,32 @@ def _block_output(q, k, v, p, state, kwargs):
     return linear_attention(q, k, v, p, **dict(kwargs, state=state, return_state=False))
 
 
-def linear_attention(core, q, k, v, positions=None, **kwargs):
-    """``rotary.linear_attention`` for Dask arrays chunked along the sequence axis (see module docstring)."""
-    da = _da()
+def _plan(core, q, k, v, positions, kwargs, others=()):
+    """The graph's shared part for ``rotary.linear_attention`` (``core``, the forward's frontend) on Dask arrays
+    q, k, v (and ``others``: (array, name) pairs chunked like q, e.g. grad_o), checked and rechunked along the
+    sequence axis: per block its delayed arrays and positions, each block's own state (step 1) and the carried
+    state of every block (step 2, causal: the prefix; non-causal: prefix and suffix). A namespace."""
+    import types
+
     import dask
 
     from ..frontend.normalize import normalize_seq_axis
 
-    names = ("q", "k", "v")
-    for a, name in zip((q, k, v), names):
+    arrays = [(q, "q"), (k, "k"), (v, "v"), *others]
+    for a, name in arrays:
         if not _is_dask(a):
             raise TypeError(f"{name} must be a Dask array like q, got {type(a).__name__}")
         _check_float(a, name)
         _check_head_dim(a, name)
     ax = normalize_seq_axis(kwargs.get("seq_axis"), q.ndim, "q")
-    for a, name in zip((q, k, v), names):
+    for a, name in arrays:
         extra = [i for i in range(a.ndim) if i != ax and len(a.chunks[i]) > 1]
         if extra:
             raise ValueError(f"{name} is chunked along axes {extra}; linear_attention on Dask arrays chunks the "
                              f"sequence axis only: rechunk with {name}.rechunk({{{', '.join(f'{i}: -1' for i in extra)}}})")
     k, v = k.rechunk({ax: q.chunks[ax]}), v.rechunk({ax: q.chunks[ax]})
+    others = [a.rechunk({ax: q.chunks[ax]}) for a, _ in others]
     causal = bool(kwargs.get("causal", False))
-    return_state = kwargs.get("return_state", False)
     state = kwargs.get("state")
     kwargs = {key: val for key, val in kwargs.items() if key not in ("state", "return_state")}
 
@@ -318,6 +322,22 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
         for j in range(n - 1, 0, -1):
             suffix[j] = combine(suffix[j + 1], own[j], 0)
         carried = [combine(prefix[j], suffix[j + 1], 0) if j < n - 1 else prefix[j] for j in range(n)]
+    return types.SimpleNamespace(ax=ax, k=k, v=v, others=others, causal=causal, state=state, kwargs=kwargs,
+                                 template=template, blocks=blocks, blocks_p=blocks_p, lengths=lengths, n=n,
+                                 decayed=decayed, prefix=prefix, carried=carried, next_position=next_position,
+                                 host_state=host_state, host_positions=host_positions, empty=empty)
+
+
+def linear_attention(core, q, k, v, positions=None, **kwargs):
+    """``rotary.linear_attention`` for Dask arrays chunked along the sequence axis (see module docstring)."""
+    da = _da()
+    import dask
+
+    return_state = kwargs.get("return_state", False)
+    plan = _plan(core, q, k, v, positions, kwargs)
+    ax, n, lengths, blocks, blocks_p, carried, kwargs = (plan.ax, plan.n, plan.lengths, plan.blocks, plan.blocks_p,
+                                                         plan.carried, plan.kwargs)
+    template, prefix, next_position = plan.template, plan.prefix, plan.next_position
     output = dask.delayed(_block_output, pure=True)
     dv = v.shape[-1]
     o_blocks = []
@@ -335,3 +355,124 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
                                                         dtype=template.z.dtype, meta=q._meta.astype(template.z.dtype))
     rebuild, args = template.__reduce__()
     return o, rebuild(S, z, next_position, *args[3:])
+
+
+# -- linear attention's backward -------------------------------------------------------------------------------
+def _block_backward(q, k, v, g, p, state, grad_state, kwargs):
+    from ..attn.linear_backward import linear_attention_backward
+
+    return linear_attention_backward(q, k, v, g, p, **dict(kwargs, state=state, grad_state=grad_state))
+
+
+def _state_path(q, k, v, g, p, grad_state, kwargs):
+    """(dk, dv) of a block through its own state alone: the backward with a zero grad_o (dq is then 0)."""
+    from ..attn.linear_backward import linear_attention_backward
+
+    return linear_attention_backward(q, k, v, np.zeros_like(g), p, **dict(kwargs, state=None,
+                                                                          grad_state=grad_state))[1:3]
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _grad_combine(later, own, length, decay):
+    """The gradient (dS, dz) at the state before a block of ``length`` tokens: ``own`` (the block's outputs'
+    gradient at its input state) plus gamma^length ``later`` (the gradient at the state after it); None: zero."""
+    if later is not None and decay is not None and length:
+        g = np.asarray(decay, dtype=np.float64) ** length
+        later = tuple(None if x is None else x * g.reshape(g.shape + (1,) * (x.ndim - g.ndim)).astype(x.dtype)
+                      for x in later)
+    if later is None or own is None:
+        return own if later is None else later
+    return tuple(_add(a, b) for a, b in zip(later, own))
+
+
+def _pick(result, i):
+    return result[i]
+
+
+def linear_attention_backward(core, q, k, v, grad_o, positions=None, **kwargs):
+    """``rotary.attn.linear_backward.linear_attention_backward`` for Dask arrays chunked along the sequence axis,
+    as the forward (see docs/dask.md): the forward's states and carried states (steps 1, 2), then per block in
+    parallel the backward carrying its state, which gives dq, the block's own dk, dv and the gradient at its
+    carried state; those gradients summed across blocks (causal: a suffix from the last block, decayed;
+    non-causal: every other block's), and per block the part of dk, dv that reaches k, v through its state (a
+    backward with a zero grad_o). dq, dk, dv chunked like q (along the sequence axis), dstate Dask arrays."""
+    da = _da()
+    import dask
+
+    from ..attn.linear import linear_attention as forward
+
+    grad_state = kwargs.get("grad_state")
+    kwargs = {key: val for key, val in kwargs.items() if key not in ("grad_state", "return_state")}
+    if grad_state is not None and not isinstance(grad_state, (tuple, list)) and hasattr(grad_state, "S"):
+        grad_state = (grad_state.S, grad_state.z)
+    plan = _plan(forward.core, q, k, v, positions, kwargs, others=[(grad_o, "grad_o")])
+    ax, n, lengths, blocks, blocks_p, carried = plan.ax, plan.n, plan.lengths, plan.blocks, plan.blocks_p, plan.carried
+    bkwargs, template, causal = plan.kwargs, plan.template, plan.causal
+    g = plan.others[0]
+    # the backward's own checks (grad_o's shape, grad_state's, the feature map), eagerly on zero-length arrays
+    host_grad = None
+    if grad_state is not None:
+        if not isinstance(grad_state, (tuple, list)) or len(grad_state) != 2:
+            raise TypeError("grad_state must be None or a pair (G_S, G_z) of arrays (either None), the gradient at "
+                            f"the returned state's S and z; got {type(grad_state).__name__}")
+        host_grad = tuple(None if x is None else np.zeros(tuple(x.shape), np.dtype(x.dtype)) for x in grad_state)
+    core(plan.empty(q), plan.empty(k), plan.empty(v), plan.empty(grad_o), plan.host_positions,
+         **dict(kwargs, state=plan.host_state, grad_state=host_grad))
+    if grad_state is not None:   # Dask (or host) arrays, one block each: dependencies of the graph
+        grad_state = tuple(None if x is None else (x.rechunk(-1) if _is_dask(x) else x) for x in grad_state)
+    g_blocks = tuple(g.to_delayed().reshape(-1))
+    decay = template.decay if plan.decayed else None
+    backward = dask.delayed(_block_backward, pure=True)
+    pick = dask.delayed(_pick, pure=True)
+    combine = dask.delayed(_grad_combine, pure=True)
+    # per block: dq, its own dk, dv and its outputs' gradient at its carried state (None without one)
+    first = [backward(blocks[0][j], blocks[1][j], blocks[2][j], g_blocks[j], blocks_p[j], carried[j], None, bkwargs)
+             for j in range(n)]
+    own = [None if carried[j] is None else pick(first[j], 3) for j in range(n)]
+    # the gradient at the state each block's tokens add to (causal: the state after block j; non-causal: the sum
+    # of every block's tokens, through every other block's carried state), and at the state passed in
+    given = None if grad_state is None else dask.delayed(tuple, pure=True)(list(grad_state))
+    if causal:
+        after = [None] * n
+        if n:
+            after[n - 1] = given
+        for j in range(n - 2, -1, -1):
+            after[j] = combine(after[j + 1], own[j + 1], lengths[j + 1], decay)
+        d_in = combine(after[0], own[0], lengths[0], decay) if n else given
+    else:
+        pre, suf = [None] * (n + 1), [None] * (n + 1)
+        for j in range(n):
+            pre[j + 1] = combine(pre[j], own[j], 0, None)
+        for j in range(n - 1, -1, -1):
+            suf[j] = combine(suf[j + 1], own[j], 0, None)
+        after = [combine(combine(pre[j], suf[j + 1], 0, None), given, 0, None) for j in range(n)]
+        d_in = combine(pre[n], given, 0, None)
+    path_kwargs = dict(bkwargs, causal=causal if plan.decayed else False)
+    if not plan.decayed:
+        path_kwargs.pop("decay", None)
+    state_path = dask.delayed(_state_path, pure=True)
+    add = dask.delayed(_add, pure=True)
+    outs = ([], [], [])
+    for j in range(n):
+        dq_j, dk_j, dv_j = (pick(first[j], i) for i in range(3))
+        if not (causal and j == n - 1 and grad_state is None):   # (the last causal block has no later gradient)
+            path = state_path(blocks[0][j], blocks[1][j], blocks[2][j], g_blocks[j], blocks_p[j], after[j],
+                              path_kwargs)
+            dk_j, dv_j = add(dk_j, pick(path, 0)), add(dv_j, pick(path, 1))
+        for out, d, like in zip(outs, (dq_j, dk_j, dv_j), (q, plan.k, plan.v)):
+            shape = tuple(lengths[j] if i == ax else s for i, s in enumerate(like.shape))
+            out.append(da.from_delayed(d, shape, dtype=like.dtype, meta=like._meta))
+    grads = tuple(da.concatenate(out, axis=ax) if n else da.zeros(like.shape, dtype=like.dtype, chunks=like.chunks)
+                  for out, like in zip(outs, (q, plan.k, plan.v)))
+    if plan.state is None:
+        return grads + (None,)
+    dS = da.from_delayed(dask.delayed(_pick)(d_in, 0), template.S.shape, dtype=template.S.dtype,
+                         meta=q._meta.astype(template.S.dtype))
+    dz = None
+    if template.z is not None:
+        dz = da.from_delayed(dask.delayed(_pick)(d_in, 1), template.z.shape, dtype=template.z.dtype,
+                             meta=q._meta.astype(template.z.dtype))
+    return grads + ((dS, dz),)
