@@ -11,6 +11,8 @@ causal, chunk 64, grad_o a random (1, T, H, dv). Rows (every one checked against
   forward's inputs and grad_o), and the two one after the other (forward + backward);
 - **torch autograd, chunked**: the chunked torch form of ``bench_peers.py`` (eager), its forward, and
   ``torch.autograd.grad`` of ``sum(o * grad_o)`` (forward + backward; backward = the difference);
+- **torch.compile forward**: that chunked form under ``torch.compile`` (inductor, static shapes; its compile time
+  reported apart), the issue's "rotary's forward >= 2x faster than a chunked form under torch.compile";
 - **JAX grad, lax.scan**: the ``jit`` + ``lax.scan`` form of ``bench_peers.py``, its forward and a jitted
   ``jax.vjp`` (forward + backward);
 - **sgemm**: ``np.dot`` of two 2048 x 2048 float32 matrices in the same run, the machine's own limit. Work of the
@@ -130,6 +132,26 @@ def torch_calls(q, k, v, g, spec, threads):
         o = torch_linear(*leaves, cos_t, sin_t, CHUNK, EPS)
         return o.detach(), torch.autograd.grad(o, leaves, tg)
     return forward, both
+
+
+def torch_compiled_forward(q, k, v, spec, threads):
+    """(forward, compile seconds): bench_peers.py's chunked torch form under ``torch.compile`` (inductor, static
+    shapes, no grad), compiled here (not in the timings)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    T = q.shape[1]
+    cos_t, sin_t = (torch.from_numpy(t.copy()) for t in exact_tables(spec, T - 1))
+    tq, tk, tv = (torch.from_numpy(a) for a in heads_first(q, k, v))
+    compiled = torch.compile(torch_linear, dynamic=False)
+
+    def forward():
+        with torch.no_grad():
+            return compiled(tq, tk, tv, cos_t, sin_t, CHUNK, EPS)
+
+    t0 = time.perf_counter()
+    forward()
+    return forward, time.perf_counter() - t0
 
 
 def jax_calls(q, k, v, g, spec):
@@ -320,6 +342,15 @@ def main(args):
             notes.append(f"torch {torch.__version__}")
         except Exception as exc:
             skipped["torch"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        if "compile" not in skip and "torch" not in skipped:
+            try:
+                c_fwd, compile_s = torch_compiled_forward(q, k, v, spec, args.threads)
+                notes.append(f"torch.compile chunked vs rotary: o relative error "
+                             f"{rel_error(to_bshd(c_fwd().numpy()), want_o):.1e}; compiled in {compile_s:.1f} s "
+                             "(not in the timings)")
+                calls["torch.compile forward"] = c_fwd
+            except Exception as exc:
+                skipped["torch.compile forward"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     if "jax" not in skip:
         try:
             import jax
@@ -378,7 +409,13 @@ def main(args):
                     [("eager", f"{e[0] * 1e3:.1f}", f"{e[1] * 1e3:.1f}", "1.00"),
                      ("torch.compile", f"{c[0] * 1e3:.1f}", f"{c[1] * 1e3:.1f}", f"{c[0] / e[0]:.2f}")]))
     rb = all_times.get("rotary backward")
-    print(f"\nrotary backward / forward: {rb[0] / f0:.2f} (best), {rb[1] / times['rotary forward'][1]:.2f} (median)")
+    print(f"\nrotary backward / forward: {rb[0] / f0:.2f} (best), {rb[1] / times['rotary forward'][1]:.2f} (median)"
+          " (bound: <= 2.5)")
+    print(f"rotary forward / sgemm rate: {flops_f / f0 / 1e9 / sgemm:.2f} (bound: >= 0.7)")
+    tc = times.get("torch.compile forward")
+    if tc:
+        print(f"torch.compile chunked forward / rotary forward: {tc[0] / f0:.2f}x (best), "
+              f"{tc[1] / times['rotary forward'][1]:.2f}x (median) (bound: rotary >= 2x faster)")
     if memory.get("rotary forward") and memory.get("rotary forward + backward"):
         m1, m2 = memory["rotary forward"], memory["rotary forward + backward"]
         print(f"rotary peak memory, forward + backward / forward: {m2 / m1:.2f} (extra), "
