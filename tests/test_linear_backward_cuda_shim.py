@@ -97,6 +97,28 @@ def test_dv_tiles_and_small_budgets(kernels, causal, decay, normalize, fmap, gro
     _assert_matches(got, _oracle(x, case), 1e-9, (budget, threads))
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_random_problems(kernels, seed):
+    """Random shapes (odd m and dv, partial rotary), options, chunks (1 to past T), block sizes and budgets."""
+    rng = np.random.default_rng(1000 + seed)
+    m = int(rng.integers(2, 14))
+    r = 2 * int(rng.integers(1, m // 2 + 1))
+    causal = bool(rng.integers(2))
+    case = dict(causal=causal, normalize=bool(rng.integers(2)), layout=str(rng.choice(["half", "interleaved"])),
+                feature_map=str(rng.choice(["elu", "relu", "identity"])), rotary_dim=r)
+    x = make_inputs(rng, B=int(rng.integers(1, 3)), T=int(rng.integers(1, 20)), Hk=int(rng.integers(1, 3)),
+                    groups=int(rng.integers(1, 4)), m=m, dv=int(rng.integers(1, 12)), rotary_dim=r,
+                    layout=case["layout"], decay=causal and bool(rng.integers(2)), batch_rows=bool(rng.integers(2)))
+    chunk, threads = int(rng.integers(1, 24)), int(rng.choice([1, 3, 32, 96]))
+    budget = int(rng.choice([2500, 6000, cb.SHARED_MEM_LIMIT]))
+    try:
+        cb.linear_backward_geometry(1, 1, m, x["v"].shape[-1], 8, chunk, shared_mem_limit=budget)
+    except ValueError:
+        budget = cb.SHARED_MEM_LIMIT
+    got = _run(kernels, x, case, chunk, threads=threads, shared_mem_limit=budget)
+    _assert_matches(got, _oracle(x, case), 1e-9, (case, chunk, threads, budget))
+
+
 def test_float16_and_strided_views(kernels):
     """float16 (computed in float32, gradients rounded to float16) against the oracle on the rounded inputs, and
     views with steps, offsets and a reversed sequence give the bits of their contiguous copies."""
