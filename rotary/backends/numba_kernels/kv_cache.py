@@ -17,10 +17,19 @@ i's queries the rows ``q_starts[i] .. q_starts[i + 1] - 1``, so prefill chunks a
 come in one call) in blocks of ROW_BLOCK rows against blocks of KEY_BLOCK keys read through the block table where
 they lie (no gather): scores ``cap(<q fold, k>)`` (q rotated at its table row when the call gives a rotation, as
 FlashInfer fuses RoPE, and scaled, once into a work buffer; int8 keys: the dot with the entries times the scale), an
-online softmax per row in the work dtype (float32, float64 for float64 caches; exp and
-tanh of ``math``), values accumulated by multiply-adds (fused where the CPU has FMA: results match the reference to
-rounding, not bit for bit). Each row sees the keys of its own range (causal: ``p <= it`` and ``it - p < window``),
-so a masked key is never read into a row.
+online softmax per row in the work dtype (float32, float64 for float64 caches), values accumulated by multiply-adds
+(fused where the CPU has FMA: results match the reference to rounding, not bit for bit). Each row sees the keys of its
+own range (causal: ``p <= it`` and ``it - p < window``), so a masked key is never read into a row.
+
+The arithmetic is tiled for the vector unit (AVX-512: 16 float32 lanes). Scores come ``max(4, lanes)`` keys at a
+time: four keys' dot products accumulate in four vectors, which are folded pairwise (:func:`vfold`) into one vector
+of the tile's scores, instead of a horizontal sum per key. Four q rows that read the same keys (a query's GQA group in
+a decode step) are scored and accumulated together, so each key and value vector is loaded once for the four rows
+(:func:`tile_scores_rows`, :func:`add_weighted_rows`): a key's entries lie ``kv_heads * head_dim`` entries from the
+next key's, 4 KiB apart in vLLM's layout at 8 x 128 float32, so a block's keys share a few first-level cache sets
+and a row-by-row pass read them again from the second level. The weights ``exp(s - max)`` are taken a vector at a
+time (:func:`.simd.vexp`, a few ulp). The next block's keys and values are asked for while a block is computed
+(:func:`prefetch_block`).
 
 Split-K (flash-decoding): a call may cut each sequence's keys into ``splits`` contiguous parts of whole KEY_BLOCKs
 (:func:`split_keys`: the range the sequence's rows read, from its first query's first key to its last key), one task
@@ -47,7 +56,8 @@ from numba.extending import register_jitable
 from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_to
 from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
-                   prefetch_write, vadd, vcopy_flat, vector_items, vload, vmadd, vmul, vsplat, vstore, vzeros)
+                   prefetch_read, prefetch_write, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload, vmadd, vmax_lanes,
+                   vmul, vsplat, vstore, vsub, vzeros)
 
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
@@ -299,15 +309,263 @@ def dot_entries(qs, qi, entries, ei, head_dim):
     return total
 
 
-@register_jitable(inline="always")
-def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
-    """acc[ai : ai + head_dim] += sum_{first <= j <= last} weights[wi + j] entries.flat[bases[j] : + head_dim]
-    (key j of a block): four vectors of acc at a time in registers through the keys (four independent chains of
-    multiply-adds), then one at a time, then the coordinates past the last whole vector."""
+@register_jitable
+def vfold(x, y):
+    """The pairs of lanes of x ++ y added: lane j < lanes/2 is x[2j] + x[2j+1], lane lanes/2 + j is y[2j] + y[2j+1].
+    Folding vectors a_0, a_1, ... pairwise, level by level, ends in one vector whose lane j is the sum of a_j's
+    lanes: the horizontal sums of ``lanes`` dot products in lanes - 1 folds (2 shuffles and an add each)."""
+    even, odd = vdeinterleave(x, y)
+    return vadd(even, odd)
+
+
+@register_jitable
+def dot_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
+    """The dot products of qs[qi : qi + head_dim] with four keys (entries.flat[e : e + head_dim]) over the
+    coordinates of whole vectors, as two folded vectors (vfold(a0, a1), vfold(a2, a3)) of the four
+    accumulators a_k (q loaded once per vector for the four keys: four independent chains of multiply-adds)."""
+    width = lanes(qs)
+    a0, a1, a2, a3 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
+    for c in range(0, head_dim - head_dim % width, width):
+        x = vload(qs, qi + c)
+        a0 = vmadd(a0, x, vload_as(entries, e0 + c, qs))
+        a1 = vmadd(a1, x, vload_as(entries, e1 + c, qs))
+        a2 = vmadd(a2, x, vload_as(entries, e2 + c, qs))
+        a3 = vmadd(a3, x, vload_as(entries, e3 + c, qs))
+    return vfold(a0, a1), vfold(a2, a3)
+
+
+@register_jitable
+def tile_scores(scores, si, qs, qi, entries, bases, b0, head_dim):
+    """scores[si + j] = <qs[qi : qi + head_dim], key b0 + j> for the ``tile`` = max(4, lanes) keys of a tile (key
+    j's entries at bases[b0 + j]): :func:`dot_four` per four keys, their folded sums folded into one vector of
+    ``lanes`` scores (lanes 16: 15 folds for 16 dots, against 4 shuffles and adds per dot alone), then the
+    coordinates past the last whole vector added key by key."""
+    width = lanes(qs)
+    x0, y0 = dot_four(qs, qi, entries, bases[b0], bases[b0 + 1], bases[b0 + 2], bases[b0 + 3], head_dim)
+    if width == 2:
+        vstore(scores, si, x0)
+        vstore(scores, si + 2, y0)
+    elif width == 4:
+        vstore(scores, si, vfold(x0, y0))
+    else:
+        x1, y1 = dot_four(qs, qi, entries, bases[b0 + 4], bases[b0 + 5], bases[b0 + 6], bases[b0 + 7], head_dim)
+        if width == 8:
+            vstore(scores, si, vfold(vfold(x0, y0), vfold(x1, y1)))
+        else:
+            x2, y2 = dot_four(qs, qi, entries, bases[b0 + 8], bases[b0 + 9], bases[b0 + 10], bases[b0 + 11], head_dim)
+            x3, y3 = dot_four(qs, qi, entries, bases[b0 + 12], bases[b0 + 13], bases[b0 + 14], bases[b0 + 15],
+                              head_dim)
+            vstore(scores, si, vfold(vfold(vfold(x0, y0), vfold(x1, y1)), vfold(vfold(x2, y2), vfold(x3, y3))))
+    full = head_dim - head_dim % width
+    if full < head_dim:
+        for j in range(imax(4, width)):
+            total = scores[si + j]
+            for c in range(full, head_dim):
+                total += qs[qi + c] * load_as(entries, bases[b0 + j] + c, qs)
+            scores[si + j] = total
+
+
+@register_jitable
+def dot_rows_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
+    """For four q rows (qs[qi + r * head_dim ..], r < 4) and four keys (entries.flat[e_k ..]): per row r the
+    vector vfold(vfold(a_r0, a_r1), vfold(a_r2, a_r3)) of its accumulators a_rk over the coordinates of whole
+    vectors (each key vector loaded once for the four rows: 16 independent chains of multiply-adds)."""
+    width = lanes(qs)
+    a00, a01, a02, a03 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
+    a10, a11, a12, a13 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
+    a20, a21, a22, a23 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
+    a30, a31, a32, a33 = vzeros(qs), vzeros(qs), vzeros(qs), vzeros(qs)
+    for c in range(0, head_dim - head_dim % width, width):
+        k0, k1 = vload_as(entries, e0 + c, qs), vload_as(entries, e1 + c, qs)
+        k2, k3 = vload_as(entries, e2 + c, qs), vload_as(entries, e3 + c, qs)
+        x = vload(qs, qi + c)
+        a00, a01, a02, a03 = vmadd(a00, x, k0), vmadd(a01, x, k1), vmadd(a02, x, k2), vmadd(a03, x, k3)
+        x = vload(qs, qi + head_dim + c)
+        a10, a11, a12, a13 = vmadd(a10, x, k0), vmadd(a11, x, k1), vmadd(a12, x, k2), vmadd(a13, x, k3)
+        x = vload(qs, qi + 2 * head_dim + c)
+        a20, a21, a22, a23 = vmadd(a20, x, k0), vmadd(a21, x, k1), vmadd(a22, x, k2), vmadd(a23, x, k3)
+        x = vload(qs, qi + 3 * head_dim + c)
+        a30, a31, a32, a33 = vmadd(a30, x, k0), vmadd(a31, x, k1), vmadd(a32, x, k2), vmadd(a33, x, k3)
+    return (vfold(vfold(a00, a01), vfold(a02, a03)), vfold(vfold(a10, a11), vfold(a12, a13)),
+            vfold(vfold(a20, a21), vfold(a22, a23)), vfold(vfold(a30, a31), vfold(a32, a33)))
+
+
+@register_jitable
+def tile_scores_rows(scores, si, qs, qi, entries, bases, b0, head_dim):
+    """:func:`tile_scores` for four q rows at once (row r's q at qs[qi + r * head_dim], its scores at
+    scores[si + r * KEY_BLOCK]; lanes >= 4): :func:`dot_rows_four` per four keys, folded per row into one vector
+    of the tile's ``lanes`` scores."""
+    width = lanes(qs)
+    g0, g1, g2, g3 = dot_rows_four(qs, qi, entries, bases[b0], bases[b0 + 1], bases[b0 + 2], bases[b0 + 3],
+                                   head_dim)
+    if width == 8 or width == 16:
+        h0, h1, h2, h3 = dot_rows_four(qs, qi, entries, bases[b0 + 4], bases[b0 + 5], bases[b0 + 6],
+                                       bases[b0 + 7], head_dim)
+        g0, g1, g2, g3 = vfold(g0, h0), vfold(g1, h1), vfold(g2, h2), vfold(g3, h3)
+    if width == 16:
+        h0, h1, h2, h3 = dot_rows_four(qs, qi, entries, bases[b0 + 8], bases[b0 + 9], bases[b0 + 10],
+                                       bases[b0 + 11], head_dim)
+        i0, i1, i2, i3 = dot_rows_four(qs, qi, entries, bases[b0 + 12], bases[b0 + 13], bases[b0 + 14],
+                                       bases[b0 + 15], head_dim)
+        h0, h1, h2, h3 = vfold(h0, i0), vfold(h1, i1), vfold(h2, i2), vfold(h3, i3)
+        g0, g1, g2, g3 = vfold(g0, h0), vfold(g1, h1), vfold(g2, h2), vfold(g3, h3)
+    vstore(scores, si, g0)
+    vstore(scores, si + KEY_BLOCK, g1)
+    vstore(scores, si + 2 * KEY_BLOCK, g2)
+    vstore(scores, si + 3 * KEY_BLOCK, g3)
+    full = head_dim - head_dim % width
+    if full < head_dim:
+        for r in range(4):
+            for j in range(width):
+                total = scores[si + r * KEY_BLOCK + j]
+                for c in range(full, head_dim):
+                    total += qs[qi + r * head_dim + c] * load_as(entries, bases[b0 + j] + c, qs)
+                scores[si + r * KEY_BLOCK + j] = total
+
+
+@register_jitable
+def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_dim):
+    """:func:`add_weighted` for four rows at once (row r: acc[ai + r * head_dim ..] with the weights
+    weights[wi + r * KEY_BLOCK + j]): each value vector loaded once for the four rows, four vectors of each row in
+    registers through the keys (16 independent chains), then one vector per row, then the last coordinates."""
     width = lanes(acc)
     full = head_dim - head_dim % width
     quads = full - full % (4 * width)
+    r1, r2, r3 = ai + head_dim, ai + 2 * head_dim, ai + 3 * head_dim
     for c in range(0, quads, 4 * width):
+        t00, t01, t02, t03 = (vload(acc, ai + c), vload(acc, ai + c + width), vload(acc, ai + c + 2 * width),
+                              vload(acc, ai + c + 3 * width))
+        t10, t11, t12, t13 = (vload(acc, r1 + c), vload(acc, r1 + c + width), vload(acc, r1 + c + 2 * width),
+                              vload(acc, r1 + c + 3 * width))
+        t20, t21, t22, t23 = (vload(acc, r2 + c), vload(acc, r2 + c + width), vload(acc, r2 + c + 2 * width),
+                              vload(acc, r2 + c + 3 * width))
+        t30, t31, t32, t33 = (vload(acc, r3 + c), vload(acc, r3 + c + width), vload(acc, r3 + c + 2 * width),
+                              vload(acc, r3 + c + 3 * width))
+        for j in range(first, last + 1):
+            e = bases[j] + c
+            v0, v1 = vload_as(entries, e, acc), vload_as(entries, e + width, acc)
+            v2, v3 = vload_as(entries, e + 2 * width, acc), vload_as(entries, e + 3 * width, acc)
+            w = vsplat(weights[wi + j])
+            t00, t01, t02, t03 = vmadd(t00, w, v0), vmadd(t01, w, v1), vmadd(t02, w, v2), vmadd(t03, w, v3)
+            w = vsplat(weights[wi + KEY_BLOCK + j])
+            t10, t11, t12, t13 = vmadd(t10, w, v0), vmadd(t11, w, v1), vmadd(t12, w, v2), vmadd(t13, w, v3)
+            w = vsplat(weights[wi + 2 * KEY_BLOCK + j])
+            t20, t21, t22, t23 = vmadd(t20, w, v0), vmadd(t21, w, v1), vmadd(t22, w, v2), vmadd(t23, w, v3)
+            w = vsplat(weights[wi + 3 * KEY_BLOCK + j])
+            t30, t31, t32, t33 = vmadd(t30, w, v0), vmadd(t31, w, v1), vmadd(t32, w, v2), vmadd(t33, w, v3)
+        vstore(acc, ai + c, t00)
+        vstore(acc, ai + c + width, t01)
+        vstore(acc, ai + c + 2 * width, t02)
+        vstore(acc, ai + c + 3 * width, t03)
+        vstore(acc, r1 + c, t10)
+        vstore(acc, r1 + c + width, t11)
+        vstore(acc, r1 + c + 2 * width, t12)
+        vstore(acc, r1 + c + 3 * width, t13)
+        vstore(acc, r2 + c, t20)
+        vstore(acc, r2 + c + width, t21)
+        vstore(acc, r2 + c + 2 * width, t22)
+        vstore(acc, r2 + c + 3 * width, t23)
+        vstore(acc, r3 + c, t30)
+        vstore(acc, r3 + c + width, t31)
+        vstore(acc, r3 + c + 2 * width, t32)
+        vstore(acc, r3 + c + 3 * width, t33)
+    for c in range(quads, full, width):
+        t0, t1, t2, t3 = vload(acc, ai + c), vload(acc, r1 + c), vload(acc, r2 + c), vload(acc, r3 + c)
+        for j in range(first, last + 1):
+            v = vload_as(entries, bases[j] + c, acc)
+            t0 = vmadd(t0, vsplat(weights[wi + j]), v)
+            t1 = vmadd(t1, vsplat(weights[wi + KEY_BLOCK + j]), v)
+            t2 = vmadd(t2, vsplat(weights[wi + 2 * KEY_BLOCK + j]), v)
+            t3 = vmadd(t3, vsplat(weights[wi + 3 * KEY_BLOCK + j]), v)
+        vstore(acc, ai + c, t0)
+        vstore(acc, r1 + c, t1)
+        vstore(acc, r2 + c, t2)
+        vstore(acc, r3 + c, t3)
+    for r in range(4):
+        for c in range(full, head_dim):
+            x = acc[ai + r * head_dim + c]
+            for j in range(first, last + 1):
+                x += weights[wi + r * KEY_BLOCK + j] * load_as(entries, bases[j] + c, acc)
+            acc[ai + r * head_dim + c] = x
+
+
+@register_jitable(inline="always")
+def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, bases, k_scale, v_scale, quantized, softcap,
+              zero):
+    """Row rr's scores of keys a..b of a block (scores[w + j], computed over the whole tiles t_lo..t_hi-1) turned
+    into its weights by the online softmax: k's scales and the softcap applied, the tiles' other keys masked to
+    -inf, the new maximum, the row's sum and accumulator rescaled, weights exp(s - max) (times v's scale)."""
+    if quantized or softcap != zero:
+        for j in range(a, b + 1):
+            x = scores[w + j]
+            if quantized:
+                x = x * k_scale[bases[j] // head_dim]
+            if softcap != zero:
+                x = math.tanh(x) * softcap
+            scores[w + j] = x
+    for j in range(t_lo, a):   # the tiles' keys outside the row's range weigh exp(-inf) = 0
+        scores[w + j] = -np.inf
+    for j in range(b + 1, t_hi):
+        scores[w + j] = -np.inf
+    width = lanes(scores)
+    old = m[rr]
+    top = old
+    for t0 in range(t_lo, t_hi, width):
+        x = vmax_lanes(vload(scores, w + t0))
+        if x > top:
+            top = x
+    safe = top if top != -np.inf else zero   # every score so far -inf: exps of 0, not NaN
+    if old != top:
+        alpha = zero + math.exp(old - safe)   # (the work dtype in plain Python too: math.exp gives a float)
+        den[rr] *= alpha
+        scale_row(acc, rr * head_dim, alpha, head_dim)
+    total = den[rr]
+    shift = vsplat(safe)
+    for t0 in range(t_lo, t_hi, width):
+        weights = vexp(vsub(vload(scores, w + t0), shift))
+        total += vsum_pairwise(weights)
+        vstore(scores, w + t0, weights)
+    if quantized:
+        for j in range(a, b + 1):
+            scores[w + j] = scores[w + j] * v_scale[bases[j] // head_dim]
+    den[rr] = total
+    m[rr] = top
+
+
+@register_jitable(inline="always")
+def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
+    """acc[ai : ai + head_dim] += sum_{first <= j <= last} weights[wi + j] entries.flat[bases[j] : + head_dim]
+    (key j of a block): eight vectors of acc at a time in registers through the keys (eight independent chains of
+    multiply-adds: with four, each key waited on the last one's), then four, then one at a time, then the
+    coordinates past the last whole vector."""
+    width = lanes(acc)
+    full = head_dim - head_dim % width
+    octets = full - full % (8 * width)
+    quads = full - full % (4 * width)
+    for c in range(0, octets, 8 * width):
+        t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
+        t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
+        t4, t5 = vload(acc, ai + c + 4 * width), vload(acc, ai + c + 5 * width)
+        t6, t7 = vload(acc, ai + c + 6 * width), vload(acc, ai + c + 7 * width)
+        for j in range(first, last + 1):
+            w, e = vsplat(weights[wi + j]), bases[j] + c
+            t0 = vmadd(t0, w, vload_as(entries, e, acc))
+            t1 = vmadd(t1, w, vload_as(entries, e + width, acc))
+            t2 = vmadd(t2, w, vload_as(entries, e + 2 * width, acc))
+            t3 = vmadd(t3, w, vload_as(entries, e + 3 * width, acc))
+            t4 = vmadd(t4, w, vload_as(entries, e + 4 * width, acc))
+            t5 = vmadd(t5, w, vload_as(entries, e + 5 * width, acc))
+            t6 = vmadd(t6, w, vload_as(entries, e + 6 * width, acc))
+            t7 = vmadd(t7, w, vload_as(entries, e + 7 * width, acc))
+        vstore(acc, ai + c, t0)
+        vstore(acc, ai + c + width, t1)
+        vstore(acc, ai + c + 2 * width, t2)
+        vstore(acc, ai + c + 3 * width, t3)
+        vstore(acc, ai + c + 4 * width, t4)
+        vstore(acc, ai + c + 5 * width, t5)
+        vstore(acc, ai + c + 6 * width, t6)
+        vstore(acc, ai + c + 7 * width, t7)
+    for c in range(octets, quads, 4 * width):
         t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
         t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
         for j in range(first, last + 1):
@@ -352,6 +610,24 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
     at = k0 - page * page_size
     for j in range(k1 - k0):
         bases[j] = ((block_table[i, page] * page_size + at) * kv_heads + h) * head_dim
+        at += 1
+        if at == page_size:
+            page, at = page + 1, 0
+
+
+@register_jitable(inline="always")
+def prefetch_block(k_ent, v_ent, block_table, i, k0, k1, page_size, kv_heads, h, head_dim):
+    """Ask for the cache lines of keys and values k0..k1-1 of sequence i in k/v head h (the next block's, while
+    this one is computed: a key's entries lie kv_heads * head_dim entries from the next key's, past the hardware
+    prefetchers' strides, so a block read without this waits on memory key by key)."""
+    step = line_items(k_ent)
+    page = k0 // page_size
+    at = k0 - page * page_size
+    for _ in range(k1 - k0):
+        base = ((block_table[i, page] * page_size + at) * kv_heads + h) * head_dim
+        for c in range(0, head_dim, step):
+            prefetch_read(k_ent, base + c)
+            prefetch_read(v_ent, base + c)
         at += 1
         if at == page_size:
             page, at = page + 1, 0
@@ -408,6 +684,8 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     lo = np.empty(rb, np.int64)
     hi = np.empty(rb, np.int64)
     bases = np.empty(KEY_BLOCK, np.int64)
+    width = lanes(qs)
+    tile = imax(4, width)   # keys scored together (tile_scores)
     for r0 in range(0, n_rows, rb):
         nr = imin(rb, n_rows - r0)
         first, last = length, np.int64(-1)
@@ -435,36 +713,34 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
         for k0 in range(first, last + 1, KEY_BLOCK):
             k1 = imin(last + 1, k0 + KEY_BLOCK)
             block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
-            for rr in range(nr):
+            prefetch_block(k_ent, v_ent, block_table, i, k1, imin(last + 1, k1 + KEY_BLOCK), page_size, kv_heads, h,
+                           head_dim)
+            for j in range(k1 - k0, KEY_BLOCK):   # a last tile's keys past the block: read, masked, never weighed
+                bases[j] = bases[0]
+            rr = 0
+            while rr < nr:
                 a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
-                if a > b:
-                    continue
-                w = rr * KEY_BLOCK
-                for j in range(a, b + 1):   # scores
-                    x = dot_entries(qs, rr * head_dim, k_ent, bases[j], head_dim)
-                    if quantized:
-                        x = x * k_scale[bases[j] // head_dim]
-                    if softcap != zero:
-                        x = math.tanh(x) * softcap
-                    scores[w + j] = x
-                old = m[rr]   # the online softmax: the new maximum, the sums rescaled, the weights
-                top = old
-                for j in range(a, b + 1):
-                    if scores[w + j] > top:
-                        top = scores[w + j]
-                safe = top if top != -np.inf else zero   # every score so far -inf: exps of 0, not NaN
-                if old != top:
-                    alpha = zero + math.exp(old - safe)   # (the work dtype in plain Python too: math.exp gives a float)
-                    den[rr] *= alpha
-                    scale_row(acc, rr * head_dim, alpha, head_dim)
-                total = den[rr]
-                for j in range(a, b + 1):
-                    weight = math.exp(scores[w + j] - safe)
-                    total += weight
-                    scores[w + j] = weight * v_scale[bases[j] // head_dim] if quantized else weight
-                den[rr] = total
-                m[rr] = top
-                add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
+                rows = 1   # four rows of one key range (a query's GQA group) share each key and value vector read
+                if width >= 4 and rr + 4 <= nr and lo[rr + 1] == lo[rr] and lo[rr + 2] == lo[rr] \
+                        and lo[rr + 3] == lo[rr] and hi[rr + 1] == hi[rr] and hi[rr + 2] == hi[rr] \
+                        and hi[rr + 3] == hi[rr]:
+                    rows = 4
+                if a <= b:
+                    w = rr * KEY_BLOCK
+                    t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
+                    for t0 in range(t_lo, t_hi, tile):   # scores
+                        if rows == 4:
+                            tile_scores_rows(scores, w + t0, qs, rr * head_dim, k_ent, bases, t0, head_dim)
+                        else:
+                            tile_scores(scores, w + t0, qs, rr * head_dim, k_ent, bases, t0, head_dim)
+                    for r in range(rr, rr + rows):
+                        weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, bases, k_scale,
+                                  v_scale, quantized, softcap, zero)
+                    if rows == 4:
+                        add_weighted_rows(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
+                    else:
+                        add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
+                rr += rows
         for rr in range(nr):
             j = (r0 + rr) // groups
             r = (q0 + j) * q_heads + h * groups + (r0 + rr - j * groups)

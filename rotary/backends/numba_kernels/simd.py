@@ -541,12 +541,18 @@ def prefetch_write(buf, i):
     """Ask the CPU for the cache line of buf.flat[i], for writing (nothing in pure Python)."""
 
 
-def _prefetch_write_definition(typingctx, buf, i):
-    def codegen(context, builder, signature, args):
-        emit_prefetch(context, builder, signature.args[0], args[0], signature.args[1], args[1], True)
-        return context.get_dummy_value()
+def prefetch_read(buf, i):
+    """Ask the CPU for the cache line of buf.flat[i], for reading (nothing in pure Python)."""
 
-    return types.none(buf, i), codegen
+
+def _prefetch_definition(write):
+    def definition(typingctx, buf, i):
+        def codegen(context, builder, signature, args):
+            emit_prefetch(context, builder, signature.args[0], args[0], signature.args[1], args[1], write)
+            return context.get_dummy_value()
+
+        return types.none(buf, i), codegen
+    return definition
 
 
 # -- feature maps of linear attention (rotary.backends.feature_maps: the reference bits) -------------------
@@ -597,6 +603,56 @@ def feature_ir(context, builder, v, dtype, code, code_type):
     return result
 
 
+def vexp(x):
+    """e^x lane by lane for softmax weights: :func:`exp_ir`'s algorithm (a few ulp), 0 below its LO (-87 float32,
+    -708 float64: exp's subnormal range flushed, e^-inf = 0), NaN kept."""
+    x = np.asarray(x)
+    lo = feature_maps.EXP_CONSTANTS[x.dtype.name][0]
+    with np.errstate(invalid="ignore"):
+        e = feature_maps.exp_ref(x)
+        return np.where(x < lo, x.dtype.type(0.0), e)
+
+
+def _vexp_definition(typingctx, x):
+    if not isinstance(x, Vec):
+        raise errors.TypingError(f"vexp takes a vector, got {x}")
+
+    def codegen(context, builder, signature, args):
+        v, zero = args[0], _constant(args[0].type, 0.0)
+        lo = feature_maps.EXP_CONSTANTS[str(x.dtype)][0]
+        e = builder.select(builder.fcmp_ordered("<", v, _constant(v.type, lo)), zero, exp_ir(builder, v, x.dtype))
+        return builder.select(builder.fcmp_unordered("uno", v, v), v, e)
+
+    return x(x), codegen
+
+
+def vmax_lanes(value):
+    """The largest lane of value, by halves: lane j against lane j + n/2 (``a if a > b else b``), log2(lanes) times
+    (with a NaN lane the result is NaN or the largest other lane: softmax weights are NaN either way)."""
+    v = np.array(value)
+    n = v.shape[0]
+    while n > 1:
+        n //= 2
+        v = np.where(v[:n] > v[n:2 * n], v[:n], v[n:2 * n])
+    return v[0]
+
+
+def _vmax_lanes_definition(typingctx, value):
+    if not isinstance(value, Vec):
+        raise errors.TypingError(f"vmax_lanes takes a vector, got {value}")
+
+    def codegen(context, builder, signature, args):
+        v, n = args[0], value.lanes
+        undefined = ir.Constant(v.type, ir.Undefined)
+        while n > 1:
+            n //= 2
+            upper = builder.shuffle_vector(v, undefined, _lane_indices(list(range(n, 2 * n)) + [0] * (value.lanes - n)))
+            v = builder.select(builder.fcmp_ordered(">", v, upper), v, upper)
+        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+    return value.dtype(value), codegen
+
+
 _NAME_OF_CODE = {code: name for name, code in feature_maps.CODES.items()}
 
 
@@ -631,5 +687,6 @@ for _func, _definition in (
         (vdeinterleave, _shuffle_pair_definition(lambda n: [2 * j for j in range(n)] + [2 * j + 1 for j in range(n)])),
         (vinterleave, _shuffle_pair_definition(lambda n: [j // 2 + (n if j % 2 else 0) for j in range(2 * n)])),
         (vcopy_flat, _vcopy_flat_definition), (vtranspose, _vtranspose_definition),
-        (prefetch_write, _prefetch_write_definition), (feature, _feature_definition)):
+        (prefetch_write, _prefetch_definition(True)), (prefetch_read, _prefetch_definition(False)), (feature, _feature_definition),
+        (vexp, _vexp_definition), (vmax_lanes, _vmax_lanes_definition)):
     lowered_in_place(_func, _definition)

@@ -1,0 +1,80 @@
+"""The Numba paged-attention kernel's tiles (``numba_kernels/kv_cache.py``): scores of ``max(4, lanes)`` keys at a
+time folded into one vector (:func:`tile_scores`), four q rows of one key range (a query's GQA group, or rows of
+several queries that see the same keys) sharing each key and value vector (:func:`tile_scores_rows`,
+:func:`add_weighted_rows`), eight accumulator vectors per row (:func:`add_weighted`), weights by the vector exp
+(:func:`rotary.backends.numba_kernels.simd.vexp`).
+
+Every path against the float64 oracle (test_kv_split_k's ``_check``: :func:`rotary.testing.paged_attention64`,
+q rotated by :func:`rotary.testing.rope_complex`): head dims with no whole vector past a tile's (20), with a tail
+past the last whole vector (72, 136), and of whole quads and octets of vectors (128, 256); GQA 1, 2, 3, 4, 8 (rows
+taken four at a time where four share a range, one at a time otherwise); float32, float64 and int8 entries; dense
+decode and packed mixed steps, causal and not, window and softcap. And ``vexp`` / ``vmax_lanes`` compiled against
+their Python forms and NumPy's exp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from numba import njit  # noqa: E402
+
+from rotary.backends.numba_kernels import simd  # noqa: E402
+
+from .test_kv_split_k import CASES, _check  # noqa: E402
+
+
+@pytest.mark.parametrize("head_dim", [20, 72, 128, 136, 256])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8])
+def test_tiles_decode_and_mixed_against_the_oracle(rng, head_dim, groups):
+    """A mixed step (a prefill chunk of 5 queries, decode tokens, a whole prefill of 9) and a dense decode step, fp32
+    entries, every case (causal, window + softcap, not causal, a small window), q rotated in the kernel and not."""
+    _check(rng, np.float32, None, [150, 70, 9, 1], [5, 1, 9, 1], 1, q_heads=2 * groups, kv_heads=2,
+           head_dim=head_dim, page_size=16, cases=CASES)
+    _check(rng, np.float32, None, [100, 33, 64], [1, 1, 1], 1, q_heads=2 * groups, kv_heads=2, head_dim=head_dim,
+           page_size=16, cases=CASES[:2], rotate=(True,))
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [(np.float64, None), (np.float32, "int8"), (np.float64, "int8"),
+                                             (np.float16, None)])
+@pytest.mark.parametrize("head_dim", [20, 72, 128])
+def test_tiles_other_entries(rng, dtype, kv_dtype, head_dim):
+    """float64 work (8 lanes with AVX-512: tiles of 8 keys), int8 entries (scales per key), float16 bits; GQA 4 and
+    1."""
+    for q_heads in (8, 2):
+        _check(rng, dtype, kv_dtype, [90, 40, 7], [3, 1, 7], 1, q_heads=q_heads, kv_heads=2, head_dim=head_dim,
+               page_size=8, cases=CASES[:3])
+
+
+def test_vexp_and_vmax_lanes_against_their_python_forms():
+    """vexp: within 4 ulp of float64 exp on [-87, 88] (float32) and [-708, 709] (float64), 0 below, e^-inf = 0,
+    NaN kept, its Python form the same bits as the compiled one; vmax_lanes: the largest lane, and its Python form's
+    result with a NaN lane."""
+    @njit
+    def run(x, out, top):
+        width = simd.lanes(x)
+        for i in range(0, x.shape[0], width):
+            v = simd.vload(x, i)
+            simd.vstore(out, i, simd.vexp(v))
+            top[i // width] = simd.vmax_lanes(v)
+
+    rng = np.random.default_rng(0)
+    for dtype, lo, hi in ((np.float32, -87.0, 88.0), (np.float64, -708.0, 709.0)):
+        width = simd.VECTOR_BYTES // np.dtype(dtype).itemsize
+        x = np.concatenate([rng.uniform(lo, hi, 4000), rng.uniform(-3, 3, 4000), [0.0, -0.0, 1e-30, -1e-30]])
+        x = np.concatenate([x, [lo - 1.0, -1e4, -np.inf, np.nan]]).astype(dtype)
+        x = np.concatenate([x, np.zeros(-len(x) % width, dtype)])
+        out, top = np.empty_like(x), np.empty(len(x) // width, dtype)
+        run(x, out, top)
+        finite = (x >= lo) & (x <= hi)
+        want = np.exp(x[finite].astype(np.float64))
+        ulp = np.spacing(want.astype(dtype)).astype(np.float64)
+        assert np.max(np.abs(out[finite] - want) / ulp) <= 4
+        assert np.all(out[np.isneginf(x) | (x < lo)] == 0) and np.isnan(out[np.isnan(x)]).all()
+        np.testing.assert_array_equal(simd.vexp(x), out)   # the Python form: the same bits
+        blocks = x.reshape(-1, width)
+        plain = ~np.isnan(blocks).any(axis=1)
+        np.testing.assert_array_equal(top[plain], blocks[plain].max(axis=1))
+        np.testing.assert_array_equal(top, [simd.vmax_lanes(b) for b in blocks])
