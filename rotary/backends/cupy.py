@@ -9,10 +9,13 @@ the layout, ``y_a = x_a cos[r,i] - x_b sin[r,i]``, ``y_b = x_b cos[r,i] + x_a si
 negated for the inverse), in fp32 (fp64 for float64), each product and sum rounded on its own (never fused into
 an FMA: NumPy's bits, and the KV cache's keys are the same bits); q and k in one launch; the pairs written in the
 layout read, or in the other one (``out_layout``: the kernels with a fifth template argument, compiled on first use).
-Linear attention (``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64. KV cache
+Linear attention (``linear_attention.cu``): RoFormer eq. 19 with the (S, z) state kept on chip in fp32/fp64; its
+backward (``linear_backward.cu``, :func:`linear_attention_backward`): dq, dk, dv and the carried state's gradient by
+a chunked kernel per (batch, k/v head, dv tile) and a finishing kernel per (batch, k/v head). KV cache
 (``kv_cache.cu``): ``append_kv`` and ``paged_attention`` (the end of this file).
 
-The planning functions (:func:`plan_rotate`, :func:`plan_linear_attention`, the geometry helpers)
+The planning functions (:func:`plan_rotate`, :func:`plan_linear_attention`, :func:`plan_linear_attention_backward`,
+the geometry helpers)
 are pure Python and do not import CuPy: the CPU test harness (``tests/cuda_shim``) launches the same
 kernel sources with the same plans through the host C++ compiler.
 """

@@ -1,6 +1,7 @@
 """A backend module over the host shim: the CuPy backend's plans launched on NumPy arrays (test harness).
 
-``shim_backend(kernels)`` is the rotation and linear-attention backend; ``kv_shim_backend(kernels)`` adds the KV
+``shim_backend(kernels)`` is the rotation and linear-attention backend (its backward too:
+:func:`run_linear_attention_backward`, the CuPy glue's checks and plans on NumPy arrays); ``kv_shim_backend(kernels)`` adds the KV
 primitives with the contract's signatures (:mod:`rotary.backends`), taking host NumPy arrays for every table:
 
     append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)
@@ -61,8 +62,8 @@ def work_of(dtype):
 
 
 def shim_backend(kernels, threads=256, max_tokens_per_block=None, shared_mem_limit=cb.SHARED_MEM_LIMIT):
-    """A backend module for NumPy arrays that runs the CUDA rotation and linear-attention kernels on the CPU (the
-    same plans as CuPy)."""
+    """A backend module for NumPy arrays that runs the CUDA rotation and linear-attention kernels (forward and
+    backward) on the CPU (the same plans as CuPy)."""
 
     def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=None):
         outs = [np.empty(x.shape, x.dtype) if out is None else out for x, out in items]
