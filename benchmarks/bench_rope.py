@@ -166,11 +166,13 @@ def main():
     nb.rotation.rotate_qk_serial = nb.rotation.rotate_qk_parallel = (lambda *a: True)   # True: rows in the table
     try:
         t = best_us(lambda: rope(q, k, positions, seq_axis=1), args.calls, args.rounds)
+        t_sep = best_us(lambda: rope(q, k, positions, seq_axis=1, out=(qo, ko)), args.calls, args.rounds)
         t_qk = best_us(lambda: rotary.apply_qk(q, k, positions, spec=spec, seq_axis=1, backend="numba"), args.calls,
                        args.rounds)
     finally:
         nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel = real
     print(f"| Rope numba, its own work per call (kernel replaced by a no-op) | {t:.1f} |")
+    print(f"| Rope numba, separate out=, its own work per call (kernel replaced by a no-op) | {t_sep:.1f} |")
     print(f"| apply_qk numba, its own work per call (kernel replaced by a no-op) | {t_qk:.1f} |")
 
     # the CUDA launch path with a mocked kernel: Rope's host work per call. NumPy arrays stand in for

@@ -338,6 +338,51 @@ def test_rope_separate_out_buffers_keep_the_overlap_rules(rng, monkeypatch):
     np.testing.assert_array_equal(got[0], want[0])
 
 
+def test_rope_checks_the_same_buffers_by_identity(rng, monkeypatch):
+    """A call with the last call's live arrays, unchanged, skips the plan key and the overlap tests (their verdict
+    holds for the same addresses and extents: CheckedBuffers); any change is seen: an out flagged read-only, an
+    out reshaped in place, another object over the same memory, an out that now is the other input. The record
+    holds the arrays by weak reference: dropping them frees them."""
+    import gc
+    import weakref
+
+    from rotary.frontend import buffers, rope as rope_module
+
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    checks = []
+    monkeypatch.setattr(rope_module, "check_memory", lambda *a: (checks.append(1), buffers.check_memory(*a))[1])
+    rope = rotary.Rope(SPEC, backend="numba", dtype=np.float32, seq_axis=-2)
+    q, k = _qk(rng, np.float32, B=4, S=1, Hq=2, Hk=2)
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    want = rotary.apply_qk(q, k, 5, spec=SPEC, seq_axis=1)
+    for _ in range(3):
+        rope(q, k, 5, seq_axis=1, out=(q_out, k_out))
+        np.testing.assert_array_equal(q_out, want[0])
+    assert len(checks) == 1   # the first prepared call checked; the same buffers again did not need to
+    q_out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        rope(q, k, 5, seq_axis=1, out=(q_out, k_out))
+    q_out.flags.writeable = True
+    rope(q, k, 5, seq_axis=1, out=(q_out, k_out))
+    with pytest.raises(ValueError, match="overlaps"):
+        rope(q, k, 5, seq_axis=1, out=(k, q))
+    alias = q_out.view()   # another object over the same memory: checked again (and valid)
+    n = len(checks)
+    rope(q, k, 5, seq_axis=1, out=(alias, k_out))
+    assert len(checks) == n + 1
+    flat = q_out.reshape(-1)
+    flat.shape = q_out.shape[::-1]   # the same object, reshaped in place: a miss, then the general path's error
+    with pytest.raises(ValueError, match="shape"):
+        rope(q, k, 5, seq_axis=1, out=(flat, k_out))
+    q_out2, k_out2 = np.empty_like(q), np.empty_like(k)
+    rope(q, k, 5, seq_axis=1, out=(q_out2, k_out2))
+    ref = weakref.ref(q_out2)
+    del q_out2
+    gc.collect()
+    assert ref() is None   # the record does not keep the caller's buffers alive
+
+
 def test_rope_separate_out_buffers_through_the_cuda_host_shim(kernels, rng):  # noqa: F811
     """The CuPy prepared launch with separate out buffers (host shim): equal to the oracle, into the buffers."""
     rope, q, k, hooks = _shim_rope(kernels, rng)

@@ -5,6 +5,8 @@ between calls whose shapes, strides and dtypes are the same."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from array_api_compat import array_namespace, device as xp_device, is_cupy_array, is_jax_array, is_numpy_array
 
@@ -80,6 +82,46 @@ def check_memory(xs, outs, names, separate=False) -> bool:
     if len(xs) == 2 and (outs[0] is not None or outs[1] is not None):
         check_cross_overlap(xs, outs, names)
     return apart
+
+
+class CheckedBuffers:
+    """The arrays of a call whose memory rules (:func:`check_memory`) passed, held by weak reference with their
+    shapes, strides and writeable flags: a later call of the same live objects, unchanged, has the same addresses
+    and extents (a NumPy or CuPy array's memory does not move while the object lives), so the rules' verdict on
+    them stands without recomputing it, and :meth:`same` costs a few attribute reads where the overlap tests cost
+    ~1.5 us. Anything else (another object, a reshaped view, a flag turned read-only) is a miss: the caller runs
+    :func:`check_memory` and records the new arrays."""
+
+    __slots__ = ("refs", "parts", "extra", "value")
+
+    def __init__(self, arrays, extra, value):
+        self.refs = tuple(None if a is None else weakref.ref(a) for a in arrays)
+        self.parts = tuple(None if a is None else (a.shape, a.strides, _writeable(a)) for a in arrays)
+        self.extra, self.value = extra, value   # the call's other key (compared), what the caller keeps with it
+
+    def same(self, arrays, extra) -> bool:
+        """Whether ``arrays`` are the recorded objects, alive and unchanged, and ``extra`` the recorded extra key."""
+        if extra != self.extra or len(arrays) != len(self.refs):
+            return False
+        for a, ref, part in zip(arrays, self.refs, self.parts):
+            if a is None or ref is None:
+                if a is not None or ref is not None:
+                    return False
+            elif ref() is not a or a.shape != part[0] or a.strides != part[1] or _writeable(a) != part[2]:
+                return False
+        return True
+
+    @staticmethod
+    def record(arrays, extra, value):
+        """A record of these arrays, or None when one cannot be held by weak reference."""
+        try:
+            return CheckedBuffers(arrays, extra, value)
+        except TypeError:
+            return None
+
+
+def _writeable(a) -> bool:
+    return a.flags.writeable if type(a) is np.ndarray else True
 
 
 def overlaps(a, b) -> bool:

@@ -26,7 +26,7 @@ from ..backends import OUTSIDE_TABLE
 from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
 from .axes import layout_seq_axis, take_tensor_layout
-from .buffers import check_memory
+from .buffers import CheckedBuffers, check_memory
 from .plan import build_plan, plan_key
 from .positions import packed_positions
 from .rotate import rotate_arrays
@@ -84,6 +84,7 @@ class Rope:
         self._work = np.dtype(np.float64 if dt == np.float64 else np.float32)
         self._fast_ok = not spec.depends_on_seq_len and not spec.multi_axis and not spec.float_positions
         self._plans: dict = {}
+        self._checked = None   # CheckedBuffers of the last prepared call's arrays (the memory rules held for them)
         self._table = None   # a _HeldTable: host rows 0.. hold positions base..end-1
         if max_positions is not None and self._fast_ok:
             self._grow(0, int(max_positions) - 1)
@@ -124,18 +125,25 @@ class Rope:
 
     # -- the prepared path -----------------------------------------------------------------------------
     def _rotate(self, xs, outs, names, positions, seq_axis, inverse, out_pairs=None):
-        key = (plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True, out_pairs=out_pairs)
-               if self._fast_ok else None)
-        plan = None if key is None else self._plans.get(key)
-        if plan is not None:   # checked for this geometry: the memory rules, then the prepared rotation
-            if check_memory(xs, outs, names, plan.out_layout is not None):
-                given = plan.rows(positions)
-                if given is not None:
-                    result = plan.prepared.run(xs, outs, given[0], given[1], self._table)
-                    if result is OUTSIDE_TABLE:
-                        result = self._run_grown(plan, xs, outs, *given)
-                    if result is not None:
-                        return result
+        checked, arrays, extra = self._checked, xs + outs, (seq_axis, inverse, out_pairs)
+        if checked is not None and checked.same(arrays, extra):   # the last call's live arrays: its checks hold
+            key, plan, ready = None, checked.value, True
+        else:
+            key = (plan_key(xs, outs, seq_axis, inverse, self.backend, None, device_arrays=True, out_pairs=out_pairs)
+                   if self._fast_ok else None)
+            plan = None if key is None else self._plans.get(key)
+            # checked for this geometry: the memory rules on these arrays, then the prepared rotation
+            ready = plan is not None and check_memory(xs, outs, names, plan.out_layout is not None)
+            if ready:
+                self._checked = CheckedBuffers.record(arrays, extra, plan)
+        if ready:
+            given = plan.rows(positions)
+            if given is not None:
+                result = plan.prepared.run(xs, outs, given[0], given[1], self._table)
+                if result is OUTSIDE_TABLE:
+                    result = self._run_grown(plan, xs, outs, *given)
+                if result is not None:
+                    return result
         result = rotate_arrays(list(xs), list(outs), list(names), positions, spec=self.spec, seq_axis=seq_axis,
                                inverse=inverse, backend=self.backend, spec_kwargs={}, out_pairs=out_pairs)
         if key is not None and plan is None and self.dtype == xs[0].dtype:   # validated: prepare this geometry
@@ -143,6 +151,7 @@ class Rope:
             if plan is not None:
                 if len(self._plans) >= 64:
                     self._plans.clear()
+                    self._checked = None
                 self._plans[key] = plan
         return result
 
