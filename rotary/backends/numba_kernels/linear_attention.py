@@ -125,16 +125,26 @@ def madd_tile(a, b, c, i0, j0, depth, accumulate):
 
     for r < TILE_ROWS, the sum in k order in the work dtype (fused multiply-adds where the CPU has FMA).
     a, b, c: 2-D C-contiguous; the caller keeps the tile's rows and columns inside the (padded) buffers."""
-    rows, w = TILE_ROWS, tile_width(c)
+    _madd_tile_py(a, b, c, i0, j0, depth, accumulate, tile_width(c))
+
+
+def madd_tile_narrow(a, b, c, i0, j0, depth, accumulate):
+    """:func:`madd_tile` one vector wide (w = :func:`.simd.lanes`: 16 float32 with AVX-512): the triangle's edge
+    tiles, where a second vector would compute columns the product does not need."""
+    _madd_tile_py(a, b, c, i0, j0, depth, accumulate, lanes(c))
+
+
+def _madd_tile_py(a, b, c, i0, j0, depth, accumulate, w):
+    rows = TILE_ROWS
     acc = c[i0:i0 + rows, j0:j0 + w].copy() if accumulate else np.zeros((rows, w), c.dtype)
     for k in range(depth):
         acc += a[i0:i0 + rows, k:k + 1] * b[k, j0:j0 + w]
     c[i0:i0 + rows, j0:j0 + w] = acc
 
 
-def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
-    """2 * TILE_ROWS vector accumulators kept in registers through the loop over k (allocas LLVM promotes):
-    each pair of vectors loaded from b serves every row, each broadcast of a[i0+r, k] two vectors."""
+def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate, vectors=2):
+    """``vectors`` * TILE_ROWS vector accumulators kept in registers through the loop over k (allocas LLVM
+    promotes): each ``vectors`` vectors loaded from b serve every row, each broadcast of a[i0+r, k] ``vectors``."""
     if not all(isinstance(x, types.Array) and x.ndim == 2 and x.layout == "C" and x.dtype == c.dtype
                and c.dtype in (types.float32, types.float64) for x in (a, b, c)):
         raise errors.TypingError(f"madd_tile takes three 2-D C-contiguous float arrays of one dtype, got {a}, {b}, {c}")
@@ -154,7 +164,7 @@ def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
         slots = []
         for r in range(TILE_ROWS):
             row = builder.add(builder.mul(builder.add(i0_, ir.Constant(intp, r)), ldc), j0_)
-            for h in range(2):
+            for h in range(vectors):
                 slot = cgutils.alloca_once(builder, vec_type)
                 ptr = vec_ptr(arrays[2], builder.add(row, ir.Constant(intp, h * n)))
                 builder.store(builder.select(flag, builder.load(ptr, align=item),
@@ -163,7 +173,7 @@ def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
         with cgutils.for_range(builder, depth_) as loop:
             b_row = builder.add(builder.mul(loop.index, ldb), j0_)
             bs = [builder.load(vec_ptr(arrays[1], builder.add(b_row, ir.Constant(intp, h * n))), align=item)
-                  for h in range(2)]
+                  for h in range(vectors)]
             for r in range(TILE_ROWS):
                 a_ptr = builder.gep(arrays[0].data, [builder.add(builder.mul(builder.add(i0_, ir.Constant(intp, r)), lda),
                                                                  loop.index)], inbounds=True)
@@ -171,8 +181,8 @@ def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
                 x = builder.shuffle_vector(builder.insert_element(ir.Constant(vec_type, ir.Undefined), x,
                                                                   ir.Constant(ir.IntType(32), 0)),
                                            ir.Constant(vec_type, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
-                for h in range(2):
-                    slot = slots[2 * r + h][0]
+                for h in range(vectors):
+                    slot = slots[vectors * r + h][0]
                     product = builder.fmul(x, bs[h], flags=("contract",))
                     builder.store(builder.fadd(builder.load(slot), product, flags=("contract",)), slot)
         for slot, ptr in slots:
@@ -183,6 +193,7 @@ def _madd_tile_definition(typingctx, a, b, c, i0, j0, depth, accumulate):
 
 
 lowered_in_place(madd_tile, _madd_tile_definition)
+lowered_in_place(madd_tile_narrow, lambda *args: _madd_tile_definition(*args, vectors=1))
 
 
 @register_jitable

@@ -53,7 +53,7 @@ from numba.extending import register_jitable
 from ..feature_maps import CODES as FEATURE_MAPS
 from .common import borrowed, element_offset, imin, store
 from .linear_attention import (TILE_ROWS, aligned_zeros, keep_alive, load_features, load_values,
-                               madd_tile, next_load, padded, streams, tile_width, transpose_rows)
+                               madd_tile, madd_tile_narrow, next_load, padded, streams, tile_width, transpose_rows)
 from .rotation import rotate_pairs_simd
 from .simd import (KERNEL_JIT, is_aligned, lanes, store_fence, vadd, vload, vload_widened, vmadd, vmul, vsplat, vstore,
                    vstore_stream, vsum, vzeros)
@@ -80,6 +80,24 @@ def product(a, b, c, row0, rows, col0, cols, depth, accumulate):
     for i0 in range(row0, rows, TILE_ROWS):
         for j0 in range(col0, cols, width):
             madd_tile(a, b, c, i0, j0, depth, accumulate)
+
+
+@register_jitable
+def row_tiles(a, b, c, i0, col0, cols, depth):
+    """c[i0:i0 + TILE_ROWS, col0:cols] = a[i0:, :depth] @ b[:depth, col0:cols] (col0 a multiple of the lanes) in
+    :func:`.linear_attention.madd_tile` tiles, the last one :func:`.linear_attention.madd_tile_narrow` (one
+    vector wide) where one vector covers the columns left: a triangle's edge computed to the vector, not to
+    the two-vector tile (a sixth less of the chunk's triangular products)."""
+    width = lanes(c)
+    fresh = np.bool_(False)
+    j0 = col0
+    while j0 < cols:
+        if cols - j0 > width:
+            madd_tile(a, b, c, i0, j0, depth, fresh)
+            j0 += 2 * width
+        else:
+            madd_tile_narrow(a, b, c, i0, j0, depth, fresh)
+            j0 += width
 
 
 @register_jitable
@@ -518,8 +536,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     # W = tril(gN V^T) . Gamma, then W^T
                     for i0 in range(0, n, TILE_ROWS):
                         end = imin(i0 + TILE_ROWS, n)
-                        for j0 in range(0, end, width):
-                            madd_tile(gn, vt, W, i0, j0, dvd, fresh)
+                        row_tiles(gn, vt, W, i0, 0, end, dvd)
                         for i in range(i0, end):
                             wr = W[i]
                             for j in range(i + 1, end):
@@ -531,8 +548,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     transposed(W, Wt, n)
                     # Pt = triu(B̂ Â^T) (the decay after the gD sums, which pair it with the decayed W)
                     for j0 in range(0, n, TILE_ROWS):
-                        for i0 in range(j0 - j0 % width, n, width):
-                            madd_tile(k_rows, q_hat_t, Pt, j0, i0, m, fresh)
+                        row_tiles(k_rows, q_hat_t, Pt, j0, j0 - j0 % wvec, n, m)
                         for j in range(j0, imin(j0 + TILE_ROWS, n)):
                             pr = Pt[j]
                             for i in range(j0, j):
