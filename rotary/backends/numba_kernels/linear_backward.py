@@ -101,6 +101,25 @@ def row_tiles(a, b, c, i0, col0, cols, depth):
 
 
 @register_jitable
+def diagonal_dots(pt, wt, out, n):
+    """out[0, i] = sum_(j <= i) pt[j, i] wt[j, i] for i < n, j ascending (columns as vectors from the first
+    whole vector at or after the diagonal; the few before it one by one: pt and wt hold other values there);
+    out's row padded to whole vectors."""
+    width = lanes(out)
+    zero = vzeros(out)
+    row = out[0]
+    for i in range(0, n, width):
+        vstore(out, i, zero)
+    ps, ws = pt.shape[1], wt.shape[1]
+    for j in range(n):
+        first = imin(j + (width - j % width) % width, n)
+        for i in range(j, first):
+            row[i] += pt[j, i] * wt[j, i]
+        for i in range(first, n, width):
+            vstore(out, i, vmadd(vload(out, i), vload(pt, j * ps + i), vload(wt, j * ws + i)))
+
+
+@register_jitable
 def row_dots(x, y, out, n, m):
     """out[0, i] = x[i, :m] . y[i, :m] for i < n, in the work dtype (lanes-wide partial sums, then across lanes, then
     the last m % lanes terms)."""
@@ -558,16 +577,10 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     if decayed:
                         scale_rows(X, inter_w, n, mw)
                     if normalize:
-                        gdot_row = gdot[0]
-                        for i in range(n):
-                            gdot_row[i] = 0
-                        for j in range(n):
-                            pr, wr = Pt[j], Wt[j]
-                            for i in range(j, n):
-                                gdot_row[i] += pr[i] * wr[i]
+                        diagonal_dots(Pt, Wt, gdot, n)
                         row_dots(q_rows, X, gD_w, n, m)
                         for i in range(n):
-                            gD_w[0, i] = -(gD_w[0, i] + gdot_row[i]) * inv[0, i]
+                            gD_w[0, i] = -(gD_w[0, i] + gdot[0, i]) * inv[0, i]
                     if decayed:
                         for j in range(n):
                             pr = Pt[j]
