@@ -17,6 +17,12 @@ Linear attention, sequence axis chunked into blocks j = 0..n-1 (every other axis
 
 So a call is about 4n + n small tasks; step 1 and 3 are each as parallel as the blocks. The returned
 state's S and z are Dask arrays (the last prefix).
+
+Its backward (``rotary.attn.linear_backward.linear_attention_backward``, grad_o chunked like q) reuses steps 1
+and 2, then per block, in parallel, the backward carrying the block's state (dq, the block's own dk and dv, and
+its outputs' gradient at that state); those gradients summed across blocks (causal: a suffix from the last
+block, decayed; non-causal: every other block's), and per block the part of dk and dv that reaches k and v
+through the block's own sums (a backward with a zero grad_o and that gradient as ``grad_state``).
 """
 
 from __future__ import annotations
