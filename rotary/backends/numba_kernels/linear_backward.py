@@ -33,8 +33,10 @@ Causal, per task, with a = phi(q), b = phi(k), hats rotated, chunks of C tokens,
        dk = phi'(k) (R^T dB̂ + db)      P <- gamma^n P + P_add          Q <- gamma^n Q + Q_add
 
    Triangular products cover the tiles that hold the triangle only: W's and Pt's row blocks the columns up to
-   the block's last row (from its first), W B̂ the depth up to it, W^T Â and Pt gN the depth from the block's
-   first row (:func:`shifted`: a view whose rows start that many columns later).
+   the block's last row (from its first), to the vector (:func:`row_tiles`: the edge tile one vector wide where
+   that covers it), W B̂ the depth up to it, W^T Â and Pt gN the depth from the block's first row
+   (:func:`shifted`: a view whose rows start that many columns later); gD's sum over the triangle of Pt * W^T
+   by vectors from the diagonal's (:func:`diagonal_dots`).
 
 Non-causal (no decay): (S, z) over every token, then per q head and chunk X = gN S^T = dÂ, gD_i = -(â_i . X_i) /
 (a_i . z + eps) and (P, Q) summed (per chunk into the float64 carry), then dB̂ = V P^T, dV = B̂ P, db = Q.
