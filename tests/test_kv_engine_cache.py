@@ -442,6 +442,109 @@ def test_prepared_calls_follow_every_change_of_the_tables(backend, rng):
     check_all(q)
 
 
+class Shadow:
+    """What a layered cache should hold: each sequence's raw keys and values per layer, at positions 0, 1, ..."""
+
+    def __init__(self, layers, batch):
+        self.k = [[[] for _ in range(batch)] for _ in range(layers)]
+        self.v = [[[] for _ in range(batch)] for _ in range(layers)]
+
+    def edit(self, fn):
+        for side in (self.k, self.v):
+            for rows in side:
+                for b in range(len(rows)):
+                    rows[b] = fn(b, rows[b])
+
+    def check(self, cache):
+        """Every sequence's keys and values against the float64 oracle, and each page's holder count."""
+        for i, rows in enumerate(self.k):
+            for b in range(cache.batch):
+                lo, n = cache.held_from(b), int(cache.lengths[b])
+                assert len(rows[b]) == n
+                if n > lo:
+                    np.testing.assert_allclose(cache.keys(b, layer=i), oracle_keys(np.stack(rows[b][lo:]),
+                                               np.arange(lo, n)), atol=3e-6, rtol=0)
+                    np.testing.assert_array_equal(cache.values(b, layer=i), np.stack(self.v[i][b][lo:]))
+        if cache.paged:
+            table = cache.block_table
+            holders = np.bincount(table[table >= 0], minlength=cache.num_pages)
+            for page in cache._book.prefix.values():
+                holders[page] += 1
+            np.testing.assert_array_equal(cache._book.counts, holders)
+
+
+def decode_steps(cache, shadow, rng, steps, q_heads=2 * H):
+    """Decode steps of every sequence (layer by layer: append, then attend against the float64 oracle)."""
+    window = {} if cache.window is None else dict(window=cache.window)
+    for _ in range(steps):
+        q = rng.standard_normal((cache.batch, 1, q_heads, D)).astype(np.float32)
+        for i in range(cache.layers):
+            k = rng.standard_normal((cache.batch, 1, H, D)).astype(np.float32)
+            v = rng.standard_normal((cache.batch, 1, H, D)).astype(np.float32)
+            cache.layer(i).append(k, v)
+            for b in range(cache.batch):
+                shadow.k[i][b].append(k[b, 0])
+                shadow.v[i][b].append(v[b, 0])
+            np.testing.assert_allclose(cache.layer(i).attend(q), attention_oracle(cache, i, q, **window), atol=2e-5,
+                                       rtol=0)
+        shadow.check(cache)
+
+
+@pytest.mark.parametrize("kind", ["paged", "window", "contiguous"])
+def test_decode_steps_follow_every_change_between_them(kind, rng):
+    """Decode steps of every sequence run as a chain (each step's slots from the last one's, pages taken as they
+    fill, the queries' rotation from the step's keys) between changes of the tables; after truncate, free, fork (copy
+    on write), add, reserve + cancel_step, slide, the pool's growth and a refused step, each step's keys, values
+    and attention equal the float64 oracle's, and every page's holder count is true."""
+    L, B = 2, 4
+    if kind == "contiguous":
+        cache = rotary.KVCache(spec16(), batch=B, kv_heads=H, head_dim=D, capacity=40, layers=L)
+    else:
+        cache = paged(layers=L, batch=B, num_pages=64, **({"window": 6} if kind == "window" else {}))
+    shadow = Shadow(L, B)
+    cu = np.array([0, 5, 6, 13, 15])
+    for i in range(L):
+        k, v = tokens(rng, 15), tokens(rng, 15)
+        cache.append(k, v, cu_seqlens=cu, layer=i)
+        for b in range(B):
+            shadow.k[i][b] += list(k[cu[b]:cu[b + 1]])
+            shadow.v[i][b] += list(v[cu[b]:cu[b + 1]])
+    decode_steps(cache, shadow, rng, 9)   # every residue of page_size 4; the pool grows
+    if kind != "window":   # (a window cache has given back the pages before its window)
+        cache.truncate([1, 2], [3, 5])
+        shadow.edit(lambda b, r: r[:{1: 3, 2: 5}.get(b, len(r))])
+        decode_steps(cache, shadow, rng, 3)
+        cache.free([3])
+        assert cache.fork(0, 3, length=5) == 3   # shares a partial page: copied on write by the next step
+        shadow.edit(lambda b, r: r[:5] if b == 3 else r)
+        for side in (shadow.k, shadow.v):
+            for rows in side:
+                rows[3] = rows[0][:5]
+        decode_steps(cache, shadow, rng, 5)
+    cache.free([2])
+    assert cache.add() == 2
+    shadow.edit(lambda b, r: [] if b == 2 else r)
+    decode_steps(cache, shadow, rng, 2)
+    cache.reserve()
+    cache.cancel_step()
+    decode_steps(cache, shadow, rng, 2)
+    if kind == "paged":
+        cache.slide(sinks=1, window=4, seq_ids=[1])   # (0 and 3 share pages: not slid)
+        shadow.edit(lambda b, r: r if b != 1 or len(r) <= 5 else r[:1] + r[-4:])
+        decode_steps(cache, shadow, rng, 3)
+    if kind == "contiguous":   # a step past the capacity is refused, the cache unchanged; the chain goes on after
+        cache.truncate([0, 1, 2], [1, 1, 1])
+        shadow.edit(lambda b, r: r if b == 3 else r[:1])
+        decode_steps(cache, shadow, rng, 40 - int(cache.lengths.max()))
+        snap = state(cache)
+        with pytest.raises(KVCacheFullError):
+            cache.append(tokens(rng, B)[:, None], tokens(rng, B)[:, None], layer=0)
+        assert_state(cache, snap)
+        cache.truncate([3], [30])
+        shadow.edit(lambda b, r: r[:30] if b == 3 else r)
+        decode_steps(cache, shadow, rng, 2)
+
+
 def test_lengths_and_block_table_are_read_only_views(rng):
     """lengths and block_table follow the cache but cannot be written (truncate and fork change them, keeping the
     pages' holder counts and the prepared calls true)."""

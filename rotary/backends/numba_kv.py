@@ -79,7 +79,7 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
     if n_tokens == 0 or heads == 0 or head_dim == 0:
         return _nothing
     contiguous = k.flags.c_contiguous and v.flags.c_contiguous
-    _, geo = runtime.flat_buffers((k, v))   # a pure function of the shapes and strides
+    geo = _pair_geometry(k, v) if contiguous else runtime.flat_buffers((k, v))[1]
     quantized = markers[0] is not None
     no_scales = _NO_SCALES[work]
     parallel = runtime.parallel_by_size(2 * k.size, n_tokens, 1)   # sized as a decode call (tokens of many sequences)
@@ -94,10 +94,26 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
             kb, vb = k.reshape(-1), v.reshape(-1)
         else:
             kb, vb = runtime.flat_buffers((k, v))[0]
-        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
-                       (kb, vb, geo) + flat_stores(stores, quantized, work) + tail)
+        flat = stores.flat if type(stores) is PreparedStores else flat_stores(stores, quantized, work)
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, (kb, vb, geo) + flat + tail)
 
     return run
+
+
+#: (shapes, dtypes) of C-contiguous k and v -> their geometry (runtime.flat_buffers'; a pure function of the key)
+_contiguous_geo: dict = {}
+
+
+def _pair_geometry(k, v):
+    """The geometry :func:`runtime.flat_buffers` gives C-contiguous k and v, memoised by their shapes and dtypes (its
+    own memo costs microseconds a decode step)."""
+    key = (k.shape, v.shape, k.dtype.char, v.dtype.char)
+    geo = _contiguous_geo.get(key)
+    if geo is None:
+        if len(_contiguous_geo) >= runtime.GEO_CACHE_MAX:
+            _contiguous_geo.clear()
+        geo = _contiguous_geo[key] = runtime.flat_buffers((k, v))[1]
+    return geo
 
 
 def flat_stores(stores, quantized, work):
@@ -177,7 +193,7 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         cos, sin, q_rows, rotary_dim, layout, offset = rotation
         cos, sin, q_rows = runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(q_rows)
         half, interleaved = rotary_dim // 2, layout == "interleaved"
-    work_size = int(seq_lens.sum()) * n_q // n * q_heads * head_dim   # exact for a dense step (c queries each)
+    work_size = _total(seq_lens) * n_q // n * q_heads * head_dim   # exact for a dense step (c queries each)
     window = _NO_WINDOW if window is None else int(window)
     tail = (runtime.c_int64(block_table), seq_lens, q_starts, int(page_size), q_heads, None, head_dim, fold,
             work.type(softcap or 0.0), _ZERO[work], window, bool(causal), quantized, cos, sin, q_rows, half, rotary_dim,
@@ -202,8 +218,13 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         kernel = kernels.paged_attention_parallel if big and pairs * count > 1 else serial
         return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count,), count
 
+    no_workspace = (_NO_SCALES[work], _NO_SCALES[work])
+
     def run(q, stores):
-        kv_heads = stores.kv_heads if type(stores) is PreparedStores else stores[0].shape[1]
+        if type(stores) is PreparedStores:
+            kv_heads, flat = stores.kv_heads, stores.flat
+        else:
+            kv_heads, flat = stores[0].shape[1], flat_stores(stores, quantized, work)
         o = new_output(q.shape, dtype)
         if kv_heads == 0:
             return o
@@ -216,12 +237,16 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         if count > 1:   # this run's own workspace: partial accumulators, then (max, sum), per q row, q head, split
             buffers += (np.empty(n_q * q_heads * count * head_dim, work), np.empty(n_q * q_heads * count * 2, work))
         else:
-            buffers += (_NO_SCALES[work], _NO_SCALES[work])
-        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
-                       buffers + flat_stores(stores, quantized, work) + args)
+            buffers += no_workspace
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, buffers + flat + args)
         return o
 
     return run
+
+
+def _total(a) -> int:
+    """The sum of a host int64 array: in Python for decode-sized arrays (cheaper than NumPy's reduction)."""
+    return sum(a.tolist()) if a.size <= 64 else int(a.sum())
 
 
 def _longest_range(seq_lens, q_starts, window, causal) -> int:

@@ -87,6 +87,25 @@ class _Step:
         return [i for i, d in enumerate(self.done) if not d]
 
 
+class _Decode:
+    """A chain of decode steps (every sequence, one token each) with nothing else changing the lengths or tables:
+    each step's slots are the last one's plus one, except for the sequences whose last page is full, which take a new
+    page: at the chain's step t, those at position r (mod page_size) at its first step with (r + t) % page_size == 0
+    (``due``). Every other sequence writes into the page it wrote at the step before (its own: taken then, or copied
+    on write by the chain's first step; the prefix cache keeps full pages only), so no step of a chain copies on
+    write. ``lo``, ``hi``: the last step's smallest and largest position."""
+
+    __slots__ = ("slots", "lo", "hi", "due", "t")
+
+    def __init__(self, step, page_size):
+        self.slots, (self.lo, self.hi), self.t = step.slots, step.bounds, 0
+        self.due = None
+        if page_size:   # page_size 0: a contiguous cache (no pages to take)
+            self.due = [[] for _ in range(page_size)]
+            for b, p in enumerate(step.tok_pos.tolist()):
+                self.due[p % page_size].append(b)
+
+
 class KVCache:
     """A cache of rotated keys and values for ``batch`` sequences, written by :meth:`append`: a thin owner of pools,
     block table and lengths over :func:`rotary.kv_append` and :func:`rotary.paged_attention`.
@@ -197,6 +216,7 @@ class KVCache:
         self._array_type = type(probe) if backend != "auto" else np.ndarray
         self._plans = {}
         self._layer_views = {}
+        self._q_starts = {}
         self._all_ids = np.arange(self.batch, dtype=np.int64)
         self._all_ids.flags.writeable = False
         self._row_starts = self._all_ids * self.page_size   # a contiguous cache's first slot of each sequence
@@ -315,8 +335,9 @@ class KVCache:
         return _read_only(self._block_table)
 
     def _tables_changed(self):
-        """Lengths or block table changed: the attention prepared for the last ones is gone."""
-        self._attend_memo = None
+        """Lengths or block table changed: the attention prepared for the last ones, the rotation of their queries and
+        the decode chain (:class:`_Decode`) are gone."""
+        self._attend_memo = self._query_rotation = self._decode = None
 
     def slots(self, b, start, stop):
         """Slots (host int64) of sequence b's positions start..stop-1 (pages already taken)."""
@@ -472,6 +493,51 @@ class KVCache:
         """A new step for sequences ``ids`` with ``counts`` new tokens each (dense: one count for all): pages taken
         (the last check: from here on the cache changes), lengths advanced, slots and token positions made."""
         every = ids is self._all_ids
+        if every and dense and counts == 1:
+            step = self._decode and self._next_decode_step()
+            if step is None:
+                step = self._begin_general(ids, counts, dense, every)
+                self._decode = _Decode(step, self.page_size if self.paged else 0)
+            return step
+        return self._begin_general(ids, counts, dense, every)
+
+    def _next_decode_step(self):
+        """The decode step (every sequence, one token) after the last one, nothing changed since (``self._decode``):
+        each slot one further, a new page for the sequences whose last page is full; None when the step would pass
+        the capacity (the general path then raises)."""
+        chain = self._decode
+        if chain.hi + 2 > self.capacity:
+            return None
+        chain.t += 1
+        start = self._lengths.copy()
+        slots = chain.slots + 1
+        due = chain.due[-chain.t % self.page_size] if self.paged else ()
+        if due:   # their last page is full: a page each (never a copy on write: see _Decode)
+            book = self._book
+            if not book.has(len(due)):
+                chain.t -= 1
+                return None   # (the general path raises KVCacheFullError)
+            if len(due) > len(book.free_list) and book.allocated < self.num_pages:
+                in_use = book.allocated - len(book.free_list)
+                self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + len(due))))
+            ps = self.page_size
+            for b in due:
+                page = book.take()
+                self._block_table[b, int(start[b]) // ps] = page
+                slots[b] = page * ps
+        self._tables_changed()
+        self._decode = chain
+        chain.slots, chain.lo, chain.hi = slots, chain.lo + 1, chain.hi + 1
+        self._lengths += 1
+        if self.window is not None and self.paged:
+            self._release_outside_window(self._all_ids, start)
+        step = _Step(self._all_ids, 1, True, slots, start, self._n_layers, start, self._in_use.copy())
+        step.bounds = (chain.lo, chain.hi)
+        self._step = step
+        return step
+
+    def _begin_general(self, ids, counts, dense, every):
+        """:meth:`_begin` for any step."""
         start = self._lengths.copy() if every else self._lengths[ids]
         bounds = longest = None
         if dense:
@@ -652,6 +718,8 @@ class KVCache:
             step = self._begin(ids, counts, dense)   # the last check (capacity, pages); from here on the cache changes
         rotation = plan.rotation(step.tok_pos if pos is None else pos, token_positions,
                                  step.bounds if pos is None else None)
+        if pos is None and step.dense and step.counts == 1 and step.ids is self._all_ids:   # a decode step of all:
+            self._query_rotation = rotation   # its queries' positions (lengths - 1) are its keys' (until a change)
         run = plan.prepare_append(kt, vt, step.slots, rotation)
         run(kt, vt, self._run_stores[i])
         if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
@@ -827,15 +895,18 @@ class KVCache:
         every = ids is self._all_ids
         lens = self._lengths if every else self._lengths[ids]   # (the live lengths and table: any change of them
         # drops what is prepared here)
-        lens_range = None
-        if dense_shape is not None and lens.size:   # s queries each: every sequence holds them when the shortest does
-            lens_range = _kv.value_range(lens)
-            if dense_shape[1] > lens_range[0]:
+        rotation = self._query_rotation if every and q_positions is None and dense_shape is not None and \
+            dense_shape[1] == 1 else None   # one query each after a decode step: at its keys' positions, all held
+        if rotation is None:
+            lens_range = None
+            if dense_shape is not None and lens.size:   # s queries each: every sequence holds them when the shortest does
+                lens_range = _kv.value_range(lens)
+                if dense_shape[1] > lens_range[0]:
+                    _kv.check_query_counts(counts, lens, ids)
+            else:
                 _kv.check_query_counts(counts, lens, ids)
-        else:
-            _kv.check_query_counts(counts, lens, ids)
-        rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range)
-        q_starts = _kv.dense_starts(lens.size, dense_shape[1]) if dense_shape is not None else \
+            rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range)
+        q_starts = self._dense_starts(lens.size, dense_shape[1]) if dense_shape is not None else \
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         table = self._block_table if every else self._block_table[ids]
         packed_shape = tuple(qp.shape)
@@ -851,6 +922,16 @@ class KVCache:
             return o if bshd else o.transpose(0, 2, 1, 3)
 
         return run
+
+    def _dense_starts(self, n, s):
+        """The q_starts of n sequences of s queries each (read-only, kept per (n, s))."""
+        starts = self._q_starts.get((n, s))
+        if starts is None:
+            if len(self._q_starts) >= 16:
+                self._q_starts.clear()
+            starts = self._q_starts[n, s] = _kv.dense_starts(n, s)
+            starts.flags.writeable = False
+        return starts
 
     # -- sharing and rolling back --------------------------------------------------------------------------------
     def fork(self, src, dst=None, length=None) -> int:
@@ -1069,7 +1150,7 @@ class KVCache:
     # -- copies ----------------------------------------------------------------------------------------------------
     _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
                 "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_attend_setups",
-                "_layer_views")
+                "_layer_views", "_query_rotation", "_decode", "_q_starts")
 
     def __getstate__(self):
         """What a copy or a pickle holds: every field but the backend module and what derives from it."""
