@@ -464,7 +464,7 @@ def linear_attention_backward(core, q, k, v, grad_o, positions=None, **kwargs):
     outs = ([], [], [])
     for j in range(n):
         dq_j, dk_j, dv_j = (pick(first[j], i) for i in range(3))
-        if not (causal and j == n - 1 and grad_state is None):   # (the last causal block has no later gradient)
+        if grad_state is not None or (j < n - 1 if causal else n > 1):   # (else no gradient reaches its sums)
             path = state_path(blocks[0][j], blocks[1][j], blocks[2][j], g_blocks[j], blocks_p[j], after[j],
                               path_kwargs)
             dk_j, dv_j = add(dk_j, pick(path, 0)), add(dv_j, pick(path, 1))
