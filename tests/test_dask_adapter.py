@@ -226,6 +226,14 @@ def test_local_cluster_two_worker_processes(cluster_client):
                  rtol=3e-5, atol=3e-4)
     o_nc = cluster_client.compute(rotary.linear_attention(dq, dk, dv, seq_axis=-3), sync=True)
     assert_close(o_nc, _la_oracle(q, k, v, False), rtol=3e-5, atol=3e-5)
+    # the backward's graph on the worker processes: the in-memory gradients
+    from rotary.attn.linear_backward import linear_attention_backward
+
+    g = np.random.default_rng(7).standard_normal((2, 128, 3, 8)).astype(np.float32)
+    grads = linear_attention_backward(dq, dk, dv, da.from_array(g, chunks=(2, 32, 3, 8)), causal=True, seq_axis=-3)
+    for got, want in zip(cluster_client.compute(list(grads[:3]), sync=True),
+                         linear_attention_backward(q, k, v, g, causal=True, seq_axis=-3)[:3]):
+        assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
