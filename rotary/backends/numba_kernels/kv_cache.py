@@ -318,7 +318,7 @@ def vfold(x, y):
     return vadd(even, odd)
 
 
-@register_jitable
+@register_jitable(inline="always")
 def dot_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
     """The dot products of qs[qi : qi + head_dim] with four keys (entries.flat[e : e + head_dim]) over the
     coordinates of whole vectors, as two folded vectors (vfold(a0, a1), vfold(a2, a3)) of the four
@@ -334,38 +334,49 @@ def dot_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
     return vfold(a0, a1), vfold(a2, a3)
 
 
+@register_jitable(inline="always")
+def fold_groups(parts, pi, groups, width):
+    """The vector of a tile's scores from its ``groups`` folded four-key sums parts[pi + g * width ..] (g < groups):
+    one group is the tile (lanes 4), two or four are folded pairwise (lanes 8, 16)."""
+    if groups == 1:
+        return vload(parts, pi)
+    if groups == 2:
+        return vfold(vload(parts, pi), vload(parts, pi + width))
+    return vfold(vfold(vload(parts, pi), vload(parts, pi + width)),
+                 vfold(vload(parts, pi + 2 * width), vload(parts, pi + 3 * width)))
+
+
 @register_jitable
-def tile_scores(scores, si, qs, qi, entries, bases, b0, head_dim):
-    """scores[si + j] = <qs[qi : qi + head_dim], key b0 + j> for the ``tile`` = max(4, lanes) keys of a tile (key
-    j's entries at bases[b0 + j]): :func:`dot_four` per four keys, their folded sums folded into one vector of
-    ``lanes`` scores (lanes 16: 15 folds for 16 dots, against 4 shuffles and adds per dot alone), then the
-    coordinates past the last whole vector added key by key."""
+def tile_scores(scores, si, qs, qi, entries, bases, t_lo, t_hi, head_dim, parts):
+    """scores[si + j] = <qs[qi : qi + head_dim], key j> for the keys j of the whole tiles t_lo..t_hi-1 of a block
+    (key j's entries at bases[j]), ``tile`` = max(4, lanes) keys at a time: :func:`dot_four` per four keys, each
+    four's two vectors folded into one (kept in ``parts``), the tile's folded into one vector of its ``lanes``
+    scores (lanes 16: 15 folds for 16 dots, against 4 shuffles and adds per dot alone), then the coordinates past
+    the last whole vector added key by key. (One call a block: each call of a compiled function counts its array
+    arguments' references, atomic operations that cost as much as a tile's folds.)"""
     width = lanes(qs)
-    x0, y0 = dot_four(qs, qi, entries, bases[b0], bases[b0 + 1], bases[b0 + 2], bases[b0 + 3], head_dim)
-    if width == 2:
-        vstore(scores, si, x0)
-        vstore(scores, si + 2, y0)
-    elif width == 4:
-        vstore(scores, si, vfold(x0, y0))
-    else:
-        x1, y1 = dot_four(qs, qi, entries, bases[b0 + 4], bases[b0 + 5], bases[b0 + 6], bases[b0 + 7], head_dim)
-        if width == 8:
-            vstore(scores, si, vfold(vfold(x0, y0), vfold(x1, y1)))
-        else:
-            x2, y2 = dot_four(qs, qi, entries, bases[b0 + 8], bases[b0 + 9], bases[b0 + 10], bases[b0 + 11], head_dim)
-            x3, y3 = dot_four(qs, qi, entries, bases[b0 + 12], bases[b0 + 13], bases[b0 + 14], bases[b0 + 15],
-                              head_dim)
-            vstore(scores, si, vfold(vfold(vfold(x0, y0), vfold(x1, y1)), vfold(vfold(x2, y2), vfold(x3, y3))))
     full = head_dim - head_dim % width
-    if full < head_dim:
-        for j in range(imax(4, width)):
-            total = scores[si + j]
+    groups = imax(1, width // 4)
+    for b0 in range(t_lo, t_hi, imax(4, width)):
+        at = si + b0
+        for g in range(groups):
+            e = b0 + 4 * g
+            x, y = dot_four(qs, qi, entries, bases[e], bases[e + 1], bases[e + 2], bases[e + 3], head_dim)
+            if width == 2:   # two keys a vector: x and y are the sums
+                vstore(scores, at, x)
+                vstore(scores, at + 2, y)
+            else:
+                vstore(parts, g * width, vfold(x, y))
+        if width > 2:
+            vstore(scores, at, fold_groups(parts, 0, groups, width))
+        for j in range(imax(4, width) if full < head_dim else 0):
+            total = scores[at + j]
             for c in range(full, head_dim):
                 total += qs[qi + c] * load_as(entries, bases[b0 + j] + c, qs)
-            scores[si + j] = total
+            scores[at + j] = total
 
 
-@register_jitable
+@register_jitable(inline="always")
 def dot_rows_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
     """For four q rows (qs[qi + r * head_dim ..], r < 4) and four keys (entries.flat[e_k ..]): per row r the
     vector vfold(vfold(a_r0, a_r1), vfold(a_r2, a_r3)) of its accumulators a_rk over the coordinates of whole
@@ -391,39 +402,34 @@ def dot_rows_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
 
 
 @register_jitable
-def tile_scores_rows(scores, si, qs, qi, entries, bases, b0, head_dim):
+def tile_scores_rows(scores, si, qs, qi, entries, bases, t_lo, t_hi, head_dim, parts):
     """:func:`tile_scores` for four q rows at once (row r's q at qs[qi + r * head_dim], its scores at
-    scores[si + r * KEY_BLOCK]; lanes >= 4): :func:`dot_rows_four` per four keys, folded per row into one vector
-    of the tile's ``lanes`` scores."""
+    scores[si + r * KEY_BLOCK]; lanes >= 4): :func:`dot_rows_four` per four keys, folded per row into one vector of
+    the tile's ``lanes`` scores."""
     width = lanes(qs)
-    g0, g1, g2, g3 = dot_rows_four(qs, qi, entries, bases[b0], bases[b0 + 1], bases[b0 + 2], bases[b0 + 3],
-                                   head_dim)
-    if width == 8 or width == 16:
-        h0, h1, h2, h3 = dot_rows_four(qs, qi, entries, bases[b0 + 4], bases[b0 + 5], bases[b0 + 6],
-                                       bases[b0 + 7], head_dim)
-        g0, g1, g2, g3 = vfold(g0, h0), vfold(g1, h1), vfold(g2, h2), vfold(g3, h3)
-    if width == 16:
-        h0, h1, h2, h3 = dot_rows_four(qs, qi, entries, bases[b0 + 8], bases[b0 + 9], bases[b0 + 10],
-                                       bases[b0 + 11], head_dim)
-        i0, i1, i2, i3 = dot_rows_four(qs, qi, entries, bases[b0 + 12], bases[b0 + 13], bases[b0 + 14],
-                                       bases[b0 + 15], head_dim)
-        h0, h1, h2, h3 = vfold(h0, i0), vfold(h1, i1), vfold(h2, i2), vfold(h3, i3)
-        g0, g1, g2, g3 = vfold(g0, h0), vfold(g1, h1), vfold(g2, h2), vfold(g3, h3)
-    vstore(scores, si, g0)
-    vstore(scores, si + KEY_BLOCK, g1)
-    vstore(scores, si + 2 * KEY_BLOCK, g2)
-    vstore(scores, si + 3 * KEY_BLOCK, g3)
     full = head_dim - head_dim % width
-    if full < head_dim:
+    groups = width // 4
+    for b0 in range(t_lo, t_hi, width):
+        at = si + b0
+        for g in range(groups):
+            e = b0 + 4 * g
+            g0, g1, g2, g3 = dot_rows_four(qs, qi, entries, bases[e], bases[e + 1], bases[e + 2], bases[e + 3],
+                                           head_dim)
+            vstore(parts, g * width, g0)
+            vstore(parts, (groups + g) * width, g1)
+            vstore(parts, (2 * groups + g) * width, g2)
+            vstore(parts, (3 * groups + g) * width, g3)
         for r in range(4):
+            vstore(scores, at + r * KEY_BLOCK, fold_groups(parts, r * groups * width, groups, width))
+        for r in range(4 if full < head_dim else 0):
             for j in range(width):
-                total = scores[si + r * KEY_BLOCK + j]
+                total = scores[at + r * KEY_BLOCK + j]
                 for c in range(full, head_dim):
                     total += qs[qi + r * head_dim + c] * load_as(entries, bases[b0 + j] + c, qs)
-                scores[si + r * KEY_BLOCK + j] = total
+                scores[at + r * KEY_BLOCK + j] = total
 
 
-@register_jitable
+@register_jitable(inline="always")
 def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_dim):
     """:func:`add_weighted` for four rows at once (row r: acc[ai + r * head_dim ..] with the weights
     weights[wi + r * KEY_BLOCK + j]): each value vector loaded once for the four rows, four vectors of each row in
@@ -490,24 +496,23 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
 
 
 @register_jitable(inline="always")
-def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, bases, k_scale, v_scale, quantized, softcap,
+def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, k_scales, v_scales, quantized, softcap,
               zero):
     """Row rr's scores of keys a..b of a block (scores[w + j], computed over the whole tiles t_lo..t_hi-1) turned
-    into its weights by the online softmax: k's scales and the softcap applied, the tiles' other keys masked to
-    -inf, the new maximum, the row's sum and accumulator rescaled, weights exp(s - max) (times v's scale)."""
-    if quantized or softcap != zero:
+    into its weights by the online softmax: k's scales (the block's, k_scales[j]) and the softcap applied, the
+    tiles' other keys masked to -inf, the new maximum, the row's sum and accumulator rescaled, weights exp(s - max)
+    (times v's scales v_scales[j])."""
+    width = lanes(scores)
+    if quantized:
+        for t0 in range(t_lo, t_hi, width):
+            vstore(scores, w + t0, vmul(vload(scores, w + t0), vload(k_scales, t0)))
+    if softcap != zero:
         for j in range(a, b + 1):
-            x = scores[w + j]
-            if quantized:
-                x = x * k_scale[bases[j] // head_dim]
-            if softcap != zero:
-                x = math.tanh(x) * softcap
-            scores[w + j] = x
+            scores[w + j] = math.tanh(scores[w + j]) * softcap
     for j in range(t_lo, a):   # the tiles' keys outside the row's range weigh exp(-inf) = 0
         scores[w + j] = -np.inf
     for j in range(b + 1, t_hi):
         scores[w + j] = -np.inf
-    width = lanes(scores)
     old = m[rr]
     top = old
     for t0 in range(t_lo, t_hi, width):
@@ -524,10 +529,7 @@ def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, bases, k_s
     for t0 in range(t_lo, t_hi, width):
         weights = vexp(vsub(vload(scores, w + t0), shift))
         total += vsum_pairwise(weights)
-        vstore(scores, w + t0, weights)
-    if quantized:
-        for j in range(a, b + 1):
-            scores[w + j] = scores[w + j] * v_scale[bases[j] // head_dim]
+        vstore(scores, w + t0, vmul(weights, vload(v_scales, t0)) if quantized else weights)
     den[rr] = total
     m[rr] = top
 
@@ -616,6 +618,22 @@ def block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, h, head_dim)
 
 
 @register_jitable(inline="always")
+def block_scales(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size, kv_heads, h):
+    """k_scales[p - k0], v_scales[p - k0] = the int8 scales of key p's (slot, h) for the keys k0..k1-1 of sequence i,
+    1 for the rest of the block's tiles (read once per block for all its rows, multiplied a vector at a time)."""
+    page = k0 // page_size
+    at = k0 - page * page_size
+    for j in range(k1 - k0):
+        x = (block_table[i, page] * page_size + at) * kv_heads + h
+        k_scales[j], v_scales[j] = k_scale[x], v_scale[x]
+        at += 1
+        if at == page_size:
+            page, at = page + 1, 0
+    for j in range(k1 - k0, KEY_BLOCK):
+        k_scales[j], v_scales[j] = 1.0, 1.0
+
+
+@register_jitable(inline="always")
 def prefetch_block(k_ent, v_ent, block_table, i, k0, k1, page_size, kv_heads, h, head_dim):
     """Ask for the cache lines of keys and values k0..k1-1 of sequence i in k/v head h (the next block's, while
     this one is computed: a key's entries lie kv_heads * head_dim entries from the next key's, past the hardware
@@ -684,6 +702,9 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     lo = np.empty(rb, np.int64)
     hi = np.empty(rb, np.int64)
     bases = np.empty(KEY_BLOCK, np.int64)
+    parts = np.empty(4 * lanes(qs) * lanes(qs) // 4 if lanes(qs) > 2 else 0, work)   # tile_scores' folded fours
+    k_scales = np.empty(KEY_BLOCK if quantized else 0, work)
+    v_scales = np.empty(KEY_BLOCK if quantized else 0, work)
     width = lanes(qs)
     tile = imax(4, width)   # keys scored together (tile_scores)
     for r0 in range(0, n_rows, rb):
@@ -717,6 +738,8 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                            head_dim)
             for j in range(k1 - k0, KEY_BLOCK):   # a last tile's keys past the block: read, masked, never weighed
                 bases[j] = bases[0]
+            if quantized:
+                block_scales(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size, kv_heads, h)
             rr = 0
             while rr < nr:
                 a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
@@ -728,14 +751,13 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                 if a <= b:
                     w = rr * KEY_BLOCK
                     t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
-                    for t0 in range(t_lo, t_hi, tile):   # scores
-                        if rows == 4:
-                            tile_scores_rows(scores, w + t0, qs, rr * head_dim, k_ent, bases, t0, head_dim)
-                        else:
-                            tile_scores(scores, w + t0, qs, rr * head_dim, k_ent, bases, t0, head_dim)
+                    if rows == 4:   # scores
+                        tile_scores_rows(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
+                    else:
+                        tile_scores(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
                     for r in range(rr, rr + rows):
-                        weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, bases, k_scale,
-                                  v_scale, quantized, softcap, zero)
+                        weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales,
+                                  v_scales, quantized, softcap, zero)
                     if rows == 4:
                         add_weighted_rows(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
                     else:
