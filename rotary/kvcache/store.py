@@ -33,6 +33,8 @@ from ..spec.validators import as_int
 from . import primitives as _kv
 from .pages import PageBook
 
+_may_share = np.may_share_memory
+
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _LAYOUTS = ("bshd", "bhsd")
 
@@ -659,14 +661,23 @@ class KVCache:
                 positions is None and type(k) is self._array_type and type(v) is self._array_type and \
                 memo[1] == (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides):
             i = self._layer_index(layer)
-            step = memo[0]
+            step, _, run, shape = memo
             if step.done[i]:
                 self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
-            pools = self._layer_pools[i]
-            _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
-            pack = memo[3]
-            memo[2](pack(k), pack(v), self._run_stores[i])
-            self._done(step, i)
+            k_pool, v_pool, scales = self._layer_pools[i]
+            region = self._region   # (check_memory's first test, inline: a decode step's common case)
+            if region is None or scales is not None or not (k_pool.flags.writeable and v_pool.flags.writeable) or \
+                    _may_share(k, region) or _may_share(v, region):
+                _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, region)
+            if self.layout == "bshd":
+                run(k.reshape(shape), v.reshape(shape), self._run_stores[i])
+            else:
+                run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape),
+                    self._run_stores[i])
+            step.done[i] = True   # (_done, inline)
+            step.left -= 1
+            if not step.left:
+                self._done(step, None)
             return
         self._append(k, v, seq_ids, cu_seqlens, positions, layer)
 
@@ -723,10 +734,8 @@ class KVCache:
         run = plan.prepare_append(kt, vt, step.slots, rotation)
         run(kt, vt, self._run_stores[i])
         if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
-            shape = tuple(kt.shape)
-            pack = (lambda a: a.reshape(shape)) if self.layout == "bshd" else \
-                (lambda a: a.transpose(0, 2, 1, 3).reshape(shape))
-            self._append_memo = (step, (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides), run, pack)
+            self._append_memo = (step, (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides), run,
+                                 tuple(kt.shape))
         self._done(step, i)
 
     def _check_step(self, step, ids, counts, dense, i):
@@ -740,8 +749,10 @@ class KVCache:
                              f"{step.ids.tolist()}): every layer of a step appends the same tokens")
 
     def _done(self, step, i):
-        step.done[i] = True
-        step.left -= 1
+        """Layer i has written the step (None: marked already)."""
+        if i is not None:
+            step.done[i] = True
+            step.left -= 1
         if not step.left:   # every layer has written the step
             self._step = None
             if self._tokens:
@@ -854,8 +865,11 @@ class KVCache:
             raise ValueError(f"layer {i} attends before appending this step's keys: append them first")
         key = None
         if type(q) is self._array_type and seq_ids is None and cu_seqlens is None and q_positions is None:
-            key = (q.dtype, q.shape, q.strides, type(causal), causal, type(window), window, type(softcap), softcap,
-                   type(scale), scale)
+            if causal is True and window is None and softcap is None and scale is None:   # the defaults
+                key = (q.dtype, q.shape, q.strides)
+            else:
+                key = (q.dtype, q.shape, q.strides, type(causal), causal, type(window), window, type(softcap),
+                       softcap, type(scale), scale)
             memo = self._attend_memo
             if memo is not None and memo[0] == key:
                 return memo[1](q, self._run_stores[i])
@@ -1203,10 +1217,14 @@ class KVCacheLayer:
         self.cache, self.index = cache, index
 
     def append(self, k, v, seq_ids=None, **kwargs):
-        return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
+        if kwargs:
+            return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
+        return self.cache.append(k, v, seq_ids, layer=self.index)   # (a decode step's call: no dict merged)
 
     def attend(self, q, **kwargs):
-        return self.cache.attend(q, layer=self.index, **kwargs)
+        if kwargs:
+            return self.cache.attend(q, layer=self.index, **kwargs)
+        return self.cache.attend(q, layer=self.index)
 
     def keys(self, b):
         return self.cache.keys(b, layer=self.index)
