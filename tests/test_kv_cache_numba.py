@@ -384,9 +384,11 @@ def test_helpers_match_their_python_forms():
     """load_as / vload_as / vsum_pairwise compiled against their Python forms, for every entry dtype."""
     import numba
 
+    from rotary.backends.numba_kernels import simd
+
     @numba.njit
     def compiled(buf, like, i):
-        return kernels.load_as(buf, i, like), kernels.vsum_pairwise(kernels.vload_as(buf, i, like))
+        return kernels.load_as(buf, i, like), simd.vsum_pairwise(kernels.vload_as(buf, i, like))
 
     like32, like64 = np.zeros(1, np.float32), np.zeros(1, np.float64)
     for buf in (np.arange(-40, 40, dtype=np.int8), (np.arange(80) * 0.37 - 9).astype(np.float16).view(np.uint16),
@@ -395,7 +397,7 @@ def test_helpers_match_their_python_forms():
             if buf.dtype == np.float64 and like is like32:
                 continue
             got = compiled(buf, like, 3)
-            want = (kernels.load_as(buf, 3, like), kernels.vsum_pairwise(kernels.vload_as(buf, 3, like)))
+            want = (kernels.load_as(buf, 3, like), simd.vsum_pairwise(kernels.vload_as(buf, 3, like)))
             assert got[0] == want[0] and abs(got[1] - want[1]) <= 1e-6 * max(1.0, abs(want[1])), (buf.dtype, like.dtype)
 
 

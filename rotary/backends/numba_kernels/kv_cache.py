@@ -57,7 +57,7 @@ from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_to
 from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
                    prefetch_read, prefetch_write, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload, vmadd, vmax_lanes,
-                   vmul, vsplat, vstore, vsub, vzeros)
+                   vmul, vsplat, vstore, vsub, vsum_pairwise, vzeros)
 
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
@@ -132,36 +132,8 @@ def _vload_as_definition(typingctx, buf, i, like):
     return vec(buf, i, like), codegen
 
 
-def vsum_pairwise(value):
-    """The sum of a vector's lanes by halves (lanes 0..n/2-1 plus n/2..n-1, and so on: log2(lanes) adds, not
-    the lanes-1 dependent ones of :func:`.simd.vsum`)."""
-    v = np.array(value)
-    n = v.shape[0]
-    while n > 1:
-        n //= 2
-        v = v[:n] + v[n:2 * n]
-    return v[0]
-
-
-def _vsum_pairwise_definition(typingctx, value):
-    if not isinstance(value, Vec):
-        raise errors.TypingError(f"vsum_pairwise takes a vector, got {value}")
-
-    def codegen(context, builder, signature, args):
-        v, n = args[0], value.lanes
-        undefined = ir.Constant(v.type, ir.Undefined)
-        while n > 1:
-            n //= 2
-            upper = builder.shuffle_vector(v, undefined, _lane_indices(list(range(n, 2 * n)) + [0] * (value.lanes - n)))
-            v = builder.fadd(v, upper)
-        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
-
-    return value.dtype(value), codegen
-
-
 lowered_in_place(load_as, _load_as_definition)
 lowered_in_place(vload_as, _vload_as_definition)
-lowered_in_place(vsum_pairwise, _vsum_pairwise_definition)
 
 
 # -- append ------------------------------------------------------------------------------------------------------
@@ -430,6 +402,21 @@ def tile_scores_rows(scores, si, qs, qi, entries, bases, t_lo, t_hi, head_dim, p
 
 
 @register_jitable(inline="always")
+def load_four(buf, i, width):
+    """The four vectors buf[i ..], buf[i + width ..], buf[i + 2 width ..], buf[i + 3 width ..]."""
+    return vload(buf, i), vload(buf, i + width), vload(buf, i + 2 * width), vload(buf, i + 3 * width)
+
+
+@register_jitable(inline="always")
+def store_four(buf, i, width, a, b, c, d):
+    """buf[i ..], buf[i + width ..], buf[i + 2 width ..], buf[i + 3 width ..] = a, b, c, d."""
+    vstore(buf, i, a)
+    vstore(buf, i + width, b)
+    vstore(buf, i + 2 * width, c)
+    vstore(buf, i + 3 * width, d)
+
+
+@register_jitable(inline="always")
 def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_dim):
     """:func:`add_weighted` for four rows at once (row r: acc[ai + r * head_dim ..] with the weights
     weights[wi + r * KEY_BLOCK + j]): each value vector loaded once for the four rows, four vectors of each row in
@@ -439,14 +426,10 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
     quads = full - full % (4 * width)
     r1, r2, r3 = ai + head_dim, ai + 2 * head_dim, ai + 3 * head_dim
     for c in range(0, quads, 4 * width):
-        t00, t01, t02, t03 = (vload(acc, ai + c), vload(acc, ai + c + width), vload(acc, ai + c + 2 * width),
-                              vload(acc, ai + c + 3 * width))
-        t10, t11, t12, t13 = (vload(acc, r1 + c), vload(acc, r1 + c + width), vload(acc, r1 + c + 2 * width),
-                              vload(acc, r1 + c + 3 * width))
-        t20, t21, t22, t23 = (vload(acc, r2 + c), vload(acc, r2 + c + width), vload(acc, r2 + c + 2 * width),
-                              vload(acc, r2 + c + 3 * width))
-        t30, t31, t32, t33 = (vload(acc, r3 + c), vload(acc, r3 + c + width), vload(acc, r3 + c + 2 * width),
-                              vload(acc, r3 + c + 3 * width))
+        t00, t01, t02, t03 = load_four(acc, ai + c, width)
+        t10, t11, t12, t13 = load_four(acc, r1 + c, width)
+        t20, t21, t22, t23 = load_four(acc, r2 + c, width)
+        t30, t31, t32, t33 = load_four(acc, r3 + c, width)
         for j in range(first, last + 1):
             e = bases[j] + c
             v0, v1 = vload_as(entries, e, acc), vload_as(entries, e + width, acc)
@@ -459,22 +442,10 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
             t20, t21, t22, t23 = vmadd(t20, w, v0), vmadd(t21, w, v1), vmadd(t22, w, v2), vmadd(t23, w, v3)
             w = vsplat(weights[wi + 3 * KEY_BLOCK + j])
             t30, t31, t32, t33 = vmadd(t30, w, v0), vmadd(t31, w, v1), vmadd(t32, w, v2), vmadd(t33, w, v3)
-        vstore(acc, ai + c, t00)
-        vstore(acc, ai + c + width, t01)
-        vstore(acc, ai + c + 2 * width, t02)
-        vstore(acc, ai + c + 3 * width, t03)
-        vstore(acc, r1 + c, t10)
-        vstore(acc, r1 + c + width, t11)
-        vstore(acc, r1 + c + 2 * width, t12)
-        vstore(acc, r1 + c + 3 * width, t13)
-        vstore(acc, r2 + c, t20)
-        vstore(acc, r2 + c + width, t21)
-        vstore(acc, r2 + c + 2 * width, t22)
-        vstore(acc, r2 + c + 3 * width, t23)
-        vstore(acc, r3 + c, t30)
-        vstore(acc, r3 + c + width, t31)
-        vstore(acc, r3 + c + 2 * width, t32)
-        vstore(acc, r3 + c + 3 * width, t33)
+        store_four(acc, ai + c, width, t00, t01, t02, t03)
+        store_four(acc, r1 + c, width, t10, t11, t12, t13)
+        store_four(acc, r2 + c, width, t20, t21, t22, t23)
+        store_four(acc, r3 + c, width, t30, t31, t32, t33)
     for c in range(quads, full, width):
         t0, t1, t2, t3 = vload(acc, ai + c), vload(acc, r1 + c), vload(acc, r2 + c), vload(acc, r3 + c)
         for j in range(first, last + 1):
@@ -545,10 +516,8 @@ def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
     octets = full - full % (8 * width)
     quads = full - full % (4 * width)
     for c in range(0, octets, 8 * width):
-        t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
-        t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
-        t4, t5 = vload(acc, ai + c + 4 * width), vload(acc, ai + c + 5 * width)
-        t6, t7 = vload(acc, ai + c + 6 * width), vload(acc, ai + c + 7 * width)
+        t0, t1, t2, t3 = load_four(acc, ai + c, width)
+        t4, t5, t6, t7 = load_four(acc, ai + c + 4 * width, width)
         for j in range(first, last + 1):
             w, e = vsplat(weights[wi + j]), bases[j] + c
             t0 = vmadd(t0, w, vload_as(entries, e, acc))
@@ -559,27 +528,17 @@ def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
             t5 = vmadd(t5, w, vload_as(entries, e + 5 * width, acc))
             t6 = vmadd(t6, w, vload_as(entries, e + 6 * width, acc))
             t7 = vmadd(t7, w, vload_as(entries, e + 7 * width, acc))
-        vstore(acc, ai + c, t0)
-        vstore(acc, ai + c + width, t1)
-        vstore(acc, ai + c + 2 * width, t2)
-        vstore(acc, ai + c + 3 * width, t3)
-        vstore(acc, ai + c + 4 * width, t4)
-        vstore(acc, ai + c + 5 * width, t5)
-        vstore(acc, ai + c + 6 * width, t6)
-        vstore(acc, ai + c + 7 * width, t7)
+        store_four(acc, ai + c, width, t0, t1, t2, t3)
+        store_four(acc, ai + c + 4 * width, width, t4, t5, t6, t7)
     for c in range(octets, quads, 4 * width):
-        t0, t1 = vload(acc, ai + c), vload(acc, ai + c + width)
-        t2, t3 = vload(acc, ai + c + 2 * width), vload(acc, ai + c + 3 * width)
+        t0, t1, t2, t3 = load_four(acc, ai + c, width)
         for j in range(first, last + 1):
             w, e = vsplat(weights[wi + j]), bases[j] + c
             t0 = vmadd(t0, w, vload_as(entries, e, acc))
             t1 = vmadd(t1, w, vload_as(entries, e + width, acc))
             t2 = vmadd(t2, w, vload_as(entries, e + 2 * width, acc))
             t3 = vmadd(t3, w, vload_as(entries, e + 3 * width, acc))
-        vstore(acc, ai + c, t0)
-        vstore(acc, ai + c + width, t1)
-        vstore(acc, ai + c + 2 * width, t2)
-        vstore(acc, ai + c + 3 * width, t3)
+        store_four(acc, ai + c, width, t0, t1, t2, t3)
     for c in range(quads, full, width):
         total = vload(acc, ai + c)
         for j in range(first, last + 1):

@@ -626,31 +626,45 @@ def _vexp_definition(typingctx, x):
     return x(x), codegen
 
 
-def vmax_lanes(value):
-    """The largest lane of value, by halves: lane j against lane j + n/2 (``a if a > b else b``), log2(lanes) times
-    (with a NaN lane the result is NaN or the largest other lane: softmax weights are NaN either way)."""
+def _by_halves(value, combine):
     v = np.array(value)
     n = v.shape[0]
     while n > 1:
         n //= 2
-        v = np.where(v[:n] > v[n:2 * n], v[:n], v[n:2 * n])
+        v = combine(v[:n], v[n:2 * n])
     return v[0]
 
 
-def _vmax_lanes_definition(typingctx, value):
-    if not isinstance(value, Vec):
-        raise errors.TypingError(f"vmax_lanes takes a vector, got {value}")
+def vsum_pairwise(value):
+    """The sum of a vector's lanes by halves (lanes 0..n/2-1 plus n/2..n-1, and so on: log2(lanes) adds, not
+    the lanes-1 dependent ones of :func:`vsum`)."""
+    return _by_halves(value, np.add)
 
-    def codegen(context, builder, signature, args):
-        v, n = args[0], value.lanes
-        undefined = ir.Constant(v.type, ir.Undefined)
-        while n > 1:
-            n //= 2
-            upper = builder.shuffle_vector(v, undefined, _lane_indices(list(range(n, 2 * n)) + [0] * (value.lanes - n)))
-            v = builder.select(builder.fcmp_ordered(">", v, upper), v, upper)
-        return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
-    return value.dtype(value), codegen
+def vmax_lanes(value):
+    """The largest lane of value, by halves: lane j against lane j + n/2 (``a if a > b else b``), log2(lanes) times
+    (with a NaN lane the result is NaN or the largest other lane: softmax weights are NaN either way)."""
+    return _by_halves(value, lambda a, b: np.where(a > b, a, b))
+
+
+def _by_halves_definition(combine_ir):
+    """The definition of a reduction of a vector's lanes by halves, ``combine_ir(builder, v, upper)`` a step."""
+    def definition(typingctx, value):
+        if not isinstance(value, Vec):
+            raise errors.TypingError(f"a reduction of lanes takes a vector, got {value}")
+
+        def codegen(context, builder, signature, args):
+            v, n = args[0], value.lanes
+            undefined = ir.Constant(v.type, ir.Undefined)
+            while n > 1:
+                n //= 2
+                upper = builder.shuffle_vector(v, undefined,
+                                               _lane_indices(list(range(n, 2 * n)) + [0] * (value.lanes - n)))
+                v = combine_ir(builder, v, upper)
+            return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+        return value.dtype(value), codegen
+    return definition
 
 
 _NAME_OF_CODE = {code: name for name, code in feature_maps.CODES.items()}
@@ -688,5 +702,8 @@ for _func, _definition in (
         (vinterleave, _shuffle_pair_definition(lambda n: [j // 2 + (n if j % 2 else 0) for j in range(2 * n)])),
         (vcopy_flat, _vcopy_flat_definition), (vtranspose, _vtranspose_definition),
         (prefetch_write, _prefetch_definition(True)), (prefetch_read, _prefetch_definition(False)), (feature, _feature_definition),
-        (vexp, _vexp_definition), (vmax_lanes, _vmax_lanes_definition)):
+        (vexp, _vexp_definition),
+        (vsum_pairwise, _by_halves_definition(lambda builder, v, upper: builder.fadd(v, upper))),
+        (vmax_lanes, _by_halves_definition(
+            lambda builder, v, upper: builder.select(builder.fcmp_ordered(">", v, upper), v, upper)))):
     lowered_in_place(_func, _definition)
