@@ -110,10 +110,11 @@ class KVPlan:
         if self.convert is not None:
             slots = self.convert(slots)
         cos, sin, rows, rotary_dim, layout, offset = rotation
-        options = dict(rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=self.fmt.name)
         prepare = getattr(self.module, "prepare_append_kv", None)
         if prepare is not None:
-            return prepare(k, v, cos, sin, rows, slots, **options)
+            return prepare(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout, offset=offset,
+                           kv_dtype=self.fmt.name)
+        options = dict(rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=self.fmt.name)
         append_kv = self.module.append_kv
         return lambda k, v, stores: append_kv(k, v, cos, sin, rows, slots, stores, **options)
 
@@ -126,11 +127,12 @@ class KVPlan:
         if self.convert is not None:
             block_table, seq_lens, q_starts = (a if not _is_host(a) else self.convert(a)
                                                for a in (block_table, seq_lens, q_starts))
-        options = dict(scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name,
-                       rotation=rotation)
         prepare = getattr(self.module, "prepare_paged_attention", None)
         if prepare is not None:
-            return prepare(q, block_table, page_size, seq_lens, q_starts, **options)
+            return prepare(q, block_table, page_size, seq_lens, q_starts, scale=scale, softcap=softcap, window=window,
+                           causal=causal, kv_dtype=self.fmt.name, rotation=rotation)
+        options = dict(scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name,
+                       rotation=rotation)
         attend = self.module.paged_attention
         return lambda q, stores: attend(q, stores, block_table, page_size, seq_lens, q_starts, **options)
 
