@@ -938,13 +938,13 @@ class KVCache:
         return run
 
     def _dense_starts(self, n, s):
-        """The q_starts of n sequences of s queries each (read-only, kept per (n, s))."""
+        """The q_starts of n sequences of s queries each, kept per (n, s) (writable, as the kernels' compiled
+        signatures take them; nothing writes them)."""
         starts = self._q_starts.get((n, s))
         if starts is None:
             if len(self._q_starts) >= 16:
                 self._q_starts.clear()
             starts = self._q_starts[n, s] = _kv.dense_starts(n, s)
-            starts.flags.writeable = False
         return starts
 
     # -- sharing and rolling back --------------------------------------------------------------------------------
