@@ -122,6 +122,17 @@ def test_linear_attention_decay_and_positions():
 
 
 
+def _autograd_oracle():
+    """test_linear_attention_backward's float64 oracle (autograd of the quadratic form), or None without torch."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    from . import test_linear_attention_backward
+
+    return test_linear_attention_backward
+
+
 def _backward_case(causal, seed=14, T=96, dtype=np.float64):
     """GQA 4/2 inputs (B, T, H, d) with a grad_o, a carried state of an earlier call and a gradient at the state
     out (decay per head when causal)."""
@@ -146,8 +157,8 @@ def test_linear_attention_backward_chunked_sequence(causal, backend):
     """The backward on Dask arrays chunked along the sequence axis (uneven chunks, k and v chunked otherwise) gives
     Dask arrays chunked like q, k, v: the in-memory call's gradients and the float64 oracle's (autograd of the
     quadratic form, test_linear_attention_backward), with a carried state and a gradient at the state out, and
-    without them."""
-    tlab = pytest.importorskip("tests.test_linear_attention_backward")
+    without them (the oracle's part needs torch)."""
+    tlab = _autograd_oracle()
     backward, (q, k, v, g), st, gs, kw = _backward_case(causal)
     kw["backend"] = backend
     chunks = (20, 30, 14, 32)
@@ -165,6 +176,8 @@ def test_linear_attention_backward_chunked_sequence(causal, backend):
         for a, b in zip(res, [*want[:3], *(want[3] or ())]):
             assert a.shape == b.shape and a.dtype == b.dtype
             assert_close(a, b, rtol=1e-10, atol=1e-10)
+        if tlab is None:
+            continue
         S0 = np.zeros((B, Hk, 32, 8)) if state is None else state.S
         z0 = np.zeros((B, Hk, 32)) if state is None else state.z
         pos = (5 if state is not None else 0) + np.arange(T)[None]
@@ -177,18 +190,18 @@ def test_linear_attention_backward_chunked_sequence(causal, backend):
 
 
 def test_linear_attention_backward_float32_and_errors():
-    """float32 blocks within the float64 oracle's float32 tolerance; bad grad_o / grad_state named."""
-    tlab = pytest.importorskip("tests.test_linear_attention_backward")
+    """float32 blocks within the float64 oracle's float32 tolerance (with torch); bad grad_o / grad_state named."""
+    tlab = _autograd_oracle()
     backward, (q, k, v, g), _, _, kw = _backward_case(True, seed=21, T=64, dtype=np.float32)
     dq, dk, dv, dg = (da.from_array(a, chunks=(2, 16, a.shape[2], a.shape[3])) for a in (q, k, v, g))
     with dask.config.set(scheduler="threads"):
         res = dask.compute(*backward(dq, dk, dv, dg, **kw)[:3])
-    oracle = tlab.oracle_grads(q, k, v, np.zeros((2, 2, 32, 8)), np.zeros((2, 2, 32)), np.arange(64)[None],
+    oracle = [None] * 3 if tlab is None else tlab.oracle_grads(q, k, v, np.zeros((2, 2, 32, 8)), np.zeros((2, 2, 32)), np.arange(64)[None],
                                SPEC.inv_freq(), g, None, **tlab._spec_oracle_kw(
                                    SPEC, causal=True, feature_map="elu", eps=1e-6, normalize=True,
                                    decay=np.broadcast_to(kw["decay"], (2, 2)).copy()))
     for a, b in zip(res, oracle):
-        assert a.dtype == np.float32 and tlab.rel_err(a, b) <= 1e-4
+        assert a.dtype == np.float32 and (b is None or tlab.rel_err(a, b) <= 1e-4)
     with pytest.raises(ValueError, match=r"grad_o is chunked along axes \[2\].*rechunk"):
         backward(dq, dk, dv, da.from_array(g, chunks=(2, 16, 2, 8)), **kw)
     with pytest.raises(TypeError, match="grad_o must be a Dask array"):
