@@ -7,7 +7,8 @@ several queries that see the same keys) sharing each key and value vector (:func
 Every path against the float64 oracle (test_kv_split_k's ``_check``: :func:`rotary.testing.paged_attention64`,
 q rotated by :func:`rotary.testing.rope_complex`): head dims with no whole vector past a tile's (20), with a tail
 past the last whole vector (72, 136), and of whole quads and octets of vectors (128, 256); GQA 1, 2, 3, 4, 8 (rows
-taken four at a time where four share a range, one at a time otherwise); float32, float64 and int8 entries; dense
+taken four at a time where four share a range, one at a time otherwise); a task per sequence (every k/v head block
+by block) and a task per k/v head; float32, float64 and int8 entries; dense
 decode and packed mixed steps, causal and not, window and softcap. And ``vexp`` / ``vmax_lanes`` compiled against
 their Python forms and NumPy's exp.
 """
@@ -21,14 +22,34 @@ pytest.importorskip("numba")
 
 from numba import njit  # noqa: E402
 
-from rotary.backends.numba_kernels import simd  # noqa: E402
+from rotary.backends import numba_kv  # noqa: E402
+from rotary.backends.numba_kernels import kv_cache as kernels, simd  # noqa: E402
 
 from .test_kv_split_k import CASES, _check  # noqa: E402
 
 
+@pytest.fixture(params=["all heads", "per head"])
+def task_mode(request, monkeypatch):
+    """The kernel's two task shapes: a task per sequence taking every k/v head block by block (``all_heads``: what a
+    serial call and a parallel call with enough sequences run), or a task per (sequence, k/v head) (the parallel
+    kernel forced, with too few sequences for the threads); the mode that ran is checked after. (Each run of the
+    parallel kernel with many sequences: test_kv_split_k.)"""
+    ran = []
+    for name in ("paged_attention_serial", "paged_attention_parallel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel: (ran.append(a[-1]), _k(*a))[1])
+    if request.param == "per head":
+        monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(numba_kv, "SPLIT_TASKS_PER_THREAD", 1 << 40)
+    else:   # the serial kernel (a parallel one with many sequences takes the same path)
+        monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 1 << 62)
+    yield
+    assert ran and set(ran) == {request.param == "all heads"}, ran
+
+
 @pytest.mark.parametrize("head_dim", [20, 72, 128, 136, 256])
 @pytest.mark.parametrize("groups", [1, 2, 3, 4, 8])
-def test_tiles_decode_and_mixed_against_the_oracle(rng, head_dim, groups):
+def test_tiles_decode_and_mixed_against_the_oracle(rng, task_mode, head_dim, groups):
     """A mixed step (a prefill chunk of 5 queries, decode tokens, a whole prefill of 9) and a dense decode step, fp32
     entries, every case (causal, window + softcap, not causal, a small window), q rotated in the kernel and not."""
     _check(rng, np.float32, None, [150, 70, 9, 1], [5, 1, 9, 1], 1, q_heads=2 * groups, kv_heads=2,
@@ -40,7 +61,7 @@ def test_tiles_decode_and_mixed_against_the_oracle(rng, head_dim, groups):
 @pytest.mark.parametrize("dtype, kv_dtype", [(np.float64, None), (np.float32, "int8"), (np.float64, "int8"),
                                              (np.float16, None)])
 @pytest.mark.parametrize("head_dim", [20, 72, 128])
-def test_tiles_other_entries(rng, dtype, kv_dtype, head_dim):
+def test_tiles_other_entries(rng, task_mode, dtype, kv_dtype, head_dim):
     """float64 work (8 lanes with AVX-512: tiles of 8 keys), int8 entries (scales per key), float16 bits; GQA 4 and
     1."""
     for q_heads in (8, 2):
