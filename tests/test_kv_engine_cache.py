@@ -386,17 +386,18 @@ def test_truncating_two_sequences_that_share_pages_counts_each_holder(rng):
 
 # -- the prepared calls of a step ----------------------------------------------------------------------------------
 def attention_oracle(cache, layer, q, **options):
-    """float64 attention of dense q (n, 1, Hq, D) (every sequence's next query, at its last position) over layer
+    """float64 attention of dense q (n, s, Hq, D) (every sequence's last s queries, at its last positions) over layer
     ``layer``'s stored keys: q rotated by the float64 oracle, then rotary.testing.paged_attention64."""
     from rotary.testing import paged_attention64
 
     lens = cache.lengths.copy()
-    qp = np.asarray(q, np.float64)[:, 0]
-    q_rot = oracle_keys(qp, lens - 1)
+    n, s = q.shape[:2]
+    qp = np.asarray(q, np.float64).reshape(n * s, *q.shape[2:])
+    q_rot = oracle_keys(qp, (lens[:, None] - s + np.arange(s)).reshape(-1))
     stores = (cache.k_pool[layer].reshape(-1, H, D), cache.v_pool[layer].reshape(-1, H, D), None, None)
-    o = paged_attention64(q_rot, stores, cache.block_table, cache.page_size, lens, np.arange(lens.size + 1),
+    o = paged_attention64(q_rot, stores, cache.block_table, cache.page_size, lens, np.arange(0, n * s + 1, s),
                           scale=options.pop("scale", D ** -0.5), **options)
-    return o[:, None]
+    return o.reshape(q.shape)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -488,6 +489,9 @@ def decode_steps(cache, shadow, rng, steps, q_heads=2 * H):
             np.testing.assert_allclose(cache.layer(i).attend(q), attention_oracle(cache, i, q, **window), atol=2e-5,
                                        rtol=0)
         shadow.check(cache)
+    if cache.window is None:   # two queries each: not the decode step's rotation (a window cache has given back
+        two = rng.standard_normal((cache.batch, 2, q_heads, D)).astype(np.float32)   # the earlier query's keys)
+        np.testing.assert_allclose(cache.layer(0).attend(two), attention_oracle(cache, 0, two), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["paged", "window", "contiguous"])
