@@ -97,15 +97,19 @@ class _Decode:
     on write by the chain's first step; the prefix cache keeps full pages only), so no step of a chain copies on
     write. ``lo``, ``hi``: the last step's smallest and largest position."""
 
-    __slots__ = ("slots", "lo", "hi", "due", "t")
+    __slots__ = ("slots", "lo", "hi", "first", "_due", "t")
 
-    def __init__(self, step, page_size):
-        self.slots, (self.lo, self.hi), self.t = step.slots, step.bounds, 0
-        self.due = None
-        if page_size:   # page_size 0: a contiguous cache (no pages to take)
-            self.due = [[] for _ in range(page_size)]
-            for b, p in enumerate(step.tok_pos.tolist()):
-                self.due[p % page_size].append(b)
+    def __init__(self, step):
+        self.slots, (self.lo, self.hi), self.first, self._due, self.t = step.slots, step.bounds, step.tok_pos, None, 0
+
+    def due(self, page_size):
+        """The sequences that take a page at step t (made at the chain's second step: a chain broken after its first
+        costs nothing)."""
+        if self._due is None:
+            self._due = [[] for _ in range(page_size)]
+            for b, p in enumerate(self.first.tolist()):
+                self._due[p % page_size].append(b)
+        return self._due[-self.t % page_size]
 
 
 class KVCache:
@@ -499,7 +503,7 @@ class KVCache:
             step = self._decode and self._next_decode_step()
             if step is None:
                 step = self._begin_general(ids, counts, dense, every)
-                self._decode = _Decode(step, self.page_size if self.paged else 0)
+                self._decode = _Decode(step)
             return step
         return self._begin_general(ids, counts, dense, every)
 
@@ -513,7 +517,7 @@ class KVCache:
         chain.t += 1
         start = self._lengths.copy()
         slots = chain.slots + 1
-        due = chain.due[-chain.t % self.page_size] if self.paged else ()
+        due = chain.due(self.page_size) if self.paged else ()
         if due:   # their last page is full: a page each (never a copy on write: see _Decode)
             book = self._book
             if not book.has(len(due)):
