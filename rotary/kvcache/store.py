@@ -932,12 +932,15 @@ class KVCache:
                                           softcap=softcap, window=window, causal=causal, rotation=rotation)
         if dense_shape is None:
             return lambda q, stores: prepared(_kv.contiguous(q), stores)
-        bshd = self.layout == "bshd"
-
-        def run(q, stores):
-            qp = (q if bshd else q.transpose(0, 2, 1, 3)).reshape(packed_shape)
-            o = prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
-            return o if bshd else o.transpose(0, 2, 1, 3)
+        if self.layout == "bshd":   # (n, s, heads, d): packed by a reshape
+            def run(q, stores):
+                qp = q.reshape(packed_shape)
+                return prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
+        else:
+            def run(q, stores):
+                qp = q.transpose(0, 2, 1, 3).reshape(packed_shape)
+                o = prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
+                return o.transpose(0, 2, 1, 3)
 
         return run
 
