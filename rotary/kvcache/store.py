@@ -660,30 +660,35 @@ class KVCache:
         run by every other layer whose k and v have the same type, dtype, shape and strides (and no seq_ids,
         cu_seqlens or positions): those layers check the layer, the step and the memory rule, nothing else changes.
         """
-        memo = self._append_memo
-        if memo is not None and memo[0] is self._step and seq_ids is None and cu_seqlens is None and \
-                positions is None and type(k) is self._array_type and type(v) is self._array_type and \
-                memo[1] == (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides):
-            i = self._layer_index(layer)
-            step, _, run, shape = memo
-            if step.done[i]:
-                self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
-            k_pool, v_pool, scales = self._layer_pools[i]
-            region = self._region   # (check_memory's first test, inline: a decode step's common case)
-            if region is None or scales is not None or not (k_pool.flags.writeable and v_pool.flags.writeable) or \
-                    _may_share(k, region) or _may_share(v, region):
-                _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, region)
-            if self.layout == "bshd":
-                run(k.reshape(shape), v.reshape(shape), self._run_stores[i])
-            else:
-                run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape),
-                    self._run_stores[i])
-            step.done[i] = True   # (_done, inline)
-            step.left -= 1
-            if not step.left:
-                self._done(step, None)
+        if seq_ids is None and cu_seqlens is None and positions is None and \
+                self._append_prepared(k, v, self._layer_index(layer)):
             return
         self._append(k, v, seq_ids, cu_seqlens, positions, layer)
+
+    def _append_prepared(self, k, v, i) -> bool:
+        """Layer i's plain append through the append the step's first layer prepared, when k and v are shaped as its
+        (the layer, the step and the memory rule checked); False when there is none for them."""
+        memo = self._append_memo
+        if memo is None or memo[0] is not self._step or type(k) is not self._array_type or \
+                type(v) is not self._array_type or memo[1] != (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides):
+            return False
+        step, _, run, shape = memo
+        if step.done[i]:
+            self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
+        k_pool, v_pool, scales = self._layer_pools[i]
+        region = self._region   # (check_memory's first test, inline: a decode step's common case)
+        if region is None or scales is not None or not (k_pool.flags.writeable and v_pool.flags.writeable) or \
+                _may_share(k, region) or _may_share(v, region):
+            _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, region)
+        if self.layout == "bshd":
+            run(k.reshape(shape), v.reshape(shape), self._run_stores[i])
+        else:
+            run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape), self._run_stores[i])
+        step.done[i] = True   # (_done, inline)
+        step.left -= 1
+        if not step.left:
+            self._done(step, None)
+        return True
 
     def _append(self, k, v, seq_ids, cu_seqlens, positions, layer):
         """:meth:`append`'s checks and the step's books, then its prepared append (kept for the step's other layers
@@ -864,12 +869,17 @@ class KVCache:
         and the backend's kernel arguments) is run by every other layer whose q has the same type, dtype, shape and
         strides and whose options are the same (and no seq_ids, cu_seqlens or q_positions)."""
         i = self._layer_index(layer)
+        plain = seq_ids is None and cu_seqlens is None and q_positions is None
+        if plain and causal is True and window is None and softcap is None and scale is None:   # the defaults
+            o = self._attend_prepared(q, i)
+            if o is not None:
+                return o
         step = self._step
         if step is not None and not step.done[i]:
             raise ValueError(f"layer {i} attends before appending this step's keys: append them first")
         key = None
-        if type(q) is self._array_type and seq_ids is None and cu_seqlens is None and q_positions is None:
-            if causal is True and window is None and softcap is None and scale is None:   # the defaults
+        if type(q) is self._array_type and plain:
+            if causal is True and window is None and softcap is None and scale is None:
                 key = (q.dtype, q.shape, q.strides)
             else:
                 key = (q.dtype, q.shape, q.strides, type(causal), causal, type(window), window, type(softcap),
@@ -881,6 +891,17 @@ class KVCache:
         if key is not None:
             self._attend_memo = (key, run)
         return run(q, self._run_stores[i])
+
+    def _attend_prepared(self, q, i):
+        """Layer i's attention of q with the default options through the attention prepared for the current tables,
+        when q is shaped as its (and the layer has appended the step's keys); None when there is none for it."""
+        memo = self._attend_memo
+        if memo is None or type(q) is not self._array_type or memo[0] != (q.dtype, q.shape, q.strides):
+            return None
+        step = self._step
+        if step is not None and not step.done[i]:
+            return None   # (attend raises)
+        return memo[1](q, self._run_stores[i])
 
     def _attention_setup(self, q, causal, cu_seqlens, scale, window, softcap):
         """What :meth:`attend`'s arguments give whatever the tables: (packed q, counts, dense shape, plan, causal,
@@ -1224,14 +1245,16 @@ class KVCacheLayer:
         self.cache, self.index = cache, index
 
     def append(self, k, v, seq_ids=None, **kwargs):
-        if kwargs:
-            return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
-        return self.cache.append(k, v, seq_ids, layer=self.index)   # (a decode step's call: no dict merged)
+        if seq_ids is None and not kwargs and self.cache._append_prepared(k, v, self.index):   # a decode step's call
+            return None
+        return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
 
     def attend(self, q, **kwargs):
-        if kwargs:
-            return self.cache.attend(q, layer=self.index, **kwargs)
-        return self.cache.attend(q, layer=self.index)
+        if not kwargs:   # a decode step's call
+            o = self.cache._attend_prepared(q, self.index)
+            if o is not None:
+                return o
+        return self.cache.attend(q, layer=self.index, **kwargs)
 
     def keys(self, b):
         return self.cache.keys(b, layer=self.index)
