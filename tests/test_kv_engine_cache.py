@@ -107,6 +107,30 @@ def test_a_step_is_written_by_every_layer_in_order(rng):
     assert cache._step is None and cache.lengths.tolist() == [1, 1, 1, 1]
 
 
+def test_a_layer_views_prepared_calls_keep_the_step_checks(rng):
+    """cache.layer(i)'s append and attend, run through the step's prepared calls, refuse what cache.append /
+    cache.attend refuse: a layer appending twice, a layer attending before its append (the cache unchanged)."""
+    cache = paged(layers=3)
+    k = rng.standard_normal((4, 1, H, D)).astype(np.float32)
+    q = rng.standard_normal((4, 1, 2 * H, D)).astype(np.float32)
+    layers = [cache.layer(i) for i in range(3)]
+    for _ in range(2):   # (the second step: a decode chain)
+        layers[0].append(k, k)
+        layers[0].attend(q)
+        layers[1].append(k, k)   # the prepared append
+        snap = state(cache)
+        for bad, match in ((lambda: layers[1].append(k, k), "layer 1 has appended this step's keys already"),
+                           (lambda: layers[2].attend(q), "layer 2 attends before appending"),
+                           (lambda: cache.attend(q, layer=2), "layer 2 attends before appending")):
+            with pytest.raises(ValueError, match=match):
+                bad()
+            assert_state(cache, snap)
+        layers[1].attend(q)   # the prepared attention
+        layers[2].append(k, k)
+        np.testing.assert_allclose(layers[2].attend(q), attention_oracle(cache, 2, q), atol=2e-5, rtol=0)
+    assert cache._step is None and cache.lengths.tolist() == [2, 2, 2, 2]
+
+
 # -- sequences as slots ---------------------------------------------------------------------------------------------
 def test_add_active_free(rng):
     cache = paged(batch=3)
