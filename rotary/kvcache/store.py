@@ -33,8 +33,6 @@ from ..spec.validators import as_int
 from . import primitives as _kv
 from .pages import PageBook
 
-_may_share = np.may_share_memory
-
 _FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 _LAYOUTS = ("bshd", "bhsd")
 
@@ -676,18 +674,12 @@ class KVCache:
         if step.done[i]:
             self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
         k_pool, v_pool, scales = self._layer_pools[i]
-        region = self._region   # (check_memory's first test, inline: a decode step's common case)
-        if region is None or scales is not None or not (k_pool.flags.writeable and v_pool.flags.writeable) or \
-                _may_share(k, region) or _may_share(v, region):
-            _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, region)
+        _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, self._region)
         if self.layout == "bshd":
             run(k.reshape(shape), v.reshape(shape), self._run_stores[i])
         else:
             run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape), self._run_stores[i])
-        step.done[i] = True   # (_done, inline)
-        step.left -= 1
-        if not step.left:
-            self._done(step, None)
+        self._done(step, i)
         return True
 
     def _append(self, k, v, seq_ids, cu_seqlens, positions, layer):
@@ -758,10 +750,9 @@ class KVCache:
                              f"{step.ids.tolist()}): every layer of a step appends the same tokens")
 
     def _done(self, step, i):
-        """Layer i has written the step (None: marked already)."""
-        if i is not None:
-            step.done[i] = True
-            step.left -= 1
+        """Layer i has written the step."""
+        step.done[i] = True
+        step.left -= 1
         if not step.left:   # every layer has written the step
             self._step = None
             if self._tokens:
