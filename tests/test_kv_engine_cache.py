@@ -349,6 +349,48 @@ def test_window_cache_gives_pages_back_and_attends_as_a_full_cache(backend, rng)
             paged(window=bad)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_window_cache_refuses_reading_pages_it_gave_back(backend, rng):
+    """A window cache gives back the pages before its queries' windows: a truncate whose next token would read such
+    a key, or an attend with more queries than the window's pages cover, is refused by name, the cache bit for bit
+    unchanged (the kernels would read through a -1 page); a truncate within the held window works and the next
+    step's attention equals a full cache's."""
+    if backend == "numba" and not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    W = 5
+    win = paged(backend, window=W, num_pages=8, batch=1)
+    full = paged(backend, num_pages=16, batch=1)
+    k = tokens(rng, 9)
+    for cache in (win, full):
+        cache.append(k[None], k[None])
+    for _ in range(8):
+        kd = rng.standard_normal((1, 1, H, D)).astype(np.float32)
+        for cache in (win, full):
+            cache.append(kd, kd)
+    length, first = int(win.lengths[0]), win.held_from(0)
+    assert first > 0   # pages were given back
+    before = state(win)
+    with pytest.raises(ValueError, match="truncate .* gave their page back"):
+        win.truncate(0, first - 1)   # the next token's window reaches before the held keys
+    q = rng.standard_normal((1, length - first + 2, 4, D)).astype(np.float32)
+    with pytest.raises(ValueError, match="attend: .* gave their page back"):
+        rotary.attention(q, win)   # the earliest queries' windows reach keys no longer held
+    after = state(win)
+    for a, b in zip(before[:4], after[:4]):
+        np.testing.assert_array_equal(a, b)
+    back = first + W - 1   # the shortest length whose next token's window is held
+    assert back < length
+    win.truncate(0, back)
+    full.truncate(0, back)
+    kd = rng.standard_normal((1, 1, H, D)).astype(np.float32)
+    q = rng.standard_normal((1, 1, 4, D)).astype(np.float32)
+    outs = []
+    for cache in (win, full):
+        cache.append(kd, kd)
+        outs.append(rotary.attention(q, cache, **({} if cache is win else dict(window=W))))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
 # -- copies of an engine's cache -----------------------------------------------------------------------------------
 def test_copies_keep_shared_pages_and_prefix(rng):
     cache = paged(layers=2)

@@ -829,6 +829,23 @@ class KVCache:
         first = int(np.argmax(row >= 0)) if np.any(row >= 0) else 0
         return min(first * self.page_size, int(self._lengths[b]))
 
+    def _check_window_held(self, ids, first_query, window, what):
+        """A windowed cache gives back the pages wholly before its queries' windows: refuse ``what`` when the query
+        at ``first_query[x]`` of sequence ``ids[x]`` would read a key (from ``first_query - window + 1`` on) whose
+        page is gone (a key never held is not read: the kernels index the block table only by held pages)."""
+        if self.window is None or not self.paged or not ids.size:
+            return
+        need = np.maximum(first_query - window + 1, 0)
+        held = self._lengths[ids]
+        reads = need < held   # a sequence whose query reads a key it holds
+        pages = np.minimum(need // self.page_size, self._block_table.shape[1] - 1)
+        gone = reads & (self._block_table[ids, pages] < 0)
+        if gone.any():
+            x = int(np.flatnonzero(gone)[0])
+            raise ValueError(f"{what}: sequence {int(ids[x])}'s query at position {int(first_query[x])} reads keys "
+                             f"from position {int(need[x])} on, but this cache (window={self.window}) gave their "
+                             f"page back (it holds keys from {self.held_from(int(ids[x]))} on); nothing was changed")
+
     def keys(self, b, layer=None):
         """Sequence b's rotated keys ``(lengths[b] - held_from(b), kv_heads, head_dim)`` (dequantized), in the
         cache's dtype."""
@@ -936,6 +953,8 @@ class KVCache:
             else:
                 _kv.check_query_counts(counts, lens, ids)
             rotation = _kv.query_rotation(plan, q_positions, lens, counts, dense_shape, lens_range)
+        if self.window is not None and causal:   # (a windowed cache refuses a call that is not causal)
+            self._check_window_held(ids, lens - counts, window, "attend")
         q_starts = self._dense_starts(lens.size, dense_shape[1]) if dense_shape is not None else \
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         table = self._block_table if every else self._block_table[ids]
@@ -1023,6 +1042,7 @@ class KVCache:
             j = int(bad[0])
             raise ValueError(f"lengths[{j}] = {int(new[j])}: sequence {int(ids[j])} holds {int(held[j])} tokens; "
                              "truncate keeps 0 .. its length")
+        self._check_window_held(ids, new, self.window, f"truncate to lengths {new.tolist()}")   # the next token's
         self._tables_changed()
         if self.paged:   # the pages wholly past each new length, all sequences at once
             cols = np.arange(self._block_table.shape[1])[None, :]
