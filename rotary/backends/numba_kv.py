@@ -218,7 +218,8 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         parallel = big and pairs * count > 1
         kernel = kernels.paged_attention_parallel if parallel else serial
         # a task per sequence (all its k/v heads) when they are enough for the threads (kv_cache.attend_task)
-        all_heads = not parallel or n * count >= SPLIT_TASKS_PER_THREAD * numba.get_num_threads()
+        all_heads = not parallel or n * count >= SPLIT_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS or \
+            n * count >= SPLIT_TASKS_PER_THREAD * numba.get_num_threads()   # (the bound first: cheap)
         return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count, all_heads), count
 
     no_workspace = (_NO_SCALES[work], _NO_SCALES[work])
