@@ -101,3 +101,51 @@ def test_a_plan_is_made_once_per_geometry(rng, backend, monkeypatch):
         rotary.apply_qk(buf[0], buf[1], rng.integers(0, 50, (4, 1)), spec=spec, seq_axis=1, backend=backend,
                         out=(buf[0], buf[1]))
     assert len(built) == 2, built   # new outputs, and in place
+
+
+def test_apply_qk_checks_the_same_buffers_by_identity(rng, monkeypatch):
+    """apply_qk with the last prepared call's live arrays, unchanged, and the same spec and options skips the plan
+    lookup and the overlap tests (rotate._checked); another spec, a flag turned read-only, an alias view or swapped
+    outs are checked again; results equal the first call's; the record does not keep the buffers alive."""
+    import gc
+    import weakref
+
+    from rotary.frontend import buffers, rotate
+
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    checks = []
+    monkeypatch.setattr(rotate, "check_memory", lambda *a: (checks.append(1), buffers.check_memory(*a))[1])
+    spec = rotary.RopeSpec(32, base=10000.0)
+    q = rng.standard_normal((3, 2, 4, 32)).astype(np.float32)
+    k = rng.standard_normal((3, 2, 4, 32)).astype(np.float32)
+    q_out, k_out = np.empty_like(q), np.empty_like(k)
+    want = rotary.apply_qk(q, k, 7, spec=spec, seq_axis=1, backend="numpy")
+    for _ in range(2):   # the geometry's first calls (the plan prepared, then these buffers recorded)
+        rotary.apply_qk(q, k, 7, spec=spec, seq_axis=1, backend="numba", out=(q_out, k_out))
+    assert checks
+    checks.clear()
+    for _ in range(3):
+        rotary.apply_qk(q, k, 7, spec=spec, seq_axis=1, backend="numba", out=(q_out, k_out))
+        np.testing.assert_allclose(q_out, want[0], rtol=1e-6, atol=1e-6)
+    assert not checks   # the same live buffers: the verdict kept
+    other = rotary.RopeSpec(32, base=500.0)
+    got = rotary.apply_qk(q, k, 7, spec=other, seq_axis=1, backend="numba", out=(q_out, k_out))
+    np.testing.assert_allclose(got[0], rotary.apply_qk(q, k, 7, spec=other, seq_axis=1, backend="numpy")[0],
+                               rtol=1e-6, atol=1e-6)
+    assert checks   # another spec: checked again
+    q_out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        rotary.apply_qk(q, k, 7, spec=other, seq_axis=1, backend="numba", out=(q_out, k_out))
+    q_out.flags.writeable = True
+    with pytest.raises(ValueError, match="overlaps"):
+        rotary.apply_qk(q, k, 7, spec=other, seq_axis=1, backend="numba", out=(k, q))
+    n = len(checks)
+    rotary.apply_qk(q, k, 7, spec=other, seq_axis=1, backend="numba", out=(q_out.view(), k_out))
+    assert len(checks) == n + 1   # another object over the same memory: checked again
+    q2 = q.copy()
+    rotary.apply_qk(q2, k, 7, spec=other, seq_axis=1, backend="numba")
+    ref = weakref.ref(q2)
+    del q2
+    gc.collect()
+    assert ref() is None
