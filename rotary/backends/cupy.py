@@ -35,6 +35,7 @@ import numpy as np
 from . import OUTSIDE_TABLE
 from .feature_maps import CODES
 from .kv_entries import KV_FORMATS
+from .numpy_linear_backward import check_backward_args as check_linear_backward   # (one copy)
 
 NAME = "cupy"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
@@ -453,23 +454,6 @@ def linear_backward_workspace(n_batch: int, seq_len: int, n_heads_q: int, n_head
                  gdot_part=tiles * n_batch * seq_len * n_heads_q, den=n_batch * seq_len * n_heads_q,
                  gD=n_batch * seq_len * n_heads_q)
     return {name: max(1, n) for name, n in sizes.items()}
-
-
-def check_linear_backward(q, k, v, grad_o, *, feature_map: str, causal: bool, decay) -> bool:
-    """The backward's refusals (those of the Numba and NumPy backwards, same messages); returns whether a decay
-    < 1 is in effect."""
-    if feature_map not in CODES:
-        raise ValueError(f"feature_map must be one of {tuple(CODES)}, got {feature_map!r}")
-    B, T, H, m = q.shape
-    Hk, dvd = k.shape[2], v.shape[3]
-    if Hk == 0 or H % Hk:
-        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hk})")
-    if tuple(grad_o.shape) != (B, T, H, dvd):
-        raise ValueError(f"grad_o must have o's shape {(B, T, H, dvd)}, got {tuple(grad_o.shape)}")
-    decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
-    if decayed and not causal:
-        raise ValueError("decay < 1 needs causal=True (as the forward)")
-    return decayed
 
 
 def plan_linear_attention_backward(q, k, v, grad_o, dq, dk, dv, state_s, z_in, grad_s, grad_z, d_s, d_z, cos, sin,

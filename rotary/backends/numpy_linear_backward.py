@@ -70,6 +70,25 @@ def _chunk_weights(xp, pw64, n, host, dev):
             put(keep[:, :, None, :, None]))
 
 
+def check_backward_args(q, k, v, grad_o, *, feature_map, causal, decay) -> bool:
+    """The backward's refusals, one copy for every backend (NumPy, Numba, CUDA): the feature map's name, q's heads
+    a multiple of k's, grad_o shaped as o, a decay < 1 only when causal. Returns whether a decay < 1 is in effect."""
+    import numpy as np
+
+    if feature_map not in NAMES:
+        raise ValueError(f"feature_map must be one of {NAMES}, got {feature_map!r}")
+    B, T, H, m = q.shape
+    Hk, dv = k.shape[2], v.shape[3]
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hk})")
+    if tuple(grad_o.shape) != (B, T, H, dv):
+        raise ValueError(f"grad_o must have o's shape {(B, T, H, dv)}, got {tuple(grad_o.shape)}")
+    decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
+    if decayed and not causal:
+        raise ValueError("decay < 1 needs causal=True (as the forward)")
+    return decayed
+
+
 def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal, feature_map, eps, chunk,
                               state, decay=None, normalize=True, grad_state=None):
     """(dq, dk, dv, dstate) of the ``linear_attention`` primitive; formulas in the module docstring.
@@ -82,25 +101,15 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
     """
     import numpy as np
 
-    if feature_map not in NAMES:
-        raise ValueError(f"feature_map must be one of {NAMES}, got {feature_map!r}")
+    decay = np.asarray(decay, np.float64) if check_backward_args(q, k, v, grad_o, feature_map=feature_map,
+                                                                 causal=causal, decay=decay) else None
     xp = array_namespace(q, k, v, grad_o)
     dev = xp_device(q)
     work = _compute_dtype(q.dtype, xp)
     host = np.float64 if work == xp.float64 else np.float32
     B, T, H, m = q.shape
     Hk, dv = k.shape[2], v.shape[3]
-    if Hk == 0 or H % Hk:
-        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hk})")
     G = H // Hk
-    if tuple(grad_o.shape) != (B, T, H, dv):
-        raise ValueError(f"grad_o must have o's shape {(B, T, H, dv)}, got {tuple(grad_o.shape)}")
-    if decay is not None:
-        decay = np.asarray(decay, np.float64)
-        if np.all(decay == 1):
-            decay = None
-        elif not causal:
-            raise ValueError("decay < 1 needs causal=True (as the forward)")
 
     def zeros(shape):
         return xp.zeros(shape, dtype=work, device=dev)

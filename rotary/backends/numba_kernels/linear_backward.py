@@ -689,18 +689,11 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
     grad_o read where they lie (any strides, float16 as its bits), dq, dk, dv written in their dtypes."""
     from .. import numba_runtime as _runtime
     from ..numpy_linear import decay_powers
+    from ..numpy_linear_backward import check_backward_args
 
-    if feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {tuple(FEATURE_MAPS)}, got {feature_map!r}")
+    decayed = check_backward_args(q, k, v, grad_o, feature_map=feature_map, causal=causal, decay=decay)
     B, T, H, m = q.shape
     Hk, dvd = k.shape[2], v.shape[3]
-    if Hk == 0 or H % Hk:
-        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hk})")
-    if tuple(grad_o.shape) != (B, T, H, dvd):
-        raise ValueError(f"grad_o must have o's shape {(B, T, H, dvd)}, got {tuple(grad_o.shape)}")
-    decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
-    if decayed and not causal:
-        raise ValueError("decay < 1 needs causal=True (as the forward)")
     work = np.float64 if q.dtype == np.float64 else np.float32
 
     def state_arg(x, shape):
