@@ -44,7 +44,7 @@ state, decay=None, normalize=True, grad_state=None)`` -> ``(dq, dk, dv, dstate)`
     A backend without it: the frontend (:func:`rotary.attn.linear_backward.linear_attention_backward`) takes
     the reference under backend="auto".
 
-``append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)``
+``append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None)``
     KV append (:func:`rotary.kv_append`, :class:`rotary.KVCache`): k ``(T, Hk, D)`` and v ``(T, Hk, D)`` (any
     strides, one float dtype) are T tokens; token t's key is rotated with table row ``rows[t]`` (cos/sin as for
     ``rotate``, pairs in ``[offset, offset + rotary_dim)``, the other coordinates unrotated) and written with its
@@ -54,16 +54,22 @@ state, decay=None, normalize=True, grad_state=None)`` -> ``(dq, dk, dv, dstate)`
     ``kv_dtype`` names the entries' format in :data:`rotary.backends.kv_entries.KV_FORMATS` (passed explicitly,
     never inferred from a storage dtype): None, the entries are k's dtype (one rounding of the work-dtype
     rotation); "int8" / "float8_e4m3", quantized per (token, head) (float8 stored as uint8 bits). rows and slots
-    are int64 arrays of the backend's array type. :func:`rotary.backends.kv_entries.append_kv` is the reference
+    are int64 arrays of the backend's array type. ``norm = (weight, eps)`` (None: none): each key head x is first
+    normed in the work dtype, ``y_j = (x_j * inv) * weight_j`` with ``inv = 1 / sqrt(sum_j x_j^2 / D + eps)`` (the
+    per-head RMSNorm of Qwen3 / Gemma 3 before RoPE; weight a ``(D,)`` C-contiguous work-dtype array of the
+    backend's type, eps a float >= 0), then rotated; values are never normed.
+    :func:`rotary.backends.kv_entries.append_kv` is the reference
     (any array-API namespace) and the NumPy backend's primitive. A module offers the formats listed in its
     ``VARIANTS["append_kv"]``.
 
-``paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype, rotation=None) -> o``
+``paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype, rotation=None, norm=None) -> o``
     Softmax attention over pages where they lie (:func:`rotary.paged_attention`, ``attention(q, cache)``): q
     ``(T, Hq, D)`` C-contiguous, Hq a multiple G of Hk (q head h reads k/v head h // G), rotated as it is read when
     ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` is given (row r at table row ``rows[r]``, rows a
     ``(T,)`` int64 array of the backend's type, pairs as ``append_kv`` rotates a key, in the work dtype and not
-    rounded to q's dtype: FlashInfer's fused RoPE), taken as rotated when None; ``stores`` as
+    rounded to q's dtype: FlashInfer's fused RoPE), taken as rotated when None; each q row normed first (in the work
+    dtype, before the rotation and the scale) when ``norm = (weight, eps)`` is given, as ``append_kv`` norms a key;
+    ``stores`` as
     for ``append_kv`` (the entries of format ``kv_dtype``, dequantized as ``append_kv`` quantized them);
     ``block_table`` ``(n, W)``, ``seq_lens`` ``(n,)`` and ``q_starts`` ``(n + 1,)`` int64 arrays of the
     backend's array type (host NumPy for CPU backends). Sequence i holds keys ``0 .. seq_lens[i] - 1``, key p in
@@ -96,9 +102,10 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     (used as table rows as they are, not range-checked). ``empty(shape, dtype)`` allocates outputs.
 ``prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset, kv_dtype) -> run``
 ``prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype, rotation=None) -> run``
-    The KV primitives prepared once for the layers of a step (:class:`rotary.KVCache`): ``run(k, v, stores)``
-    appends k and v shaped and strided as the given ones, ``run(q, stores) -> o`` attends q shaped as the given one,
-    into / over any stores of the same format (each layer's); the other arguments are fixed. A backend without
+    The KV primitives prepared once for the layers of a step (:class:`rotary.KVCache`): ``run(k, v, stores,
+    norm=None)`` appends k and v shaped and strided as the given ones, ``run(q, stores, norm=None) -> o`` attends q
+    shaped as the given one, into / over any stores of the same format (each layer's, with each layer's norm
+    weights); the other arguments are fixed. A backend without
     them is called through its ``append_kv`` / ``paged_attention`` with the same arguments.
 ``prepare_stores(stores, kv_dtype) -> prepared``
     Stores made ready once for the prepared runs above (e.g. flattened), which then take ``prepared`` in place of

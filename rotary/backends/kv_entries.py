@@ -121,9 +121,23 @@ def rotate_work(xp, x, cos_tok, sin_tok, rotary_dim, layout, offset, work):
     return xp.concat([w[..., :offset], rotated, w[..., offset + rotary_dim:]], axis=-1)
 
 
-def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
-    """Rotate k at its table rows, quantize k and v (``kv_dtype`` None: cast), and write them into their slots
-    (the backend contract in :mod:`rotary.backends`)."""
+def rms_norm_work(xp, x, norm, work):
+    """x (..., d) in the work dtype, each head normed when ``norm = (weight, eps)`` is given (per-head RMSNorm,
+    Qwen3's / Gemma 3's q_norm and k_norm): ``y_j = (x_j * inv) * weight_j``, ``inv = 1 / sqrt(sum_j x_j^2 / d +
+    eps)``, all in the work dtype (not rounded to x's dtype)."""
+    w = xp.astype(x, work)
+    if norm is None:
+        return w
+    weight, eps = norm
+    d = int(x.shape[-1])
+    inv = 1.0 / xp.sqrt(xp.sum(w * w, axis=-1, keepdims=True) / d + eps)
+    return (w * inv) * xp.astype(weight, work)
+
+
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None):
+    """Normalize each key head when ``norm = (weight, eps)`` is given (:func:`rms_norm_work`), rotate k at its table
+    rows, quantize k and v (``kv_dtype`` None: cast), and write them into their slots (the backend contract in
+    :mod:`rotary.backends`)."""
     from array_api_compat import array_namespace
 
     xp = array_namespace(k)
@@ -135,7 +149,7 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
         k, v, rows, slots = (xp.take(a, kept, axis=0) for a in (k, v, rows, slots))
     cos_tok = xp.astype(xp.take(cos, rows, axis=0), work)[:, None, :]
     sin_tok = xp.astype(xp.take(sin, rows, axis=0), work)[:, None, :]
-    wk = rotate_work(xp, k, cos_tok, sin_tok, rotary_dim, layout, offset, work)
+    wk = rotate_work(xp, rms_norm_work(xp, k, norm, work), cos_tok, sin_tok, rotary_dim, layout, offset, work)
     if kv_dtype is None:
         k_store[slots, ...] = xp.astype(wk, k_store.dtype)
         v_store[slots, ...] = xp.astype(v, v_store.dtype)
@@ -167,8 +181,9 @@ def gather_entries(stores, which, slots, kv_format, work):
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype, rotation=None):
-    """Attention of packed q over pages (the backend contract in :mod:`rotary.backends`): q rotated in the work dtype
+                    kv_dtype, rotation=None, norm=None):
+    """Attention of packed q over pages (the backend contract in :mod:`rotary.backends`): q normed per head when
+    ``norm = (weight, eps)`` is given (:func:`rms_norm_work`), then rotated in the work dtype
     at its table rows when ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` is given, each sequence's keys
     and values gathered through its block table, dequantized to the work dtype, then the online-softmax engine
     (:func:`rotary.backends.online_softmax.blocked_attention`) with a packed mask."""
@@ -183,6 +198,8 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
     n = lens.size
     work = xp.float64 if q.dtype == xp.float64 else xp.float32
     dtype, scratch = q.dtype, False
+    if norm is not None:
+        q, scratch = rms_norm_work(xp, q, norm, work), True
     if rotation is not None:
         cos, sin, rows, rotary_dim, layout, offset = rotation
         cos_tok = xp.astype(xp.take(cos, rows, axis=0), work)[:, None, :]

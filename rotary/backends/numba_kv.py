@@ -67,10 +67,23 @@ _APPEND_MARKERS = {(name, work): ((work.type(KV_FORMATS[name].limit), None) if _
                    for name in VARIANTS["append_kv"] for work in _WORK}
 
 
+_UNNORMED = (None, True)   # the kernels' (norm, unnormed) markers of a call without a norm
+
+
+def kernel_norm(norm, work, head_dim):
+    """The kernels' ``(norm, unnormed)`` markers of the contract's ``norm = (weight, eps)``: (None, True) without one,
+    else ((weight read-only, eps and head_dim in the work dtype), None) (``kv_cache.norm_head``)."""
+    if norm is None:
+        return _UNNORMED
+    weight, eps = norm
+    return (runtime.readonly_c(weight), work.type(eps), work.type(head_dim)), None
+
+
 def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset, kv_dtype):
-    """``run(k, v, stores)``: the append of keys and values shaped and strided as ``k`` and ``v`` at these tables, rows
-    and slots, into any stores of format ``kv_dtype`` (None or "int8"): each layer of a step calls it (the
-    ``prepare_append_kv`` capability of :mod:`rotary.backends`)."""
+    """``run(k, v, stores, norm=None)``: the append of keys and values shaped and strided as ``k`` and ``v`` at these
+    tables, rows and slots, into any stores of format ``kv_dtype`` (None or "int8"), keys normed by ``norm`` (weight,
+    eps) when given: each layer of a step calls it (the ``prepare_append_kv`` capability of
+    :mod:`rotary.backends`)."""
     n_tokens, heads, head_dim = k.shape
     work = _F64 if cos.dtype == np.float64 else _F32
     markers = _APPEND_MARKERS.get((kv_dtype, work))
@@ -89,13 +102,14 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
             heads, head_dim, rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
     half_bits = k.dtype == np.float16
 
-    def run(k, v, stores):
+    def run(k, v, stores, norm=None):
         if contiguous and not half_bits:
             kb, vb = k.reshape(-1), v.reshape(-1)
         else:
             kb, vb = runtime.flat_buffers((k, v))[0]
         flat = stores.flat if type(stores) is PreparedStores else flat_stores(stores, quantized, work)
-        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, (kb, vb, geo) + flat + tail)
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
+                       (kb, vb, geo) + flat + tail + (_UNNORMED if norm is None else kernel_norm(norm, work, head_dim)))
 
     return run
 
@@ -145,11 +159,12 @@ def prepare_stores(stores, kv_dtype):
     return PreparedStores(stores, flat_stores(stores, quantized, work))
 
 
-def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
-    """Rotate k at its table rows and write it with v into their slots of ``stores`` (entries of format
-    ``kv_dtype``: None or "int8"); slots < 0 are padding, skipped. See :mod:`rotary.backends` for the contract."""
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None):
+    """Rotate k (normed first by ``norm`` = (weight, eps) when given) at its table rows and write it with v into their
+    slots of ``stores`` (entries of format ``kv_dtype``: None or "int8"); slots < 0 are padding, skipped. See
+    :mod:`rotary.backends` for the contract."""
     prepare_append_kv(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout, offset=offset,
-                      kv_dtype=kv_dtype)(k, v, stores)
+                      kv_dtype=kv_dtype)(k, v, stores, norm)
 
 
 def _nothing(*arrays):
@@ -170,9 +185,10 @@ def attention_splits(tasks: int, keys: int, threads: int) -> int:
 
 def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
                             rotation=None, splits=None):
-    """``run(q, stores) -> o``: the attention of packed q shaped as ``q`` (T, Hq, D) over these tables in any stores
-    of format ``kv_dtype`` (each layer of a step calls it; the ``prepare_paged_attention`` capability), q rotated in
-    the kernel by ``rotation = (cos, sin, rows, rotary_dim, layout, offset)`` when given. ``splits`` (None:
+    """``run(q, stores, norm=None) -> o``: the attention of packed q shaped as ``q`` (T, Hq, D) over these tables in
+    any stores of format ``kv_dtype`` (each layer of a step calls it; the ``prepare_paged_attention`` capability), q
+    normed by ``norm`` = (weight, eps) when given and rotated in the kernel by ``rotation = (cos, sin, rows,
+    rotary_dim, layout, offset)`` when given. ``splits`` (None:
     ATTENTION_SPLITS, else the rule of :func:`attention_splits` for a parallel call) forces the split-K count: each
     run allocates its own workspace for splits > 1 (runs of one prepared call from several threads share nothing)."""
     quantized = _quantized(kv_dtype)
@@ -182,7 +198,7 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
     n = seq_lens.shape[0]
     work = _F64 if dtype == np.float64 else _F32
     if q.size == 0 or n == 0:
-        return lambda q, stores: np.zeros(q.shape, q.dtype)
+        return lambda q, stores, norm=None: np.zeros(q.shape, q.dtype)
     covered = q_starts[0] == 0 and q_starts[n] == n_q   # every row some sequence's (else the others are 0)
     new_output = np.empty if covered else np.zeros
     fold = work.type(scale / softcap if softcap else scale)
@@ -224,7 +240,7 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
 
     no_workspace = (_NO_SCALES[work], _NO_SCALES[work])
 
-    def run(q, stores):
+    def run(q, stores, norm=None):
         if type(stores) is PreparedStores:
             kv_heads, flat = stores.kv_heads, stores.flat
         else:
@@ -242,7 +258,8 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
             buffers += (np.empty(n_q * q_heads * count * head_dim, work), np.empty(n_q * q_heads * count * 2, work))
         else:
             buffers += no_workspace
-        runtime.launch(serial if runtime.in_forked_child() else kernel, serial, buffers + flat + args)
+        runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
+                       buffers + flat + args + (_UNNORMED if norm is None else kernel_norm(norm, work, head_dim)))
         return o
 
     return run
@@ -263,10 +280,10 @@ def _longest_range(seq_lens, q_starts, window, causal) -> int:
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal, kv_dtype,
-                    rotation=None, splits=None):
+                    rotation=None, norm=None, splits=None):
     """Attention of packed q (T, Hq, D) over each sequence's pages where they lie: sequence i's queries are q's rows
-    ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions, q rotated as it is read when
-    ``rotation`` is given; see :mod:`rotary.backends`. ``splits``: as :func:`prepare_paged_attention`'s."""
+    ``q_starts[i] .. q_starts[i + 1] - 1``, the last of its ``seq_lens[i]`` positions, q normed (``norm``) and
+    rotated as it is read when given; see :mod:`rotary.backends`. ``splits``: as :func:`prepare_paged_attention`'s."""
     return prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, scale=scale, softcap=softcap,
                                    window=window, causal=causal, kv_dtype=kv_dtype, rotation=rotation,
-                                   splits=splits)(q, stores)
+                                   splits=splits)(q, stores, norm)

@@ -19,6 +19,11 @@ Attention (sequence i, its queries j = 0..c_i-1 at positions ``p = seq_lens[i] -
 
 with the causal mask ``t <= p`` (and ``p - t < window``), ``cap(x) = c tanh(x / c)`` for ``softcap=c``.
 
+Qwen3 and Gemma 3 normalize each q and k head before RoPE (``q_norm`` / ``k_norm``): given weights, the kernels
+apply ``N(x)_j = (x_j * inv) * weight_j``, ``inv = 1 / sqrt(sum_j x_j^2 / head_dim + eps)`` in the work dtype
+before the rotation, in the same pass (k as it is appended, q as the attention reads it): ``R(p) N(k)`` is rounded
+once, where a separate norm pass would round N(k) to k's dtype first.
+
 Both are planned once per geometry (:class:`KVPlan`: array types, dtypes and shapes, the spec against head_dim,
 the KV format, the backend with the format as a variant of its capability, where its cos/sin tables live); every
 call re-checks what can change under the same geometry: the pools' writeable flag and the memory k and v share
@@ -46,6 +51,8 @@ from ..spec.rope_spec import RopeSpec
 from ..spec.validators import check_float, optional_number
 
 _PLANS_MAX = 64
+#: the eps of q_norm / k_norm when norm_eps is not given (Qwen3's and Gemma 3's rms_norm_eps)
+NORM_EPS = 1e-6
 _plans: dict = {}
 _may_share = np.may_share_memory
 
@@ -102,11 +109,36 @@ class KVPlan:
         spec = self.spec
         return cos, sin, rows, spec.rotary_dim, spec.layout, spec.rotary_offset
 
+    def norm(self, weight, eps, name):
+        """The backends' ``norm`` argument of a per-head RMSNorm with ``weight`` (``name``: "k_norm" or "q_norm"):
+        ``(weight (head_dim,) C-contiguous in the work dtype of the plan's array type, eps)``; None without a weight
+        (then ``eps`` must be None too)."""
+        if weight is None:
+            if eps is not None:
+                raise ValueError(f"norm_eps goes with {name}= (the norm's weights); without them nothing is normed")
+            return None
+        eps = NORM_EPS if eps is None else optional_number(eps, "norm_eps", positive=False)
+        if eps < 0:
+            raise ValueError(f"norm_eps must be >= 0, got {eps}")
+        d = self.shape[3]
+        if type(weight) is np.ndarray and self.convert is None and weight.dtype == self.work and \
+                weight.shape == (d,) and weight.flags.c_contiguous:
+            return weight, eps   # (read, never written)
+        if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+            raise TypeError(f"{name} must be an array of head_dim ({d}) weights, got {type(weight).__name__}")
+        if tuple(weight.shape) != (d,):
+            raise ValueError(f"{name} must have shape ({d},) (one weight per coordinate of a head), got "
+                             f"{tuple(weight.shape)}")
+        w = np.asarray(weight) if self.convert is None else self.xp.asarray(weight)
+        check_float(w, name, self.xp if self.convert is not None else np)
+        w = w.astype(self.work) if w.dtype != self.work else w
+        return (w if w.flags.c_contiguous else w.copy()), eps
+
     # -- running ---------------------------------------------------------------------------------------------------
     def prepare_append(self, k, v, slots, rotation):
-        """``run(k, v, stores)``: the backend's append_kv of keys and values shaped and strided as ``k``, ``v`` into
-        host int64 ``slots`` (checked) at ``rotation`` (:meth:`rotation`), for the stores of any layer (its
-        ``prepare_append_kv`` capability where it has one)."""
+        """``run(k, v, stores, norm=None)``: the backend's append_kv of keys and values shaped and strided as ``k``,
+        ``v`` into host int64 ``slots`` (checked) at ``rotation`` (:meth:`rotation`), for the stores of any layer and
+        its ``norm`` (:meth:`norm`; its ``prepare_append_kv`` capability where it has one)."""
         if self.convert is not None:
             slots = self.convert(slots)
         cos, sin, rows, rotary_dim, layout, offset = rotation
@@ -116,14 +148,14 @@ class KVPlan:
                            kv_dtype=self.fmt.name)
         options = dict(rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=self.fmt.name)
         append_kv = self.module.append_kv
-        return lambda k, v, stores: append_kv(k, v, cos, sin, rows, slots, stores, **options)
+        return lambda k, v, stores, norm=None: append_kv(k, v, cos, sin, rows, slots, stores, norm=norm, **options)
 
     def prepare_attention(self, q, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
                           rotation):
-        """``run(q, stores) -> o``: the backend's paged_attention of C-contiguous packed q (T, Hq, D) shaped as ``q``
-        over these tables (host tables converted to the backend's arrays), q rotated in the kernel at ``rotation``
-        (None: q is rotated), for the stores of any layer (its ``prepare_paged_attention`` capability where it has
-        one)."""
+        """``run(q, stores, norm=None) -> o``: the backend's paged_attention of C-contiguous packed q (T, Hq, D) shaped
+        as ``q`` over these tables (host tables converted to the backend's arrays), q normed (``norm``:
+        :meth:`norm`) and rotated in the kernel at ``rotation`` (None: q is rotated), for the stores of any layer (its
+        ``prepare_paged_attention`` capability where it has one)."""
         if self.convert is not None:
             block_table, seq_lens, q_starts = (a if not _is_host(a) else self.convert(a)
                                                for a in (block_table, seq_lens, q_starts))
@@ -134,7 +166,8 @@ class KVPlan:
         options = dict(scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=self.fmt.name,
                        rotation=rotation)
         attend = self.module.paged_attention
-        return lambda q, stores: attend(q, stores, block_table, page_size, seq_lens, q_starts, **options)
+        return lambda q, stores, norm=None: attend(q, stores, block_table, page_size, seq_lens, q_starts, norm=norm,
+                                                   **options)
 
 
 def value_range(a):
@@ -306,10 +339,11 @@ def check_slots(slots, n_tokens, total) -> np.ndarray:
     return s if s.flags.c_contiguous else np.ascontiguousarray(s)
 
 
-def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_dtype=None, backend="auto"):
+def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_dtype=None, backend="auto",
+              k_norm=None, norm_eps=None):
     """Rotate keys ``k`` at ``positions`` and write them with values ``v`` into ``slots`` of caller-owned pools.
 
-    ``k_pool[slot] = Q(R(positions[t]) k[t])`` and ``v_pool[slot] = Q(v[t])`` for every token t, through the
+    ``k_pool[slot] = Q(R(positions[t]) N(k[t]))`` and ``v_pool[slot] = Q(v[t])`` for every token t, through the
     flat ``(num_pages * page_size, kv_heads, head_dim)`` view of the pools (vLLM's ``slot_mapping``); Q rounds to
     the pools' dtype, or quantizes per (token, head) for ``kv_dtype`` "int8" / "float8_e4m3" with its scale in
     ``scales``. In place: the pools (and scales) are written, nothing is returned.
@@ -333,13 +367,20 @@ def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_d
         The pools' entry format (:data:`rotary.backends.kv_entries.KV_FORMATS`).
     backend : "auto", "numpy", "numba" or "cupy"
         A named backend without this format raises NotImplementedError; "auto" falls back to NumPy.
+    k_norm : array (head_dim,), optional
+        Per-head RMSNorm weights applied to each key head before its rotation (Qwen3's / Gemma 3's ``k_norm``; for
+        Gemma pass ``1 + weight``): ``N(x)_j = (x_j * inv) * k_norm_j``, ``inv = 1 / sqrt(mean(x^2) + norm_eps)``
+        in the work dtype. None (default): N is the identity.
+    norm_eps : float >= 0, optional
+        The norm's eps (default 1e-6, :data:`NORM_EPS`); only with ``k_norm``.
     """
     if not isinstance(spec, RopeSpec):
         raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
     _check_entries_arrays(k, v)
     plan = kv_plan((k, v), ("k", "v"), k_pool, v_pool, scales, spec=spec, kv_dtype=kv_dtype, backend=backend,
                    capability="append_kv")
-    check_memory((k, v), ("k", "v"), k_pool, v_pool, scales)
+    norm = plan.norm(k_norm, norm_eps, "k_norm")
+    check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales)
     n = int(k.shape[0])
     if _is_host(slots) or isinstance(slots, (list, tuple)) or plan.convert is None:
         slots = check_slots(slots, n, plan.slots_total)
@@ -347,7 +388,7 @@ def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_d
         raise ValueError(f"slots must be an integer array of shape ({n},), got {slots.dtype} {tuple(slots.shape)}")
     pos, token_positions = token_rotation_positions(plan.spec, positions, n)
     run = plan.prepare_append(k, v, slots, plan.rotation(pos, token_positions))
-    run(k, v, flat_stores(k_pool, v_pool, scales))
+    run(k, v, flat_stores(k_pool, v_pool, scales), norm)
 
 
 def _check_entries_arrays(k, v):
@@ -484,7 +525,8 @@ def check_tables(block_table, seq_lens, counts, page_size, num_pages, window=Non
 
 
 def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_seqlens=None, q_positions=None,
-                    causal=True, window=None, softcap=None, scale=None, scales=None, kv_dtype=None, backend="auto"):
+                    causal=True, window=None, softcap=None, scale=None, scales=None, kv_dtype=None, backend="auto",
+                    q_norm=None, norm_eps=None):
     """Softmax attention of the newest queries of n sequences over their keys in caller-owned pages (see the
     module docstring for the formula): pages are read where they lie, dense decode and packed mixed
     (prefill chunks + decode tokens) steps alike.
@@ -507,6 +549,9 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
         ``softmax_scale_factor`` where it has one).
     scales, kv_dtype, backend
         As :func:`kv_append`.
+    q_norm, norm_eps : optional
+        Per-head RMSNorm weights of q applied before its rotation (Qwen3's / Gemma 3's ``q_norm``), as
+        :func:`kv_append`'s ``k_norm``; in the kernel, as q is read.
 
     Returns an array shaped as q, q's type and dtype.
     """
@@ -518,6 +563,7 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
                    capability="paged_attention")
     causal, window, softcap, scale = attention_options(causal, window, softcap, scale, plan.spec, plan.shape[3],
                                                        plan.dtype)
+    norm = plan.norm(q_norm, norm_eps, "q_norm")
     num_pages, page_size = plan.shape[:2]
     host = _is_host(block_table) or isinstance(block_table, (list, tuple)) or plan.convert is None
     if host:
@@ -532,7 +578,7 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
     qc = contiguous(qp)
     run = plan.prepare_attention(qc, table, page_size, lens, q_starts, scale=scale, softcap=softcap, window=window,
                                  causal=causal, rotation=query_rotation(plan, q_positions, lens, counts, dense_shape))
-    o = run(qc, flat_stores(k_pool, v_pool, scales))
+    o = run(qc, flat_stores(k_pool, v_pool, scales), norm)
     return o if dense_shape is None else o.reshape(q.shape)
 
 

@@ -163,6 +163,22 @@ def rotate_head(x, xi, xsd, dst, di, cos, sin, row, half, rotary_dim, offset, he
 
 
 @register_jitable(inline="always")
+def norm_head(x, xi, xsd, dst, di, norm, head_dim):
+    """dst[di + j] = (x_j * inv) * weight[j] for the head x_j = x.flat[xi + j * xsd] (j < head_dim) in the work dtype
+    (dst's): the per-head RMSNorm (Qwen3's q_norm / k_norm), ``norm = (weight, eps, head_dim)`` with eps and
+    head_dim in the work dtype, ``inv = 1 / sqrt(sum_j x_j^2 / head_dim + eps)``."""
+    weight, eps, d = norm
+    ss = eps - eps
+    for j in range(head_dim):
+        a = load(x, xi + j * xsd)
+        dst[di + j] = a
+        ss += a * a
+    inv = (d / d) / np.sqrt(ss / d + eps)
+    for j in range(head_dim):
+        dst[di + j] = (dst[di + j] * inv) * weight[j]
+
+
+@register_jitable(inline="always")
 def copy_head(x, xi, xsd, dst, di, start, stop):
     """dst.flat[di + j] = x.flat[xi + j * xsd] for start <= j < stop, x and dst of one dtype: the bits copied, a
     register at a time for a unit-stride head."""
@@ -208,13 +224,14 @@ def quantize_head(w, dst, di, scales, si, head_dim, limit):
 
 @register_jitable
 def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads, head_dim, half,
-                 rotary_dim, offset, interleaved, int8_limit, float_entries):
-    """Token t: every head's key rotated at table row rows[t] into slot slots[t] of k_ent, its value into v_ent
+                 rotary_dim, offset, interleaved, int8_limit, float_entries, norm, unnormed):
+    """Token t: every head's key (normed first when ``norm`` = (weight, eps, head_dim) is given: :func:`norm_head`)
+    rotated at table row rows[t] into slot slots[t] of k_ent, its value into v_ent
     (nothing when slots[t] < 0: a padding token): int8 entries with their scales (``int8_limit``: the format's
     limit, 127, in the work dtype; ``float_entries`` None), or entries of k's dtype (``int8_limit`` None;
     ``float_entries`` True). The glue sets the markers from the format's row of ``kv_entries.KV_FORMATS`` (its code);
     Numba prunes the branch whose marker is None before typing (an argument of type None), so each format compiles
-    only its own branch."""
+    only its own branch; so for ``norm`` (None or a tuple) and ``unnormed`` (True or None: the other)."""
     row, slot = rows[t], slots[t]
     if slot < 0:   # a padding token: nothing of it read or written
         return
@@ -228,43 +245,57 @@ def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, s
     ksh, ksd, vsh, vsd = geo[0, GEO_H], geo[0, GEO_D], geo[1, GEO_H], geo[1, GEO_D]
     if int8_limit is not None:
         w = np.empty(head_dim, k_scale.dtype)
+        normed = np.empty(head_dim, k_scale.dtype)   # the normed key (with a norm)
         for h in range(heads):
             e = slot * heads + h
-            rotate_head(k, ki + h * ksh, ksd, w, 0, cos, sin, row, half, rotary_dim, offset, head_dim, interleaved)
+            if norm is not None:
+                norm_head(k, ki + h * ksh, ksd, normed, 0, norm, head_dim)
+                rotate_head(normed, 0, 1, w, 0, cos, sin, row, half, rotary_dim, offset, head_dim, interleaved)
+            if unnormed is not None:
+                rotate_head(k, ki + h * ksh, ksd, w, 0, cos, sin, row, half, rotary_dim, offset, head_dim, interleaved)
             quantize_head(w, k_ent, e * head_dim, k_scale, e, head_dim, int8_limit)
             convert_head(v, vi + h * vsh, vsd, w, 0, 0, head_dim)
             quantize_head(w, v_ent, e * head_dim, v_scale, e, head_dim, int8_limit)
     if float_entries is not None:
-        for h in range(heads):
-            rotate_head(k, ki + h * ksh, ksd, k_ent, (slot * heads + h) * head_dim, cos, sin, row, half, rotary_dim,
-                        offset, head_dim, interleaved)
+        if norm is not None:
+            normed = np.empty(head_dim, k_scale.dtype)
+            for h in range(heads):
+                norm_head(k, ki + h * ksh, ksd, normed, 0, norm, head_dim)
+                rotate_head(normed, 0, 1, k_ent, (slot * heads + h) * head_dim, cos, sin, row, half, rotary_dim,
+                            offset, head_dim, interleaved)
+        if unnormed is not None:
+            for h in range(heads):
+                rotate_head(k, ki + h * ksh, ksd, k_ent, (slot * heads + h) * head_dim, cos, sin, row, half,
+                            rotary_dim, offset, head_dim, interleaved)
         for h in range(heads):
             copy_head(v, vi + h * vsh, vsd, v_ent, (slot * heads + h) * head_dim, 0, head_dim)
 
 
 @njit(parallel=True, **KERNEL_JIT)
 def append_kv_parallel(k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, n_tokens, heads, head_dim,
-                       half, rotary_dim, offset, interleaved, int8_limit, float_entries):
+                       half, rotary_dim, offset, interleaved, int8_limit, float_entries, norm, unnormed):
     """The append of n_tokens tokens, one parallel pass over the tokens (:func:`append_token`). k, v: flat buffers
     with geo (2, 4) int64: (offset, token, head, coordinate strides) of k and of v; k_ent, v_ent: the flat
     entries (slots, heads, head_dim); k_scale, v_scale: the flat scales (slots, heads) in the work dtype (any
     work-dtype arrays for float entries); rows, slots: int64 (n_tokens,), slots[t] < 0 a padding token (skipped);
-    int8_limit, float_entries: which format of entries (:func:`append_token`)."""
+    int8_limit, float_entries: which format of entries (:func:`append_token`); norm: None, or the keys' per-head
+    RMSNorm (weight, eps, head_dim) (:func:`norm_head`), and unnormed True or None (the other; append_token's
+    markers)."""
     for t in prange(n_tokens):
         append_token(np.int64(t), k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads,
-                     head_dim, half, rotary_dim, offset, interleaved, int8_limit, float_entries)
+                     head_dim, half, rotary_dim, offset, interleaved, int8_limit, float_entries, norm, unnormed)
 
 
 @njit(**KERNEL_JIT)
 def append_kv_serial(k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, n_tokens, heads, head_dim,
-                     half, rotary_dim, offset, interleaved, int8_limit, float_entries):
+                     half, rotary_dim, offset, interleaved, int8_limit, float_entries, norm, unnormed):
     """append_kv_parallel on the calling thread (decode-sized calls: no thread hand-off)."""
     k, v, geo, k_ent, v_ent = borrowed(k), borrowed(v), borrowed(geo), borrowed(k_ent), borrowed(v_ent)
     k_scale, v_scale, cos, sin = borrowed(k_scale), borrowed(v_scale), borrowed(cos), borrowed(sin)
     rows, slots = borrowed(rows), borrowed(slots)
     for t in range(n_tokens):
         append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, slots, heads, head_dim, half,
-                     rotary_dim, offset, interleaved, int8_limit, float_entries)
+                     rotary_dim, offset, interleaved, int8_limit, float_entries, norm, unnormed)
 
 
 # -- attention ---------------------------------------------------------------------------------------------------
@@ -629,13 +660,14 @@ def split_keys(length, count, window, causal, split, splits):
 @register_jitable
 def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
                 page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos, sin,
-                q_rows, half, rotary_dim, offset, interleaved, splits, all_heads):
+                q_rows, half, rotary_dim, offset, interleaved, splits, all_heads, norm, unnormed):
     """Task = i * kv_heads + h: the queries of sequence i, q's rows q_starts[i] .. q_starts[i + 1] - 1 (q, o flat
     (T, q_heads, head_dim)), in the q heads h*G .. h*G+G-1 (G = q_heads // kv_heads) against its keys and values
     of k/v head h, key p in slot block_table[i, p // page_size] * page_size + p % page_size; query j of the c_i at
     position seq_lens[i] - c_i + j. ``zero``: 0 in the work dtype (k_scale's dtype: the scales, or a work-dtype
     array when not ``quantized``). ``rotary_dim > 0``: q row r is rotated as it is loaded, in the work dtype, at table
-    row ``q_rows[r]`` (:func:`rotate_head`, the append's rotation of a key), then scaled by ``fold``.
+    row ``q_rows[r]`` (:func:`rotate_head`, the append's rotation of a key), then scaled by ``fold``; normed first
+    when ``norm`` = (weight, eps, head_dim) is given (:func:`norm_head`, as the append norms a key).
     ``splits > 1``: only the keys of part ``split`` (:func:`split_keys`), and the row's accumulator (not divided)
     goes to part_o[(r * splits + split) * head_dim ..], its (max, sum) to part_ml[(r * splits + split) * 2 ..]
     (r = row * q_heads + q head; a row without a key in the part: sum 0), for :func:`combine_task`.
@@ -686,7 +718,15 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                 s = hh * rb + rr
                 j = (r0 + rr) // groups
                 qi = (((q0 + j) * q_heads) + (h + hh) * groups + (r0 + rr - j * groups)) * head_dim
-                if rotary_dim > 0:
+                if norm is not None:   # normed into qs, then rotated there
+                    norm_head(q, qi, 1, qs, s * head_dim, norm, head_dim)
+                    if rotary_dim > 0:
+                        rotate_head(qs, s * head_dim, 1, qs, s * head_dim, cos, sin, q_rows[q0 + j], half, rotary_dim,
+                                    offset, head_dim, interleaved)
+                    for c in range(head_dim):
+                        qs[s * head_dim + c] = qs[s * head_dim + c] * fold
+                        acc[s * head_dim + c] = zero
+                elif unnormed is not None and rotary_dim > 0:
                     rotate_head(q, qi, 1, qs, s * head_dim, cos, sin, q_rows[q0 + j], half, rotary_dim, offset,
                                 head_dim, interleaved)
                     for c in range(head_dim):
@@ -796,7 +836,7 @@ def combine_task(task, o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim
 @njit(parallel=True, **KERNEL_JIT)
 def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
                              page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized,
-                             cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads):
+                             cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads, norm, unnormed):
     """Attention of n sequences' queries over their pages, one parallel pass over the (sequence, k/v head, split)
     tasks (:func:`attend_task`), then (splits > 1) one over the (sequence, k/v head) pairs merging the splits
     (:func:`combine_task`); q, o: flat packed (T, q_heads, head_dim), C order, sequence i's queries the rows
@@ -806,7 +846,9 @@ def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     work-dtype arrays when not ``quantized``); block_table (n, W), seq_lens (n,) and q_starts (n + 1,) int64; fold:
     the scale (over softcap when there is one); softcap: 0 for none; window: the causal window (a huge number for
     none); cos, sin (R, half) work-dtype tables and q_rows (T,) int64: q's rotation when rotary_dim > 0 (pairs of
-    ``layout`` interleaved or half in [offset, offset + rotary_dim)). Tasks are numbered split-major (split s of
+    ``layout`` interleaved or half in [offset, offset + rotary_dim)); norm: None, or q's per-head RMSNorm (weight,
+    eps, head_dim) (:func:`norm_head`), and unnormed True or None (the other: a marker, as the append's). Tasks are
+    numbered split-major (split s of
     every pair, then s + 1), so the parts of one sequence's keys land on different threads."""
     n_pairs = seq_lens.shape[0] * kv_heads
     for task in prange(n_pairs * splits):
@@ -814,7 +856,7 @@ def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
         attend_task(np.int64(task) - split * n_pairs, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale,
                     block_table, seq_lens, q_starts, page_size, q_heads, kv_heads, head_dim, fold, softcap, zero,
                     window, causal, quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits,
-                    all_heads)
+                    all_heads, norm, unnormed)
     if splits > 1:
         for task in prange(n_pairs):
             combine_task(np.int64(task), o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim, zero, splits)
@@ -823,7 +865,7 @@ def paged_attention_parallel(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
 @njit(**KERNEL_JIT)
 def paged_attention_serial(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens, q_starts,
                            page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal, quantized, cos,
-                           sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads):
+                           sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads, norm, unnormed):
     """paged_attention_parallel on the calling thread (small calls)."""
     q, o, part_o, part_ml = borrowed(q), borrowed(o), borrowed(part_o), borrowed(part_ml)
     k_ent, v_ent, k_scale, v_scale = borrowed(k_ent), borrowed(v_ent), borrowed(k_scale), borrowed(v_scale)
@@ -834,7 +876,7 @@ def paged_attention_serial(q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale
         for task in range(n_pairs):
             attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_scale, block_table, seq_lens,
                         q_starts, page_size, q_heads, kv_heads, head_dim, fold, softcap, zero, window, causal,
-                        quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads)
+                        quantized, cos, sin, q_rows, half, rotary_dim, offset, interleaved, splits, all_heads, norm, unnormed)
     if splits > 1:
         for task in range(n_pairs):
             combine_task(task, o, part_o, part_ml, q_starts, q_heads, kv_heads, head_dim, zero, splits)
