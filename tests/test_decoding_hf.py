@@ -143,7 +143,7 @@ def test_config_reads_each_family(hf_family):
     if family == "gemma3":   # local and global layers: two specs, the window only on the sliding ones
         local, glob = cfg.specs[0], cfg.specs[1]
         assert local.base == 10000.0 and glob.base == 1000000.0 and glob.scaling is not None and local.scaling is None
-        decoder = dec.Decoder(cfg, {"model.embed_tokens.weight": np.zeros((1, 1))})
+        decoder = dec.Decoder(cfg, dec.random_weights(cfg))
         assert decoder.attn_args[0]["scale"] == 24 ** -0.5
         cache = decoder.new_cache(2, 16, page_size=4)   # one cache per kind: sliding layers 0, 2; global layer 1
         assert [(c.layers, c.window) for c in cache.caches] == [(2, 4), (1, None)]

@@ -3,8 +3,9 @@
 Three families, read from a Hugging Face config (``config.json`` as a dict, or ``PretrainedConfig.to_dict()``):
 
 * Llama 3.1 (``model_type`` "llama"): RMSNorm, SwiGLU MLP, ``rope_type`` "llama3" frequency scaling;
-* Qwen3 ("qwen3"): Llama plus an RMSNorm over each q and k head before RoPE (``q_norm``/``k_norm``), here with
-  YaRN scaling (its attention factor lives in the rotation, as in HF);
+* Qwen3 ("qwen3"): Llama plus an RMSNorm over each q and k head before RoPE (``q_norm``/``k_norm``: fused into
+  the cache's append and attention, ``k_norm=`` / ``q_norm=``), here with YaRN scaling (its attention factor lives
+  in the rotation, as in HF);
 * Gemma 3 text ("gemma3_text"): ``q_norm``/``k_norm``, RMSNorms with ``(1 + weight)``, embeddings times
   sqrt(hidden), the softmax scale ``query_pre_attn_scalar**-0.5``, a ``gelu_pytorch_tanh`` MLP between
   pre- and post-feedforward norms, and two kinds of layers (``layer_types``): sliding-window layers rotated
@@ -264,6 +265,19 @@ class Decoder:
             if cfg.query_pre_attn_scalar is not None:
                 scale = cfg.query_pre_attn_scalar ** -0.5 * spec.softmax_scale_factor
             self.attn_args.append(dict(scale=scale, softcap=cfg.attn_logit_softcapping))
+        # Qwen3, Gemma 3: an RMSNorm of each q and k head before RoPE, fused into the cache's append (k) and attention
+        # (q); Gemma's weights as (1 + weight)
+        self.k_norm_args, self.q_norm_args = [], []
+        for i in range(cfg.num_hidden_layers):
+            if cfg.family == "llama":
+                self.k_norm_args.append({})
+                self.q_norm_args.append({})
+                continue
+            p = f"model.layers.{i}.self_attn."
+            k_w, q_w = (weights[p + name] + 1.0 if self.gemma else weights[p + name] for name in ("k_norm.weight",
+                                                                                               "q_norm.weight"))
+            self.k_norm_args.append(dict(k_norm=k_w, norm_eps=cfg.rms_norm_eps))
+            self.q_norm_args.append(dict(q_norm=q_w, norm_eps=cfg.rms_norm_eps))
 
     def new_cache(self, batch: int, capacity=None, *, page_size=None, num_pages=None, kv_dtype=None,
                   backend="auto") -> ModelCache:
@@ -297,11 +311,11 @@ class Decoder:
             q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, hq, hd)
             k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, hk, hd)
             v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, hk, hd)
-            if cfg.family != "llama":   # Qwen3, Gemma 3: RMSNorm of each head before RoPE
-                q, k = self.norm(q, p + "self_attn.q_norm.weight"), self.norm(k, p + "self_attn.k_norm.weight")
-            # k rotated at each token's position as it is written; q rotated at its position when it attends
-            layer.append(k, v, ids, cu_seqlens=cu, positions=positions)
-            o = rotary.attention(q, layer, seq_ids=ids, cu_seqlens=cu, q_positions=positions, **self.attn_args[i])
+            # k normed (Qwen3, Gemma 3) and rotated at each token's position as it is written; q normed and rotated at
+            # its position as the attention reads it
+            layer.append(k, v, ids, cu_seqlens=cu, positions=positions, **self.k_norm_args[i])
+            o = layer.attend(q, seq_ids=ids, cu_seqlens=cu, q_positions=positions, **self.attn_args[i],
+                             **self.q_norm_args[i])
             o = o.reshape(T, hq * hd) @ w[p + "self_attn.o_proj.weight"].T
             if self.gemma:   # norms after attention and around the MLP
                 x = x + self.norm(o, p + "post_attention_layernorm.weight")

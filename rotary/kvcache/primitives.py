@@ -110,29 +110,8 @@ class KVPlan:
         return cos, sin, rows, spec.rotary_dim, spec.layout, spec.rotary_offset
 
     def norm(self, weight, eps, name):
-        """The backends' ``norm`` argument of a per-head RMSNorm with ``weight`` (``name``: "k_norm" or "q_norm"):
-        ``(weight (head_dim,) C-contiguous in the work dtype of the plan's array type, eps)``; None without a weight
-        (then ``eps`` must be None too)."""
-        if weight is None:
-            if eps is not None:
-                raise ValueError(f"norm_eps goes with {name}= (the norm's weights); without them nothing is normed")
-            return None
-        eps = NORM_EPS if eps is None else optional_number(eps, "norm_eps", positive=False)
-        if eps < 0:
-            raise ValueError(f"norm_eps must be >= 0, got {eps}")
-        d = self.shape[3]
-        if type(weight) is np.ndarray and self.convert is None and weight.dtype == self.work and \
-                weight.shape == (d,) and weight.flags.c_contiguous:
-            return weight, eps   # (read, never written)
-        if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
-            raise TypeError(f"{name} must be an array of head_dim ({d}) weights, got {type(weight).__name__}")
-        if tuple(weight.shape) != (d,):
-            raise ValueError(f"{name} must have shape ({d},) (one weight per coordinate of a head), got "
-                             f"{tuple(weight.shape)}")
-        w = np.asarray(weight) if self.convert is None else self.xp.asarray(weight)
-        check_float(w, name, self.xp if self.convert is not None else np)
-        w = w.astype(self.work) if w.dtype != self.work else w
-        return (w if w.flags.c_contiguous else w.copy()), eps
+        """The backends' ``norm`` argument of a per-head RMSNorm (:func:`norm_argument`) for this plan's arrays."""
+        return norm_argument(weight, eps, name, self.shape[3], self.work, None if self.convert is None else self.xp)
 
     # -- running ---------------------------------------------------------------------------------------------------
     def prepare_append(self, k, v, slots, rotation):
@@ -168,6 +147,31 @@ class KVPlan:
         attend = self.module.paged_attention
         return lambda q, stores, norm=None: attend(q, stores, block_table, page_size, seq_lens, q_starts, norm=norm,
                                                    **options)
+
+
+def norm_argument(weight, eps, name, head_dim, work, xp=None):
+    """The backends' ``norm`` argument of a per-head RMSNorm with ``weight`` (``name``: "k_norm" or "q_norm"):
+    ``(weight (head_dim,) C-contiguous in the ``work`` dtype, eps)``, a NumPy array (``xp`` None) or one of ``xp``'s
+    (a device backend's namespace); None without a weight (then ``eps`` must be None too)."""
+    if weight is None:
+        if eps is not None:
+            raise ValueError(f"norm_eps goes with {name}= (the norm's weights); without them nothing is normed")
+        return None
+    eps = NORM_EPS if eps is None else optional_number(eps, "norm_eps", positive=False)
+    if eps < 0:
+        raise ValueError(f"norm_eps must be >= 0, got {eps}")
+    if xp is None and type(weight) is np.ndarray and weight.dtype == work and weight.shape == (head_dim,) and \
+            weight.flags.c_contiguous:
+        return weight, eps   # (read, never written)
+    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+        raise TypeError(f"{name} must be an array of head_dim ({head_dim}) weights, got {type(weight).__name__}")
+    if tuple(weight.shape) != (head_dim,):
+        raise ValueError(f"{name} must have shape ({head_dim},) (one weight per coordinate of a head), got "
+                         f"{tuple(weight.shape)}")
+    w = np.asarray(weight) if xp is None else xp.asarray(weight)
+    check_float(w, name, np if xp is None else xp)
+    w = w.astype(work) if w.dtype != work else w
+    return (w if w.flags.c_contiguous else w.copy()), eps
 
 
 def value_range(a):

@@ -641,7 +641,7 @@ class KVCache:
                              f"or packed (tokens, heads, head_dim) with cu_seqlens; got shape {tuple(a.shape)}")
         return a if self.layout == "bshd" else a.transpose(0, 2, 1, 3)
 
-    def append(self, k, v, seq_ids=None, *, cu_seqlens=None, positions=None, layer=None):
+    def append(self, k, v, seq_ids=None, *, cu_seqlens=None, positions=None, layer=None, k_norm=None, norm_eps=None):
         """Append the next tokens of sequences ``seq_ids`` (all when None): k rotated at each sequence's
         positions ``lengths[b] .. lengths[b] + s - 1`` and written with v into their slots in one pass
         (:func:`rotary.kv_append`'s plan).
@@ -653,17 +653,30 @@ class KVCache:
         layer : which layer (a cache made with ``layers=``): the first layer's append of a step takes its pages and
         advances the lengths (unless :meth:`reserve` did), each other layer writes the same slots (the same
         sequences and token counts). The cache is unchanged when an argument is wrong.
+        k_norm, norm_eps : the layer's per-head RMSNorm of the keys before RoPE (Qwen3's / Gemma 3's ``k_norm``
+        weights, (head_dim,); Gemma's as ``1 + weight``), fused into the append (:func:`rotary.kv_append`).
 
         The append prepared by the step's first layer (its slots, rotation and the backend's kernel arguments) is
         run by every other layer whose k and v have the same type, dtype, shape and strides (and no seq_ids,
         cu_seqlens or positions): those layers check the layer, the step and the memory rule, nothing else changes.
         """
+        norm = None if k_norm is None and norm_eps is None else self._norm(k_norm, norm_eps, "k_norm")
         if seq_ids is None and cu_seqlens is None and positions is None and \
-                self._append_prepared(k, v, self._layer_index(layer)):
+                self._append_prepared(k, v, self._layer_index(layer), norm):
             return
-        self._append(k, v, seq_ids, cu_seqlens, positions, layer)
+        self._append(k, v, seq_ids, cu_seqlens, positions, layer, norm)
 
-    def _append_prepared(self, k, v, i) -> bool:
+    def _norm(self, weight, eps, name):
+        """The backends' ``norm`` argument of a layer's q_norm / k_norm weights (:func:`rotary.kvcache.primitives.
+        norm_argument`)."""
+        xp = None
+        if self._array_type is not np.ndarray:
+            from array_api_compat import array_namespace
+
+            xp = array_namespace(self._empty((0,), self.dtype))
+        return _kv.norm_argument(weight, eps, name, self.head_dim, self.work, xp)
+
+    def _append_prepared(self, k, v, i, norm=None) -> bool:
         """Layer i's plain append through the append the step's first layer prepared, when k and v are shaped as its
         (the layer, the step and the memory rule checked); False when there is none for them."""
         memo = self._append_memo
@@ -674,15 +687,17 @@ class KVCache:
         if step.done[i]:
             self._check_step(step, step.ids, step.counts, step.dense, i)   # raises: this layer has appended
         k_pool, v_pool, scales = self._layer_pools[i]
-        _kv.check_memory((k, v), ("k", "v"), k_pool, v_pool, scales, self._region)
+        _kv.check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales,
+                         self._region)
         if self.layout == "bshd":
-            run(k.reshape(shape), v.reshape(shape), self._run_stores[i])
+            run(k.reshape(shape), v.reshape(shape), self._run_stores[i], norm)
         else:
-            run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape), self._run_stores[i])
+            run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape), self._run_stores[i],
+                norm)
         self._done(step, i)
         return True
 
-    def _append(self, k, v, seq_ids, cu_seqlens, positions, layer):
+    def _append(self, k, v, seq_ids, cu_seqlens, positions, layer, norm=None):
         """:meth:`append`'s checks and the step's books, then its prepared append (kept for the step's other layers
         when the call is a plain one: no seq_ids, cu_seqlens or positions)."""
         i = self._layer_index(layer)
@@ -710,7 +725,8 @@ class KVCache:
             kt, vt = k, v
         plan = self._plan((kt, vt), ("k", "v"), "append_kv")
         pools = self._layer_pools[i]
-        _kv.check_memory((k, v), ("k", "v"), pools[0], pools[1], pools[2], self._region)
+        _kv.check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), pools[0], pools[1],
+                         pools[2], self._region)
         step = self._step
         if step is None:
             if i != 0:
@@ -733,7 +749,7 @@ class KVCache:
         if pos is None and step.dense and step.counts == 1 and step.ids is self._all_ids:   # a decode step of all:
             self._query_rotation = rotation   # its queries' positions (lengths - 1) are its keys' (until a change)
         run = plan.prepare_append(kt, vt, step.slots, rotation)
-        run(kt, vt, self._run_stores[i])
+        run(kt, vt, self._run_stores[i], norm)
         if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
             self._append_memo = (step, (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides), run,
                                  tuple(kt.shape))
@@ -867,19 +883,22 @@ class KVCache:
         return self._gather(0, slots, i), self._gather(1, slots, i), cu
 
     def attend(self, q, *, causal=True, seq_ids=None, cu_seqlens=None, q_positions=None, scale=None, window=None,
-               softcap=None, block_size=512, layer=None):
+               softcap=None, block_size=512, layer=None, q_norm=None, norm_eps=None):
         """``rotary.attention(q, cache, ...)``: attention of q, the last tokens of sequences ``seq_ids``, over their
         own keys where they lie (:func:`rotary.paged_attention`'s plan over this cache's block table): query j of
         sequence b sits at position ``lengths[b] - s + j`` and is rotated there (or at ``q_positions``), in the
         attention kernel. A windowed cache attends within its window (``window`` may only narrow it).
+        ``q_norm``, ``norm_eps``: the layer's per-head RMSNorm of q before RoPE (Qwen3's / Gemma 3's ``q_norm``), as
+        :meth:`append`'s ``k_norm``, applied in the attention kernel as q is read.
 
         The attention prepared by the first layer after a change of the lengths or tables (its rotation of q, tables
         and the backend's kernel arguments) is run by every other layer whose q has the same type, dtype, shape and
         strides and whose options are the same (and no seq_ids, cu_seqlens or q_positions)."""
         i = self._layer_index(layer)
+        norm = None if q_norm is None and norm_eps is None else self._norm(q_norm, norm_eps, "q_norm")
         plain = seq_ids is None and cu_seqlens is None and q_positions is None
         if plain and causal is True and window is None and softcap is None and scale is None:   # the defaults
-            o = self._attend_prepared(q, i)
+            o = self._attend_prepared(q, i, norm)
             if o is not None:
                 return o
         step = self._step
@@ -894,13 +913,13 @@ class KVCache:
                        softcap, type(scale), scale)
             memo = self._attend_memo
             if memo is not None and memo[0] == key:
-                return memo[1](q, self._run_stores[i])
+                return memo[1](q, self._run_stores[i], norm)
         run = self._prepare_attention(q, key, causal, seq_ids, cu_seqlens, q_positions, scale, window, softcap)
         if key is not None:
             self._attend_memo = (key, run)
-        return run(q, self._run_stores[i])
+        return run(q, self._run_stores[i], norm)
 
-    def _attend_prepared(self, q, i):
+    def _attend_prepared(self, q, i, norm=None):
         """Layer i's attention of q with the default options through the attention prepared for the current tables,
         when q is shaped as its (and the layer has appended the step's keys); None when there is none for it."""
         memo = self._attend_memo
@@ -909,7 +928,7 @@ class KVCache:
         step = self._step
         if step is not None and not step.done[i]:
             return None   # (attend raises)
-        return memo[1](q, self._run_stores[i])
+        return memo[1](q, self._run_stores[i], norm)
 
     def _attention_setup(self, q, causal, cu_seqlens, scale, window, softcap):
         """What :meth:`attend`'s arguments give whatever the tables: (packed q, counts, dense shape, plan, causal,
@@ -962,15 +981,15 @@ class KVCache:
         prepared = plan.prepare_attention(_kv.contiguous(qp), table, self.page_size, lens, q_starts, scale=scale,
                                           softcap=softcap, window=window, causal=causal, rotation=rotation)
         if dense_shape is None:
-            return lambda q, stores: prepared(_kv.contiguous(q), stores)
+            return lambda q, stores, norm: prepared(_kv.contiguous(q), stores, norm)
         if self.layout == "bshd":   # (n, s, heads, d): packed by a reshape
-            def run(q, stores):
+            def run(q, stores, norm):
                 qp = q.reshape(packed_shape)
-                return prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
+                return prepared(qp if qp.flags.c_contiguous else qp.copy(), stores, norm).reshape(dense_shape)
         else:
-            def run(q, stores):
+            def run(q, stores, norm):
                 qp = q.transpose(0, 2, 1, 3).reshape(packed_shape)
-                o = prepared(qp if qp.flags.c_contiguous else qp.copy(), stores).reshape(dense_shape)
+                o = prepared(qp if qp.flags.c_contiguous else qp.copy(), stores, norm).reshape(dense_shape)
                 return o.transpose(0, 2, 1, 3)
 
         return run
