@@ -53,6 +53,20 @@ def test_kv_case_fails_on_a_wrong_append(monkeypatch, wrong):
     assert not result.passed
 
 
+@pytest.mark.parametrize("dropped", ["k", "q"])
+def test_kv_norm_case_fails_on_a_dropped_norm(monkeypatch, dropped):
+    """The q/k norm check can fail: an append (attention) that skips the norm it is given is caught."""
+    from rotary.backends import numpy as ref
+
+    name = "append_kv" if dropped == "k" else "paged_attention"
+    original = getattr(ref, name)
+    monkeypatch.setattr(ref, name, lambda *a, norm=None, **kw: original(*a, **kw))
+    case = next(c for c in kv_conformance.kv_cases() if c.qk_norm and c.caller_tables)
+    assert not kv_conformance.run_kv_case(case, "numpy").passed
+    case = next(c for c in kv_conformance.kv_cases() if c.qk_norm and not c.caller_tables)
+    assert not kv_conformance.run_kv_case(case, "numpy").passed
+
+
 def test_linear_case_fails_on_a_wrong_backend(monkeypatch):
     """The linear check can fail: a backend whose output is 1% off is caught."""
     import numpy as np

@@ -8,6 +8,10 @@ then ``steps`` dense decode appends of one token each) and checks:
 - ``attention(q, cache)`` of the last ``q_len`` tokens of each sequence against
   :func:`rotary.testing.attention_quadratic` on the same (quantized: dequantized) keys and values.
 
+A case with ``qk_norm`` normalizes each k and q head before RoPE (Qwen3's / Gemma 3's q_norm and k_norm, fused
+into the append and the attention: ``append(k_norm=)``, ``attend(q_norm=)``, ``kv_append(k_norm=)``,
+``paged_attention(q_norm=)``); the oracles norm the appended keys and q in float64 first.
+
 A case with ``caller_tables`` runs the same tokens through the stateless primitives instead, over pools and a
 block table the case owns (as an engine does): :func:`rotary.kv_append` with vLLM's slot mapping (a padding
 token of slot -1 in the prefill) and :func:`rotary.paged_attention` with packed queries; sequences 0 and 2 read
@@ -53,6 +57,7 @@ class KVCase:
     head_dim: int = 16
     steps: int = 2
     caller_tables: bool = False
+    qk_norm: bool = False
 
     def spec(self) -> RopeSpec:
         scaling = SCALINGS[self.scaling] if self.scaling else None
@@ -75,8 +80,12 @@ def kv_cases(quick: bool = False) -> list[KVCase]:
         KVCase("kv-primitives-f32", caller_tables=True, q_len=2),
         KVCase("kv-primitives-int8-window", caller_tables=True, kv_dtype="int8", window=3, layout="interleaved"),
         KVCase("kv-primitives-f16-yarn", caller_tables=True, dtype="float16", scaling="yarn"),
+        KVCase("kv-qk-norm-yarn", paged=True, scaling="yarn", q_len=2, qk_norm=True),
+        KVCase("kv-qk-norm-window-softcap-f16", dtype="float16", window=4, softcap=20.0, qk_norm=True),
+        KVCase("kv-primitives-qk-norm-int8", caller_tables=True, kv_dtype="int8", layout="interleaved",
+               rotary_dim=8, qk_norm=True),
     ]
-    quick_names = ("kv-paged-f32", "kv-int8-paged", "kv-primitives-f32")
+    quick_names = ("kv-paged-f32", "kv-int8-paged", "kv-primitives-f32", "kv-qk-norm-yarn")
     return [c for c in every if c.name in quick_names] if quick else every
 
 
@@ -113,11 +122,12 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
     spec = case.spec()
     dt = np.dtype(case.dtype)
     hk, d = case.kv_heads, case.head_dim
+    norms = _norm_weights(case, rng)
     counts = [5, 1, 8]
     size = dict(page_size=4, num_pages=32) if case.paged else dict(capacity=16)
     t0 = time.perf_counter()
     if case.caller_tables:
-        filled = _caller_tables(case, spec, dt, rng, backend, to_backend, to_host)
+        filled = _caller_tables(case, spec, dt, rng, backend, to_backend, to_host, norms)
         if isinstance(filled, Result):
             return filled
         ks, vs, q, o, held = filled
@@ -129,15 +139,20 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
         ks = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
         vs = [rng.standard_normal((c, hk, d)).astype(dt) for c in counts]
         cu = np.concatenate([[0], np.cumsum(counts)])
-        cache.append(to_backend(np.concatenate(ks)), to_backend(np.concatenate(vs)), cu_seqlens=cu)
+        k_norm = {} if norms is None else dict(k_norm=to_backend(norms[0]), norm_eps=NORM_EPS)
+        cache.append(to_backend(np.concatenate(ks)), to_backend(np.concatenate(vs)), cu_seqlens=cu, **k_norm)
         for _ in range(case.steps):
             k1 = rng.standard_normal((3, 1, hk, d)).astype(dt)
             v1 = rng.standard_normal((3, 1, hk, d)).astype(dt)
-            cache.append(to_backend(k1), to_backend(v1))
+            cache.append(to_backend(k1), to_backend(v1), **k_norm)
             ks = [np.concatenate([a, k1[b, :1]]) for b, a in enumerate(ks)]
             vs = [np.concatenate([a, v1[b, :1]]) for b, a in enumerate(vs)]
         q = rng.standard_normal((3, case.q_len, case.heads, d)).astype(dt)
-        o = to_host(attention(to_backend(q), cache, window=case.window, softcap=case.softcap))
+        if norms is None:
+            o = to_host(attention(to_backend(q), cache, window=case.window, softcap=case.softcap))
+        else:
+            o = to_host(cache.attend(to_backend(q), window=case.window, softcap=case.softcap,
+                                     q_norm=to_backend(norms[1]), norm_eps=NORM_EPS))
         held = [(to_host(cache.keys(b)).astype(np.float64), to_host(cache.values(b)).astype(np.float64))
                 for b in range(3)]
     except _Done:
@@ -150,7 +165,7 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
     worst, ok = 0.0, True
     for b, (keys, values) in enumerate(held):
         pos = np.arange(len(ks[b]))
-        want = rope_complex(ks[b].astype(np.float64).transpose(1, 0, 2), pos, inv, layout=spec.layout,
+        want = rope_complex(_norm64(ks[b], norms, 0).transpose(1, 0, 2), pos, inv, layout=spec.layout,
                             scale=spec.attention_scaling).transpose(1, 0, 2)
         for got, ref in ((keys, want), (values, vs[b].astype(np.float64))):
             if case.kv_dtype is None:
@@ -165,7 +180,7 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
         # attention of the last q_len tokens over the held (dequantized) keys, which are already rotated
         L = len(ks[b])
         qpos = np.arange(L - case.q_len, L)
-        qr = rope_complex(q[b].astype(np.float64).transpose(1, 0, 2), qpos, inv, layout=spec.layout,
+        qr = rope_complex(_norm64(q[b], norms, 1).transpose(1, 0, 2), qpos, inv, layout=spec.layout,
                           scale=spec.attention_scaling)
         ref_o = attention_quadratic(qr, keys.transpose(1, 0, 2), values.transpose(1, 0, 2), qpos, pos,
                                     scale=getattr(spec, "softmax_scale_factor", 1.0) / np.sqrt(d), causal=True,
@@ -178,11 +193,31 @@ def run_kv_case(case: KVCase, backend: str, *, to_backend=None, to_host=None, se
                   "" if ok else "keys, values or attention off the oracle")
 
 
+#: the eps of the qk_norm cases (Qwen3's)
+NORM_EPS = 1e-6
+
+
+def _norm_weights(case, rng):
+    """(k weights, q weights) float32 (head_dim,) of a qk_norm case, else None."""
+    if not case.qk_norm:
+        return None
+    return tuple((1.0 + 0.5 * rng.standard_normal(case.head_dim)).astype(np.float32) for _ in range(2))
+
+
+def _norm64(x, norms, which):
+    """x in float64, each head normed by weights ``norms[which]`` (0: k, 1: q) when the case has them:
+    ``x / sqrt(mean(x^2) + eps) * w``."""
+    x = np.asarray(x, np.float64)
+    if norms is None:
+        return x
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + NORM_EPS) * norms[which].astype(np.float64)
+
+
 class _Done(Exception):
     """The caller-tables run filled ``held`` already (the cache's run is skipped)."""
 
 
-def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host):
+def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host, norms=None):
     """The case's tokens through kv_append / paged_attention over pools and a block table owned here: returns
     (ks, vs, q, o, held) as the cache's run makes them, or a failed Result."""
     from ..backends import kv_entries
@@ -192,6 +227,8 @@ def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host):
     hk, d, ps = case.kv_heads, case.head_dim, 4
     fmt = kv_entries.kv_format(case.kv_dtype)
     work = np.float64 if dt == np.float64 else np.float32
+    k_norm = {} if norms is None else dict(k_norm=to_backend(norms[0]), norm_eps=NORM_EPS)
+    q_norm = {} if norms is None else dict(q_norm=to_backend(norms[1]), norm_eps=NORM_EPS)
     try:
         pools = [np.zeros((12, ps, hk, d), kv_entries.entry_dtype(case.kv_dtype, dt)) for _ in range(2)]
         scales = None if fmt.limit is None else tuple(np.zeros((12, ps, hk), work) for _ in range(2))
@@ -211,13 +248,13 @@ def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host):
         pad = np.zeros((1, hk, d), dt)   # a padding token of the step (vLLM's slot -1)
         kv_append(to_backend(np.concatenate([k_all, pad])), to_backend(np.concatenate([v_all, pad])), *pools,
                   np.append(slots, -1), np.append(pos, 0), spec=spec, scales=scales, kv_dtype=case.kv_dtype,
-                  backend=backend)
+                  backend=backend, **k_norm)
         lens = np.array(counts)
         for _ in range(case.steps):
             k1 = rng.standard_normal((3, hk, d)).astype(dt)
             v1 = rng.standard_normal((3, hk, d)).astype(dt)
             kv_append(to_backend(k1), to_backend(v1), *pools, slots_from_block_table(table, np.arange(3), lens, ps),
-                      lens, spec=spec, scales=scales, kv_dtype=case.kv_dtype, backend=backend)
+                      lens, spec=spec, scales=scales, kv_dtype=case.kv_dtype, backend=backend, **k_norm)
             ks = [np.concatenate([a, k1[b:b + 1]]) for b, a in enumerate(ks)]
             vs = [np.concatenate([a, v1[b:b + 1]]) for b, a in enumerate(vs)]
             lens = lens + 1
@@ -225,7 +262,7 @@ def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host):
         cu = np.arange(4) * case.q_len
         o = to_host(paged_attention(to_backend(q.reshape(-1, case.heads, d)), *pools, table, lens, spec=spec,
                                     cu_seqlens=cu, window=case.window, softcap=case.softcap, scales=scales,
-                                    kv_dtype=case.kv_dtype, backend=backend)).reshape(q.shape)
+                                    kv_dtype=case.kv_dtype, backend=backend, **q_norm)).reshape(q.shape)
         stores = tuple(None if a is None else to_host(a).reshape((-1,) + tuple(a.shape[2:]))
                        for a in (*pools, *(scales or (None, None))))
         held = []
