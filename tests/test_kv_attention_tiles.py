@@ -37,7 +37,8 @@ def task_mode(request, monkeypatch):
     ran = []
     for name in ("paged_attention_serial", "paged_attention_parallel"):
         kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel: (ran.append(a[-3]), _k(*a))[1])   # (all_heads, norm, unnormed)
+        # all_heads: the third last argument (then the norm's two markers)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel: (ran.append(a[-3]), _k(*a))[1])
     if request.param == "per head":
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 0)
         monkeypatch.setattr(numba_kv, "SPLIT_TASKS_PER_THREAD", 1 << 40)

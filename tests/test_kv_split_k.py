@@ -35,11 +35,11 @@ ATTENTION_KERNELS = ("paged_attention_serial", "paged_attention_parallel")
 
 def _record(monkeypatch):
     """A list that gets (kernel name, splits) of each attention kernel run (the glue looks the kernels up when it
-    prepares a call; splits is the kernel's second last argument, all_heads its last)."""
+    prepares a call; splits is the kernel's fourth last argument, before all_heads and the norm's two markers)."""
     ran = []
     for name in ATTENTION_KERNELS:
         kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append((_n, a[-2])), _k(*a))[1])
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append((_n, a[-4])), _k(*a))[1])
     return ran
 
 
