@@ -7,7 +7,9 @@
    ``rotary.attention(q, cache.layer(i))``), against the same kernels called alone on prepared arguments (a step's
    launches captured and replayed: each layer's append on the step's slots and its paged attention, which rotates
    q, over its own pools), and the step with every kernel launch replaced by a no-op: the cache's host work per layer (the issue's bound: 5 us per layer). Every step adds a token
-   to each sequence (no rollback between rounds: a page is taken every 16 steps, as in decoding).
+   to each sequence (no rollback between rounds: a page is taken every 16 steps, as in decoding). Then the step of a
+   Qwen3-style model, q and k normed per head before RoPE (each layer's own weights): fused (``append(k_norm=)``,
+   ``attend(q_norm=)``) against a separate NumPy norm pass before the plain calls, and its host work per layer.
 2. **fork** of a 4096-token sequence (page_size 16): the time and the pages it takes (a shared prefix: no token
    copied), against copying the sequence's keys and values.
 3. **prefix reuse**: a 1024-token prompt added a second time with ``add(tokens=prompt)``: the tokens left to
@@ -51,7 +53,7 @@ def bench_step(args, rng):
 
     B, Hk, Hq, D, L = 32, 8, 32, 128, args.layers
     held = args.held
-    steps = 4 * args.rounds + 8   # every step below adds one token to each sequence (a page every 16 steps)
+    steps = 7 * args.rounds + 8   # every step below adds one token to each sequence (a page every 16 steps)
     spec = rotary.RopeSpec(D, base=500000.0)
     cache = rotary.KVCache(spec, batch=B, kv_heads=Hk, head_dim=D, page_size=16,
                            num_pages=B * -(-(held + steps) // 16), layers=L, backend="numba")
@@ -67,6 +69,21 @@ def bench_step(args, rng):
         for layer in layers:
             layer.append(k, k)
             layer.attend(q)
+
+    k_norms, q_norms = (1 + 0.1 * rng.standard_normal((2, L, D))).astype(np.float32)
+
+    def step_normed():   # Qwen3 / Gemma 3: q and k normed per head before RoPE, fused into the cache's kernels
+        for layer, k_norm, q_norm in zip(layers, k_norms, q_norms):
+            layer.append(k, k, k_norm=k_norm, norm_eps=1e-6)
+            layer.attend(q, q_norm=q_norm, norm_eps=1e-6)
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-6)) * w
+
+    def step_norm_pass():   # the same norms as a NumPy pass before the plain calls
+        for layer, k_norm, q_norm in zip(layers, k_norms, q_norms):
+            layer.append(rms(k, k_norm), k)
+            layer.attend(rms(q, q_norm))
 
     def step_frontend():   # the same through cache.append(layer=) and rotary.attention(q, cache.layer(i))
         for i in range(L):
@@ -92,10 +109,13 @@ def bench_step(args, rng):
     t_step = best_median(step, args.rounds)
     t_front = best_median(step_frontend, args.rounds)
     t_kernels = best_median(kernels, args.rounds)
+    t_normed = best_median(step_normed, args.rounds)
+    t_norm_pass = best_median(step_norm_pass, args.rounds)
     runtime.launch = lambda kernel, serial, kargs: True   # every kernel a no-op: what is left is the host's work
     try:
         t_host = best_median(step, args.rounds)
         t_host_front = best_median(step_frontend, args.rounds)
+        t_host_normed = best_median(step_normed, args.rounds)
     finally:
         runtime.launch = launch
     assert cache.free_pages >= 0 and int(cache.lengths.max()) <= held + steps
@@ -116,6 +136,12 @@ def bench_step(args, rng):
           f"{per_layer[1]:.1f} |")
     print(f"| host work per layer through cache.append(layer=) + rotary.attention, us | {per_layer_front[0]:.1f} | "
           f"{per_layer_front[1]:.1f} |")
+    print(f"| q and k normed per head (Qwen3): append(k_norm=) + attend(q_norm=), fused | {t_normed[0] * 1e3:.2f} | "
+          f"{t_normed[1] * 1e3:.2f} |")
+    print(f"| the same norms as a NumPy pass before the plain calls | {t_norm_pass[0] * 1e3:.2f} | "
+          f"{t_norm_pass[1] * 1e3:.2f} |")
+    print(f"| host work per layer with the fused norms, us | {t_host_normed[0] / L * 1e6:.1f} | "
+          f"{t_host_normed[1] / L * 1e6:.1f} |")
 
 
 def bench_fork(args, rng):
