@@ -294,18 +294,24 @@ def test_many_heads_and_a_wide_head(kernels, rng):
 # -- tables, geometry, plan checks, the shim's own checks ----------------------------------------------------
 def test_kv_cache_family_in_the_kernel_tables():
     """The family is in SOURCES (so tests/test_nvrtc.py compiles it for every target, and the shim builds it),
-    with an append and an attention kernel per KV format (no float8 from float64); the formats and the KIND codes
+    with an append and an attention kernel per KV format (no float8 from float64), and an append with the key norm
+    per format (NORM: the module of group "norm", compiled when a call asks for it); the formats and the KIND codes
     are kv_entries.KV_FORMATS'."""
     assert cb.SOURCES["kv_cache"] == "kv_cache.cu"
     assert cb.name_expressions("kv_cache", "float64") == [
         "kv_append<double, double, 0>", "kv_append<double, double, 1>",
         "paged_attention<double, double, 0>", "paged_attention<double, double, 1>",
-        "paged_attention_combine<double, double>"]
+        "paged_attention_combine<double, double>",
+        "kv_append<double, double, 0, true>", "kv_append<double, double, 1, true>"]
+    assert cb.name_expressions("kv_cache", "float64", "norm") == cb.name_expressions("kv_cache", "float64")[-2:]
+    assert cb.name_expressions("kv_cache", "float64", "") == cb.name_expressions("kv_cache", "float64")[:-2]
     for dtype in ("float32", "float16", "bfloat16"):
         names = cb.name_expressions("kv_cache", dtype)
-        assert len(names) == 7 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
+        assert len(names) == 10 and names[2] == cb.kv_append_kernel_name(dtype, "float8_e4m3")
         assert names[5] == cb.paged_attention_kernel_name(dtype, "float8_e4m3")
         assert names[6] == cb.paged_attention_combine_kernel_name(dtype)
+        assert names[7:] == [cb.kv_append_kernel_name(dtype, kind, norm=True) for kind in KV_DTYPES]
+        assert [cb.kernel_group(n) for n in names] == [""] * 7 + ["norm"] * 3
     assert cb.kv_append_kernel_name("float32", "float8_e4m3").endswith(f"{KV_FORMATS['float8_e4m3'].code}>")
     assert cb.VARIANTS == {"append_kv": (None, "int8", "float8_e4m3"), "paged_attention": (None, "int8", "float8_e4m3")}
     for gone in ("cache_attention", "plan_cache_attention", "kv_dtype_of", "KV_DTYPES", "KV_KINDS"):
@@ -597,7 +603,7 @@ def test_paged_attention_gqa_groups_and_splits(kernels, dtype, kv_dtype, head_di
     plan = cb.plan_paged_attention(q, o, pool.stores, table, 4, lens, starts, dtype_name=dtype, scale=0.1,
                                    softcap=None, window=None, causal=True, kv_dtype=kv_dtype, threads=16, tile=4)
     entry = np.dtype(pool.stores[0].dtype).itemsize
-    assert plan.launches[0].args[-7] == (head_dim * entry % 16 == 0)   # vec (then the six rotation arguments)
+    assert plan.launches[0].args[-10] == (head_dim * entry % 16 == 0)   # vec (then 6 rotation, 3 norm arguments)
     assert plan.geometry.heads_per_block == 8 and plan.geometry.head_chunks == 2   # group 9: 8 + 1
 
 
@@ -731,7 +737,7 @@ def test_paged_attention_plan_and_shim_checks(kernels, rng):
             plan = cb.plan_paged_attention(q, o, stores, table, 4, lens, starts, dtype_name="float16", scale=0.25,
                                            softcap=None, window=5, causal=True, kv_dtype=kv_dtype, threads=threads,
                                            tile=tile, splits=splits)
-            assert plan.launches[0].args[-7] == (head_dim == 16)   # 16-byte staging: rows of 32 or 16 bytes
+            assert plan.launches[0].args[-10] == (head_dim == 16)   # 16-byte staging: rows of 32 or 16 bytes
             for launch in plan.launches:
                 checked.launch(launch)
             assert np.all(np.isfinite(o))
@@ -805,3 +811,395 @@ def test_shim_backend_through_the_registry(kernels, monkeypatch):
     assert registry.get("cuda-shim") is other
     other.unregister()
     assert registry.get("cuda-shim") is module
+
+
+# -- the per-head RMSNorm before RoPE (Qwen3 / Gemma 3's q_norm and k_norm) against float64 oracles ----------------
+#: head_dim -> (rotary_dim, rotary_offset): partial rotary with an offset, partial, full
+NORM_SHAPES = {20: (12, 4), 72: (48, 8), 128: (128, 0)}
+#: eps small (the mean square rules) and large (eps rules the small heads: the norm is not scale-free)
+NORM_EPS = (1e-6, 4.0)
+#: float entries: max |entry - oracle| / max |oracle| of each head (the dtype's rounding of the normed, rotated work
+#: values, and the work dtype's own operations)
+NORM_TOL = {"float32": 2e-6, "float64": 1e-13, "float16": 1e-3, "bfloat16": 8e-3}
+NORM_FORMATS = [(d, kv) for d in ("float32", "float16", "bfloat16", "float64") for kv in (None, "int8")]
+
+
+def rms_norm64(x, weight, eps):
+    """float64 per-head RMSNorm over the last axis: (x / sqrt(mean(x^2) + eps)) * weight."""
+    x = np.asarray(x, np.float64)
+    inv = 1.0 / np.sqrt((x * x).sum(-1, keepdims=True) / x.shape[-1] + eps)
+    return (x * inv) * np.asarray(weight, np.float64)
+
+
+def rotate64(x, positions, spec):
+    """x (T, H, D) rotated at positions (T,) by the spec's float64 angles (rotary.testing.rope_complex: its pairs
+    and offset)."""
+    from rotary.testing import rope_complex
+
+    return rope_complex(x, np.asarray(positions, np.float64)[:, None], spec.inv_freq(), layout=spec.layout,
+                        rotary_offset=spec.rotary_offset)
+
+
+def norm_weight(rng, head_dim, work):
+    """A non-trivial weight: random, mostly around 1, a few negative and near-zero coordinates."""
+    w = rng.normal(1.0, 0.6, head_dim)
+    w[rng.integers(0, head_dim, 2)] *= 1e-3
+    return np.ascontiguousarray(w, work)
+
+
+def as_kernel_array(a, dtype):
+    """(host array, kernel dtype name): bfloat16 as its uint16 bits (the shim's convention)."""
+    if dtype == "bfloat16":
+        return a.view(np.uint16), "bfloat16"
+    return a, dtype
+
+
+def host_dtype(dtype):
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def check_normed_keys(got, initial, k, rows, slots, spec, weight, eps, *, dtype, kv_dtype):
+    """The k entries (and scales) the append wrote at each appended slot against the float64 oracle (norm, then
+    rotation by float64 angles); every other k entry and scale unchanged."""
+    keep = np.asarray(slots) >= 0
+    want = rotate64(rms_norm64(k[keep], weight, eps), np.asarray(rows)[keep], spec)   # (n, Hk, D)
+    at = np.asarray(slots)[keep]
+    untouched = np.setdiff1d(np.arange(got[0].shape[0]), at)
+    np.testing.assert_array_equal(bits(got[0][untouched]), bits(initial[0][untouched]))
+    peak = np.abs(want).max(-1)                                                       # (n, Hk)
+    if kv_dtype is None:
+        err = np.abs(got[0][at].astype(np.float64) - want).max(-1)
+        assert np.all(err <= NORM_TOL[dtype] * peak), f"relative error {(err / peak).max():.3g}"
+        return
+    np.testing.assert_array_equal(got[2][untouched], initial[2][untouched])
+    scale = got[2][at].astype(np.float64)
+    work_tol = 1e-13 if dtype == "float64" else 2e-6
+    np.testing.assert_allclose(scale, peak / 127, rtol=work_tol)
+    err = np.abs(got[0][at].astype(np.float64) * scale[..., None] - want).max(-1)
+    assert np.all(err <= 0.5 * scale * (1 + work_tol) + work_tol * peak), f"{(err / scale).max():.4g} steps"
+    assert np.abs(got[0][at]).max() == 127
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype,kv_dtype", NORM_FORMATS, ids=[f"{d}-{kv}" for d, kv in NORM_FORMATS])
+def test_append_with_norm_matches_the_float64_oracle(kernels, dtype, kv_dtype, layout, rng):
+    """kv_append<..., true>: each key head RMS-normed (random weight; eps small and large over heads whose scales
+    span 1e-2 .. 1e2) before its rotation, then cast or quantized once: head_dim 20 (partial rotary from offset 4),
+    72 (partial, offset 8) and 128 (full), each under another block geometry (odd thread groups: trees over 3 and 7
+    partials), padding tokens among the others (NaN k and v: never read), k a strided view once; against the
+    float64 oracle. The v entries and scales are the append's without the norm, bit for bit (v is never normed)."""
+    work = work_of(np.float64 if dtype == "float64" else np.float32)
+    for i, head_dim in enumerate(NORM_SHAPES):
+        rotary_dim, offset = NORM_SHAPES[head_dim]
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+        geometry = list(GEOMETRIES)[(i + (layout == "half") + NORM_FORMATS.index((dtype, kv_dtype))) % 4]
+        T, Hk, P = 7, 3, 20
+        scale = 10.0 ** rng.uniform(-2, 2, (T, Hk, 1))
+        k = (rng.standard_normal((T, Hk, 2 * head_dim)) * scale).astype(host_dtype(dtype))
+        k = k[..., ::2] if i == 1 else np.ascontiguousarray(k[..., :head_dim])
+        v = (rng.standard_normal((T, Hk, head_dim)) * scale).astype(host_dtype(dtype))
+        k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, P), 1 + i % 2)
+        cos, sin = tables(spec, 64, work)
+        for eps in NORM_EPS:
+            weight = norm_weight(rng, head_dim, work)
+            stores = make_stores(P, Hk, head_dim, np.float32 if dtype == "bfloat16" else dtype, kv_dtype, rng)
+            if kv_dtype is None and dtype == "bfloat16":
+                stores = (stores[0].astype(ml_dtypes.bfloat16), stores[1].astype(ml_dtypes.bfloat16), None, None)
+            got = copy_stores(stores)
+            threads, group, tpb = GEOMETRIES[geometry]
+            kk, name = as_kernel_array(k, dtype)
+            plan = cb.plan_append_kv(kk, as_kernel_array(v, dtype)[0], cos, sin, rows, slots, got, dtype_name=name,
+                                     rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype,
+                                     norm=(weight, eps), threads=threads, group=group, max_tokens_per_block=tpb)
+            assert plan.kernel == cb.kv_append_kernel_name(name, kv_dtype, norm=True)
+            assert plan.shared_mem == plan.block * np.dtype(work).itemsize
+            kernels.launch(plan)
+            check_normed_keys(got, stores, k, rows, slots, spec, weight, eps, dtype=dtype, kv_dtype=kv_dtype)
+            want_v = reference(k, v, cos, sin, rows, slots, stores, spec=spec, kv_dtype=kv_dtype)
+            assert_same_bits(got[1::2], want_v[1::2])
+
+
+def test_append_with_norm_is_scale_free_for_small_eps(kernels, rng):
+    """With eps far below the heads' mean squares the normed keys do not depend on each head's scale: a head and the
+    same head times 2^10 (exact in every dtype) give the same entries, bit for bit (the sum of squares scales by
+    2^20 exactly, the factor by 2^-10), unless eps shows; with eps large they differ."""
+    spec = RopeSpec(72, rotary_dim=48, rotary_offset=8)
+    k = rng.standard_normal((5, 2, 72)).astype(np.float32)
+    k2 = k * np.float32(1024)
+    cos, sin = tables(spec, 16, np.float32)
+    weight = norm_weight(rng, 72, np.float32)
+    rows, slots = np.arange(5), np.arange(5)
+    outs = {}
+    for eps in (0.0, 4.0):
+        for name, x in (("k", k), ("k2", k2)):
+            got = make_stores(5, 2, 72, np.float32, None, rng)
+            kernels.launch(cb.plan_append_kv(x, x, cos, sin, rows, slots, got, dtype_name="float32", rotary_dim=48,
+                                             layout="half", offset=8, kv_dtype=None, norm=(weight, eps)))
+            outs[name, eps] = got[0]
+    np.testing.assert_array_equal(outs["k", 0.0], outs["k2", 0.0])
+    assert np.abs(outs["k", 4.0] - outs["k2", 4.0]).max() > 0.1
+
+
+#: the norm attention cases: (name, queries per sequence); sequences of NORM_SEQ_LENS keys, pages of 4
+NORM_SEQ_LENS = [9, 1, 14, 6]
+NORM_STEPS = {"decode": [1, 1, 1, 1], "mixed": [1, 0, 6, 2]}   # mixed: a 6-query chunk of one sequence
+NORM_ATTENTION_FORMATS = [(d, kv) for d in ("float32", "float16", "float64") for kv in (None, "int8")]
+
+
+class NormPool:
+    """A paged pool the append kernel filled with normed keys (``weight``, ``eps``; layout, partial rotary and
+    offset of NORM_SHAPES), with the block table and the spec."""
+
+    def __init__(self, kernels, *, dtype, kv_dtype, head_dim, layout, weight, eps, kv_heads=2, page_size=4, seed=0):
+        rng = np.random.default_rng(seed)
+        rotary_dim, offset = NORM_SHAPES[head_dim]
+        self.spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset, base=500.0)
+        self.dtype, self.kv_dtype, self.page_size = dtype, kv_dtype, page_size
+        self.seq_lens = np.asarray(NORM_SEQ_LENS, np.int64)
+        pages = [-(-int(L) // page_size) for L in self.seq_lens]
+        self.block_table = np.full((len(pages), max(pages)), sum(pages), np.int64)   # unused: a NaN page
+        order = iter(rng.permutation(sum(pages)))
+        for i, n in enumerate(pages):
+            self.block_table[i, :n] = [next(order) for _ in range(n)]
+        shape = ((sum(pages) + 1) * page_size, kv_heads, head_dim)
+        work = work_of(dtype)
+        if kv_dtype is None:
+            self.stores = (np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None)
+        else:
+            self.stores = (np.zeros(shape, np.int8), np.zeros(shape, np.int8), np.full(shape[:2], np.nan, work),
+                           np.full(shape[:2], np.nan, work))
+        positions = np.concatenate([np.arange(L) for L in self.seq_lens])
+        slots = np.concatenate([self.block_table[i, p // page_size] * page_size + p % page_size
+                                for i, p in enumerate(np.arange(L) for L in self.seq_lens)])
+        k = (rng.standard_normal((len(slots), kv_heads, head_dim)) * 10.0 ** rng.uniform(-1, 1, (len(slots), kv_heads,
+                                                                                                 1))).astype(dtype)
+        v = rng.standard_normal((len(slots), kv_heads, head_dim)).astype(dtype)
+        cos, sin = tables(self.spec, 16, work)
+        initial = copy_stores(self.stores)
+        kv_shim_backend(kernels).append_kv(k, v, cos, sin, positions, slots, self.stores, rotary_dim=rotary_dim,
+                                           layout=layout, offset=offset, kv_dtype=kv_dtype, norm=(weight, eps))
+        check_normed_keys(self.stores, initial, k, positions, slots, self.spec, weight, eps, dtype=dtype,
+                          kv_dtype=kv_dtype)
+
+    def rotation(self, counts):
+        """The rotation tuple of q rows of ``counts`` queries per sequence (each at its position) and the positions."""
+        positions = np.concatenate([np.arange(L - c, L) for L, c in zip(self.seq_lens, counts)]).astype(np.int64)
+        cos, sin = tables(self.spec, 16, work_of(self.dtype))
+        return (cos, sin, positions, self.spec.rotary_dim, self.spec.layout, self.spec.rotary_offset), positions
+
+
+#: head_dim -> its two attention calls (step, q rotated as it is read, GQA group): each step rotated and not, each
+#: with GQA 1 and 4 (the formats of odd index swap rotated and not: every combination over the formats)
+NORM_ATTENTION_CASES = {20: [("decode", True, 4), ("mixed", False, 1)],
+                        72: [("decode", False, 4), ("mixed", True, 1)],
+                        128: [("decode", True, 1), ("mixed", False, 4)]}
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", NORM_ATTENTION_FORMATS, ids=[f"{d}-{kv}" for d, kv in NORM_ATTENTION_FORMATS])
+def test_paged_attention_with_norm_matches_the_float64_oracle(kernels, dtype, kv_dtype, rng):
+    """paged_attention with the q norm over pools of normed keys: head_dim 20 / 72 / 128 (partial rotary from an
+    offset, partial, full), both layouts, GQA 1 and 4 (2 kv heads), a decode step and a mixed step (a 6-query chunk
+    of one sequence with a 2-query chunk and a decode row of others), q rotated as it is read and not (rotation
+    None: normed only), eps small and large (q's and k's apart), q a strided view, unsplit and in 3 splits, the
+    default block and 16 threads (raised to the head's P.V chunks: 18 for 72 fp32 coordinates, so GQA 4 has 4
+    threads per head and 2 idle ones); against the float64 oracle (q normed, rotated by the float64 angles, then the
+    masked softmax over the dequantized keys)."""
+    work = work_of(dtype)
+    index = NORM_ATTENTION_FORMATS.index((dtype, kv_dtype))
+    for i, head_dim in enumerate(NORM_SHAPES):
+        layout = ("half", "interleaved")[(i + index) % 2]
+        k_weight = norm_weight(rng, head_dim, work)
+        pool = NormPool(kernels, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, layout=layout, weight=k_weight,
+                        eps=NORM_EPS[i % 2], seed=i)
+        for j, (step, rotated, group) in enumerate(NORM_ATTENTION_CASES[head_dim]):
+            rotated ^= bool(index % 2)
+            counts = NORM_STEPS[step]
+            q_weight, q_eps = norm_weight(rng, head_dim, work), NORM_EPS[(i + j + 1) % 2]
+            big = rng.standard_normal((sum(counts), 2 * group, 2 * head_dim)) * 10.0 ** rng.uniform(-1, 1)
+            q = big.astype(dtype)[..., ::2] if j else np.ascontiguousarray(big[..., :head_dim], dtype)
+            rotation, positions = pool.rotation(counts)
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            splits = 3 if j else 1
+            module = kv_shim_backend(kernels, attention=dict(splits=splits) if head_dim == 128 else
+                                     dict(threads=16, tile=8, splits=splits))
+            kw = dict(scale=head_dim ** -0.5, softcap=None, window=None, causal=True, kv_dtype=kv_dtype)
+            o = module.paged_attention(q, pool.stores, pool.block_table, pool.page_size, pool.seq_lens, starts,
+                                       rotation=rotation if rotated else None, norm=(q_weight, q_eps), **kw)
+            assert module.calls == [kernels_of(dtype, kv_dtype, splits)]
+            qn = rms_norm64(q, q_weight, q_eps)
+            if rotated:
+                qn = rotate64(qn, positions, pool.spec)
+            want = oracle(qn, pool.stores, pool.block_table, pool.page_size, pool.seq_lens, starts, **kw)
+            assert_close(o, want, dtype)
+
+
+def test_norm_none_launches_the_kernels_without_it(kernels, rng):
+    """norm=None is the launch without the norm: the append kernel without NORM (the old name), no shared memory
+    for cast entries, the reference's bits; paged_attention with has_norm 0 (weight and eps unread), the same bits
+    as a call without the argument and the oracle's values."""
+    spec = RopeSpec(20, rotary_dim=12, rotary_offset=4, layout="interleaved")
+    T, Hk, P = 6, 2, 10
+    k = rng.standard_normal((T, Hk, 20)).astype(np.float32)
+    v = rng.standard_normal((T, Hk, 20)).astype(np.float32)
+    k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 32, T), paged_slots(rng, T, P), 2)
+    cos, sin = tables(spec, 32, np.float32)
+    kw = dict(dtype_name="float32", rotary_dim=12, layout="interleaved", offset=4)
+    for kv_dtype in KV_DTYPES:
+        stores = make_stores(P, Hk, 20, np.float32, kv_dtype, rng)
+        plain = cb.plan_append_kv(k, v, cos, sin, rows, slots, stores, kv_dtype=kv_dtype, **kw)
+        plan = cb.plan_append_kv(k, v, cos, sin, rows, slots, stores, kv_dtype=kv_dtype, norm=None, **kw)
+        assert plan.kernel == plain.kernel == f"kv_append<float, float, {KV_FORMATS[kv_dtype].code}>"
+        assert (plan.grid, plan.block, plan.shared_mem) == (plain.grid, plain.block, plain.shared_mem)
+        assert plan.shared_mem == (0 if kv_dtype is None else plan.block * 4)
+        assert plan.args[-2] is cos and plan.args[-1] == 0   # the weight's place: unread
+        check_append(kernels, k, v, spec, rows, slots, stores, kv_dtype=kv_dtype, n_rows=32)
+    pool = pool_for(kernels, "float32", "int8")
+    rows, counts = ALL, [2, 0, 1, 3, 1, 1]
+    q = rng.standard_normal((sum(counts), 4, 32)).astype(np.float32)
+    module = kv_shim_backend(kernels, attention=dict(threads=8, tile=4))
+    table, lens, starts = pool.block_table[rows], pool.seq_lens[rows], pool.q_starts(counts)
+    o_plain, want = attend(module, pool, q, rows, counts)
+    o_none = module.paged_attention(q, pool.stores, table, 4, lens, starts, scale=1 / np.sqrt(32), softcap=None,
+                                    window=None, causal=True, kv_dtype="int8", norm=None)
+    np.testing.assert_array_equal(o_none, o_plain)
+    assert_close(o_none, want, "float32")
+    plan = cb.plan_paged_attention(q, np.empty_like(q), pool.stores, table, 4, lens, starts, dtype_name="float32",
+                                   scale=0.1, softcap=None, window=None, causal=True, kv_dtype="int8", norm=None)
+    assert plan.launches[0].args[-3] is lens and plan.launches[0].args[-2:] == (0, 0)
+
+
+def test_norm_plan_checks(rng):
+    """Both plans refuse a norm weight of another shape, dtype or layout, an eps that is not a float >= 0 and a norm
+    that is not (weight, eps), with the module's messages; a float64 weight for float64 data, eps 0 and a NumPy
+    float eps are taken."""
+    spec = RopeSpec(16)
+    k = np.zeros((3, 2, 16), np.float32)
+    cos, sin = tables(spec, 8, np.float32)
+    rows = slots = np.arange(3, dtype=np.int64)
+    stores = make_stores(4, 2, 16, np.float32, "int8", rng)
+    w = np.ones(16, np.float32)
+
+    def append(norm, data=k, work_tables=(cos, sin), dtype_name="float32", st=stores):
+        return cb.plan_append_kv(data, data, *work_tables, rows, slots, st, dtype_name=dtype_name, rotary_dim=16,
+                                 layout="half", offset=0, kv_dtype=None if st is not stores else "int8", norm=norm)
+
+    q = np.zeros((3, 4, 16), np.float32)
+    table, lens, starts = np.zeros((1, 1), np.int64), np.array([3], np.int64), np.array([0, 3], np.int64)
+
+    def attention(norm):
+        return cb.plan_paged_attention(q, np.empty_like(q), stores, table, 4, lens, starts, dtype_name="float32",
+                                       scale=1.0, softcap=None, window=None, causal=True, kv_dtype="int8", norm=norm)
+
+    bad = [((w[:15], 1e-6), r"norm weight must be a C-contiguous float32 \(16,\), got float32 \(15,\)"),
+           ((w.astype(np.float64), 1e-6), "norm weight must be a C-contiguous float32 .* got float64"),
+           ((np.ones(32, np.float32)[::2], 1e-6), "norm weight must be a C-contiguous"),
+           ((w.reshape(1, 16), 1e-6), "norm weight"),
+           ((w, -1e-6), "norm eps must be a float >= 0"),
+           ((w, float("nan")), "norm eps"),
+           ((w, 1), "norm eps must be a float"),
+           ((w, None), "norm eps"),
+           ((w,), r"norm must be None or \(weight, eps\)"),
+           ([w, 1e-6], "norm must be"),
+           (w, "norm must be")]
+    for norm, match in bad:
+        with pytest.raises(ValueError, match="append_kv: " + match):
+            append(norm)
+        with pytest.raises(ValueError, match="paged_attention: " + match):
+            attention(norm)
+    for eps in (0.0, np.float64(1e-5), np.float32(1e-5)):
+        assert append((w, eps)).args[-1] == np.float32(eps)
+        assert attention((w, eps)).launches[0].args[-3:] == (w, np.float32(eps), 1)
+    assert append((w, 1e-6)).kernel == "kv_append<float, float, 1, true>"
+    k64, w64 = k.astype(np.float64), w.astype(np.float64)
+    plan = append((w64, 0.5), data=k64, work_tables=tables(spec, 8, np.float64), dtype_name="float64",
+                  st=make_stores(4, 2, 16, np.float64, None, rng))
+    assert plan.kernel == "kv_append<double, double, 0, true>" and plan.args[-2] is w64 and plan.shared_mem > 0
+    with pytest.raises(ValueError, match="norm weight must be a C-contiguous float64"):
+        append((w, 0.5), data=k64, work_tables=tables(spec, 8, np.float64), dtype_name="float64",
+               st=make_stores(4, 2, 16, np.float64, None, rng))
+    empty = dict(dtype_name="float32", rotary_dim=16, layout="half", offset=0, kv_dtype="int8")
+    assert cb.plan_append_kv(k[:0], k[:0], cos, sin, rows[:0], slots[:0], stores, norm=(w, 1e-6), **empty) is None
+    with pytest.raises(ValueError, match="norm weight"):   # checked, then nothing to launch
+        cb.plan_append_kv(k[:0], k[:0], cos, sin, rows[:0], slots[:0], stores, norm=(w[:3], 1e-6), **empty)
+
+
+def test_norm_passes_the_shim_checks(kernels, rng):
+    """The norm kernels under exact-extent copies, two shared-memory poisons (the sums of squares read only where
+    written) and three concurrent block slots: the append at odd thread groups (trees over 3 and 7 partials, rows
+    of a round across k and v) for each format, the attention at 7 threads with 3-key tiles (GQA 2: 3 threads per
+    head, one idle) unsplit and split; against the float64 oracles."""
+    checked = host.HostKernels(kernels.path, kernels.entries, slots=3, guard=True, compare=True)
+    spec = RopeSpec(20, rotary_dim=14, rotary_offset=2, layout="interleaved")
+    weight = norm_weight(rng, 20, np.float32)
+    for kv_dtype in KV_DTYPES:
+        for geometry in ("tiny", "odd", "default"):
+            T, Hk, P = 7, 3, 12
+            k = (rng.standard_normal((T, Hk, 20)) * 10.0 ** rng.uniform(-1, 1, (T, Hk, 1))).astype(np.float16)
+            v = rng.standard_normal((T, Hk, 20)).astype(np.float16)
+            k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, P), 2)
+            stores = make_stores(P, Hk, 20, np.float16, kv_dtype, rng)
+            got = copy_stores(stores)
+            cos, sin = tables(spec, 64, np.float32)
+            threads, group, tpb = GEOMETRIES[geometry]
+            checked.launch(cb.plan_append_kv(k, v, cos, sin, rows, slots, got, dtype_name="float16", rotary_dim=14,
+                                             layout="interleaved", offset=2, kv_dtype=kv_dtype, norm=(weight, 0.5),
+                                             threads=threads, group=group, max_tokens_per_block=tpb))
+            if kv_dtype != "float8_e4m3":
+                check_normed_keys(got, stores, k, rows, slots, spec, weight, 0.5, dtype="float16", kv_dtype=kv_dtype)
+            want = reference(k, v, cos, sin, rows, slots, stores, spec=spec, kv_dtype=kv_dtype)
+            assert_same_bits(got[1::2], want[1::2])
+    assert checked.launches == 9
+    pool = NormPool(kernels, dtype="float32", kv_dtype="int8", head_dim=20, layout="half", weight=weight, eps=1e-6)
+    counts = NORM_STEPS["mixed"]
+    q = rng.standard_normal((sum(counts), 4, 20)).astype(np.float32)
+    rotation, positions = pool.rotation(counts)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    q_weight = norm_weight(rng, 20, np.float32)
+    kw = dict(scale=0.3, softcap=None, window=None, causal=True, kv_dtype="int8")
+    want = oracle(rotate64(rms_norm64(q, q_weight, 2.0), positions, pool.spec), pool.stores, pool.block_table, 4,
+                  pool.seq_lens, starts, **kw)
+    for splits in (1, 3):
+        o = np.full(q.shape, np.nan, q.dtype)
+        plan = cb.plan_paged_attention(q, o, pool.stores, pool.block_table, 4, pool.seq_lens, starts,
+                                       dtype_name="float32", rotation=rotation, norm=(q_weight, 2.0), threads=7,
+                                       tile=3, splits=splits, **kw)
+        for launch in plan.launches:
+            checked.launch(launch)
+        assert_close(o, want, "float32")
+
+
+def test_cupy_glue_with_norm(fake_cupy, kernels, rng):
+    """rotary.backends.cupy.append_kv and paged_attention with a norm through the NumPy stand-ins for CuPy: the
+    append kernel with NORM from a module of its own (group "norm", built when asked for), paged_attention's usual
+    kernel; the bits of the same plans launched on the NumPy arrays directly."""
+    spec = RopeSpec(32, rotary_dim=24, rotary_offset=4)
+    T, Hk, P = 6, 2, 12
+    k = rng.standard_normal((T, Hk, 32)).astype(np.float32)
+    v = rng.standard_normal((T, Hk, 32)).astype(np.float32)
+    cos, sin = tables(spec, 32, np.float32)
+    rows, slots = rng.integers(0, 32, T), paged_slots(rng, T, P)
+    weight = norm_weight(rng, 32, np.float32)
+    stores = make_stores(P, Hk, 32, np.float32, "int8", rng)
+    got = tuple(fake_cupy.wrap(a.copy()) for a in stores)
+    cb.append_kv(fake_cupy.wrap(k), fake_cupy.wrap(v), fake_cupy.wrap(cos), fake_cupy.wrap(sin), fake_cupy.wrap(rows),
+                 fake_cupy.wrap(slots), got, rotary_dim=24, layout="half", offset=4, kv_dtype="int8",
+                 norm=(fake_cupy.wrap(weight), 1e-6))
+    assert fake_cupy.launched == ["kv_append<float, float, 1, true>"]
+    assert [key[-1] for key in cb._modules] == ["norm"]
+    assert next(iter(cb._modules.values())).names == cb.name_expressions("kv_cache", "float32", "norm")
+    direct = copy_stores(stores)
+    kv_shim_backend(kernels).append_kv(k, v, cos, sin, rows, slots, direct, rotary_dim=24, layout="half", offset=4,
+                                       kv_dtype="int8", norm=(weight, 1e-6))
+    assert_same_bits([np.asarray(a) for a in got], direct)
+    check_normed_keys(direct, stores, k, rows, slots, spec, weight, 1e-6, dtype="float32", kv_dtype="int8")
+    table = np.array([[slots[0] // 4, 0]], np.int64)   # one sequence over the page of the first slot (4 keys)
+    lens, starts = np.array([4], np.int64), np.array([0, 2], np.int64)
+    q = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    q_rot = (fake_cupy.wrap(cos), fake_cupy.wrap(sin), fake_cupy.wrap(np.array([2, 3])), 24, "half", 4)
+    kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype="int8")
+    o = cb.paged_attention(fake_cupy.wrap(q), got, table, 4, fake_cupy.wrap(lens), starts, rotation=q_rot,
+                           norm=(fake_cupy.wrap(weight), 0.25), **kw)
+    assert fake_cupy.launched[1:] == [cb.paged_attention_kernel_name("float32", "int8")]
+    want = kv_shim_backend(kernels).paged_attention(q, direct, table, 4, lens, starts, norm=(weight, 0.25),
+                                                    rotation=(cos, sin, np.array([2, 3]), 24, "half", 4), **kw)
+    np.testing.assert_array_equal(np.asarray(o), want)

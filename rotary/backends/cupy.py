@@ -120,8 +120,11 @@ def rope_kernel_name(dtype_name: str, vector: int, interleaved: bool, out_interl
 
 def kernel_group(name: str) -> str:
     """The module a kernel name is compiled in: "mixed" for the rotations that write another pair layout than
-    they read (compiled only when a call asks for one), else "" (the family's usual module)."""
-    return "mixed" if name.startswith("rope_rotate<") and name.count(",") == 4 else ""
+    they read, "norm" for the KV appends with the key norm (each compiled only when a call asks for one), else ""
+    (the family's usual module)."""
+    if name.startswith("rope_rotate<") and name.count(",") == 4:
+        return "mixed"
+    return "norm" if name.startswith("kv_append<") and name.endswith(", true>") else ""
 
 
 def linear_attention_kernel_name(dtype_name: str) -> str:
@@ -977,9 +980,11 @@ def _kv_format(kv_dtype, where: str):
     return KV_FORMATS[kv_dtype]
 
 
-def kv_append_kernel_name(dtype_name: str, kv_dtype) -> str:
+def kv_append_kernel_name(dtype_name: str, kv_dtype, norm: bool = False) -> str:
+    """The append kernel of a dtype and KV format; ``norm``: the one with the key norm (kv_append's NORM, a kernel
+    of its own so that the one without keeps its registers; its own module, :func:`kernel_group` "norm")."""
     t, w = KERNEL_TYPES[dtype_name]
-    return f"kv_append<{t}, {w}, {KV_FORMATS[kv_dtype].code}>"
+    return f"kv_append<{t}, {w}, {KV_FORMATS[kv_dtype].code}{', true' if norm else ''}>"
 
 
 def paged_attention_kernel_name(dtype_name: str, kv_dtype) -> str:
@@ -994,23 +999,27 @@ def paged_attention_combine_kernel_name(dtype_name: str) -> str:
 
 def kv_cache_name_expressions(dtype_name: str) -> list[str]:
     """The kv_cache family's instantiations for one dtype: append and attention for each KV format (those quantized
-    from float32 work values only for fp32-work dtypes), then the split-K combine."""
+    from float32 work values only for fp32-work dtypes), then the split-K combine, then (the "norm" group) the
+    appends with the key norm. paged_attention takes its q norm as an argument (no kernel of its own)."""
     fp32_work = KERNEL_TYPES[dtype_name][1] == "float"
     kinds = [name for name, f in KV_FORMATS.items() if fp32_work or not f.fp32_work_only]
     return [kv_append_kernel_name(dtype_name, kind) for kind in kinds] + \
         [paged_attention_kernel_name(dtype_name, kind) for kind in kinds] + \
-        [paged_attention_combine_kernel_name(dtype_name)]
+        [paged_attention_combine_kernel_name(dtype_name)] + \
+        [kv_append_kernel_name(dtype_name, kind, norm=True) for kind in kinds]
 
 
 def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsize: int, quantized: bool,
                        threads: int = KV_APPEND_THREADS, group: int | None = None,
-                       max_tokens_per_block: int | None = None, rounds: int = 4) -> tuple[int, int, int, int, int]:
+                       max_tokens_per_block: int | None = None, rounds: int = 4,
+                       norm: bool = False) -> tuple[int, int, int, int, int]:
     """(grid, block, group, tokens_per_block, shared_mem) of kv_append.
 
     A (token, k|v, head) row of head_dim values goes to ``group`` threads (the power of two >= head_dim, at most
     32 and at most ``threads``, unless given); a block runs ``threads // group`` rows at a time and takes enough
-    tokens (2 * heads rows each) for about ``rounds`` such rounds. Quantized kinds reduce the amax of each row
-    in ``block`` work-dtype elements of dynamic shared memory.
+    tokens (2 * heads rows each) for about ``rounds`` such rounds. Quantized kinds reduce the amax of each row,
+    and the key norm (``norm``) each k row's sum of squares, in ``block`` work-dtype elements of dynamic shared
+    memory.
     """
     if group is None:
         group = 1
@@ -1028,7 +1037,7 @@ def kv_append_geometry(n_tokens: int, heads: int, head_dim: int, *, work_itemsiz
         tpb = min(tpb, max(1, max_tokens_per_block))
     block = group * min(per_round, tpb * rows_per_token)
     grid = -(-n_tokens // tpb)
-    return grid, block, group, tpb, block * work_itemsize if quantized else 0
+    return grid, block, group, tpb, block * work_itemsize if quantized or norm else 0
 
 
 def _kv_check(ok: bool, what: str, where: str = "append_kv") -> None:
@@ -1062,14 +1071,36 @@ def _check_stores(stores, kv_dtype, dtype_name: str, heads: int, head_dim: int, 
                       f"{name} must be C-contiguous {work_name} {tuple(k_store.shape[:2])}", where)
 
 
+def _norm_args(norm, head_dim: int, work: str, unread, where: str) -> tuple:
+    """The kernels' (norm_weight, norm_eps, has_norm) arguments of ``norm``: None (``unread`` in the pointer's
+    place: the kernel never reads it), or (weight, eps) with weight a C-contiguous (head_dim,) array of the work
+    dtype and eps a float >= 0 (passed in the work dtype)."""
+    wtype = np.float64 if work == "double" else np.float32
+    if norm is None:
+        return unread, wtype(0), np.int32(0)
+    work_name = np.dtype(wtype).name
+    _kv_check(isinstance(norm, tuple) and len(norm) == 2, f"norm must be None or (weight, eps), got {norm!r}", where)
+    weight, eps = norm
+    shape = tuple(getattr(weight, "shape", ()))
+    dtype = np.dtype(weight.dtype).name if hasattr(weight, "dtype") else type(weight).__name__
+    _kv_check(shape == (head_dim,) and getattr(getattr(weight, "flags", None), "c_contiguous", False)
+              and dtype == work_name, f"norm weight must be a C-contiguous {work_name} ({head_dim},), got {dtype} "
+              f"{shape}", where)
+    _kv_check(isinstance(eps, (float, np.floating)) and eps >= 0,
+              f"norm eps must be a float >= 0, got {eps!r}", where)
+    return weight, wtype(eps), np.int32(1)
+
+
 def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rotary_dim: int, layout: str,
-                   offset: int, kv_dtype, threads: int = KV_APPEND_THREADS, group: int | None = None,
+                   offset: int, kv_dtype, norm=None, threads: int = KV_APPEND_THREADS, group: int | None = None,
                    max_tokens_per_block: int | None = None) -> Launch | None:
     """The kv_append launch: k, v (T, Hk, D) with any strides (``.shape``/``.strides`` in bytes), cos/sin
     (R, rotary_dim // 2) C-contiguous in the work dtype, rows and slots (T,) contiguous int64 (``slots[t] < 0``: a
     padding token, skipped), ``stores`` = (k entries, v entries, k scales, v scales) of format ``kv_dtype`` (entries
-    (P, Hk, D) and scales (P, Hk) C-contiguous; scales None unless quantized). Slots are not checked here (the
-    others distinct, < P: the caller's); rows index the tables as they are. None when there is no token."""
+    (P, Hk, D) and scales (P, Hk) C-contiguous; scales None unless quantized). ``norm``: None, or (weight, eps) for
+    the per-head RMSNorm of each key head before its rotation (weight (D,) C-contiguous in the work dtype, eps a
+    float >= 0; kv_cache.cu has the formula; v is never normed). Slots are not checked here (the others distinct,
+    < P: the caller's); rows index the tables as they are. None when there is no token."""
     _kv_format(kv_dtype, "append_kv")
     work = KERNEL_TYPES[dtype_name][1]
     work_name = "float64" if work == "double" else "float32"
@@ -1088,24 +1119,34 @@ def plan_append_kv(k, v, cos, sin, rows, slots, stores, *, dtype_name: str, rota
     for name, a in (("rows", rows), ("slots", slots)):
         _kv_check(tuple(a.shape) == (n_tokens,) and a.flags.c_contiguous and np.dtype(a.dtype).name == "int64",
                   f"{name} must be a contiguous int64 ({n_tokens},), got {np.dtype(a.dtype).name} {tuple(a.shape)}")
+    norm_args = _norm_args(norm, head_dim, work, cos, "append_kv")   # None: cos in the weight's place (unread)
     if n_tokens == 0 or heads == 0 or head_dim == 0:
         return None
     itemsize = ITEMSIZE[dtype_name]
     grid, block, group, tpb, smem = kv_append_geometry(
         n_tokens, heads, head_dim, work_itemsize=8 if work == "double" else 4, quantized=kv_dtype is not None,
-        threads=threads, group=group, max_tokens_per_block=max_tokens_per_block)
+        threads=threads, group=group, max_tokens_per_block=max_tokens_per_block, norm=norm is not None)
     i32 = np.int32
     args = (k, *_elem_strides(k, itemsize), v, *_elem_strides(v, itemsize), cos, sin, rows, slots, k_store, v_store,
             cos if k_scale is None else k_scale, sin if v_scale is None else v_scale,   # KIND 0 never writes them
             np.int64(n_tokens), i32(heads), i32(head_dim), i32(rotary_dim), i32(offset), i32(layout == "interleaved"),
-            i32(group), i32(tpb))
-    return Launch("kv_cache", kv_append_kernel_name(dtype_name, kv_dtype), grid, block, smem, args)
+            i32(group), i32(tpb), *norm_args[:2])   # (the kernel's NORM in place of has_norm)
+    return Launch("kv_cache", kv_append_kernel_name(dtype_name, kv_dtype, norm is not None), grid, block, smem, args)
 
 
-def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+def _device_norm(exchange, norm):
+    """``norm`` with a torch weight as its CuPy view (a CuPy weight as it is; the plan checks it)."""
+    if norm is None or not (isinstance(norm, tuple) and len(norm) == 2):
+        return norm
+    weight, eps = norm
+    return (exchange.to_cupy(weight) if _is_torch_cuda(weight) else weight), eps
+
+
+def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None):
     """The ``append_kv`` primitive (see :mod:`rotary.backends`): one kv_append launch on k's device and stream;
     k and v CuPy arrays (or torch CUDA tensors), ``stores`` CuPy arrays of format ``kv_dtype``; ``slots[t] < 0``
-    skips token t."""
+    skips token t. ``norm``: None or (weight, eps), the keys' per-head RMSNorm before their rotation (weight a
+    (head_dim,) C-contiguous device array of the work dtype)."""
     import cupy
 
     exchange = _Exchange(k)
@@ -1115,7 +1156,8 @@ def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset
         rows_dev = cupy.ascontiguousarray(cupy.asarray(rows), dtype=cupy.int64).reshape(-1)
         slots_dev = cupy.ascontiguousarray(cupy.asarray(slots), dtype=cupy.int64).reshape(-1)
         plan = plan_append_kv(exchange.to_cupy(k), exchange.to_cupy(v), c, s, rows_dev, slots_dev, stores,
-                              dtype_name=name, rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype)
+                              dtype_name=name, rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype,
+                              norm=_device_norm(exchange, norm))
         if plan is not None:
             _launch(plan, name)
 
@@ -1223,7 +1265,7 @@ def _pointer(a) -> int:
 
 
 def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_starts, *, dtype_name: str,
-                         scale: float, softcap, window, causal: bool, kv_dtype, rotation=None,
+                         scale: float, softcap, window, causal: bool, kv_dtype, rotation=None, norm=None,
                          threads: int | None = None, tile: int | None = None, splits: int | None = None, empty=None,
                          shared_mem_limit: int = SHARED_MEM_LIMIT) -> PagedAttentionPlan | None:
     """The paged_attention launches: q (T, Hq, D) packed queries with any strides, o a C-contiguous (T, Hq, D) array
@@ -1234,7 +1276,9 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
     page_size, or the window when causal); ``empty(shape, dtype)`` (None: NumPy's) allocates the split-K workspace.
     ``rotation`` = (cos, sin, rows, rotary_dim, layout, offset): q rotated as it is read, row r at table row rows[r]
     (cos/sin (R, rotary_dim // 2) C-contiguous in the work dtype, rows (T,) contiguous int64); None: q is rotated.
-    None when there is no q row."""
+    ``norm``: None, or (weight, eps): each q head RMS-normed as it is read, before its rotation and the scale
+    (weight (D,) C-contiguous in the work dtype, eps a float >= 0; the append's key norm). None when there is no
+    q row."""
     where = "paged_attention"
     _kv_check(len(q.shape) == 3, f"q must be (tokens, q heads, head_dim), got {tuple(q.shape)}", where)
     n_rows, q_heads, head_dim = (int(d) for d in q.shape)
@@ -1251,9 +1295,10 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
         _kv_check(np.dtype(a.dtype).name == "int64" and a.flags.c_contiguous and tuple(a.shape) == shape and n >= 0,
                   f"{name} must be a contiguous int64 array {shape} (block_table 2-D), got {np.dtype(a.dtype).name} "
                   f"{tuple(a.shape)}", where)
+    work = KERNEL_TYPES[dtype_name][1]
+    norm_args = _norm_args(norm, head_dim, work, seq_lens, where)   # None: seq_lens in the weight's place (unread)
     if n_rows * q_heads == 0 or head_dim == 0:
         return None
-    work = KERNEL_TYPES[dtype_name][1]
     wtype = np.float64 if work == "double" else np.float32
     work_itemsize = 8 if work == "double" else 4
     k_store, v_store, k_scale, v_scale = stores
@@ -1295,7 +1340,7 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
             seq_lens if k_scale is None else k_scale, seq_lens if v_scale is None else v_scale,   # KIND 0: unread
             block_table, i64(block_table.shape[1]), i64(page_size), seq_lens, q_starts, i64(n), i32(q_heads),
             i32(kv_heads), i32(head_dim), wtype(fold), wtype(softcap or 0), i64(window or 0), i32(bool(causal)),
-            i32(geo.tile), i32(geo.heads_per_block), i32(geo.splits), i32(vec), *q_rot)
+            i32(geo.tile), i32(geo.heads_per_block), i32(geo.splits), i32(vec), *q_rot, *norm_args)
     launches = [Launch("kv_cache", paged_attention_kernel_name(dtype_name, kv_dtype), geo.grid, geo.threads,
                        geo.shared_mem, args)]
     if geo.splits > 1:
@@ -1306,10 +1351,10 @@ def plan_paged_attention(q, o, stores, block_table, page_size: int, seq_lens, q_
 
 
 def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype, rotation=None):
+                    kv_dtype, rotation=None, norm=None):
     """The ``paged_attention`` capability (see :mod:`rotary.backends`): the launches of :func:`plan_paged_attention`
     (paged_attention, then the split-K combine when the rule splits) on q's device and stream over the pages where
-    they lie, q rotated as it is read when ``rotation`` is given; returns o (T, Hq, D) in q's dtype (a torch tensor
+    they lie, q RMS-normed (``norm`` = (weight, eps)) and rotated as it is read when those are given; returns o (T, Hq, D) in q's dtype (a torch tensor
     for a torch q). The tables are used as they are when they are contiguous int64 device arrays (else copied
     once)."""
     import cupy
@@ -1327,7 +1372,8 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
             rotation = (cos, sin, rows, rotary_dim, layout, offset)
         plan = plan_paged_attention(exchange.to_cupy(q), exchange.to_cupy(o), stores, table, page_size, lens, starts,
                                     dtype_name=name, scale=scale, softcap=softcap, window=window, causal=causal,
-                                    kv_dtype=kv_dtype, rotation=rotation, empty=cupy.empty)
+                                    kv_dtype=kv_dtype, rotation=rotation, norm=_device_norm(exchange, norm),
+                                    empty=cupy.empty)
         if plan is not None:
             for launch in plan.launches:   # the workspace is freed after them, in the stream's order (CuPy's pool)
                 _launch(launch, name)

@@ -4,9 +4,11 @@
 :func:`run_linear_attention_backward`, the CuPy glue's checks and plans on NumPy arrays); ``kv_shim_backend(kernels)`` adds the KV
 primitives with the contract's signatures (:mod:`rotary.backends`), taking host NumPy arrays for every table:
 
-    append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype)
+    append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None)
     paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                    kv_dtype, rotation=None) -> o
+                    kv_dtype, rotation=None, norm=None) -> o
+
+(``norm`` = (weight, eps) as the contract has it: weight a NumPy array here, passed to the plan as it is)
 
 and ``VARIANTS`` (the CuPy backend's). ``register(monkeypatch)`` builds the shim (once per process; pytest.skip
 without a host C++ compiler) and installs ``kv_shim_backend`` in the registry as "cuda-shim" until the test ends,
@@ -189,17 +191,18 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
     append, attention = dict(append or {}), dict(attention or {})
     calls = []
 
-    def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype):
+    def append_kv(k, v, cos, sin, rows, slots, stores, *, rotary_dim, layout, offset, kv_dtype, norm=None):
         work = work_of(k.dtype)
         cos, sin = np.ascontiguousarray(cos, work), np.ascontiguousarray(sin, work)
         plan = cb.plan_append_kv(k, v, cos, sin, np.ascontiguousarray(rows, np.int64).reshape(-1),
                                  np.ascontiguousarray(slots, np.int64).reshape(-1), stores, dtype_name=_kernel_dtype(k),
-                                 rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype, **append)
+                                 rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=kv_dtype, norm=norm,
+                                 **append)
         kernels.launch(plan)
         calls.append(None if plan is None else plan.kernel)
 
     def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, scale, softcap, window, causal,
-                        kv_dtype, rotation=None):
+                        kv_dtype, rotation=None, norm=None):
         o = np.empty(q.shape, q.dtype)
         if rotation is not None:
             cos, sin, rows, rotary_dim, layout, offset = rotation
@@ -210,7 +213,7 @@ def kv_shim_backend(kernels, *, append=None, attention=None, **rotation):
                                        np.ascontiguousarray(seq_lens, np.int64),
                                        np.ascontiguousarray(q_starts, np.int64), dtype_name=_kernel_dtype(q),
                                        scale=scale, softcap=softcap, window=window, causal=causal, kv_dtype=kv_dtype,
-                                       rotation=rotation, **attention)
+                                       rotation=rotation, norm=norm, **attention)
         for launch in () if plan is None else plan.launches:
             kernels.launch(launch)
         calls.append(None if plan is None else tuple(launch.kernel for launch in plan.launches))

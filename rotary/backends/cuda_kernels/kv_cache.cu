@@ -8,7 +8,13 @@
 //     w_b = x_b cos[r, i] + x_a sin[r, i]            (W: float32, float64 for double; rotary_common.cuh's
 //                                                     rotate_pair, as rope.cu: each product and sum rounded on
 //                                                     its own, never an FMA)
-// the coordinates outside [o, o + rotary_dim) pass through, and v is taken as it is (in W). Entries:
+// the coordinates outside [o, o + rotary_dim) pass through, and v is taken as it is (in W). With the per-head
+// RMSNorm (kv_append<T, W, KIND, true>: Qwen3 / Gemma 3's k_norm, before the rotation; weight norm_weight, eps
+// norm_eps, both unread by kv_append<T, W, KIND> = <..., false>) each key head x is first, in W,
+//     x_d <- (x_d * inv) * weight[d],   inv = 1 / sqrt(ss / head_dim + eps),   ss = sum_d x_d^2
+// (every coordinate normed, the rotated pairs and the ones that pass through; v never; each product and sum
+// rounded on its own, ss summed by the row's group in a fixed tree: deterministic, not NumPy's pairwise order,
+// so within rounding of the reference rather than its bits). Entries:
 //     KIND 0 (the cache's dtype):  k_out = T(w), v_out = v (copied)
 //     KIND 1 ("int8"), 2 ("float8_e4m3"), per (token, head):
 //         amax = max_d |w_d|, scale = amax / LIMIT (127; 448), y = w / scale if scale > 0 else w,
@@ -25,14 +31,59 @@
 // one rotated pair, or one unrotated coordinate). Quantized kinds: each thread keeps the amax of its units,
 // the group reduces them in shared memory (a tree over `group` partials, any group size; dynamic shared
 // memory = blockDim.x * sizeof(W), written by every thread before it is read), and the thread computes its
-// units again (the same operations: the same bits) to write the entries. No warp intrinsics: the host shim
-// runs the same text. KIND 0 needs no shared memory and no barrier.
+// units again (the same operations: the same bits) to write the entries. With NORM the group first reduces
+// its k row's sum of squares the same way (ss partials over coordinates lane, lane + group, ...; the same shared
+// memory, also for KIND 0), every thread of the group then holds inv. No warp intrinsics: the host shim runs the
+// same text. KIND 0 without NORM needs no shared memory and no barrier.
 #include "rotary_common.cuh"
 
 // The quantizers' operations are rotary_common.cuh's rn_* (each correctly rounded on its own).
 
 // max that keeps a NaN (NumPy's max propagates it); max is exact, so the reduction order never matters
 template <typename W> ROTARY_FN W kv_max(W m, W x) { return (x > m || x != x) ? x : m; }
+
+struct KvMaxOp { template <typename W> ROTARY_FN W operator()(W a, W b) const { return kv_max(a, b); } };
+struct KvSumOp { template <typename W> ROTARY_FN W operator()(W a, W b) const { return rn_add(a, b); } };
+
+// red[tid - lane] = op over the `group` partials red[tid - lane .. tid - lane + group) (each thread wrote its own
+// red[tid] before; groups of consecutive threads, any group size, a fixed tree: the same result on every run).
+// Threads with in_group false (idle ones) take no part in the sums. Every thread of the block calls it (barriers).
+template <typename W, typename Op>
+ROTARY_FN void kv_group_reduce(W* red, int tid, int lane, int group, bool in_group, Op op) {
+    __syncthreads();
+    for (int step = 1; step < group; step *= 2) {
+        if (lane % (2 * step) == 0 && lane + step < group && in_group) red[tid] = op(red[tid], red[tid + step]);
+        __syncthreads();
+    }
+}
+
+// RMSNorm: the factor 1 / sqrt(ss / n + eps) of a head whose squares sum to ss (each operation rounded on its own)
+#ifdef ROTARY_ON_DEVICE
+ROTARY_FN float kv_sqrt(float x) { return __fsqrt_rn(x); }
+ROTARY_FN double kv_sqrt(double x) { return __dsqrt_rn(x); }
+#else
+template <typename W> ROTARY_FN W kv_sqrt(W x) { return std::sqrt(x); }
+#endif
+template <typename W> ROTARY_FN W kv_rms_inv(W ss, int n, W eps) {
+    return rn_div(W(1), kv_sqrt(rn_add(rn_div(ss, W(n)), eps)));
+}
+
+// coordinate d of a row in W; normed (x * inv) * weight[d] when norm (a uniform flag: without it, the load alone)
+template <typename T, typename W>
+ROTARY_FN W kv_load(const T* x, i64 sd, int d, const W* weight, W inv, int norm) {
+    const W v = load_float(x[d * sd]);
+    return norm ? rn_mul(rn_mul(v, inv), weight[d]) : v;
+}
+
+// this thread's part of the sum of squares of a row's coordinates d = first, first + stride, ... < n
+template <typename T, typename W> ROTARY_FN W kv_sum_squares(const T* x, i64 sd, int first, int n, int stride) {
+    W ss = W(0);
+    for (int d = first; d < n; d += stride) {
+        const W v = load_float(x[d * sd]);
+        ss = rn_add(ss, rn_mul(v, v));
+    }
+    return ss;
+}
 
 // the entry type of each kind: the storage type, int8, or the uint8 bits of float8_e4m3fn
 template <typename T, int KIND> struct KvEntry { typedef T type; };
@@ -72,32 +123,34 @@ template <typename W> struct KvQuant<2, W> {
 };
 
 // Unit u of a k row: one rotated pair (u < half) or one unrotated coordinate. Sets the element indices
-// and work values (n = 2 for a pair, 1 otherwise).
+// and work values (n = 2 for a pair, 1 otherwise); with norm, of the normed row (factor inv, weight).
 template <typename T, typename W>
 ROTARY_FN int kv_k_unit(const T* x, i64 sd, int u, int half, int offset, int rotary_dim, int interleaved,
-                        const W* c_row, const W* s_row, int (&idx)[2], W (&val)[2]) {
+                        const W* c_row, const W* s_row, const W* weight, W inv, int norm, int (&idx)[2],
+                        W (&val)[2]) {
     if (u < half) {
         idx[0] = offset + (interleaved ? 2 * u : u);
         idx[1] = offset + (interleaved ? 2 * u + 1 : u + half);
-        rotate_pair<W>(load_float(x[idx[0] * sd]), load_float(x[idx[1] * sd]), c_row[u], s_row[u], val[0], val[1]);
+        rotate_pair<W>(kv_load<T, W>(x, sd, idx[0], weight, inv, norm), kv_load<T, W>(x, sd, idx[1], weight, inv, norm),
+                       c_row[u], s_row[u], val[0], val[1]);
         return 2;
     }
     const int j = u - half;
     idx[0] = j < offset ? j : j + rotary_dim;
-    val[0] = load_float(x[idx[0] * sd]);
+    val[0] = kv_load<T, W>(x, sd, idx[0], weight, inv, norm);
     return 1;
 }
 
-template <typename T, typename W, int KIND>
+template <typename T, typename W, int KIND, bool NORM = false>
 __global__ void kv_append(
     const T* k, i64 kst, i64 ksh, i64 ksd, const T* v, i64 vst, i64 vsh, i64 vsd,
     const W* cos_table, const W* sin_table, const i64* rows, const i64* slots,
     typename KvEntry<T, KIND>::type* k_out, typename KvEntry<T, KIND>::type* v_out, W* k_scale, W* v_scale,
     i64 n_tokens, int heads, int head_dim, int rotary_dim, int offset, int interleaved, int group,
-    int tokens_per_block) {
+    int tokens_per_block, const W* norm_weight, W norm_eps) {
     typedef typename KvEntry<T, KIND>::type E;
     ROTARY_DYNAMIC_SMEM(smem);
-    W* red = reinterpret_cast<W*>(smem);   // [blockDim.x] amax partials (KIND != 0)
+    W* red = reinterpret_cast<W*>(smem);   // [blockDim.x] amax partials (KIND != 0), ss partials (NORM)
     const int half = rotary_dim / 2;
     const int tid = threadIdx.x;
     const int lane = tid % group;
@@ -138,13 +191,22 @@ __global__ void kv_append(
         const W* s_row = sin_table + row * half;
         int idx[2];
         W val[2];
+        W inv = W(1);
+        if constexpr (NORM) {   // the k row's sum of squares over its group, then inv in each of its threads
+            red[tid] = live && !is_v ? kv_sum_squares<T, W>(x, sd, lane, head_dim, group) : W(0);
+            kv_group_reduce(red, tid, lane, group, row_in_round < per_round, KvSumOp());
+            if (live && !is_v) inv = kv_rms_inv(red[tid - lane], head_dim, norm_eps);
+            __syncthreads();   // every group has read its sum before red is written again
+        }
         if constexpr (KIND == 0) {
             for (int u = lane; u < units; u += group) {
-                if (is_v || u >= half) {   // copied as it is (v, unrotated coordinates)
+                if (is_v || u >= half) {   // v, unrotated coordinates: copied as they are (normed: in W)
                     const int d = is_v ? u : (u - half < offset ? u - half : u - half + rotary_dim);
-                    out[d] = x[d * sd];
+                    if (is_v || !NORM) out[d] = x[d * sd];
+                    else out[d] = Store<T>::from(kv_load<T, W>(x, sd, d, norm_weight, inv, 1));
                 } else {
-                    kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                    kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, norm_weight, inv,
+                                    NORM, idx, val);
                     out[idx[0]] = Store<T>::from(val[0]);
                     out[idx[1]] = Store<T>::from(val[1]);
                 }
@@ -154,16 +216,12 @@ __global__ void kv_append(
             for (int u = lane; u < units; u += group) {
                 int n = 1;
                 if (is_v) val[0] = load_float(x[u * sd]);
-                else n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                else n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, norm_weight,
+                                         inv, NORM, idx, val);
                 for (int j = 0; j < n; ++j) amax = kv_max(amax, rn_abs(val[j]));
             }
             red[tid] = amax;
-            __syncthreads();
-            for (int step = 1; step < group; step *= 2) {
-                if (lane % (2 * step) == 0 && lane + step < group && row_in_round < per_round)
-                    red[tid] = kv_max(red[tid], red[tid + step]);
-                __syncthreads();
-            }
+            kv_group_reduce(red, tid, lane, group, row_in_round < per_round, KvMaxOp());
             const W scale = rn_div(red[tid - lane], KvQuant<KIND, W>::limit());
             for (int u = lane; u < units; u += group) {
                 int n = 1;
@@ -171,7 +229,8 @@ __global__ void kv_append(
                     idx[0] = u;
                     val[0] = load_float(x[u * sd]);
                 } else {
-                    n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, idx, val);
+                    n = kv_k_unit<T, W>(x, sd, u, half, offset, rotary_dim, interleaved, c_row, s_row, norm_weight,
+                                        inv, NORM, idx, val);
                 }
                 for (int j = 0; j < n; ++j)
                     out[idx[j]] = (E)KvQuant<KIND, W>::entry(val[j], scale);
@@ -198,6 +257,9 @@ __global__ void kv_append(
 // are (not range-checked). rotary_dim > 0: q is rotated as it is read (FlashInfer's fused RoPE), row r at table row
 // q_rows[r] of q_cos / q_sin ((R, rotary_dim / 2) in W), pairs of the layout in rot_offset .. rot_offset +
 // rotary_dim by rotate_pair in W (the append's rotation of a key); rotary_dim 0: q comes rotated (tables unread).
+// has_norm: each q head is RMS-normed as it is read, before its rotation and the fold (Qwen3 / Gemma 3's q_norm):
+// q_d <- (q_d * inv) * norm_weight[d], inv = 1 / sqrt(ss / head_dim + norm_eps), ss = sum_d q_d^2 in W (the append's
+// k norm; the head's tpg softmax threads sum ss in a tree, its first thread puts inv in hv before the tile loop).
 //
 // One block per (q row, kv head, head chunk, split) (rotary.backends.cupy.paged_attention_geometry): the block
 // takes the gb <= heads_per_block (<= KV_HEADS) q heads hq0 .. hq0 + gb - 1 of its kv head's GQA group (a group of
@@ -383,7 +445,8 @@ __global__ void ROTARY_LAUNCH_BOUNDS(KV_MAX_THREADS, 2) paged_attention(
     const W* k_scale, const W* v_scale, const i64* block_table, i64 table_width, i64 page_size,
     const i64* seq_lens, const i64* q_starts, i64 n_seqs, int q_heads, int kv_heads, int head_dim, W fold,
     W softcap, i64 window, int causal, int tile, int heads_per_block, int splits, int vec, const W* q_cos,
-    const W* q_sin, const i64* q_rows, int rotary_dim, int rot_offset, int interleaved) {
+    const W* q_sin, const i64* q_rows, int rotary_dim, int rot_offset, int interleaved, const W* norm_weight,
+    W norm_eps, int has_norm) {
     typedef typename KvEntry<T, KIND>::type E;
     constexpr int ESZ = (int)sizeof(E), WSZ = (int)sizeof(W);
     constexpr int CE = 16 / ESZ;                                    // entries of a 16-byte chunk (scores)
@@ -445,21 +508,29 @@ __global__ void ROTARY_LAUNCH_BOUNDS(KV_MAX_THREADS, 2) paged_attention(
 
     const T* qrow_p = q + qrow * qst;
     const int rot_half = rotary_dim / 2;
+    if (has_norm) {   // (uniform) each q head's sum of squares over its tpg threads; hv[g] = its inv until tile 0's P
+        red[tid] = my_g < gb ? kv_sum_squares<T, W>(qrow_p + (hq0 + my_g) * qsh, qsd, my_lane, D, tpg) : W(0);
+        kv_group_reduce(red, tid, my_lane, tpg, my_g < gb, KvSumOp());
+        if (my_g < gb && my_lane == 0) hv[my_g] = kv_rms_inv(red[tid], D, norm_eps);
+        __syncthreads();
+    }
     for (int x = tid; x < HB * dq; x += nthreads) {
         const int g = x / dq, d = x - g * dq;
         W val = W(0);
         if (g < gb && d < D) {
             const T* qh = qrow_p + (hq0 + g) * qsh;
+            const W inv = has_norm ? hv[g] : W(1);
             const int r = d - rot_offset;
             if (r >= 0 && r < rotary_dim) {   // q rotated as it is read (rotary_dim 0: q comes rotated)
                 const int p = interleaved ? r / 2 : (r < rot_half ? r : r - rot_half);
                 const int da = rot_offset + (interleaved ? 2 * p : p), db = da + (interleaved ? 1 : rot_half);
                 const i64 t = q_rows[qrow] * rot_half + p;
                 W ya, yb;
-                rotate_pair<W>(load_float(qh[da * qsd]), load_float(qh[db * qsd]), q_cos[t], q_sin[t], ya, yb);
+                rotate_pair<W>(kv_load<T, W>(qh, qsd, da, norm_weight, inv, has_norm),
+                               kv_load<T, W>(qh, qsd, db, norm_weight, inv, has_norm), q_cos[t], q_sin[t], ya, yb);
                 val = d == da ? ya : yb;
             } else {
-                val = load_float(qh[d * qsd]);
+                val = kv_load<T, W>(qh, qsd, d, norm_weight, inv, has_norm);
             }
             val = val * fold;
         }
