@@ -20,7 +20,10 @@
    (ragged sequences, one forking another's first page, padding tokens with slot -1) bit for bit against
    ``kv_entries.append_kv`` on the host, and paged attention (GQA 8:2; a mixed launch of prefill chunks and decode
    steps, dense decode, window + softcap, non-causal) against a float64 oracle within 2e-6 (fp32), 2e-3 (fp16),
-   1e-12 (fp64) of max |o|. Speed: the append of a prefill chunk (16384 tokens, 8 kv heads, d=128, fp16, paged
+   1e-12 (fp64) of max |o|; with the per-head RMSNorm before RoPE (Qwen3 / Gemma 3's k_norm and q_norm, fp32 cast
+   and fp16 int8 entries): the normed, rotated keys against a float64 oracle (norm, then float64 angles; int8
+   within half a quantization step), the values as without the norm (bits), and attention with the q norm and the
+   q rotation fused (mixed prefill + decode) against the float64 oracle. Speed: the append of a prefill chunk (16384 tokens, 8 kv heads, d=128, fp16, paged
    slot order) as a planned launch against ``cupy.copyto`` of k and v (time ratio, goal <= 1.5 for fp16 entries)
    and as a fraction of the copy bandwidth; microseconds per paged_attention launch over 32 sequences of 2048 keys
    (32 q / 8 kv heads, fp16 and int8 entries), dense decode and with one 512-token prefill chunk mixed in, and the
@@ -380,7 +383,8 @@ def _kv_pool(rng, seq_lens, page_size, heads, d):
 
 def kv_cache_check(cupy, rotary, cb) -> dict:
     """The CuPy backend's KV primitives against the host (item 5 of the module docstring): ``append_kv`` bit for
-    bit kv_entries.append_kv (padding tokens skipped), ``paged_attention`` against a float64 oracle."""
+    bit kv_entries.append_kv (padding tokens skipped), ``paged_attention`` against a float64 oracle; then the same
+    with the per-head RMSNorm (:func:`kv_norm_check`)."""
     from rotary.backends import kv_entries
 
     rng = np.random.default_rng(0)
@@ -442,7 +446,100 @@ def kv_cache_check(cupy, rotary, cb) -> dict:
         except Exception as exc:   # the other kinds still run; the failure is in the report
             entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
         checks.append(entry)
+    checks += kv_norm_check(cupy, rotary, cb)
     return {"checks": checks, "all_ok": all(c["ok"] for c in checks)}
+
+
+def _rms_norm64(x, weight, eps):
+    """float64 per-head RMSNorm over the last axis: (x / sqrt(mean(x^2) + eps)) * weight."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+
+
+def _rotate64(x, positions, spec):
+    """x (T, H, D) rotated at positions (T,) by the spec's float64 angles (its pairs, from its offset)."""
+    from rotary.testing import rope_complex
+
+    return rope_complex(x, np.asarray(positions, np.float64)[:, None], spec.inv_freq(), layout=spec.layout,
+                        rotary_offset=spec.rotary_offset)
+
+
+def kv_norm_check(cupy, rotary, cb) -> list:
+    """The KV primitives with the per-head RMSNorm before RoPE (item 5 of the module docstring): ``append_kv`` with
+    ``norm=(k_weight, eps)`` over a paged pool (padding tokens among the keys) and ``paged_attention`` with
+    ``norm=(q_weight, eps)`` and the q rotation fused, for fp32 cast and fp16 int8 entries, against float64
+    oracles; one entry per format (``ok``, the errors), as kv_cache_check's."""
+    from rotary.backends import kv_entries
+
+    rng = np.random.default_rng(5)
+    spec = rotary.RopeSpec(64, rotary_dim=48, layout="interleaved", rotary_offset=8)
+    seq_lens, page_size, heads, d = [37, 21, 63, 1, 140], 16, 2, 64
+    counts = [5, 1, 63, 1, 1]   # mixed prefill chunks and decode steps
+    checks = []
+    for dtype, kv_dtype in ((np.float32, None), (np.float16, "int8")):
+        entry = {"dtype": np.dtype(dtype).name, "kv_dtype": kv_dtype, "norm": True}
+        try:
+            fmt = kv_entries.KV_FORMATS[kv_dtype]
+            work = np.float32
+            table, positions, slots, n_pages = _kv_pool(rng, seq_lens, page_size, heads, d)
+            shape = (n_pages * page_size, heads, d)
+            if fmt.entry is None:
+                host = (np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None)
+            else:
+                host = (np.zeros(shape, fmt.entry), np.zeros(shape, fmt.entry), np.full(shape[:2], np.nan, work),
+                        np.full(shape[:2], np.nan, work))
+            dev = tuple(None if a is None else cupy.asarray(a) for a in host)
+            k = (rng.standard_normal((len(slots), heads, d)) * 10.0 ** rng.uniform(-1, 1, (len(slots), heads, 1))
+                 ).astype(dtype)
+            v = rng.standard_normal((len(slots), heads, d)).astype(dtype)
+            k_weight, q_weight = (np.ascontiguousarray(rng.normal(1.0, 0.5, d), work) for _ in range(2))
+            k_eps, q_eps = 1e-6, 0.5
+            cos, sin = (np.ascontiguousarray(a) for a in spec.cos_sin(np.arange(max(seq_lens)), dtype=work))
+            cb.append_kv(cupy.asarray(k), cupy.asarray(v), cupy.asarray(cos), cupy.asarray(sin),
+                         cupy.asarray(positions), cupy.asarray(slots), dev, rotary_dim=48, layout="interleaved",
+                         offset=8, kv_dtype=kv_dtype, norm=(cupy.asarray(k_weight), k_eps))
+            got = tuple(None if a is None else cupy.asnumpy(a) for a in dev)
+            keep = slots >= 0
+            want = _rotate64(_rms_norm64(k[keep], k_weight, k_eps), positions[keep], spec)   # (n, heads, d)
+            peak = np.abs(want).max(axis=-1)
+            at = slots[keep]
+            if kv_dtype is None:
+                err = np.abs(got[0][at].astype(np.float64) - want).max(axis=-1) / peak
+                entry["append_keys_rel_err"] = float(err.max())
+                keys_ok = entry["append_keys_rel_err"] <= 2e-6
+            else:
+                scale = got[2][at].astype(np.float64)
+                steps = np.abs(got[0][at] * scale[..., None] - want).max(axis=-1) / scale
+                entry["append_keys_max_steps"] = float(steps.max())   # <= 0.5 (+ fp32 rounding)
+                entry["append_scale_rel_err"] = float(np.abs(scale / (peak / 127) - 1).max())
+                keys_ok = entry["append_keys_max_steps"] <= 0.5 + 1e-4 and entry["append_scale_rel_err"] <= 2e-6
+            plain = tuple(None if a is None else a.copy() for a in host)   # v: as appended without the norm
+            kv_entries.append_kv(k[keep], v[keep], cos, sin, positions[keep], slots[keep], plain, rotary_dim=48,
+                                 layout="interleaved", offset=8, kv_dtype=kv_dtype)
+            entry["append_values_bit_identical"] = all(
+                b is None or np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                            np.ascontiguousarray(b).view(np.uint8))
+                for a, b in zip(got[1::2], plain[1::2]))
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            lens = np.array(seq_lens, np.int64)
+            q_pos = np.concatenate([np.arange(L - c, L) for L, c in zip(seq_lens, counts)]).astype(np.int64)
+            q = (rng.standard_normal((int(starts[-1]), 8, d)) * 3).astype(dtype)
+            kw = dict(scale=d ** -0.5, softcap=None, window=None, causal=True)
+            o = cb.paged_attention(cupy.asarray(q), dev, cupy.asarray(table), page_size, cupy.asarray(lens),
+                                   cupy.asarray(starts), kv_dtype=kv_dtype,
+                                   rotation=(cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(q_pos), 48,
+                                             "interleaved", 8),
+                                   norm=(cupy.asarray(q_weight), q_eps), **kw)
+            q64 = _rotate64(_rms_norm64(q, q_weight, q_eps), q_pos, spec)
+            want = _kv_oracle(q64, got, table, page_size, lens, starts, kv_dtype=kv_dtype, **kw)
+            rel = float(np.abs(cupy.asnumpy(o).astype(np.float64) - want).max() / np.abs(want).max())
+            entry["attention mixed prefill + decode rel diff"] = rel
+            tol = 2e-6 if dtype == np.float32 else 2e-3
+            entry["ok"] = bool(keys_ok and entry["append_values_bit_identical"] and rel <= tol)
+        except Exception as exc:   # the other checks still run; the failure is in the report
+            entry.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        checks.append(entry)
+    return checks
 
 
 def kv_cache_speed(cupy, rotary, cb, copy_GBps: float, tokens: int, heads: int = 8, d: int = 128) -> dict:
