@@ -28,7 +28,8 @@ from ..spec import tables as _tables
 from ..spec.rope_spec import RopeSpec
 from .linear_args import check_decay, check_scalars, check_shapes
 from .linear_decode import decode_step, make_decode_step
-from .linear_state import FEATURE_MAPS, LinearAttentionState, check_feature_map, check_state  # noqa: F401  (FEATURE_MAPS: the names linear_attention takes)
+from .linear_state import (FEATURE_MAPS, LinearAttentionState, SavedForBackward, check_feature_map,  # noqa: F401
+                           check_state, saved_fingerprint)   # (FEATURE_MAPS: the names linear_attention takes)
 
 
 # -- public ------------------------------------------------------------------------------------
@@ -53,7 +54,7 @@ def _other_perm(ndim, ax, perm):
 @_adapters.dispatch("linear_attention", 3)   # torch, JAX, Dask: rotary/_torch.py, _jax.py, _dask.py
 def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu", eps=1e-6, spec=None,
                      seq_axis=None, state=None, return_state=False, backend="auto", chunk=64, decay=None,
-                     normalize=True, cu_seqlens=None, seqlen_offsets=None, **spec_kwargs):
+                     normalize=True, cu_seqlens=None, seqlen_offsets=None, save_for_backward=False, **spec_kwargs):
     """Linear attention with RoPE on the feature-mapped q and k, numerator only (RoFormer eq. 19).
 
     ``o_t = sum_s gamma^(t-s) (R_{p_t} a_t)^T (R_{p_s} b_s) v_s / (sum_s gamma^(t-s) a_t^T b_s + eps)``
@@ -109,13 +110,27 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
         next_position (N,).
     seqlen_offsets : integer array (N,) or int, optional
         With ``cu_seqlens``: the position of each sequence's first token.
+    save_for_backward : bool
+        Also return what the backward of this call can reuse, last: a causal call on a backend that keeps its
+        states before each chunk (Numba) returns them (a :class:`~rotary.attn.linear_state.SavedForBackward`), which
+        :func:`~rotary.attn.linear_backward.linear_attention_backward` ``(..., saved=)`` reads instead of sweeping
+        k and v again (its forward sweep: ~1/8 of its work); None where there is nothing to keep (another
+        backend, non-causal, packed). Memory: one (m, dv) state per chunk and k/v head, in the work dtype.
 
     Returns
     -------
     o or (o, state)
         ``o`` has q's array type and dtype and q's shape with last dim dv; ``(o, state)`` with
-        ``return_state=True``. The state is per k/v head (see :class:`LinearAttentionState`).
+        ``return_state=True``. The state is per k/v head (see :class:`LinearAttentionState`). With
+        ``save_for_backward=True``, the saved states (or None) come last: ``(o, saved)``, ``(o, state, saved)``.
     """
+    if not isinstance(save_for_backward, (bool, np.bool_)):
+        raise TypeError(f"save_for_backward must be a bool, got {type(save_for_backward).__name__}")
+    if save_for_backward:
+        return checked_call(q, k, v, positions, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
+                            seq_axis=seq_axis, state=state, return_state=return_state, backend=backend, chunk=chunk,
+                            decay=decay, normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                            spec_kwargs=spec_kwargs, save_for_backward=True)
     if (state is not None and positions is None and spec is None and decay is None and cu_seqlens is None
             and seqlen_offsets is None and not spec_kwargs):
         result = decode_step(q, k, v, seq_axis, state, causal, feature_map, eps, chunk, normalize, return_state,
@@ -129,9 +144,11 @@ def linear_attention(q, k, v, positions=None, *, causal=False, feature_map="elu"
 
 
 def checked_call(q, k, v, positions, *, causal, feature_map, eps, spec, seq_axis, state, return_state, backend, chunk,
-                 decay, normalize, cu_seqlens, seqlen_offsets, spec_kwargs, angles=None):
+                 decay, normalize, cu_seqlens, seqlen_offsets, spec_kwargs, angles=None, save_for_backward=False):
     """:func:`linear_attention` after its decode fast path: the array checks, then the packed or the general
-    body. ``angles``: see :func:`_linear_attention` (positions then None; not with ``cu_seqlens``)."""
+    body. ``angles``: see :func:`_linear_attention` (positions then None; not with ``cu_seqlens``).
+    ``save_for_backward``: the general body appends what it saved (see :func:`linear_attention`; the packed body
+    saves nothing)."""
     xp = namespace([q, k, v], ["q", "k", "v"])
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_float(a, name, xp)
@@ -140,22 +157,25 @@ def checked_call(q, k, v, positions, *, causal, feature_map, eps, spec, seq_axis
     if cu_seqlens is not None or seqlen_offsets is not None:
         if angles is not None:
             raise ValueError("cu_seqlens/seqlen_offsets with traced positions: pass concrete positions")
-        return _packed(xp, q, k, v, positions, ax, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
-                       state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
-                       normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
-                       spec_kwargs=spec_kwargs)
+        result = _packed(xp, q, k, v, positions, ax, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
+                         state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
+                         normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                         spec_kwargs=spec_kwargs)
+        return _nothing_saved(result, return_state) if save_for_backward else result
     return _linear_attention(xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps,
                              spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
-                             decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, angles=angles)
+                             decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, angles=angles,
+                             save_for_backward=save_for_backward)
 
 
 def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, feature_map, eps, spec, state, return_state,
-                      backend, chunk, decay, normalize, spec_kwargs, varlen=None, angles=None):
+                      backend, chunk, decay, normalize, spec_kwargs, varlen=None, angles=None, save_for_backward=False):
     """The body of :func:`linear_attention` after the array checks. ``varlen = (cu_seqlens, next_positions)``:
     a ragged packed batch of N sequences in one backend call: q, k, v are (1, T, ...) (ax = 1), positions
     per token (1, T, ...), state and decay per sequence (N, ...), cu_seqlens int64 (N + 1,).
     ``angles(spec, B, table_dtype) -> (cos, sin, rows, next_position)`` replaces the host positions, the
-    table lookup and the next position (positions None): JAX traced positions (rotary.interop.jax_adapter)."""
+    table lookup and the next position (positions None): JAX traced positions (rotary.interop.jax_adapter).
+    ``save_for_backward``: also return the backend's chunk states, last (a :class:`SavedForBackward`, or None)."""
     check_scalars(causal, eps, chunk, return_state, normalize)
     check_feature_map(feature_map)
     kv_other = tuple(k.shape[:ax]) + tuple(k.shape[ax + 1:-1])
@@ -224,6 +244,11 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     if seq_len == 0:
         dev = xp_device(q)
         o = xp.zeros((*q.shape[:-1], dv), dtype=q.dtype, device=dev)
+        if save_for_backward:   # nothing to keep: the call without it, then None
+            return _nothing_saved(_linear_attention(
+                xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
+                state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay, normalize=normalize,
+                spec_kwargs=spec_kwargs, varlen=varlen, angles=angles), return_state)
         if not return_state:
             return o
         if state is not None:
@@ -261,10 +286,17 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     if spec.rotary_offset:
         a_c, b_c, carried, restore = _rotated_block_first(xp, spec, m, a_c, b_c, carried, q)
     packed = {} if varlen is None else {"cu_seqlens": varlen[0]}
-    o, (S, z) = module.linear_attention(
+    keep = save_for_backward and causal and varlen is None and angles is None and not callable(feature_map) and \
+        getattr(module, "LINEAR_CHUNK_STATES", False)
+    if keep:
+        packed["keep_chunk_states"] = True
+    o, (S, z), *kept = module.linear_attention(
         a_c, b_c, canonical(v_in, wax, xp), cos, sin, rows,
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=backend_map,
         eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize), **packed)
+    saved = None
+    if kept and kept[0] is not None:
+        saved = SavedForBackward(module, kept[0], saved_fingerprint(k, v, chunk, causal))
     if spec.rotary_offset:
         S, z = restore(S), (None if z is None else restore(z))
     o_shape = tuple(a.shape[:-1]) + (dv,)
@@ -273,16 +305,22 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         o = xp.permute_dims(o, tuple(int(i) for i in np.argsort(perm)))
     if type(o) is not np.ndarray or o.dtype != q.dtype:
         o = xp.astype(o, q.dtype, copy=False)   # fresh from the backend
+    last = (saved,) if save_for_backward else ()
     if not return_state:
-        return o
+        return (o,) + last if last else o
     if varlen is not None:
-        return o, make_state(S, z, varlen[1])
+        return (o, make_state(S, z, varlen[1])) + last
     if angles is None:
         next_pos = next_position(pos, lead_shape, seq_len, positions, state)
     # the plan of a one-token call: the next token's call with this state repeats it without the checks above
     step = make_decode_step(q, k, v, ax, perm, spec, feature_map, decay, causal, normalize, backend, module, cos, sin,
                             rows, next_pos) if seq_len == 1 else None
-    return o, make_state(S, z, next_pos, step)
+    return (o, make_state(S, z, next_pos, step)) + last
+
+
+def _nothing_saved(result, return_state):
+    """``result`` (o, or (o, state) with ``return_state``) with None saved for the backward appended."""
+    return (result if return_state else (result,)) + (None,)
 
 
 def _rotated_block_first(xp, spec, m, a, b, carried, like):

@@ -30,19 +30,21 @@ from ..frontend.normalize import (canonical, canonical_shape, check_float, from_
 from ..spec import tables as _tables
 from .linear import _gqa_permutation, _other_perm, _rotated_block_first
 from .linear_args import check_decay, check_scalars, check_shapes
-from .linear_state import LinearAttentionState, check_feature_map, check_state
+from .linear_state import LinearAttentionState, SavedForBackward, check_feature_map, check_state, saved_fingerprint
 
 
 @_adapters.dispatch("linear_attention_backward", 4)   # Dask: rotary/interop/dask_adapter.py
 def linear_attention_backward(q, k, v, grad_o, positions=None, *, causal=False, feature_map="elu", eps=1e-6,
                               spec=None, seq_axis=None, state=None, return_state=False, backend="auto", chunk=64,
                               decay=None, normalize=True, cu_seqlens=None, seqlen_offsets=None, grad_state=None,
-                              **spec_kwargs):
+                              saved=None, **spec_kwargs):
     """Gradients of :func:`rotary.linear_attention` (same arguments) given ``grad_o`` = dL/do (o's shape).
 
     ``grad_state``: None, or ``(G_S, G_z)``, dL/d of the state the forward returns (``state.S``'s and
     ``state.z``'s shapes; either None: zeros), for training over segments with a carried state.
-    ``return_state`` is accepted for symmetry with the forward and changes nothing.
+    ``return_state`` is accepted for symmetry with the forward and changes nothing. ``saved``: what the forward of
+    these arrays kept (``linear_attention(..., save_for_backward=True)``, or None): the backend that made it reads
+    its chunk states instead of sweeping k and v again (another backend ignores them); the same results.
 
     Returns ``(dq, dk, dv, dstate)``: dq, dk, dv with q's, k's, v's shapes and dtypes and array type;
     ``dstate`` is None without ``state``, else ``(dS, dz)`` with ``state.S``'s and ``state.z``'s shapes in the
@@ -80,6 +82,13 @@ def linear_attention_backward(q, k, v, grad_o, positions=None, *, causal=False, 
         if positions is None:
             positions = start_positions(state, lead_shape, seq_len)
     grad_S, grad_z = _check_grad_state(grad_state, xp, kv_other, m, dv_dim, normalize)
+    if saved is not None:
+        if not isinstance(saved, SavedForBackward):
+            raise TypeError(f"saved must be what linear_attention(..., save_for_backward=True) returned last (or "
+                            f"None), got {type(saved).__name__}")
+        if saved.inputs != saved_fingerprint(k, v, chunk, causal):
+            raise ValueError("saved belongs to another forward: the states it holds are those of other k, v (their "
+                             "memory, shapes or strides), another chunk or causal setting than this call's")
 
     perm = _gqa_permutation(q.ndim, ax, gax)   # the GQA axis as the innermost canonical head axis (a view)
     a, b, v_in, go = (q, k, v, grad_o) if perm is None else (xp.permute_dims(x, perm) for x in (q, k, v, grad_o))
@@ -142,11 +151,12 @@ def linear_attention_backward(q, k, v, grad_o, positions=None, *, causal=False, 
         a_c, b_c, both, restore = _rotated_block_first(xp, spec, m, a_c, b_c, both, q)
         carried = None if carried is None else both[:2]
         g_state = None if g_state is None else both[2:]
+    kept = {} if saved is None or saved.module is not module else {"chunk_states": saved.states}
     dq, dk, dv, dstate = module.linear_attention_backward(
         a_c, b_c, canonical(v_in, wax, xp), cos, sin, rows, canonical(go, wax, xp),
         rotary_dim=spec.rotary_dim, layout=spec.layout, causal=bool(causal), feature_map=feature_map,
         eps=float(eps), chunk=int(chunk), state=carried, decay=decay_c, normalize=bool(normalize),
-        grad_state=g_state)
+        grad_state=g_state, **kept)
     if restore is not None:   # the features' own order: axis 3 of the canonical gradients, axis 2 of the state's
         dq, dk = (xp.permute_dims(restore(xp.permute_dims(d, (0, 1, 3, 2))), (0, 1, 3, 2)) for d in (dq, dk))
         if dstate is not None:

@@ -115,6 +115,31 @@ class LinearAttentionState:
                 f"decay={self.decay!r}, normalize={self.normalize}, groups={self.groups})")
 
 
+class SavedForBackward:
+    """What a causal :func:`rotary.linear_attention` forward kept for its backward (``save_for_backward=True``):
+    the backend's states before each chunk (``module``'s own object), read by
+    :func:`rotary.attn.linear_backward.linear_attention_backward` (``saved=``) in place of a second sweep over k and
+    v. ``inputs`` fingerprints the k and v it was made from (their memory, shapes and strides), the chunk and
+    causality: a backward of other arrays or another chunk refuses it. Opaque: nothing here is for reading."""
+
+    __slots__ = ("module", "states", "inputs")
+
+    def __init__(self, module, states, inputs):
+        self.module, self.states, self.inputs = module, states, inputs
+
+    def __repr__(self):
+        return f"<linear attention states saved for the backward by the {self.module.NAME} backend>"
+
+
+def saved_fingerprint(k, v, chunk, causal):
+    """The fingerprint :class:`SavedForBackward` keeps of k and v (NumPy arrays: memory, shape, strides, dtype),
+    the chunk and causality."""
+    def one(x):
+        return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str) if type(x) is np.ndarray \
+            else (id(x), tuple(x.shape))
+    return one(k), one(v), int(chunk), bool(causal)
+
+
 def _rebuild_state(S, z, next_position, spec, feature_map, decay=None, normalize=True, groups=1):
     return LinearAttentionState(S, z, next_position, spec=spec, feature_map=feature_map, decay=decay,
                                 normalize=normalize, groups=groups)

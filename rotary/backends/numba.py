@@ -19,7 +19,7 @@ from . import OUTSIDE_TABLE
 from . import numba_runtime as _runtime
 from .numba_kernels import common, rotation
 from .numba_kernels import linear_attention as la_kernels
-from .numba_kernels.linear_backward import linear_attention_backward  # noqa: F401  (the backward primitive)
+from .numba_kernels.linear_backward import ChunkStates, linear_attention_backward  # noqa: F401  (the backward primitive)
 from .numba_kv import (VARIANTS, append_kv, paged_attention, prepare_append_kv,  # noqa: F401 - the KV primitives
                        prepare_paged_attention, prepare_stores)
 from .numba_runtime import aligned_empty as _aligned_empty, flat_view, readonly as _readonly, readonly_c as _readonly_c, \
@@ -27,6 +27,7 @@ from .numba_runtime import aligned_empty as _aligned_empty, flat_view, readonly 
 
 NAME = "numba"
 PACKED_LINEAR_ATTENTION = True   # linear_attention takes cu_seqlens (a packed batch in one pass)
+LINEAR_CHUNK_STATES = True       # a causal linear_attention keeps its chunk states for the backward (keep_chunk_states)
 COMPILES_ON_FIRST_CALL = True    # Numba compiles each kernel on its first call (cache=True keeps it on disk)
 
 #: dtypes the kernels take (float16 travels as its uint16 bits and is computed in float32)
@@ -219,13 +220,15 @@ def _launch(kernel, args):
 
 
 def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, feature_map, eps, chunk, state,
-                     decay=None, normalize=True, cu_seqlens=None):
+                     decay=None, normalize=True, cu_seqlens=None, keep_chunk_states=False):
     """Chunked linear attention with RoPE in the numerator; see ``rotary.backends`` for the contract.
 
     One task per (batch, k/v head) running its q heads, ranges of tasks on ``numba.get_num_threads()``
     threads; a one-token call (decode) runs :func:`la_kernels.linear_attention_step` on the calling
     thread (no thread hand-off, one pass over S). ``cu_seqlens`` (N + 1 int64 offsets, q of batch 1):
     a packed batch in one pass, one task per (sequence, k/v head), states (N, Hk, ...).
+    ``keep_chunk_states`` (causal, unpacked): also return the states before each chunk for the backward,
+    ``(o, state, chunk_states)`` (a :class:`ChunkStates`; None for an empty call).
     """
     B, S, H, m = q.shape
     Hk, dv = k.shape[2], v.shape[3]
@@ -250,24 +253,27 @@ def linear_attention(q, k, v, cos, sin, rows, *, rotary_dim, layout, causal, fea
     # aligned rows for a long call: the kernel streams a large o (non-temporal stores); a decode step does not
     o = np.empty((B, S, H, dv), q.dtype) if S == 1 else _aligned_empty((B, S, H, dv), q.dtype)
     new_s, new_z = np.empty((n_states, Hk, m, dv), work), np.empty((n_states, Hk, m), work)
+    keep = keep_chunk_states and causal and cu_seqlens is None
     if n_states * Hk == 0:
-        return o, (new_s, new_z)
+        return (o, (new_s, new_z)) + ((None,) if keep_chunk_states else ())
     decayed = decay is not None and bool(np.any(np.asarray(decay) != 1))
     bufs, geo = _linear_buffers(q, k, v, o)
     interleaved = layout == "interleaved"
-    if S == 1 and cu_seqlens is None:
+    chunk = max(1, min(int(chunk), S))
+    kept = ChunkStates((B, S, Hk, m, dv, chunk, np.dtype(work))) if keep else None
+    if S == 1 and cu_seqlens is None and kept is None:
         powers = _readonly(_decay_powers(decay, 1)) if decayed else _NO_POWERS
         la_kernels.linear_attention_step(*bufs, geo, cos, sin, rows, _readonly_c(state_s), _readonly_c(state_z),
                                          new_s, new_z, rotary_dim // 2, rotary_dim, interleaved, fmap, float(eps),
                                          groups, powers, decayed, bool(normalize))
     else:
-        chunk = max(1, min(int(chunk), S))
         powers = _readonly(_decay_powers(decay, chunk)) if decayed else None
         args = (*bufs, geo, cos, sin, rows, _readonly_c(state_s), _readonly_c(state_z), new_s, new_z, S,
                 rotary_dim // 2, rotary_dim, interleaved, True if causal else None, fmap, float(eps), chunk, groups,
-                powers, bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens)
+                powers, bool(normalize), _NO_SEQLENS if cu_seqlens is None else cu_seqlens,
+                None if kept is None else kept.s, None if kept is None else kept.z)
         _runtime.run_tasks(la_kernels.linear_attention_tasks, args, n_states * Hk)
-    return o, (new_s, new_z)
+    return (o, (new_s, new_z)) + ((kept,) if keep_chunk_states else ())
 
 
 def _decay_powers(decay, chunk):

@@ -483,10 +483,22 @@ def add_state(carried_s, s_work, s_chunk, m, dv, factor, powers):
                 work_row[j] = carried_row[j]
 
 
+@register_jitable
+def keep_chunk_state(states, starts, c, s_work, carried_z, m, dv):
+    """The state before chunk c, for the backward: states[c * dvw + j, r] = s_work[r, j] (S^T, dvw = the rows
+    per chunk: states' rows / chunks), starts[c, r] = carried_z[r]."""
+    dvw = states.shape[0] // starts.shape[0]
+    for r in range(m):
+        starts[c, r] = carried_z[r]
+        w_row = s_work[r]
+        for j in range(dv):
+            states[c * dvw + j, r] = w_row[j]
+
+
 @njit(nogil=True, **KERNEL_JIT)
 def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, new_s, new_z, seq_len, half,
                            rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers, normalize,
-                           cu_seqlens, first, last):
+                           cu_seqlens, chunk_s, chunk_z, first, last):
     """Linear attention of tasks first..last-1 (task = b * Hk + hk: one batch row, one k/v head and its
     ``groups`` q heads hk*G .. hk*G+G-1), in chunks of ``chunk`` tokens, (S, z) carried in float64 (the tasks of
     one batch row walked chunk by chunk, every head inside a chunk: the rows of a token range are read
@@ -510,6 +522,11 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
     the buffers serve every task of the range. A packed batch (cu_seqlens of N + 1 offsets, else empty):
     task = n * Hk + hk runs sequence n, tokens cu_seqlens[n] .. cu_seqlens[n + 1] - 1 of batch row 0, with
     state n (sb below; sb = b unpacked).
+
+    ``chunk_s``, ``chunk_z`` (causal, unpacked; None: not kept): the state before each chunk c, for the backward
+    (:mod:`.linear_backward` reads them instead of sweeping again): chunk_s[b, hk, c * dvw + j, r] = S_in[r, j]
+    (S^T in the work dtype, as carried into the chunk; rows of the padded dv, columns of the padded m: the
+    backward's tiles, its zero padding left as it is) and chunk_z[b, hk, c, r] = z_in[r] (float64).
 
     ``powers`` None marks a call without decay and ``causal`` is True or None (never False): Numba prunes the
     branches that test them before typing, so each signature compiles only its own loops.
@@ -595,6 +612,8 @@ def linear_attention_tasks(q, k, v, o, geo, cos, sin, rows, state_s, state_z, ne
                 carried_s, s_work = carried_s_all[r * m:(r + 1) * m], s_work_all[r * m:(r + 1) * m]
                 carried_z, pw, pw_work = carried_z_all[r], pw_all[r], pw_work_all[r]
                 gamma = pw[1]
+                if chunk_s is not None:   # the state before this chunk, kept for the backward
+                    keep_chunk_state(chunk_s[sb, hk], chunk_z[sb, hk], t0 // chunk, s_work, carried_z, m, dv)
                 kv_after = next_load(hk, hk0, hk0 + heads, t_first + t0, chunk, t_first + length)
                 load_features(k, geo[1], b, hk, t_first + t0, n, cos, sin, rows, half, rotary_dim, interleaved,
                               feature_map, phi, k_rotated, k_hat_t, as_columns, kv_after)

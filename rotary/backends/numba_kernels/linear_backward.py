@@ -423,12 +423,14 @@ def carry(x64, chunk_sum, factor, m, dv, scaled):
 @njit(nogil=True, **KERNEL_JIT)
 def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s, state_z, grad_s, grad_z, d_s, d_z,
                           seq_len, half, rotary_dim, interleaved, causal, feature_map, eps, chunk, groups, powers,
-                          decayed, normalize, first, last):
+                          decayed, normalize, chunk_s, chunk_z, first, last):
     """Tasks first..last-1 (task = b * Hk + hk) of the backward; see the module docstring. q, k, v, go, dq, dk, dv:
     flat buffers of one dtype (float16 as uint16 bits) with their (7, 5) int64 geometry rows (offset, sB, sS, sH,
     sD) in that order; cos, sin work dtype; rows (1 or B, T) int64; state_s, state_z, grad_s, grad_z
     (B, Hk, m, dv) / (B, Hk, m) and d_s, d_z (written) work dtype; powers float64 (B, Hk, chunk + 1) (read when
-    ``decayed``)."""
+    ``decayed``). ``chunk_s``, ``chunk_z`` (causal; None: swept here): the states before each chunk that the
+    forward kept (``linear_attention.keep_chunk_state``: S_in^T per chunk in this kernel's padded tiles, z_in
+    float64), read in place of step 1's sweep."""
     n_heads, m, dvd = state_s.shape[1], state_s.shape[2], state_s.shape[3]
     keep = (q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s, state_z, grad_s, grad_z, d_s, d_z, powers)
     q, k, v, go, dq, dk, dv = borrowed(q), borrowed(k), borrowed(v), borrowed(go), borrowed(dq), borrowed(dk), \
@@ -438,7 +440,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
     width = tile_width(cos[0])
     cp, mw, dvw = padded(chunk, width), padded(m, width), padded(dvd, width)
     n_chunks = (seq_len + chunk - 1) // chunk
-    saved_n = n_chunks if causal else 1
+    saved_n = n_chunks if causal and chunk_s is None else 1   # (the forward's states, when given, are read in place)
     # work-dtype chunk buffers, padded to whole tiles (2-D, 64-byte aligned: the forward's aligned_zeros). The
     # rotated rows (k_rows, q_rows) are load_features' scratch: rows of mw, the tiles' b operands as they are
     kf_o, k_rows_o, k_hat_t_o = aligned_zeros(cp, m, work), aligned_zeros(cp, mw, work), aligned_zeros(mw, cp, work)
@@ -499,8 +501,12 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
             for c in range(dvd):
                 S64[r, c] = state_s[b, hk, r, c]
                 P64[r, c] = grad_s[b, hk, r, c]
-        # 1. the forward sweep: the state before each chunk (causal) or over every token
-        for c in range(n_chunks):
+        # 1. the forward sweep: the state before each chunk (causal) or over every token; the forward's own when it
+        # kept them
+        states, starts = saved, z_starts
+        if chunk_s is not None and causal:
+            states, starts = chunk_s[b, hk], chunk_z[b, hk]
+        for c in range(n_chunks if chunk_s is None or not causal else 0):
             t0 = c * chunk
             n = imin(chunk, seq_len - t0)
             if causal:
@@ -530,7 +536,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
             for c in range(n_chunks - 1, -1, -1):
                 t0 = c * chunk
                 n = imin(chunk, seq_len - t0)
-                sv = saved[c * dvw:(c + 1) * dvw]
+                sv = states[c * dvw:(c + 1) * dvw]
                 after = earlier_load(hk, hk, hk + 1, t0, n, chunk)
                 load_features(k, geo[1], b, hk, t0, n, cos, sin, rows, half, rotary_dim, interleaved, feature_map,
                               kf, k_hat_t, k_rows, as_rows, after)
@@ -543,7 +549,7 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
                     scaled_rows(vals, tail_w, vw, n, dvw)
                     scaled_rows(k_rows, tail_w, kw, n, mw)
                 if normalize:
-                    z_recurrence(z_starts, c, kf, z_rows, z_work, n, m, gamma, decayed)
+                    z_recurrence(starts, c, kf, z_rows, z_work, n, m, gamma, decayed)
                 zero_rows(dkh, cp)
                 zero_rows(dvv, cp)
                 zero_rows(dbf, cp)
@@ -682,11 +688,35 @@ def linear_backward_tasks(q, k, v, go, dq, dk, dv, geo, cos, sin, rows, state_s,
 
 
 # -- the backend's primitive ---------------------------------------------------------------------------------
+class ChunkStates:
+    """The states before each chunk that a causal forward kept for its backward (``keep_chunk_states=True``): ``s``
+    (B, Hk, chunks * dvw, mw) S_in^T in the work dtype, in :func:`linear_backward_tasks`' padded tiles (zeros in the
+    padding), ``z`` (B, Hk, chunks, m) float64, and ``key``, the call they belong to: (B, T, Hk, m, dv, chunk,
+    work dtype)."""
+
+    __slots__ = ("s", "z", "key")
+
+    def __init__(self, key):
+        from ..numba_runtime import aligned_empty
+        from .simd import VECTOR_BYTES
+
+        B, T, Hk, m, dv, chunk, work = key
+        width = 2 * VECTOR_BYTES // np.dtype(work).itemsize   # linear_attention.tile_width of the work dtype
+        chunks = -(-T // chunk)
+        self.key = key
+        self.s = aligned_empty((B, Hk, chunks * -(-dv // width) * width, -(-m // width) * width), work)
+        if self.s.shape[2] != chunks * dv or self.s.shape[3] != m:
+            self.s[...] = 0   # the padding the tiles read (the forward writes the rest)
+        self.z = np.zeros((B, Hk, chunks, m), np.float64)
+
+
 def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, layout, causal, feature_map, eps, chunk,
-                              state, decay=None, normalize=True, grad_state=None):
+                              state, decay=None, normalize=True, grad_state=None, chunk_states=None):
     """(dq, dk, dv, dstate) of the ``linear_attention`` primitive (contract in ``rotary.backends``) by
     :func:`linear_backward_tasks`: one task per (batch row, k/v head) on the backend's thread pool; q, k, v,
-    grad_o read where they lie (any strides, float16 as its bits), dq, dk, dv written in their dtypes."""
+    grad_o read where they lie (any strides, float16 as its bits), dq, dk, dv written in their dtypes.
+    ``chunk_states``: a causal forward's :class:`ChunkStates` of the same call, read in place of the forward sweep
+    (a ValueError when they belong to another call's shapes or chunk)."""
     from .. import numba_runtime as _runtime
     from ..numpy_linear import decay_powers
     from ..numpy_linear_backward import check_backward_args
@@ -710,6 +740,12 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
     dq, dk, dv = (aligned_empty(shape, q.dtype) for shape in ((B, T, H, m), (B, T, Hk, m), (B, T, Hk, dvd)))
     d_s, d_z = np.empty(s_shape, work), np.empty(z_shape, work)
     step = max(1, min(int(chunk), T)) if T else 1
+    kept = (None, None)
+    if chunk_states is not None and causal:
+        if type(chunk_states) is not ChunkStates or chunk_states.key != (B, T, Hk, m, dvd, step, np.dtype(work)):
+            raise ValueError("chunk_states belong to another call: a causal forward of these q, k, v shapes, chunk "
+                             f"{step} and work dtype {np.dtype(work).name} keeps them (keep_chunk_states=True)")
+        kept = (chunk_states.s, chunk_states.z)
     if B * Hk and T:
         cos = _runtime.readonly_c(cos if cos.dtype == work else np.asarray(cos, work))
         sin = _runtime.readonly_c(sin if sin.dtype == work else np.asarray(sin, work))
@@ -723,7 +759,7 @@ def linear_attention_backward(q, k, v, cos, sin, rows, grad_o, *, rotary_dim, la
         _runtime.run_tasks(linear_backward_tasks, (
             *bufs, geo, cos, sin, rows, *args_state, d_s, d_z, T, rotary_dim // 2, rotary_dim,
             layout == "interleaved", bool(causal), FEATURE_MAPS[feature_map], float(eps), step, H // Hk, powers,
-            decayed, bool(normalize)), B * Hk)
+            decayed, bool(normalize), *kept), B * Hk)
     else:
         dq[...], dk[...], dv[...] = 0, 0, 0
         d_s[...], d_z[...] = args_state[2], args_state[3]
