@@ -1,8 +1,9 @@
 """The CUDA kernels on the host shim under AddressSanitizer + UBSan and ThreadSanitizer (no GPU needed).
 
 Each sanitized run is a child Python with the sanitizer runtime preloaded (tests/cuda_shim/sanitize.py):
-the conformance cases, a set of direct launches, random problems, random KV-cache appends and linear attention's
-backward (linear_backward.cu's two kernels; scratch filled with NaN) run with every global buffer in an allocation of
+the conformance cases, a set of direct launches, random problems, random KV-cache appends and paged attention
+(``kvcache``: with and without the per-head RMSNorm before RoPE, kv_append<..., true> and paged_attention's q norm,
+against the reference and float64 oracles) and linear attention's backward (linear_backward.cu's two kernels; scratch filled with NaN) run with every global buffer in an allocation of
 exactly its extent (``guard``: an out-of-bounds access trips ASan), every launch twice under two
 shared-memory poisons (``compare``: a read of shared memory no thread wrote changes the output), blocks on
 concurrent thread sets (``slots``: TSan sees races between blocks as well as within one), and every

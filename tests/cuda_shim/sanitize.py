@@ -12,7 +12,7 @@ decay, cu_seqlens with an empty sequence), ``linear_backward`` (linear_backward.
 backward), ``random`` (random rotation and linear-attention problems:
 element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
 KV-cache appends of kv_cache.cu, bit for bit against the reference append, then paged_attention and its split-K
-combine against the float64 oracle), or ``planted:NAME`` (one kernel of
+combine against the float64 oracle, then both with the per-head RMSNorm against float64 oracles), or ``planted:NAME`` (one kernel of
 planted.cu, or ``rope_short_table``:
 the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
@@ -303,7 +303,11 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     groups and one-token blocks; then paged_attention over pools the append kernel filled against the float64
     oracle: packed prefill + decode, dense decode, window, softcap, non-causal, GQA 1/2/4/8 (a block per kv head),
     shared pages, block sizes down to 5 threads with 3-key tiles, 1, 2 and 7 splits (paged_attention_combine),
-    16-byte and entry-by-entry staging (tests/test_kv_cache_cuda_shim.py's helpers)."""
+    16-byte and entry-by-entry staging (tests/test_kv_cache_cuda_shim.py's helpers); then the per-head RMSNorm
+    (kv_append<..., true>, paged_attention's q norm): random appends with norm against the float64 oracle (norm,
+    then rotation by float64 angles; v bit for bit the append's without the norm), and attention with the q norm
+    over pools of normed keys (decode and mixed steps, GQA 1 and 4, q rotated as it is read or not, 1 and 3
+    splits, 5 threads with 3-key tiles and the default block) against the float64 oracle."""
     from rotary import RopeSpec
     from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, FORMATS, GEOMETRIES, SEQ_LENS, SHARED, Pool, attend,
                                                assert_close, check_append, make_stores, paged_slots, with_padding)
@@ -360,6 +364,92 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
         failures += not ok
         print(f"{'ok' if ok else 'FAIL'} paged_attention {case} {dtype} {kv_dtype} GQA {group} d={head_dim} "
               f"{attention}", flush=True)
+    return failures + _run_kvcache_norm(kernels, rng)
+
+
+def _run_kvcache_norm(kernels, rng, n_random: int = 9) -> int:
+    """run_kvcache's norm cases (its docstring)."""
+    from rotary import RopeSpec
+    from rotary.backends import cupy as cb
+    from tests.test_kv_cache_cuda_shim import (GEOMETRIES, NORM_EPS, NORM_STEPS, NormPool, assert_close,
+                                               assert_same_bits, check_normed_keys, copy_stores, make_stores,
+                                               norm_weight, oracle, paged_slots, reference, rms_norm64, rotate64,
+                                               tables, with_padding)
+
+    from .kv_backend import kv_shim_backend, work_of
+
+    failures = 0
+    for i in range(n_random):
+        dtype = str(rng.choice(["float16", "float32", "float64"]))
+        kv_dtype = [None, "int8", "float8_e4m3"][i % 3]
+        if kv_dtype == "float8_e4m3" and dtype == "float64":
+            dtype = "float32"
+        head_dim = int(rng.integers(2, 41))
+        rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
+        offset = int(rng.integers(0, head_dim - rotary_dim + 1))
+        layout = str(rng.choice(["half", "interleaved"]))
+        T, Hk = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        P = T + int(rng.integers(0, 5))
+        geometry = list(GEOMETRIES)[i % len(GEOMETRIES)]
+        eps = NORM_EPS[i % 2]
+        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+        k = rng.standard_normal((T, 2 * Hk, head_dim)) * 10.0 ** rng.uniform(-2, 2, (T, 2 * Hk, 1))
+        k = k.astype(dtype)[:, ::2] if i % 2 else np.ascontiguousarray(k[:, :Hk], dtype)
+        v = rng.standard_normal((T, Hk, head_dim)).astype(dtype)
+        k, v, rows, slots = with_padding(rng, k, v, rng.integers(0, 64, T), paged_slots(rng, T, P), i % 3)
+        work = work_of(dtype)
+        cos, sin = tables(spec, 64, work)
+        weight = norm_weight(rng, head_dim, work)
+        stores = make_stores(P, Hk, head_dim, dtype, kv_dtype, rng)
+        got = copy_stores(stores)
+        threads, group, tpb = GEOMETRIES[geometry]
+        try:
+            kernels.launch(cb.plan_append_kv(k, v, cos, sin, rows, slots, got, dtype_name=dtype, rotary_dim=rotary_dim,
+                                             layout=layout, offset=offset, kv_dtype=kv_dtype, norm=(weight, eps),
+                                             threads=threads, group=group, max_tokens_per_block=tpb))
+            if kv_dtype != "float8_e4m3":
+                check_normed_keys(got, stores, k, rows, slots, spec, weight, eps, dtype=dtype, kv_dtype=kv_dtype)
+            want = reference(k, v, cos, sin, rows, slots, stores, spec=spec, kv_dtype=kv_dtype)
+            assert_same_bits(got[1::2], want[1::2])
+            ok = True
+        except AssertionError as exc:
+            print(exc)
+            ok = False
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} kv_append norm random {i}: d={head_dim} r={rotary_dim} offset={offset} T={T} "
+              f"Hk={Hk} {layout} {dtype} {kv_dtype} {geometry} eps={eps}", flush=True)
+
+    cases = [  # dtype, kv_dtype, head_dim, layout, step, GQA, rotated, attention geometry
+        ("float32", "int8", 20, "half", "decode", 4, True, dict(threads=5, tile=3, splits=1)),
+        ("float16", None, 20, "interleaved", "mixed", 1, False, dict(threads=5, tile=3, splits=3)),
+        ("float64", None, 72, "interleaved", "mixed", 4, True, dict(splits=3)),
+        ("float32", None, 72, "half", "decode", 1, False, dict(splits=1)),
+    ]
+    for i, (dtype, kv_dtype, head_dim, layout, step, group, rotated, attention) in enumerate(cases):
+        work = work_of(dtype)
+        counts = NORM_STEPS[step]
+        try:
+            pool = NormPool(kernels, dtype=dtype, kv_dtype=kv_dtype, head_dim=head_dim, layout=layout,
+                            weight=norm_weight(rng, head_dim, work), eps=NORM_EPS[i % 2], seed=i)
+            q = (rng.standard_normal((sum(counts), 2 * group, head_dim)) * 3).astype(dtype)
+            q_weight, q_eps = norm_weight(rng, head_dim, work), NORM_EPS[(i + 1) % 2]
+            rotation, positions = pool.rotation(counts)
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            kw = dict(scale=head_dim ** -0.5, softcap=None, window=None, causal=True, kv_dtype=kv_dtype)
+            o = kv_shim_backend(kernels, attention=attention).paged_attention(
+                q, pool.stores, pool.block_table, pool.page_size, pool.seq_lens, starts,
+                rotation=rotation if rotated else None, norm=(q_weight, q_eps), **kw)
+            qn = rms_norm64(q, q_weight, q_eps)
+            qn = rotate64(qn, positions, pool.spec) if rotated else qn
+            assert_close(o, oracle(qn, pool.stores, pool.block_table, pool.page_size, pool.seq_lens, starts, **kw),
+                         dtype)
+            ok = True
+        except AssertionError as exc:
+            print(exc)
+            ok = False
+        failures += not ok
+        print(f"{'ok' if ok else 'FAIL'} paged_attention norm {step} {dtype} {kv_dtype} GQA {group} d={head_dim} "
+              f"{layout} rotated={rotated} {attention}", flush=True)
     return failures
 
 
