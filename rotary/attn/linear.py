@@ -161,7 +161,7 @@ def checked_call(q, k, v, positions, *, causal, feature_map, eps, spec, seq_axis
                          state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay,
                          normalize=normalize, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
                          spec_kwargs=spec_kwargs)
-        return _nothing_saved(result, return_state) if save_for_backward else result
+        return nothing_saved(result, return_state) if save_for_backward else result
     return _linear_attention(xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps,
                              spec=spec, state=state, return_state=return_state, backend=backend, chunk=chunk,
                              decay=decay, normalize=normalize, spec_kwargs=spec_kwargs, angles=angles,
@@ -245,10 +245,10 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
         dev = xp_device(q)
         o = xp.zeros((*q.shape[:-1], dv), dtype=q.dtype, device=dev)
         if save_for_backward:   # nothing to keep: the call without it, then None
-            return _nothing_saved(_linear_attention(
+            return nothing_saved(_linear_attention(
                 xp, q, k, v, positions, ax, gax, groups, causal=causal, feature_map=feature_map, eps=eps, spec=spec,
                 state=state, return_state=return_state, backend=backend, chunk=chunk, decay=decay, normalize=normalize,
-                spec_kwargs=spec_kwargs, varlen=varlen, angles=angles), return_state)
+                spec_kwargs={}, varlen=varlen, angles=angles), return_state)   # (spec: resolved above)
         if not return_state:
             return o
         if state is not None:
@@ -318,8 +318,9 @@ def _linear_attention(xp, q, k, v, positions, ax, gax, groups, *, causal, featur
     return (o, make_state(S, z, next_pos, step)) + last
 
 
-def _nothing_saved(result, return_state):
-    """``result`` (o, or (o, state) with ``return_state``) with None saved for the backward appended."""
+def nothing_saved(result, return_state):
+    """``result`` (o, or (o, state) with ``return_state``) with None saved for the backward appended (a call that
+    keeps nothing for its backward; the torch, JAX and Dask adapters: their autograd keeps its own)."""
     return (result if return_state else (result,)) + (None,)
 
 

@@ -107,6 +107,12 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     shaped as the given one, into / over any stores of the same format (each layer's, with each layer's norm
     weights); the other arguments are fixed. A backend without
     them is called through its ``append_kv`` / ``paged_attention`` with the same arguments.
+``LINEAR_CHUNK_STATES = True``
+    A causal ``linear_attention`` call without ``cu_seqlens`` takes ``keep_chunk_states=True`` and returns
+    ``(o, state, chunk_states)``: the states before each chunk as it carried them (an object of the backend's own,
+    None for an empty call), which its ``linear_attention_backward(..., chunk_states=)`` of the same inputs, chunk,
+    state and decay reads in place of sweeping k and v again (raising ValueError for another call's shapes or
+    chunk). The frontend wraps them in :class:`rotary.attn.linear_state.SavedForBackward`.
 ``prepare_stores(stores, kv_dtype) -> prepared``
     Stores made ready once for the prepared runs above (e.g. flattened), which then take ``prepared`` in place of
     ``stores``; its owner (a cache's layer) keeps it as long as the stores (a backend keeps no such memo itself).

@@ -336,6 +336,10 @@ def _plan(core, q, k, v, positions, kwargs, others=()):
 
 def linear_attention(core, q, k, v, positions=None, **kwargs):
     """``rotary.linear_attention`` for Dask arrays chunked along the sequence axis (see module docstring)."""
+    if kwargs.pop("save_for_backward", False):   # the blocks' states are the graph's own: nothing saved here
+        from ..attn.linear import nothing_saved
+
+        return nothing_saved(linear_attention(core, q, k, v, positions, **kwargs), kwargs.get("return_state"))
     da = _da()
     import dask
 
@@ -405,6 +409,8 @@ def linear_attention_backward(core, q, k, v, grad_o, positions=None, **kwargs):
     carried state; those gradients summed across blocks (causal: a suffix from the last block, decayed;
     non-causal: every other block's), and per block the part of dk, dv that reaches k, v through its state (a
     backward with a zero grad_o). dq, dk, dv chunked like q (along the sequence axis), dstate Dask arrays."""
+    if kwargs.pop("saved", None) is not None:
+        raise ValueError("saved: a Dask forward keeps no chunk states (it returns None for save_for_backward)")
     da = _da()
     import dask
 

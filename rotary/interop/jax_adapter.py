@@ -404,6 +404,10 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     from ..attn.linear_state import LinearAttentionState
     from ..frontend.normalize import normalize_seq_axis
 
+    if kwargs.pop("save_for_backward", False):   # JAX's vjp keeps its own residuals: nothing saved here
+        from ..attn.linear import nothing_saved
+
+        return nothing_saved(linear_attention(core, q, k, v, positions, **kwargs), kwargs.get("return_state"))
     _check_backend(kwargs.get("backend", "auto"), ("q",))
     for name, value in kwargs.items():
         if name != "state" and _is_tracer(value):

@@ -298,6 +298,10 @@ def linear_attention(core, q, k, v, positions=None, **kwargs):
     is a name; with grad, the custom op ``torch.ops.rotary.linear_attention`` (the kernels forward, the
     backward primitive backward: :data:`OP_BACKWARD`) for the calls it takes; else the reference path on the
     tensors (differentiable; a callable feature map sees torch tensors)."""
+    if kwargs.pop("save_for_backward", False):   # torch autograd keeps its own: nothing saved here
+        from ..attn.linear import nothing_saved
+
+        return nothing_saved(linear_attention(core, q, k, v, positions, **kwargs), kwargs.get("return_state"))
     torch = _torch()
     names = ("q", "k", "v")
     for a, name in zip((q, k, v), names):
