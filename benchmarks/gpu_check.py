@@ -15,23 +15,23 @@
    the device's SM count and clock (goal >= 0.4). Also RetNet retention against it (goal <= 1.2x), and a
    ragged packed batch (64 sequences of 1..1024 tokens, cu_seqlens) in one launch against one launch per
    sequence (time ratio and the largest output/state difference, expected ~0).
-5. KV cache (cuda_kernels/kv_cache.cu through the CuPy backend's ``append_kv`` and ``paged_attention``): for
-   fp32 / fp16 with each KV format (None, int8, float8_e4m3) and fp64 (None, int8), the append of a paged pool
-   (ragged sequences, one forking another's first page, padding tokens with slot -1) bit for bit against
+5. KV cache (cuda_kernels/kv_cache.cu through the CuPy backend's ``append_kv`` and ``paged_attention``): for fp32 /
+   fp16 with each KV format (None, int8, float8_e4m3) and fp64 (None, int8), the append of a paged pool (ragged
+   sequences, one forking another's first page, padding tokens with slot -1) bit for bit against
    ``kv_entries.append_kv`` on the host, and paged attention (GQA 8:2; a mixed launch of prefill chunks and decode
    steps, dense decode, window + softcap, non-causal) against a float64 oracle within 2e-6 (fp32), 2e-3 (fp16),
    1e-12 (fp64) of max |o|; with the per-head RMSNorm before RoPE (Qwen3 / Gemma 3's k_norm and q_norm, fp32 cast
-   and fp16 int8 entries): the normed, rotated keys against a float64 oracle (norm, then float64 angles; int8
-   within half a quantization step), the values as without the norm (bits), and attention with the q norm and the
-   q rotation fused (mixed prefill + decode) against the float64 oracle. Speed: the append of a prefill chunk (16384 tokens, 8 kv heads, d=128, fp16, paged
-   slot order) as a planned launch against ``cupy.copyto`` of k and v (time ratio, goal <= 1.5 for fp16 entries)
-   and as a fraction of the copy bandwidth; microseconds per paged_attention launch over 32 sequences of 2048 keys
-   (32 q / 8 kv heads, fp16 and int8 entries), dense decode and with one 512-token prefill chunk mixed in, and the
-   pool's bytes over that time against the copy bandwidth; host microseconds per ``KVCache.append`` decode step
-   (32 sequences x 1 token). Decode attention at the memory limit (``paged_attention_decode``): 32 sequences x 2048
-   keys and batch 1 x 32768 keys (Llama-3-8B: 32/8 heads, d=128), fp16 and int8 entries, against a
-   device-to-device copy of the same K+V bytes in the same run (goal >= 0.7 of the copy bandwidth), at the split
-   rule's count and a sweep of forced split counts.
+   and fp16 int8 entries): the normed, rotated keys against a float64 oracle (norm, then float64 angles; int8 within
+   half a quantization step), the values as without the norm (bits), and attention with the q norm and the q
+   rotation fused (mixed prefill + decode) against the float64 oracle. Speed: the append of a prefill chunk (16384
+   tokens, 8 kv heads, d=128, fp16, paged slot order) as a planned launch against ``cupy.copyto`` of k and v (time
+   ratio, goal <= 1.5 for fp16 entries) and as a fraction of the copy bandwidth; microseconds per paged_attention
+   launch over 32 sequences of 2048 keys (32 q / 8 kv heads, fp16 and int8 entries), dense decode and with one
+   512-token prefill chunk mixed in, and the pool's bytes over that time against the copy bandwidth; host
+   microseconds per ``KVCache.append`` decode step (32 sequences x 1 token). Decode attention at the memory limit
+   (``paged_attention_decode``): 32 sequences x 2048 keys and batch 1 x 32768 keys (Llama-3-8B: 32/8 heads, d=128),
+   fp16 and int8 entries, against a device-to-device copy of the same K+V bytes in the same run (goal >= 0.7 of the
+   copy bandwidth), at the split rule's count and a sweep of forced split counts.
    Linear attention's backward (cuda_kernels/linear_backward.cu): dq, dk, dv of the causal fp32 problem of 4 (B*H =
    128, T = 8192, m = dv = 128) against the forward's time on it, at several shared-memory budgets and block sizes
    (goal, for information: <= 3x the forward, the Numba backward's ratio on a CPU); and a GQA problem with decay,

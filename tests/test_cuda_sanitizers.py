@@ -1,14 +1,14 @@
 """The CUDA kernels on the host shim under AddressSanitizer + UBSan and ThreadSanitizer (no GPU needed).
 
-Each sanitized run is a child Python with the sanitizer runtime preloaded (tests/cuda_shim/sanitize.py):
-the conformance cases, a set of direct launches, random problems, random KV-cache appends and paged attention
+Each sanitized run is a child Python with the sanitizer runtime preloaded (tests/cuda_shim/sanitize.py): the
+conformance cases, a set of direct launches, random problems, random KV-cache appends and paged attention
 (``kvcache``: with and without the per-head RMSNorm before RoPE, kv_append<..., true> and paged_attention's q norm,
-against the reference and float64 oracles) and linear attention's backward (linear_backward.cu's two kernels; scratch filled with NaN) run with every global buffer in an allocation of
-exactly its extent (``guard``: an out-of-bounds access trips ASan), every launch twice under two
-shared-memory poisons (``compare``: a read of shared memory no thread wrote changes the output), blocks on
-concurrent thread sets (``slots``: TSan sees races between blocks as well as within one), and every
-__syncthreads checked to be reached by all threads of its block. The planted bugs of
-tests/cuda_shim/planted.cu show that each check fires. Bounded to about two minutes (two sanitized
+against the reference and float64 oracles) and linear attention's backward (linear_backward.cu's two kernels;
+scratch filled with NaN) run with every global buffer in an allocation of exactly its extent (``guard``: an
+out-of-bounds access trips ASan), every launch twice under two shared-memory poisons (``compare``: a read of shared
+memory no thread wrote changes the output), blocks on concurrent thread sets (``slots``: TSan sees races between
+blocks as well as within one), and every __syncthreads checked to be reached by all threads of its block. The
+planted bugs of tests/cuda_shim/planted.cu show that each check fires. Bounded to about two minutes (two sanitized
 builds of the shim, then a few seconds per run); skipped with the reason when a runtime is missing.
 """
 

@@ -995,7 +995,8 @@ NORM_ATTENTION_CASES = {20: [("decode", True, 4), ("mixed", False, 1)],
                         128: [("decode", True, 1), ("mixed", False, 4)]}
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", NORM_ATTENTION_FORMATS, ids=[f"{d}-{kv}" for d, kv in NORM_ATTENTION_FORMATS])
+@pytest.mark.parametrize("dtype,kv_dtype", NORM_ATTENTION_FORMATS,
+                         ids=[f"{d}-{kv}" for d, kv in NORM_ATTENTION_FORMATS])
 def test_paged_attention_with_norm_matches_the_float64_oracle(kernels, dtype, kv_dtype, rng):
     """paged_attention with the q norm over pools of normed keys: head_dim 20 / 72 / 128 (partial rotary from an
     offset, partial, full), both layouts, GQA 1 and 4 (2 kv heads), a decode step and a mixed step (a 6-query chunk

@@ -1354,9 +1354,9 @@ def paged_attention(q, stores, block_table, page_size, seq_lens, q_starts, *, sc
                     kv_dtype, rotation=None, norm=None):
     """The ``paged_attention`` capability (see :mod:`rotary.backends`): the launches of :func:`plan_paged_attention`
     (paged_attention, then the split-K combine when the rule splits) on q's device and stream over the pages where
-    they lie, q RMS-normed (``norm`` = (weight, eps)) and rotated as it is read when those are given; returns o (T, Hq, D) in q's dtype (a torch tensor
-    for a torch q). The tables are used as they are when they are contiguous int64 device arrays (else copied
-    once)."""
+    they lie, q RMS-normed (``norm`` = (weight, eps)) and rotated as it is read when those are given; returns o (T,
+    Hq, D) in q's dtype (a torch tensor for a torch q). The tables are used as they are when they are contiguous
+    int64 device arrays (else copied once)."""
     import cupy
 
     exchange = _Exchange(q)

@@ -5,16 +5,15 @@ a child Python with the runtime in LD_PRELOAD (:func:`command` builds it; :func:
 
     python -m tests.cuda_shim.sanitize MODE WHAT [--slots N] [--guard] [--compare] [--dir DIR]
 
-MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance cases through the
-frontend at two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches:
-partial rotary dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget,
-decay, cu_seqlens with an empty sequence), ``linear_backward`` (linear_backward.cu against the NumPy reference
-backward), ``random`` (random rotation and linear-attention problems:
-element offsets, strides along head_dim, a reversed k, GQA, block geometries, budgets), ``kvcache`` (random
-KV-cache appends of kv_cache.cu, bit for bit against the reference append, then paged_attention and its split-K
-combine against the float64 oracle, then both with the per-head RMSNorm against float64 oracles), or ``planted:NAME`` (one kernel of
-planted.cu, or ``rope_short_table``:
-the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
+MODE: ``address`` or ``thread``. WHAT: ``conformance`` (the rotation conformance cases through the frontend at
+two block geometries, and the linear-attention conformance cases), ``direct`` (direct launches: partial rotary
+dims, odd head dims, in place, fp16/fp64, GQA, dv tiles, a tiny shared-memory budget, decay, cu_seqlens with an
+empty sequence), ``linear_backward`` (linear_backward.cu against the NumPy reference backward), ``random``
+(random rotation and linear-attention problems: element offsets, strides along head_dim, a reversed k, GQA,
+block geometries, budgets), ``kvcache`` (random KV-cache appends of kv_cache.cu, bit for bit against the
+reference append, then paged_attention and its split-K combine against the float64 oracle, then both with the
+per-head RMSNorm against float64 oracles), or ``planted:NAME`` (one kernel of planted.cu, or
+``rope_short_table``: the rotation kernel given a cos/sin table shorter than its row indices; each must fail).
 ``--guard``: exact-extent copies of every global buffer; ``--compare``: every launch under two
 shared-memory poisons; ``--slots``: concurrent blocks. Prints one line per case and ``OK <n> launches``.
 """
