@@ -8,7 +8,9 @@ Case: q, k, v (1, T, H, d) float32 BSHD, elu + 1 features, RoPE in the numerator
 causal, chunk 64, grad_o a random (1, T, H, dv). Rows (every one checked against rotary's results first):
 
 - **rotary (Numba)**: ``rotary.linear_attention`` (forward), ``linear_attention_backward`` (backward, from the
-  forward's inputs and grad_o), and the two one after the other (forward + backward);
+  forward's inputs and grad_o), and the two one after the other (forward + backward); and the same with the
+  forward keeping its states before each chunk (``save_for_backward=True``, "states-kept") and the backward
+  reading them (``saved=``) instead of sweeping k and v again (the gradients checked equal, bit for bit);
 - **torch autograd, chunked**: the chunked torch form of ``bench_peers.py`` (eager), its forward, and
   ``torch.autograd.grad`` of ``sum(o * grad_o)`` (forward + backward; backward = the difference);
 - **torch.compile forward**: that chunked form under ``torch.compile`` (inductor, static shapes; its compile time
@@ -104,6 +106,25 @@ def rotary_calls(q, k, v, g, spec):
 
     def both():
         return forward(), backward()
+    return forward, backward, both
+
+
+def rotary_kept_calls(q, k, v, g, spec):
+    """The same with the forward keeping its chunk states (``save_for_backward=True``) and the backward reading them
+    (``saved=``): (forward, backward of one kept forward's states, forward + backward)."""
+    kw = dict(causal=True, feature_map="elu", spec=spec, seq_axis=1, backend="numba", chunk=CHUNK, eps=EPS)
+    saved = rotary.linear_attention(q, k, v, save_for_backward=True, **kw)[1]
+    assert saved is not None
+
+    def forward():
+        return rotary.linear_attention(q, k, v, save_for_backward=True, **kw)
+
+    def backward():
+        return linear_attention_backward(q, k, v, g, saved=saved, **kw)[:3]
+
+    def both():
+        o, kept = forward()
+        return o, linear_attention_backward(q, k, v, g, saved=kept, **kw)[:3]
     return forward, backward, both
 
 
@@ -254,8 +275,9 @@ def training_step(T, width_heads, layers, threads):
 
 
 # -- peak memory in fresh processes -----------------------------------------------------------------------------
-MEMORY_CASES = ("rotary forward", "rotary forward + backward", "torch forward", "torch forward + backward",
-                "JAX forward", "JAX forward + backward")
+MEMORY_CASES = ("rotary forward", "rotary forward + backward", "rotary states-kept forward",
+                "rotary states-kept forward + backward", "torch forward", "torch forward + backward", "JAX forward",
+                "JAX forward + backward")
 
 
 def _status_kib(field):
@@ -273,9 +295,10 @@ def measure_memory(name, T, threads):
     q, k, v, g, spec = inputs(T)
     if name.startswith("rotary"):
         small = [a[:, :CHUNK * 2].copy() for a in (q, k, v, g)]
-        for fn in rotary_calls(*small, spec)[2:]:
+        make = rotary_kept_calls if "states-kept" in name else rotary_calls
+        for fn in make(*small, spec)[2:]:
             fn()                                   # the kernels loaded (from Numba's cache) at a small size
-        fwd, _, both = rotary_calls(q, k, v, g, spec)
+        fwd, _, both = make(q, k, v, g, spec)
     elif name.startswith("torch"):
         small = [a[:, :CHUNK * 2].copy() for a in (q, k, v, g)]
         torch_calls(*small, spec, threads)[1]()
@@ -329,6 +352,11 @@ def main(args):
     fwd, bwd, both = rotary_calls(q, k, v, g, spec)
     want_o, want_grads = both()
     calls = {"rotary forward": fwd, "rotary backward": bwd, "rotary forward + backward": both}
+    k_fwd, k_bwd, k_both = rotary_kept_calls(q, k, v, g, spec)
+    kept_o, kept_grads = k_both()
+    assert np.array_equal(kept_o, want_o) and all(np.array_equal(a, b) for a, b in zip(kept_grads, want_grads))
+    calls.update({"rotary states-kept forward": k_fwd, "rotary states-kept backward": k_bwd,
+                  "rotary states-kept forward + backward": k_both})
     notes, skipped = [], {}
     if "torch" not in skip:
         try:
@@ -392,7 +420,8 @@ def main(args):
     for name, (best, med) in all_times.items():
         if name.startswith("training step"):
             continue
-        flop = flops_f if name.endswith("forward") else flops_b if name.endswith("backward") else flops_f + flops_b
+        flop = flops_f + flops_b if name.endswith("forward + backward") else flops_f if name.endswith("forward") \
+            else flops_b
         mem = memory.get(name)
         mem_s = "" if mem is None else f"{mem:.0f} / {mem + inputs_mib:.0f}"
         rows.append((name + (" (difference)" if name in derived else ""), f"{best * 1e3:.1f}", f"{med * 1e3:.1f}",
@@ -411,15 +440,28 @@ def main(args):
     rb = all_times.get("rotary backward")
     print(f"\nrotary backward / forward: {rb[0] / f0:.2f} (best), {rb[1] / times['rotary forward'][1]:.2f} (median)"
           " (bound: <= 2.5)")
+    kb, kf = all_times.get("rotary states-kept backward"), times.get("rotary states-kept forward")
+    if kb and kf:
+        print(f"rotary backward through the forward's kept states / forward: {kb[0] / f0:.2f} (best), "
+              f"{kb[1] / times['rotary forward'][1]:.2f} (median) (bound: <= 2.5); / the forward that keeps them: "
+              f"{kb[0] / kf[0]:.2f} (best), {kb[1] / kf[1]:.2f} (median)")
+        kfb, fb = times["rotary states-kept forward + backward"], times["rotary forward + backward"]
+        print(f"rotary forward + backward with kept states / without: {kfb[0] / fb[0]:.2f} (best), "
+              f"{kfb[1] / fb[1]:.2f} (median)")
     print(f"rotary forward / sgemm rate: {flops_f / f0 / 1e9 / sgemm:.2f} (bound: >= 0.7)")
     tc = times.get("torch.compile forward")
     if tc:
         print(f"torch.compile chunked forward / rotary forward: {tc[0] / f0:.2f}x (best), "
               f"{tc[1] / times['rotary forward'][1]:.2f}x (median) (bound: rotary >= 2x faster)")
-    if memory.get("rotary forward") and memory.get("rotary forward + backward"):
-        m1, m2 = memory["rotary forward"], memory["rotary forward + backward"]
-        print(f"rotary peak memory, forward + backward / forward: {m2 / m1:.2f} (extra), "
-              f"{(m2 + inputs_mib) / (m1 + inputs_mib):.2f} (with inputs)")
+    for kind in ("", "states-kept "):
+        m1, m2 = memory.get(f"rotary {kind}forward"), memory.get(f"rotary {kind}forward + backward")
+        if m1 and m2:
+            print(f"rotary {kind}peak memory, forward + backward / forward: {m2 / m1:.2f} (extra), "
+                  f"{(m2 + inputs_mib) / (m1 + inputs_mib):.2f} (with inputs)")
+    m0, m2 = memory.get("rotary forward"), memory.get("rotary states-kept forward + backward")
+    if m0 and m2:
+        print(f"rotary states-kept forward + backward / the plain forward, peak memory: {m2 / m0:.2f} (extra), "
+              f"{(m2 + inputs_mib) / (m0 + inputs_mib):.2f} (with inputs)")
     for note in notes:
         print(f"- {note}")
     for what, why in skipped.items():
