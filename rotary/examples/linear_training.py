@@ -81,8 +81,10 @@ def batches(cfg: Config):
 
 
 def loss_and_grads(params: dict, tokens, targets, mask, cfg: Config):
-    """(loss, accuracy, grads) of one batch: forward with :func:`rotary.linear_attention`, backward by hand with
-    :func:`~rotary.attn.linear_backward.linear_attention_backward` for the attention."""
+    """(loss, accuracy, grads) of one batch: forward with :func:`rotary.linear_attention` (which keeps its chunk
+    states for the backward where the backend can: ``save_for_backward=True``), backward by hand with
+    :func:`~rotary.attn.linear_backward.linear_attention_backward` for the attention (``saved=``: no second sweep
+    over k and v)."""
     B, T = tokens.shape
     H, d = cfg.heads, cfg.head_dim
     kw = dict(causal=True, spec=cfg.spec, seq_axis=1, backend=cfg.backend)
@@ -90,8 +92,9 @@ def loss_and_grads(params: dict, tokens, targets, mask, cfg: Config):
     saved = []
     for layer in range(cfg.layers):
         q, k, v = ((h @ params[f"{n}{layer}"]).reshape(B, T, H, d) for n in ("Wq", "Wk", "Wv"))
-        o = rotary.linear_attention(q, k, v, **kw).reshape(B, T, H * d)
-        saved.append((h, q, k, v, o))
+        o, states = rotary.linear_attention(q, k, v, save_for_backward=True, **kw)
+        o = o.reshape(B, T, H * d)
+        saved.append((h, q, k, v, o, states))
         h = h + o @ params[f"Wo{layer}"]
     logits = h @ params["W_out"]                                        # (B, T, V)
     shifted = logits - logits.max(-1, keepdims=True)
@@ -108,10 +111,10 @@ def loss_and_grads(params: dict, tokens, targets, mask, cfg: Config):
     grads["W_out"] = np.einsum("btd,btv->dv", h, dlogits)
     dh = dlogits @ params["W_out"].T
     for layer in reversed(range(cfg.layers)):
-        h_in, q, k, v, o = saved[layer]
+        h_in, q, k, v, o, states = saved[layer]
         grads[f"Wo{layer}"] = np.einsum("btj,btd->jd", o, dh)
         do = (dh @ params[f"Wo{layer}"].T).reshape(B, T, H, d)
-        dq, dk, dv, _ = linear_attention_backward(q, k, v, do, **kw)
+        dq, dk, dv, _ = linear_attention_backward(q, k, v, do, saved=states, **kw)
         for name, g in (("Wq", dq), ("Wk", dk), ("Wv", dv)):
             g = g.reshape(B, T, H * d)
             grads[f"{name}{layer}"] = np.einsum("btd,btj->dj", h_in, g)
