@@ -490,9 +490,10 @@ def keep_chunk_state(states, starts, c, s_work, carried_z, m, dv):
     dvw = states.shape[0] // starts.shape[0]
     for r in range(m):
         starts[c, r] = carried_z[r]
-        w_row = s_work[r]
-        for j in range(dv):
-            states[c * dvw + j, r] = w_row[j]
+    for j in range(dv):   # row by row of the (large) states: their lines written whole, one after another
+        row = states[c * dvw + j]
+        for r in range(m):
+            row[r] = s_work[r, j]
 
 
 @njit(nogil=True, **KERNEL_JIT)
