@@ -76,7 +76,16 @@ def kernel_norm(norm, work, head_dim):
     if norm is None:
         return _UNNORMED
     weight, eps = norm
-    return (runtime.readonly_c(weight), work.type(eps), work.type(head_dim)), None
+    scalars = _norm_scalars.get((work, eps, head_dim))
+    if scalars is None:
+        if len(_norm_scalars) >= 64:
+            _norm_scalars.clear()
+        scalars = _norm_scalars[work, eps, head_dim] = (work.type(eps), work.type(head_dim))
+    return (weight if weight.flags.c_contiguous else np.ascontiguousarray(weight),) + scalars, None
+
+
+#: (work dtype, eps, head_dim) -> eps and head_dim as work-dtype scalars (kernel_norm's, kept: a decode step's)
+_norm_scalars: dict = {}
 
 
 def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset, kv_dtype):

@@ -157,9 +157,12 @@ def norm_argument(weight, eps, name, head_dim, work, xp=None):
         if eps is not None:
             raise ValueError(f"norm_eps goes with {name}= (the norm's weights); without them nothing is normed")
         return None
-    eps = NORM_EPS if eps is None else optional_number(eps, "norm_eps", positive=False)
-    if eps < 0:
-        raise ValueError(f"norm_eps must be >= 0, got {eps}")
+    if eps is None:
+        eps = NORM_EPS
+    elif type(eps) is not float or not 0.0 <= eps < math.inf:   # (a finite float >= 0 as it is: a decode step's)
+        eps = optional_number(eps, "norm_eps", positive=False)
+        if eps < 0:
+            raise ValueError(f"norm_eps must be >= 0, got {eps}")
     if xp is None and type(weight) is np.ndarray and weight.dtype == work and weight.shape == (head_dim,) and \
             weight.flags.c_contiguous:
         return weight, eps   # (read, never written)

@@ -1274,17 +1274,20 @@ class KVCacheLayer:
     def __init__(self, cache, index):
         self.cache, self.index = cache, index
 
-    def append(self, k, v, seq_ids=None, **kwargs):
-        if seq_ids is None and not kwargs and self.cache._append_prepared(k, v, self.index):   # a decode step's call
-            return None
-        return self.cache.append(k, v, seq_ids, layer=self.index, **kwargs)
+    def append(self, k, v, seq_ids=None, *, k_norm=None, norm_eps=None, **kwargs):
+        if seq_ids is None and not kwargs:   # a decode step's call
+            norm = None if k_norm is None and norm_eps is None else self.cache._norm(k_norm, norm_eps, "k_norm")
+            if self.cache._append_prepared(k, v, self.index, norm):
+                return None
+        return self.cache.append(k, v, seq_ids, layer=self.index, k_norm=k_norm, norm_eps=norm_eps, **kwargs)
 
-    def attend(self, q, **kwargs):
+    def attend(self, q, *, q_norm=None, norm_eps=None, **kwargs):
         if not kwargs:   # a decode step's call
-            o = self.cache._attend_prepared(q, self.index)
+            norm = None if q_norm is None and norm_eps is None else self.cache._norm(q_norm, norm_eps, "q_norm")
+            o = self.cache._attend_prepared(q, self.index, norm)
             if o is not None:
                 return o
-        return self.cache.attend(q, layer=self.index, **kwargs)
+        return self.cache.attend(q, layer=self.index, q_norm=q_norm, norm_eps=norm_eps, **kwargs)
 
     def keys(self, b):
         return self.cache.keys(b, layer=self.index)
