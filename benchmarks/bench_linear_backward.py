@@ -54,6 +54,8 @@ def _parse(argv):
     p.add_argument("--round-ms", type=float, default=None, help="time per contender per round (default 150; quick 25)")
     p.add_argument("--T", type=int, default=None, help="tokens (default 8192; quick 2048)")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: torch, jax, compile, memory")
+    p.add_argument("--steady", action="store_true",
+                   help="only rotary's four calls (forward, backward, both with kept states), each repeated alone")
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)   # internal: one peak-memory measurement
     return p.parse_args(argv)
 
@@ -343,8 +345,34 @@ def table(header, rows):
     return "\n".join(lines)
 
 
+def steady(T, calls=15, rounds=2):
+    """rotary's forward, backward, the forward keeping its states and the backward through them, each called
+    ``calls`` times in a row (no other contender between: the allocator settles), ``rounds`` rounds; prints each
+    round's median and the last round's ratios."""
+    q, k, v, g, spec = inputs(T)
+    fwd, bwd, _ = rotary_calls(q, k, v, g, spec)
+    k_fwd, k_bwd, _ = rotary_kept_calls(q, k, v, g, spec)
+    named = {"forward": fwd, "backward": bwd, "forward keeping its states": k_fwd,
+             "backward through the kept states": k_bwd}
+    for r in range(rounds):
+        med = {}
+        for name, fn in named.items():
+            ts = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            med[name] = float(np.median(ts))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in med.items()))
+    f = med["forward"]
+    print(f"backward / forward {med['backward'] / f:.2f}; backward through the kept states / forward "
+          f"{med['backward through the kept states'] / f:.2f} (T={T}, {calls} calls each, medians)")
+
+
 def main(args):
     T = args.T or (2048 if args.quick else 8192)
+    if args.steady:
+        return steady(T)
     rounds = args.rounds or (3 if args.quick else 7)
     round_s = (args.round_ms or (25 if args.quick else 150)) / 1e3
     skip = set(filter(None, args.skip.split(",")))
