@@ -307,7 +307,6 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     then rotation by float64 angles; v bit for bit the append's without the norm), and attention with the q norm
     over pools of normed keys (decode and mixed steps, GQA 1 and 4, q rotated as it is read or not, 1 and 3
     splits, 5 threads with 3-key tiles and the default block) against the float64 oracle."""
-    from rotary import RopeSpec
     from tests.test_kv_cache_cuda_shim import (ATTENTION_CASES, FORMATS, GEOMETRIES, SEQ_LENS, SHARED, Pool, attend,
                                                assert_close, check_append, make_stores, paged_slots, with_padding)
 
@@ -316,18 +315,8 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     rng = np.random.default_rng(seed)
     failures = 0
     for i in range(n_random):
-        dtype = str(rng.choice(["float16", "float32", "float64"]))
-        kv_dtype = [None, "int8", "float8_e4m3"][i % 3]
-        if kv_dtype == "float8_e4m3" and dtype == "float64":
-            dtype = "float32"
-        head_dim = int(rng.integers(2, 41))
-        rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
-        offset = int(rng.integers(0, head_dim - rotary_dim + 1))
-        layout = str(rng.choice(["half", "interleaved"]))
-        T, Hk = int(rng.integers(1, 9)), int(rng.integers(1, 4))
-        P = T + int(rng.integers(0, 6))
-        geometry = list(GEOMETRIES)[i % len(GEOMETRIES)]
-        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+        dtype, kv_dtype, spec, T, Hk, P, geometry = _random_append(rng, i, GEOMETRIES, max_tokens=8, max_spare=5)
+        head_dim, rotary_dim, offset, layout = spec.head_dim, spec.rotary_dim, spec.rotary_offset, spec.layout
         k = rng.standard_normal((T, 2 * Hk, head_dim)).astype(dtype)[:, ::2] if i % 2 else \
             rng.standard_normal((T, Hk, head_dim)).astype(dtype)
         v = rng.standard_normal((T, Hk, head_dim)).astype(dtype)[::-1] if i % 4 == 1 else \
@@ -366,9 +355,28 @@ def run_kvcache(kernels, n_random: int = 24, seed: int = 7) -> int:
     return failures + _run_kvcache_norm(kernels, rng)
 
 
+def _random_append(rng, i, geometries, *, max_tokens, max_spare):
+    """A random append of case i: (dtype, kv_dtype (cycling None, int8, float8; float8 never with float64), spec
+    (head_dim 2..40, a random even rotary_dim from a random offset, either layout), tokens T, k/v heads, pool slots
+    P (T and up to max_spare more), thread geometry (cycling))."""
+    from rotary import RopeSpec
+
+    dtype = str(rng.choice(["float16", "float32", "float64"]))
+    kv_dtype = [None, "int8", "float8_e4m3"][i % 3]
+    if kv_dtype == "float8_e4m3" and dtype == "float64":
+        dtype = "float32"
+    head_dim = int(rng.integers(2, 41))
+    rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
+    offset = int(rng.integers(0, head_dim - rotary_dim + 1))
+    layout = str(rng.choice(["half", "interleaved"]))
+    T, Hk = int(rng.integers(1, max_tokens + 1)), int(rng.integers(1, 4))
+    P = T + int(rng.integers(0, max_spare + 1))
+    spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
+    return dtype, kv_dtype, spec, T, Hk, P, list(geometries)[i % len(geometries)]
+
+
 def _run_kvcache_norm(kernels, rng, n_random: int = 9) -> int:
     """run_kvcache's norm cases (its docstring)."""
-    from rotary import RopeSpec
     from rotary.backends import cupy as cb
     from tests.test_kv_cache_cuda_shim import (GEOMETRIES, NORM_EPS, NORM_STEPS, NormPool, assert_close,
                                                assert_same_bits, check_normed_keys, copy_stores, make_stores,
@@ -379,19 +387,9 @@ def _run_kvcache_norm(kernels, rng, n_random: int = 9) -> int:
 
     failures = 0
     for i in range(n_random):
-        dtype = str(rng.choice(["float16", "float32", "float64"]))
-        kv_dtype = [None, "int8", "float8_e4m3"][i % 3]
-        if kv_dtype == "float8_e4m3" and dtype == "float64":
-            dtype = "float32"
-        head_dim = int(rng.integers(2, 41))
-        rotary_dim = 2 * int(rng.integers(1, head_dim // 2 + 1))
-        offset = int(rng.integers(0, head_dim - rotary_dim + 1))
-        layout = str(rng.choice(["half", "interleaved"]))
-        T, Hk = int(rng.integers(1, 8)), int(rng.integers(1, 4))
-        P = T + int(rng.integers(0, 5))
-        geometry = list(GEOMETRIES)[i % len(GEOMETRIES)]
+        dtype, kv_dtype, spec, T, Hk, P, geometry = _random_append(rng, i, GEOMETRIES, max_tokens=7, max_spare=4)
+        head_dim, rotary_dim, offset, layout = spec.head_dim, spec.rotary_dim, spec.rotary_offset, spec.layout
         eps = NORM_EPS[i % 2]
-        spec = RopeSpec(head_dim, rotary_dim=rotary_dim, layout=layout, rotary_offset=offset)
         k = rng.standard_normal((T, 2 * Hk, head_dim)) * 10.0 ** rng.uniform(-2, 2, (T, 2 * Hk, 1))
         k = k.astype(dtype)[:, ::2] if i % 2 else np.ascontiguousarray(k[:, :Hk], dtype)
         v = rng.standard_normal((T, Hk, head_dim)).astype(dtype)
