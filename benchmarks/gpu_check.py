@@ -361,6 +361,15 @@ def _kv_oracle(q, stores, block_table, page_size, seq_lens, q_starts, *, kv_dtyp
     return o
 
 
+def _host_stores(fmt, shape, dtype, work):
+    """Host stores (k entries, v entries, k scales, v scales) of format ``fmt`` for ``shape`` (slots, heads, d): NaN
+    float entries (or zero quantized entries with NaN scales), so a slot the append misses shows."""
+    if fmt.entry is None:
+        return np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None
+    return (np.zeros(shape, fmt.entry), np.zeros(shape, fmt.entry), np.full(shape[:2], np.nan, work),
+            np.full(shape[:2], np.nan, work))
+
+
 def _kv_pool(rng, seq_lens, page_size, heads, d):
     """A block table over a scattered page order for ``seq_lens`` (sequence 1 forks sequence 0's first page) and
     the append of every key (packed, with padding tokens: slot -1, row -1): (table, positions, slots, pages)."""
@@ -410,11 +419,7 @@ def kv_cache_check(cupy, rotary, cb) -> dict:
             work = np.float64 if dtype == np.float64 else np.float32
             table, positions, slots, n_pages = _kv_pool(rng, seq_lens, page_size, heads, d)
             shape = (n_pages * page_size, heads, d)
-            if fmt.entry is None:
-                host = (np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None)
-            else:
-                host = (np.zeros(shape, fmt.entry), np.zeros(shape, fmt.entry), np.full(shape[:2], np.nan, work),
-                        np.full(shape[:2], np.nan, work))
+            host = _host_stores(fmt, shape, dtype, work)
             dev = tuple(None if a is None else cupy.asarray(a) for a in host)
             k = rng.standard_normal((len(slots), heads, d)).astype(dtype)
             v = rng.standard_normal((len(slots), heads, d)).astype(dtype)
@@ -483,11 +488,7 @@ def kv_norm_check(cupy, rotary, cb) -> list:
             work = np.float32
             table, positions, slots, n_pages = _kv_pool(rng, seq_lens, page_size, heads, d)
             shape = (n_pages * page_size, heads, d)
-            if fmt.entry is None:
-                host = (np.full(shape, np.nan, dtype), np.full(shape, np.nan, dtype), None, None)
-            else:
-                host = (np.zeros(shape, fmt.entry), np.zeros(shape, fmt.entry), np.full(shape[:2], np.nan, work),
-                        np.full(shape[:2], np.nan, work))
+            host = _host_stores(fmt, shape, dtype, work)
             dev = tuple(None if a is None else cupy.asarray(a) for a in host)
             k = (rng.standard_normal((len(slots), heads, d)) * 10.0 ** rng.uniform(-1, 1, (len(slots), heads, 1))
                  ).astype(dtype)
