@@ -371,7 +371,7 @@ def steady(T, calls=15, rounds=2):
 
 def main(args):
     T = args.T or (2048 if args.quick else 8192)
-    if args.steady:
+    if getattr(args, "steady", False):
         return steady(T)
     rounds = args.rounds or (3 if args.quick else 7)
     round_s = (args.round_ms or (25 if args.quick else 150)) / 1e3

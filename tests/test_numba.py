@@ -787,7 +787,7 @@ def test_linear_attention_task_range_equals_single_tasks(rng, causal, groups, de
             ranges = [(0, B * Hk)] if one_range else [(t, t + 1) for t in reversed(range(B * Hk))]
             for first, last in ranges:
                 la_kernels.linear_attention_tasks(*args, T, m // 2, m, False, True if causal else None, 1, 1e-6, chunk, *tail,
-                                               np.zeros(0, np.int64), first, last)
+                                               np.zeros(0, np.int64), None, None, first, last)
             outs.append((o, ns, nz))
         for x, y in zip(*outs):
             np.testing.assert_array_equal(x, y)
@@ -845,7 +845,7 @@ def test_linear_attention_streamed_output_equals_cached_stores(rng, dtype, causa
         ns, nz = np.empty_like(ss), np.empty_like(sz)
         la_kernels.linear_attention_tasks(q.ravel(), k.ravel(), v.ravel(), o, geo, cos, sin, rows, ss, sz, ns, nz, T,
                                           m // 2, m, False, None, 1, 1e-6, 64, 1, None, True,
-                                          np.zeros(0, np.int64), 0, H)
+                                          np.zeros(0, np.int64), None, None, 0, H)
         outs.append(o.copy())
     np.testing.assert_array_equal(outs[0], outs[1])
     expected, _ = nb.linear_attention(q, k, v, cos, sin, rows, rotary_dim=m, layout="half", causal=False,

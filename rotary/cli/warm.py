@@ -73,6 +73,9 @@ def warm_calls(dtype):
         from ..attn.linear_backward import linear_attention_backward
 
         linear_attention_backward(q, k, v, v, causal=True, seq_axis=1, spec=spec, backend="numba")
+        _, saved = rotary.linear_attention(q, k, v, causal=True, seq_axis=1, spec=spec, backend="numba",
+                                           save_for_backward=True)   # the forward keeping its chunk states
+        linear_attention_backward(q, k, v, v, causal=True, seq_axis=1, spec=spec, backend="numba", saved=saved)
 
     def kv_cache(kv_dtype):
         def call():
@@ -86,6 +89,13 @@ def warm_calls(dtype):
                                    backend="numba")
             small.append(arr(1, 2, 1, 64), arr(1, 2, 1, 64))
             rotary.attention(arr(1, 1, 1, 64), small)   # serial attention
+            w = np.ones(64, np.float32)                 # Qwen3's q/k norms, fused: the same four kernels with them
+            cache.append(keys[:, :1], keys[:, :1], k_norm=w)
+            cache.attend(arr(2, 1, 4, 64), q_norm=w)
+            small.append(arr(1, 1, 1, 64), arr(1, 1, 1, 64), k_norm=w)
+            small.attend(arr(1, 1, 1, 64), q_norm=w)
+            cache.reset()
+            cache.append(keys, keys, k_norm=w)
         return call
 
     return [
