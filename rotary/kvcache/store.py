@@ -218,6 +218,11 @@ class KVCache:
         self._empty = getattr(self.module, "empty", np.empty)
         self._convert = table_converter(self.module, probe, None)[1]   # host index arrays to the pools' type
         self._array_type = type(probe) if backend != "auto" else np.ndarray
+        self._xp = None   # the namespace of a device cache's arrays (its q/k norm weights'), None for NumPy
+        if self._array_type is not np.ndarray:
+            from array_api_compat import array_namespace
+
+            self._xp = array_namespace(probe)
         self._plans = {}
         self._layer_views = {}
         self._q_starts = {}
@@ -669,12 +674,7 @@ class KVCache:
     def _norm(self, weight, eps, name):
         """The backends' ``norm`` argument of a layer's q_norm / k_norm weights (:func:`rotary.kvcache.primitives.
         norm_argument`)."""
-        xp = None
-        if self._array_type is not np.ndarray:
-            from array_api_compat import array_namespace
-
-            xp = array_namespace(self._empty((0,), self.dtype))
-        return _kv.norm_argument(weight, eps, name, self.head_dim, self.work, xp)
+        return _kv.norm_argument(weight, eps, name, self.head_dim, self.work, self._xp)
 
     def _append_prepared(self, k, v, i, norm=None) -> bool:
         """Layer i's plain append through the append the step's first layer prepared, when k and v are shaped as its
@@ -1220,8 +1220,8 @@ class KVCache:
                 self._block_table[b, keep:] = -1
 
     # -- copies ----------------------------------------------------------------------------------------------------
-    _DERIVED = ("module", "_empty", "_convert", "_array_type", "_plans", "_all_ids", "_row_starts", "_region",
-                "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_attend_setups",
+    _DERIVED = ("module", "_empty", "_convert", "_array_type", "_xp", "_plans", "_all_ids", "_row_starts",
+                "_region", "_layer_pools", "_layer_stores", "_run_stores", "_append_memo", "_attend_memo", "_attend_setups",
                 "_layer_views", "_query_rotation", "_decode", "_q_starts")
 
     def __getstate__(self):
