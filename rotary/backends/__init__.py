@@ -106,7 +106,10 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     norm=None)`` appends k and v shaped and strided as the given ones, ``run(q, stores, norm=None) -> o`` attends q
     shaped as the given one, into / over any stores of the same format (each layer's, with each layer's norm
     weights); the other arguments are fixed. A backend without
-    them is called through its ``append_kv`` / ``paged_attention`` with the same arguments.
+    them is called through its ``append_kv`` / ``paged_attention`` with the same arguments. An append's run may
+    have ``run.moved(cos, sin, rows, slots) -> run or None``: the same append at other rows and slots (host int64,
+    its tokens' shape) of the same cos/sin tables (identical objects), for a decode chain's next step; None when it
+    cannot (the caller prepares anew).
 ``LINEAR_CHUNK_STATES = True``
     A causal ``linear_attention`` call without ``cu_seqlens`` takes ``keep_chunk_states=True`` and returns
     ``(o, state, chunk_states)``: the states before each chunk as it carried them (an object of the backend's own,

@@ -92,7 +92,8 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
     """``run(k, v, stores, norm=None)``: the append of keys and values shaped and strided as ``k`` and ``v`` at these
     tables, rows and slots, into any stores of format ``kv_dtype`` (None or "int8"), keys normed by ``norm`` (weight,
     eps) when given: each layer of a step calls it (the ``prepare_append_kv`` capability of
-    :mod:`rotary.backends`)."""
+    :mod:`rotary.backends`; ``run.moved(cos, sin, rows, slots)``: the same at a decode chain's next rows and
+    slots)."""
     n_tokens, heads, head_dim = k.shape
     work = _F64 if cos.dtype == np.float64 else _F32
     markers = _APPEND_MARKERS.get((kv_dtype, work))
@@ -102,25 +103,49 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
         return _nothing
     contiguous = k.flags.c_contiguous and v.flags.c_contiguous
     geo = _pair_geometry(k, v) if contiguous else runtime.flat_buffers((k, v))[1]
-    quantized = markers[0] is not None
-    no_scales = _NO_SCALES[work]
     parallel = runtime.parallel_by_size(2 * k.size, n_tokens, 1)   # sized as a decode call (tokens of many sequences)
     kernel = kernels.append_kv_parallel if parallel else kernels.append_kv_serial
-    serial = kernels.append_kv_serial
-    tail = (runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(rows), runtime.c_int64(slots), n_tokens,
-            heads, head_dim, rotary_dim // 2, rotary_dim, offset, layout == "interleaved", *markers)
-    half_bits = k.dtype == np.float16
+    fixed = (kernel, geo, contiguous and k.dtype != np.float16, work, markers[0] is not None, cos, sin)  # (f16: bits)
+    return PreparedAppend(fixed, (runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(rows),
+                                  runtime.c_int64(slots), n_tokens, heads, head_dim, rotary_dim // 2, rotary_dim, offset,
+                                  layout == "interleaved", *markers))
 
-    def run(k, v, stores, norm=None):
-        if contiguous and not half_bits:
+
+_I64, _I64_STRIDES = np.dtype(np.int64), (8,)
+
+
+class PreparedAppend:
+    """A prepared append (:func:`prepare_append_kv`): ``run(k, v, stores, norm=None)``; :meth:`moved` gives the same
+    append at other rows and slots of the same tables (a decode chain's next step) for the cost of a tuple.
+    ``fixed``: (kernel, k/v geometry, k/v read as flat views, work dtype, quantized, cos, sin); ``tail``: the
+    kernel's arguments after the stores."""
+
+    __slots__ = ("fixed", "tail")
+
+    def __init__(self, fixed, tail):
+        self.fixed, self.tail = fixed, tail
+
+    def __call__(self, k, v, stores, norm=None):
+        kernel, geo, flat_views, work, quantized = self.fixed[:5]
+        if flat_views:
             kb, vb = k.reshape(-1), v.reshape(-1)
         else:
             kb, vb = runtime.flat_buffers((k, v))[0]
         flat = stores.flat if type(stores) is PreparedStores else flat_stores(stores, quantized, work)
+        serial = kernels.append_kv_serial
         runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
-                       (kb, vb, geo) + flat + tail + (_UNNORMED if norm is None else kernel_norm(norm, work, head_dim)))
+                       (kb, vb, geo) + flat + self.tail +
+                       (_UNNORMED if norm is None else kernel_norm(norm, work, self.tail[6])))
 
-    return run
+    def moved(self, cos, sin, rows, slots):
+        """This append with the tables' ``rows`` and ``slots`` (host int64 arrays of its tokens) in place of its own;
+        None when ``cos``/``sin`` are not its tables or the arrays not its tokens' (the caller prepares anew)."""
+        fixed, tail = self.fixed, self.tail
+        if cos is not fixed[5] or sin is not fixed[6] or type(rows) is not np.ndarray or type(slots) is not np.ndarray \
+                or rows.dtype is not _I64 or slots.dtype is not _I64 or rows.shape != tail[2].shape \
+                or slots.shape != tail[3].shape or rows.strides != _I64_STRIDES or slots.strides != _I64_STRIDES:
+            return None   # (a dtype equal to int64 but not NumPy's own object: prepared anew)
+        return PreparedAppend(fixed, tail[:2] + (rows, slots) + tail[4:])
 
 
 #: (shapes, dtypes) of C-contiguous k and v -> their geometry (runtime.flat_buffers'; a pure function of the key)

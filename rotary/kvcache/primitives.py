@@ -114,13 +114,20 @@ class KVPlan:
         return norm_argument(weight, eps, name, self.shape[3], self.work, None if self.convert is None else self.xp)
 
     # -- running ---------------------------------------------------------------------------------------------------
-    def prepare_append(self, k, v, slots, rotation):
+    def prepare_append(self, k, v, slots, rotation, previous=None):
         """``run(k, v, stores, norm=None)``: the backend's append_kv of keys and values shaped and strided as ``k``,
         ``v`` into host int64 ``slots`` (checked) at ``rotation`` (:meth:`rotation`), for the stores of any layer and
-        its ``norm`` (:meth:`norm`; its ``prepare_append_kv`` capability where it has one)."""
+        its ``norm`` (:meth:`norm`; its ``prepare_append_kv`` capability where it has one). ``previous``: a run this
+        plan prepared for keys of the same geometry (a decode chain's last step), moved to these slots and rows
+        when the backend's run can be (``run.moved``)."""
         if self.convert is not None:
             slots = self.convert(slots)
         cos, sin, rows, rotary_dim, layout, offset = rotation
+        moved = getattr(previous, "moved", None)
+        if moved is not None:
+            run = moved(cos, sin, rows, slots)
+            if run is not None:
+                return run
         prepare = getattr(self.module, "prepare_append_kv", None)
         if prepare is not None:
             return prepare(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout, offset=offset,

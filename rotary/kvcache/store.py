@@ -93,12 +93,16 @@ class _Decode:
     page: at the chain's step t, those at position r (mod page_size) at its first step with (r + t) % page_size == 0
     (``due``). Every other sequence writes into the page it wrote at the step before (its own: taken then, or copied
     on write by the chain's first step; the prefix cache keeps full pages only), so no step of a chain copies on
-    write. ``lo``, ``hi``: the last step's smallest and largest position."""
+    write. ``lo``, ``hi``: the last step's smallest and largest position. ``prepared``: the last step's plain append
+    (k/v geometry, plan, prepared run, entries shape), which the next step's moves one slot on
+    (:meth:`KVCache._append_chained`), or None."""
 
-    __slots__ = ("slots", "lo", "hi", "first", "_due", "t")
+    __slots__ = ("slots", "lo", "hi", "first", "_due", "t", "prepared", "ones")
 
     def __init__(self, step):
         self.slots, (self.lo, self.hi), self.first, self._due, self.t = step.slots, step.bounds, step.tok_pos, None, 0
+        self.prepared = None
+        self.ones = np.ones_like(step.slots)   # (a step's + 1 as an array: half the time of + a Python int)
 
     def due(self, page_size):
         """The sequences that take a page at step t (made at the chain's second step: a chain broken after its first
@@ -519,7 +523,7 @@ class KVCache:
             return None
         chain.t += 1
         start = self._lengths.copy()
-        slots = chain.slots + 1
+        slots = chain.slots + chain.ones
         due = chain.due(self.page_size) if self.paged else ()
         if due:   # their last page is full: a page each (never a copy on write: see _Decode)
             book = self._book
@@ -529,15 +533,16 @@ class KVCache:
             if len(due) > len(book.free_list) and book.allocated < self.num_pages:
                 in_use = book.allocated - len(book.free_list)
                 self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + len(due))))
+                self._decode, chain.prepared = chain, None   # (the chain goes on; its append was planned for the
+                # pools before)
             ps = self.page_size
             for b in due:
                 page = book.take()
                 self._block_table[b, int(start[b]) // ps] = page
                 slots[b] = page * ps
-        self._tables_changed()
-        self._decode = chain
+        self._attend_memo = self._query_rotation = None   # (_tables_changed, but for the chain)
         chain.slots, chain.lo, chain.hi = slots, chain.lo + 1, chain.hi + 1
-        self._lengths += 1
+        self._lengths += chain.ones
         if self.window is not None and self.paged:
             self._release_outside_window(self._all_ids, start)
         step = _Step(self._all_ids, 1, True, slots, start, self._n_layers, start, self._in_use.copy())
@@ -666,9 +671,11 @@ class KVCache:
         cu_seqlens or positions): those layers check the layer, the step and the memory rule, nothing else changes.
         """
         norm = None if k_norm is None and norm_eps is None else self._norm(k_norm, norm_eps, "k_norm")
-        if seq_ids is None and cu_seqlens is None and positions is None and \
-                self._append_prepared(k, v, self._layer_index(layer), norm):
-            return
+        if seq_ids is None and cu_seqlens is None and positions is None:
+            i = self._layer_index(layer)
+            if (self._append_prepared(k, v, i, norm) if self._step is not None else
+                    i == 0 and self._append_chained(k, v, norm)):
+                return
         self._append(k, v, seq_ids, cu_seqlens, positions, layer, norm)
 
     def _norm(self, weight, eps, name):
@@ -689,12 +696,45 @@ class KVCache:
         k_pool, v_pool, scales = self._layer_pools[i]
         _kv.check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales,
                          self._region)
-        if self.layout == "bshd":
-            run(k.reshape(shape), v.reshape(shape), self._run_stores[i], norm)
-        else:
-            run(k.transpose(0, 2, 1, 3).reshape(shape), v.transpose(0, 2, 1, 3).reshape(shape), self._run_stores[i],
-                norm)
+        run(self._tokens_view(k, shape), self._tokens_view(v, shape), self._run_stores[i], norm)
         self._done(step, i)
+        return True
+
+    def _tokens_view(self, a, shape):
+        """Dense k or v (n, 1, heads, d) in the cache's layout as the (tokens, heads, d) a prepared append takes."""
+        return a.reshape(shape) if self.layout == "bshd" else a.transpose(0, 2, 1, 3).reshape(shape)
+
+    def _append_chained(self, k, v, norm=None) -> bool:
+        """Layer 0's plain append of the decode step after the decode chain's last (:class:`_Decode`), through that
+        step's prepared append moved one slot on (``KVPlan.prepare_append(previous=)``): the memory rule, then the
+        step's capacity and pages as the general path checks them; False (nothing changed) when there is no chain or
+        k and v are not shaped as its last step's."""
+        chain = self._decode
+        if chain is None or chain.prepared is None or self._step is not None:
+            return False
+        parts, plan, run, shape = chain.prepared
+        if type(k) is not self._array_type or type(v) is not self._array_type or \
+                parts != (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides):
+            return False
+        k_pool, v_pool, scales = self._layer_pools[0]
+        _kv.check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales,
+                         self._region)
+        step = self._next_decode_step()   # the last check (capacity, pages); from here on the cache changes
+        if step is None:
+            return False   # (the general path raises)
+        if self.layout == "bshd":
+            kt, vt = k.reshape(shape), v.reshape(shape)
+        else:
+            kt, vt = self._tokens_view(k, shape), self._tokens_view(v, shape)
+        if chain.prepared is None:   # the pools grew: their plan
+            plan, run = self._plan((kt, vt), ("k", "v"), "append_kv"), None
+        rotation = self._query_rotation = plan.rotation(step.tok_pos, True, step.bounds)
+        run = plan.prepare_append(kt, vt, step.slots, rotation, previous=run)
+        run(kt, vt, self._run_stores[0], norm)
+        chain.prepared = (parts, plan, run, shape)
+        if step.left > 1:
+            self._append_memo = (step, parts, run, shape)
+        self._done(step, 0)
         return True
 
     def _append(self, k, v, seq_ids, cu_seqlens, positions, layer, norm=None):
@@ -750,9 +790,13 @@ class KVCache:
             self._query_rotation = rotation   # its queries' positions (lengths - 1) are its keys' (until a change)
         run = plan.prepare_append(kt, vt, step.slots, rotation)
         run(kt, vt, self._run_stores[i], norm)
-        if seq_ids is None and cu_seqlens is None and positions is None and step.left > 1:
-            self._append_memo = (step, (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides), run,
-                                 tuple(kt.shape))
+        if seq_ids is None and cu_seqlens is None and positions is None:
+            parts = (k.dtype, k.shape, k.strides, v.dtype, v.shape, v.strides)
+            if step.left > 1:
+                self._append_memo = (step, parts, run, tuple(kt.shape))
+            chain = self._decode
+            if chain is not None and chain.slots is step.slots and i == 0 and cu_seqlens is None and pos is None:
+                chain.prepared = (parts, plan, run, tuple(kt.shape))   # the decode chain's: the next step moves it
         self._done(step, i)
 
     def _check_step(self, step, ids, counts, dense, i):
