@@ -154,7 +154,10 @@ def test_cache_layers_norm_with_their_own_weights(backend, layout, rng):
             v = rng.standard_normal((B, s, Hk, D)).astype(np.float32)
             q = (rng.standard_normal((B, s, Hq, D)) * 3).astype(np.float32)
             cache.layer(i).append(dense(k), dense(v), k_norm=k_norms[i])
-            o = cache.layer(i).attend(dense(q), q_norm=q_norms[i])
+            if i == 1:   # (through rotary.attention: the same keywords)
+                o = rotary.attention(dense(q), cache.layer(i), q_norm=q_norms[i])
+            else:
+                o = cache.layer(i).attend(dense(q), q_norm=q_norms[i])
             keys[i].append(k)
             values[i].append(v)
             qs.append((q, o if layout == "bshd" else o.transpose(0, 2, 1, 3)))
@@ -175,6 +178,21 @@ def test_cache_layers_norm_with_their_own_weights(backend, layout, rng):
                 p = np.exp(scores - scores.max(-1, keepdims=True))
                 want_o = np.einsum("jhp,phd->jhd", p / p.sum(-1, keepdims=True), vv)
                 np.testing.assert_allclose(o[b], want_o, rtol=0, atol=4e-6 * np.abs(want_o).max())
+
+
+def test_attention_takes_q_norm_only_over_a_cache(rng):
+    """rotary.attention(q, k, v, q_norm=) (no cache) is refused with a message naming q_norm; over a cache it is the
+    cache's attend with the same weights, bit for bit."""
+    spec = rotary.RopeSpec(16, base=100.0)
+    q = rng.standard_normal((1, 3, 2, 16)).astype(np.float32)
+    w = weights(rng, 16)
+    with pytest.raises(ValueError, match="q_norm and norm_eps go with a rotary.KVCache"):
+        rotary.attention(q, q, q, spec=spec, seq_axis=1, q_norm=w)
+    cache = rotary.KVCache(spec, batch=1, kv_heads=2, head_dim=16, capacity=8, backend="numpy")
+    cache.append(q, q)
+    np.testing.assert_array_equal(rotary.attention(q[:, -1:], cache, q_norm=w, norm_eps=1e-5),
+                                  cache.attend(q[:, -1:], q_norm=w, norm_eps=1e-5))
+    assert not np.array_equal(rotary.attention(q[:, -1:], cache, q_norm=w), rotary.attention(q[:, -1:], cache))
 
 
 BAD_NORMS = [

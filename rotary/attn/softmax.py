@@ -94,7 +94,7 @@ def mask_positions_given(q_mask_positions, k_mask_positions, causal) -> bool:
 def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=None, seq_axis=None, backend="auto",
               rope=True, q_positions=None, k_positions=None, window=None, softcap=None, cu_seqlens=None,
               cu_seqlens_k=None, seqlen_offsets=None, q_mask_positions=None, k_mask_positions=None, block_size=512,
-              attention_mask=None, seq_ids=None, **spec_kwargs):
+              attention_mask=None, seq_ids=None, q_norm=None, norm_eps=None, **spec_kwargs):
     """Softmax attention with RoPE applied to q and k (see the module docstring for the formula).
 
     With a :class:`rotary.KVCache` as ``k`` (``attention(q, cache, ...)``) it attends over the cache: q holds
@@ -140,6 +140,9 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
         sees no key (a left-padding row with causal=True) gets 0.
     seq_ids : integer array, optional
         With a :class:`rotary.KVCache` as ``k``: which sequences q's rows are (all when None).
+    q_norm, norm_eps : array (head_dim,), float, optional
+        With a :class:`rotary.KVCache` as ``k``: q's per-head RMSNorm before its rotation, fused into the kernel
+        (Qwen3's / Gemma 3's ``q_norm``; :meth:`rotary.KVCache.attend`).
 
     Returns q's array type and dtype, shape of q with last dim dv.
     """
@@ -151,11 +154,13 @@ def attention(q, k, v=None, positions=None, *, causal=None, scale=None, spec=Non
                            softcap=softcap, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
                            seqlen_offsets=seqlen_offsets, q_mask_positions=q_mask_positions,
                            k_mask_positions=k_mask_positions, block_size=block_size, attention_mask=attention_mask,
-                           seq_ids=seq_ids, spec_kwargs=spec_kwargs)
+                           seq_ids=seq_ids, q_norm=q_norm, norm_eps=norm_eps, spec_kwargs=spec_kwargs)
     if v is None:
         raise TypeError("attention() needs v (the values), unless k is a rotary.KVCache")
     if seq_ids is not None:
         raise ValueError("seq_ids goes with a rotary.KVCache as k")
+    if q_norm is not None or norm_eps is not None:
+        raise ValueError("q_norm and norm_eps go with a rotary.KVCache as k (elsewhere normalize q before the call)")
     if attention_mask is not None:
         return _padded_attention(q, k, v, positions, attention_mask, causal=causal, scale=scale, spec=spec,
                                  seq_axis=seq_axis, backend=backend, rope=rope, q_positions=q_positions,
@@ -227,7 +232,7 @@ def _is_cache(k) -> bool:
 
 def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backend, rope, q_positions, k_positions,
                 window, softcap, cu_seqlens, cu_seqlens_k, seqlen_offsets, q_mask_positions, k_mask_positions,
-                block_size, attention_mask, seq_ids, spec_kwargs):
+                block_size, attention_mask, seq_ids, q_norm, norm_eps, spec_kwargs):
     """attention(q, cache, ...): the arguments a cache takes, then the cache's own :meth:`~rotary.KVCache.attend`."""
     if v is not None or positions is not None or k_positions is not None or cu_seqlens_k is not None or \
             seqlen_offsets is not None or q_mask_positions is not None or k_mask_positions is not None or \
@@ -247,7 +252,7 @@ def _cache_call(q, cache, v, positions, *, causal, scale, spec, seq_axis, backen
     if backend != "auto" and backend != cache.backend:
         raise ValueError(f"backend={backend!r}: the cache runs on its own backend ({cache.backend!r})")
     return cache.attend(q, causal=causal, seq_ids=seq_ids, cu_seqlens=cu_seqlens, q_positions=q_positions, scale=scale,
-                        window=window, softcap=softcap, block_size=block_size)
+                        window=window, softcap=softcap, block_size=block_size, q_norm=q_norm, norm_eps=norm_eps)
 
 
 #: the mask coordinate of a padding key: never <= a query's, so never visible
