@@ -163,6 +163,32 @@ def test_kv_append_is_the_reference_bit_for_bit(backend, kv_dtype, rng):
 
 
 @grid
+def test_kv_append_decode_loop_of_one_geometry(backend, rng):
+    """Calls of one geometry (a plan's; Numba moves the last prepared append to each call's slots and positions)
+    at new slots and positions every call, consecutive, then far past the dense table and back: every token's key
+    is its own rotated key, within float32 rounding of the float64 oracle."""
+    spec = rotary.RopeSpec(32, base=10000.0)
+    B, H = 4, 2
+    k_pool, v_pool, _ = make_pools(rng, 16, 4, H, 32, np.float32, None)
+    positions = np.array([3, 9, 0, 17])
+    written = []
+    for step in range(12):
+        if step == 8:
+            positions = positions + 70000   # (another table), then back
+        if step == 10:
+            positions = positions - 70000
+        k = rng.standard_normal((B, H, 32)).astype(np.float32)
+        v = rng.standard_normal((B, H, 32)).astype(np.float32)
+        slots = np.arange(B) * 16 + step
+        rotary.kv_append(k, v, k_pool, v_pool, slots, positions, spec=spec, backend=backend)
+        written.append((slots, oracle_rotate(k, positions, spec), v))
+        positions = positions + 1
+    for slots, want_k, v in written:
+        np.testing.assert_allclose(k_pool.reshape(64, H, 32)[slots], want_k, rtol=0, atol=4e-6)
+        np.testing.assert_array_equal(v_pool.reshape(64, H, 32)[slots], v)
+
+
+@grid
 def test_kv_append_strided_inputs_and_multi_axis_positions(backend, rng):
     """k and v as strided views (heads reversed, every other token), and M-RoPE (tokens, 3) positions."""
     spec = rotary.RopeSpec(32, mrope_section=(4, 6, 6), base=10000.0)

@@ -78,7 +78,8 @@ class KVPlan:
     format ``fmt`` for ``dtype`` data, the spec (None: no rotation), the backend ``module`` (its ``append_kv`` /
     ``paged_attention`` with this format), and where its cos/sin tables live."""
 
-    __slots__ = ("fmt", "dtype", "work", "shape", "spec", "module", "device_key", "convert", "dense_key", "xp")
+    __slots__ = ("fmt", "dtype", "work", "shape", "spec", "module", "device_key", "convert", "dense_key", "xp",
+                 "last_append")
 
     @property
     def slots_total(self) -> int:
@@ -119,19 +120,21 @@ class KVPlan:
         ``v`` into host int64 ``slots`` (checked) at ``rotation`` (:meth:`rotation`), for the stores of any layer and
         its ``norm`` (:meth:`norm`; its ``prepare_append_kv`` capability where it has one). ``previous``: a run this
         plan prepared for keys of the same geometry (a decode chain's last step), moved to these slots and rows
-        when the backend's run can be (``run.moved``)."""
+        when the backend's run can be (``run.moved``; by default the last run this plan prepared: its keys have this
+        plan's geometry too)."""
         if self.convert is not None:
             slots = self.convert(slots)
         cos, sin, rows, rotary_dim, layout, offset = rotation
-        moved = getattr(previous, "moved", None)
+        moved = getattr(self.last_append if previous is None else previous, "moved", None)
         if moved is not None:
             run = moved(cos, sin, rows, slots)
             if run is not None:
                 return run
         prepare = getattr(self.module, "prepare_append_kv", None)
         if prepare is not None:
-            return prepare(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout, offset=offset,
-                           kv_dtype=self.fmt.name)
+            run = self.last_append = prepare(k, v, cos, sin, rows, slots, rotary_dim=rotary_dim, layout=layout,
+                                             offset=offset, kv_dtype=self.fmt.name)
+            return run
         options = dict(rotary_dim=rotary_dim, layout=layout, offset=offset, kv_dtype=self.fmt.name)
         append_kv = self.module.append_kv
         return lambda k, v, stores, norm=None: append_kv(k, v, cos, sin, rows, slots, stores, norm=norm, **options)
@@ -265,6 +268,7 @@ def _build(arrays, names, k_pool, v_pool, scales, spec, kv_dtype, backend, capab
             raise TypeError(f"{name} is a {type(pool).__module__}.{type(pool).__name__}, {names[0]} a "
                             f"{type(x).__module__}.{type(x).__name__}: one array type")
     plan = KVPlan()
+    plan.last_append = None
     plan.fmt, plan.dtype, plan.work, plan.shape, plan.spec, plan.module, plan.xp = (
         fmt, np.dtype(x.dtype), work, shape, spec, module, xp)
     plan.device_key, plan.convert = table_converter(module, x, xp)
@@ -309,11 +313,12 @@ def check_memory(arrays, names, k_pool, v_pool, scales, region=None):
     for a, name in stores:
         if _is_host(a) and not a.flags.writeable:
             raise ValueError(f"{name} is read-only")
-    if overlaps(k_pool, v_pool):
+    host = _is_host(k_pool)   # (then every array is: one array type) NumPy's bounds test first, the exact one after
+    if (not host or _may_share(k_pool, v_pool)) and overlaps(k_pool, v_pool):
         raise ValueError("k_pool and v_pool share memory: pass two separate pools")
     for a, name in zip(arrays, names):
         for pool, pname in stores:
-            if overlaps(a, pool):
+            if (not host or _may_share(a, pool)) and overlaps(a, pool):
                 raise ValueError(f"{name} shares memory with {pname}: the append would overwrite what it reads "
                                  f"(copy {name} first)")
 
