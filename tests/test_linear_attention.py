@@ -560,25 +560,7 @@ def test_state_from_another_call_is_rejected():
         rotary.linear_attention(*(torch.asarray(a) for a in (q, k, v)), causal=True, state=state, seq_axis=-2)
 
 
-# -- the docs page and its figure script ---------------------------------------------------------
-def test_docs_page_code_runs():
-    import re
-    from pathlib import Path
-
-    page = Path(__file__).resolve().parent.parent / "docs" / "linear_attention.md"
-    import importlib.util
-
-    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
-    assert len(blocks) >= 3
-    for block in blocks:
-        lines = block.splitlines()
-        indent = min(len(s) - len(s.lstrip()) for s in lines if s.strip())
-        needs = re.fullmatch(r"#\s*needs:\s*(.+)", lines[0].strip())   # tests/test_docs.py's convention
-        if needs and any(importlib.util.find_spec(name.strip()) is None for name in needs.group(1).split(",")):
-            continue   # a block of an optional package that is not installed (test_docs reports the skip)
-        exec(compile("\n".join(s[indent:] for s in lines), str(page), "exec"), {"__name__": "__docs__"})
-
-
+# -- the docs page's figure script (its code blocks: tests/test_docs.py) ---------------------------------
 def test_plot_script_mass_is_the_weight_sum(monkeypatch):
     pytest.importorskip("matplotlib")
     import importlib.util
