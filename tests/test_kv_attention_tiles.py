@@ -8,8 +8,9 @@ Every path against the float64 oracle (test_kv_split_k's ``_check``: :func:`rota
 q rotated by :func:`rotary.testing.rope_complex`): head dims with no whole vector past a tile's (20), with a tail
 past the last whole vector (72, 136), and of whole quads and octets of vectors (128, 256); GQA 1, 2, 3, 4, 8 (rows
 taken four at a time where four share a range, one at a time otherwise); a task per sequence (every k/v head block
-by block) and a task per k/v head; float32, float64 and int8 entries; dense
-decode and packed mixed steps, causal and not, window and softcap. And ``vexp`` / ``vmax_lanes`` compiled against
+by block: in address order, every head's rows in turn, where rows come in fours of one range; else head after
+head) and a task per k/v head; float32, float64 and int8 entries; dense decode and packed mixed steps, causal and
+not, window and softcap. And ``vexp`` / ``vmax_lanes`` compiled against
 their Python forms and NumPy's exp.
 """
 
@@ -25,7 +26,7 @@ from numba import njit  # noqa: E402
 from rotary.backends import numba_kv  # noqa: E402
 from rotary.backends.numba_kernels import kv_cache as kernels, simd  # noqa: E402
 
-from .test_kv_split_k import CASES, _check  # noqa: E402
+from .test_kv_split_k import CASES, _check, _stores, _table  # noqa: E402
 
 
 @pytest.fixture(params=["all heads", "per head"])
@@ -68,6 +69,33 @@ def test_tiles_other_entries(rng, task_mode, dtype, kv_dtype, head_dim):
     for q_heads in (8, 2):
         _check(rng, dtype, kv_dtype, [90, 40, 7], [3, 1, 7], 1, q_heads=q_heads, kv_heads=2, head_dim=head_dim,
                page_size=8, cases=CASES[:3])
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("groups, counts, head_dim", [(4, [1, 3, 4, 2], 128), (8, [1, 2, 1], 72), (4, [1, 1], 20)])
+def test_every_head_in_address_order(rng, monkeypatch, kv_dtype, groups, counts, head_dim):
+    """A task taking every k/v head whose rows come in fours of one key range (GQA 4 and 8) reads each block whole
+    and scores and accumulates every head's rows in address order (tile_scores_heads, add_weighted_heads): 8 k/v
+    heads, ragged lengths (a last partial page, fewer keys than a tile), several queries a sequence up to a row block
+    (each query's four rows see their own keys), every case, against the oracle; and bit for bit the output of a task
+    per k/v head (the same operations per row)."""
+    seq_lens = [150, 37, 9, 64][:len(counts)]
+    monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 1 << 62)   # serial: all heads
+    _check(rng, np.float32, kv_dtype, seq_lens, counts, 1, q_heads=8 * groups, kv_heads=8, head_dim=head_dim,
+           page_size=16, cases=CASES)
+    table, n_pages = _table(rng, seq_lens, 16)
+    stores = _stores(rng, kv_dtype, np.float32, n_pages * 16, 8, head_dim)
+    q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    q = rng.standard_normal((int(q_starts[-1]), 8 * groups, head_dim)).astype(np.float32)
+    for kw in CASES:
+        kw = dict(dict(scale=head_dim ** -0.5, softcap=None, window=None, causal=True), **kw)
+        runs = []
+        for per_head in (False, True):
+            monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 0 if per_head else 1 << 62)
+            monkeypatch.setattr(numba_kv, "SPLIT_TASKS_PER_THREAD", 1 << 40 if per_head else 4)
+            runs.append(numba_kv.prepare_paged_attention(q, table, 16, np.asarray(seq_lens, np.int64), q_starts,
+                                                         kv_dtype=kv_dtype, **kw)(q, stores))
+        np.testing.assert_array_equal(runs[0], runs[1])
 
 
 def test_vexp_and_vmax_lanes_against_their_python_forms():

@@ -28,11 +28,20 @@ a decode step) are scored and accumulated together, so each key and value vector
 (:func:`tile_scores_rows`, :func:`add_weighted_rows`): a key's entries lie ``kv_heads * head_dim`` entries from the
 next key's, 4 KiB apart in vLLM's layout at 8 x 128 float32, so a block's keys share a few first-level cache sets
 and a row-by-row pass read them again from the second level. The weights ``exp(s - max)`` are taken a vector at a
-time (:func:`.simd.vexp`, a few ulp). The next block's keys and values are asked for while a block is computed
-(:func:`prefetch_block`). When the sequences are enough for the threads, a sequence's task takes every k/v head
-block by block (``all_heads``): a page's keys hold their heads side by side, so its lines are read head after head
-while fresh instead of once per head's task (one thread: ~22 GB/s for a task per head's 512-byte rows 4 KiB apart,
-~33 GB/s page by page, ~40 GB/s sequential, on the development VM).
+time (:func:`.simd.vexp`, a few ulp).
+
+Memory: each block's lines are read before it is computed, by demand loads in address order (:func:`touch_keys`,
+:func:`touch_rows`, :func:`.simd.touch_read`), which the hardware prefetchers follow at about the read limit; the
+block is then computed from the second-level cache (a block of 32 keys x 8 heads x 128 float32 is 256 KiB of K+V).
+Software prefetches of the next block (the kernel before) each held a first-level miss buffer and trained no hardware
+prefetcher, and the computation hid little of the memory time: one thread 12-14 GB/s that way, 19-21 GB/s touched
+(32 sequences x 1000 keys, 8 x 128 float32, GQA 4, Zen 4 VM; the same from the caches: 37-44 GB/s; a plain read:
+33-40 GB/s). When the sequences are enough for the threads, a sequence's task takes every k/v head block by block
+(``all_heads``): it reads the block's pages whole (a key's heads lie side by side: 4 KiB a key at 8 x 128 float32)
+and, where its rows come in fours of one key range (GQA groups a multiple of 4), computes in address order too:
+:func:`tile_scores_heads` scores four keys of every head in turn, :func:`add_weighted_heads` adds HEAD_CHUNK keys'
+values head after head, each row's operations those of a head-by-head pass (the same bits). A task per k/v head
+touches its head's 512-byte rows of a block (4 KiB apart), then computes them.
 
 Split-K (flash-decoding): a call may cut each sequence's keys into ``splits`` contiguous parts of whole KEY_BLOCKs
 (:func:`split_keys`: the range the sequence's rows read, from its first query's first key to its last key), one task
@@ -59,14 +68,18 @@ from numba.extending import register_jitable
 from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_to
 from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, lanes, line_items, lowered_in_place,
-                   prefetch_read, prefetch_write, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload, vmadd, vmax_lanes,
-                   vmul, vsplat, vstore, vsub, vsum_pairwise, vzeros)
+                   prefetch_write, touch_read, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload, vmadd,
+                   vmax_lanes, vmul, vsplat, vstore, vsub, vsum_pairwise, vzeros)
 
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
 ROW_BLOCK = 16
 #: keys per block of scores (the online softmax rescales the accumulators once per block)
 KEY_BLOCK = 32
+#: keys whose values a task taking every k/v head adds to its rows' accumulators head after head
+#: (:func:`add_weighted_heads`: a chunk's values are read in address order, each row's 4 x 4 accumulator vectors loaded
+#: and stored once per head and chunk)
+HEAD_CHUNK = 8
 #: geometry columns of k and v in :func:`append_kv_serial`: element offset, then strides of token, head, coordinate
 GEO_OFFSET, GEO_T, GEO_H, GEO_D = 0, 1, 2, 3
 
@@ -451,10 +464,11 @@ def store_four(buf, i, width, a, b, c, d):
 
 
 @register_jitable(inline="always")
-def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_dim):
+def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, head_dim):
     """:func:`add_weighted` for four rows at once (row r: acc[ai + r * head_dim ..] with the weights
-    weights[wi + r * KEY_BLOCK + j]): each value vector loaded once for the four rows, four vectors of each row in
-    registers through the keys (16 independent chains), then one vector per row, then the last coordinates."""
+    weights[wi + r * KEY_BLOCK + j]; key j's values at bases[j] + eoff): each value vector loaded once for the four
+    rows, four vectors of each row in registers through the keys (16 independent chains), then one vector per row,
+    then the last coordinates."""
     width = lanes(acc)
     full = head_dim - head_dim % width
     quads = full - full % (4 * width)
@@ -465,7 +479,7 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
         t20, t21, t22, t23 = load_four(acc, r2 + c, width)
         t30, t31, t32, t33 = load_four(acc, r3 + c, width)
         for j in range(first, last + 1):
-            e = bases[j] + c
+            e = bases[j] + eoff + c
             v0, v1 = vload_as(entries, e, acc), vload_as(entries, e + width, acc)
             v2, v3 = vload_as(entries, e + 2 * width, acc), vload_as(entries, e + 3 * width, acc)
             w = vsplat(weights[wi + j])
@@ -483,7 +497,7 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
     for c in range(quads, full, width):
         t0, t1, t2, t3 = vload(acc, ai + c), vload(acc, r1 + c), vload(acc, r2 + c), vload(acc, r3 + c)
         for j in range(first, last + 1):
-            v = vload_as(entries, bases[j] + c, acc)
+            v = vload_as(entries, bases[j] + eoff + c, acc)
             t0 = vmadd(t0, vsplat(weights[wi + j]), v)
             t1 = vmadd(t1, vsplat(weights[wi + KEY_BLOCK + j]), v)
             t2 = vmadd(t2, vsplat(weights[wi + 2 * KEY_BLOCK + j]), v)
@@ -496,21 +510,21 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, first, last, head_di
         for c in range(full, head_dim):
             x = acc[ai + r * head_dim + c]
             for j in range(first, last + 1):
-                x += weights[wi + r * KEY_BLOCK + j] * load_as(entries, bases[j] + c, acc)
+                x += weights[wi + r * KEY_BLOCK + j] * load_as(entries, bases[j] + eoff + c, acc)
             acc[ai + r * head_dim + c] = x
 
 
 @register_jitable(inline="always")
-def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, k_scales, v_scales, quantized, softcap,
+def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, k_scales, v_scales, si, quantized, softcap,
               zero):
     """Row rr's scores of keys a..b of a block (scores[w + j], computed over the whole tiles t_lo..t_hi-1) turned
-    into its weights by the online softmax: k's scales (the block's, k_scales[j]) and the softcap applied, the
+    into its weights by the online softmax: k's scales (the block's, k_scales[si + j]) and the softcap applied, the
     tiles' other keys masked to -inf, the new maximum, the row's sum and accumulator rescaled, weights exp(s - max)
-    (times v's scales v_scales[j])."""
+    (times v's scales v_scales[si + j])."""
     width = lanes(scores)
     if quantized:
         for t0 in range(t_lo, t_hi, width):
-            vstore(scores, w + t0, vmul(vload(scores, w + t0), vload(k_scales, t0)))
+            vstore(scores, w + t0, vmul(vload(scores, w + t0), vload(k_scales, si + t0)))
     if softcap != zero:
         for j in range(a, b + 1):
             scores[w + j] = math.tanh(scores[w + j]) * softcap
@@ -534,7 +548,7 @@ def weigh_row(scores, w, a, b, t_lo, t_hi, rr, m, den, acc, head_dim, k_scales, 
     for t0 in range(t_lo, t_hi, width):
         weights = vexp(vsub(vload(scores, w + t0), shift))
         total += vsum_pairwise(weights)
-        vstore(scores, w + t0, vmul(weights, vload(v_scales, t0)) if quantized else weights)
+        vstore(scores, w + t0, vmul(weights, vload(v_scales, si + t0)) if quantized else weights)
     den[rr] = total
     m[rr] = top
 
@@ -626,22 +640,117 @@ def block_scales(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, p
         k_scales[j], v_scales[j] = 1.0, 1.0
 
 
-@register_jitable(inline="always")
-def prefetch_block(k_ent, v_ent, block_table, i, k0, k1, page_size, kv_heads, h, head_dim):
-    """Ask for the cache lines of keys and values k0..k1-1 of sequence i in k/v head h (the next block's, while
-    this one is computed: a key's entries lie kv_heads * head_dim entries from the next key's, past the hardware
-    prefetchers' strides, so a block read without this waits on memory key by key)."""
-    step = line_items(k_ent)
+@register_jitable
+def block_scales_heads(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size, kv_heads):
+    """:func:`block_scales` of every k/v head hh (k_scales[hh * KEY_BLOCK + p - k0], v_scales likewise), read in
+    address order (a key's heads side by side)."""
     page = k0 // page_size
     at = k0 - page * page_size
-    for _ in range(k1 - k0):
-        base = ((block_table[i, page] * page_size + at) * kv_heads + h) * head_dim
-        for c in range(0, head_dim, step):
-            prefetch_read(k_ent, base + c)
-            prefetch_read(v_ent, base + c)
+    for j in range(k1 - k0):
+        x = (block_table[i, page] * page_size + at) * kv_heads
+        for hh in range(kv_heads):
+            k_scales[hh * KEY_BLOCK + j], v_scales[hh * KEY_BLOCK + j] = k_scale[x + hh], v_scale[x + hh]
         at += 1
         if at == page_size:
             page, at = page + 1, 0
+    for hh in range(kv_heads):
+        for j in range(k1 - k0, KEY_BLOCK):
+            k_scales[hh * KEY_BLOCK + j], v_scales[hh * KEY_BLOCK + j] = 1.0, 1.0
+
+
+@register_jitable
+def touch_keys(entries, block_table, i, k0, k1, page_size, key_items):
+    """Read every cache line of the entries of keys k0..k1-1 of sequence i, all their k/v heads (``key_items``
+    entries a key, contiguous), in address order (:func:`.simd.touch_read`): a plain streaming read that the hardware
+    prefetchers follow, so the block's lines come at the read limit before it is computed."""
+    step = line_items(entries)
+    page = k0 // page_size
+    at = k0 - page * page_size
+    for _ in range(k1 - k0):
+        base = (block_table[i, page] * page_size + at) * key_items
+        for c in range(0, key_items, step):
+            touch_read(entries, base + c)
+        at += 1
+        if at == page_size:
+            page, at = page + 1, 0
+
+
+@register_jitable(inline="always")
+def touch_rows(k_ent, v_ent, bases, n, head_dim):
+    """Read every cache line of keys and values bases[j] .. bases[j] + head_dim - 1 (j < n: one k/v head's rows of a
+    block), keys then values (:func:`.simd.touch_read`; demand loads, not software prefetches: the hardware
+    prefetchers follow them)."""
+    step = line_items(k_ent)
+    for j in range(n):
+        for c in range(0, head_dim, step):
+            touch_read(k_ent, bases[j] + c)
+    for j in range(n):
+        for c in range(0, head_dim, step):
+            touch_read(v_ent, bases[j] + c)
+
+
+@register_jitable
+def tile_scores_heads(scores, qs, entries, bases, t_lo, t_hi, head_dim, parts, heads, rb, rr):
+    """:func:`tile_scores_rows` for the four rows rr .. rr + 3 of every k/v head hh (row state s = hh * rb + r: q at
+    qs[s * head_dim], scores at scores[s * KEY_BLOCK]; key j of head hh at bases[j] + hh * head_dim), in address
+    order: per four keys, every head's entries in turn (a key's heads lie side by side), folded per head and row
+    (``parts``: heads x 4 rows x lanes / 4 groups vectors). The same operations as tile_scores_rows head by head:
+    the same bits."""
+    width = lanes(qs)
+    full = head_dim - head_dim % width
+    groups = width // 4
+    for b0 in range(t_lo, t_hi, width):
+        for g in range(groups):
+            e = b0 + 4 * g
+            e0, e1, e2, e3 = bases[e], bases[e + 1], bases[e + 2], bases[e + 3]
+            for hh in range(heads):
+                off, pi = hh * head_dim, hh * 4 * groups * width
+                g0, g1, g2, g3 = dot_rows_four(qs, (hh * rb + rr) * head_dim, entries, e0 + off, e1 + off, e2 + off,
+                                               e3 + off, head_dim)
+                vstore(parts, pi + g * width, g0)
+                vstore(parts, pi + (groups + g) * width, g1)
+                vstore(parts, pi + (2 * groups + g) * width, g2)
+                vstore(parts, pi + (3 * groups + g) * width, g3)
+        for hh in range(heads):
+            at, pi, qi = (hh * rb + rr) * KEY_BLOCK + b0, hh * 4 * groups * width, (hh * rb + rr) * head_dim
+            for r in range(4):
+                vstore(scores, at + r * KEY_BLOCK, fold_groups(parts, pi + r * groups * width, groups, width))
+            for r in range(4 if full < head_dim else 0):
+                for j in range(width):
+                    total = scores[at + r * KEY_BLOCK + j]
+                    for c in range(full, head_dim):
+                        total += qs[qi + r * head_dim + c] * load_as(entries, bases[b0 + j] + hh * head_dim + c, qs)
+                    scores[at + r * KEY_BLOCK + j] = total
+
+
+@register_jitable
+def add_weighted_heads(acc, weights, entries, bases, first, last, head_dim, heads, rb, rr):
+    """:func:`add_weighted_rows` for the four rows rr .. rr + 3 of every k/v head hh (row state s = hh * rb + r), the
+    keys first..last HEAD_CHUNK at a time, every head's values of a chunk in turn (address order). Each row's sums
+    still run key after key: the same bits as head by head."""
+    for j0 in range(first, last + 1, HEAD_CHUNK):
+        j1 = imin(last, j0 + HEAD_CHUNK - 1)
+        for hh in range(heads):
+            s = hh * rb + rr
+            add_weighted_rows(acc, s * head_dim, weights, s * KEY_BLOCK, entries, bases, hh * head_dim, j0, j1,
+                              head_dim)
+
+
+@register_jitable
+def attend_rows_heads(scores, qs, k_ent, v_ent, bases, a, b, head_dim, parts, heads, rb, rr, m, den, acc, k_scales,
+                      v_scales, quantized, softcap, zero):
+    """The four rows rr .. rr + 3 of every k/v head (row state hh * rb + r) against keys a..b of a block
+    (:func:`tile_scores_heads`, :func:`weigh_row`, :func:`add_weighted_heads`; nothing when b < a)."""
+    if a > b:
+        return
+    tile = imax(4, lanes(qs))
+    t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
+    tile_scores_heads(scores, qs, k_ent, bases, t_lo, t_hi, head_dim, parts, heads, rb, rr)
+    for hh in range(heads):
+        for r in range(hh * rb + rr, hh * rb + rr + 4):
+            weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales, v_scales,
+                      hh * KEY_BLOCK, quantized, softcap, zero)
+    add_weighted_heads(acc, scores, v_ent, bases, a, b, head_dim, heads, rb, rr)
 
 
 @register_jitable(inline="always")
@@ -672,9 +781,9 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     goes to part_o[(r * splits + split) * head_dim ..], its (max, sum) to part_ml[(r * splits + split) * 2 ..]
     (r = row * q_heads + q head; a row without a key in the part: sum 0), for :func:`combine_task`.
     ``all_heads`` (the caller's choice when there are enough sequences for the threads): a sequence whose rows fit
-    one row block is taken whole by its task for k/v head 0, every head block by block (a block's pages are then read
-    head after head while they are fresh: each key's heads lie side by side, where a task per head strides through
-    every page once per head; int8 1.6x faster at 32 x 1000 keys); its other heads' tasks return at once."""
+    one row block is taken whole by its task for k/v head 0, every head block by block (a block's pages read whole,
+    in address order, then computed from the caches: each key's heads lie side by side, where a task per head strides
+    through every page once per head); its other heads' tasks return at once."""
     i = task // kv_heads
     h = task - i * kv_heads
     groups = q_heads // kv_heads
@@ -705,10 +814,13 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     lo = np.empty(n_state, np.int64)
     hi = np.empty(n_state, np.int64)
     bases = np.empty(KEY_BLOCK, np.int64)
-    parts = np.empty(4 * lanes(qs) * lanes(qs) // 4 if lanes(qs) > 2 else 0, work)   # tile_scores' folded fours
-    k_scales = np.empty(KEY_BLOCK if quantized else 0, work)
-    v_scales = np.empty(KEY_BLOCK if quantized else 0, work)
     width = lanes(qs)
+    # every head's rows in address order (tile_scores_heads) when the task takes every head and its rows come in
+    # fours of one key range (a query's GQA group: groups a multiple of 4)
+    sweep = heads_here > 1 and groups % 4 == 0 and width >= 4
+    parts = np.empty((heads_here if sweep else 1) * width * width if width > 2 else 0, work)   # folded fours
+    k_scales = np.empty(heads_here * KEY_BLOCK if quantized else 0, work)
+    v_scales = np.empty(heads_here * KEY_BLOCK if quantized else 0, work)
     tile = imax(4, width)   # keys scored together (tile_scores)
     for r0 in range(0, n_rows, rb):
         nr = imin(rb, n_rows - r0)
@@ -746,38 +858,52 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                 den[s] = zero
         for k0 in range(first, last + 1, KEY_BLOCK):
             k1 = imin(last + 1, k0 + KEY_BLOCK)
-            for hh in range(heads_here):
+            for hh in range(1 if sweep else heads_here):
                 hd = h + hh
                 block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, hd, head_dim)
-                prefetch_block(k_ent, v_ent, block_table, i, k1, imin(last + 1, k1 + KEY_BLOCK), page_size, kv_heads,
-                               hd, head_dim)
+                if sweep:   # the block's pages read whole (K, then V), then every head's rows computed from the caches
+                    touch_keys(k_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
+                    touch_keys(v_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
+                else:   # the head's rows of the block read, then computed
+                    touch_rows(k_ent, v_ent, bases, k1 - k0, head_dim)
                 for j in range(k1 - k0, KEY_BLOCK):   # a last tile's keys past the block: read, masked, never weighed
                     bases[j] = bases[0]
-                if quantized:
+                if quantized and sweep:
+                    block_scales_heads(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size,
+                                       kv_heads)
+                elif quantized:
                     block_scales(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size, kv_heads, hd)
-                rr = hh * rb
-                while rr < hh * rb + nr:
-                    a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
-                    rows = 1   # four rows of one key range (a query's GQA group) share each key and value vector read
-                    if width >= 4 and rr + 4 <= hh * rb + nr and lo[rr + 1] == lo[rr] and lo[rr + 2] == lo[rr] \
-                            and lo[rr + 3] == lo[rr] and hi[rr + 1] == hi[rr] and hi[rr + 2] == hi[rr] \
-                            and hi[rr + 3] == hi[rr]:
-                        rows = 4
-                    if a <= b:
-                        w = rr * KEY_BLOCK
-                        t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
-                        if rows == 4:   # scores
-                            tile_scores_rows(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
-                        else:
-                            tile_scores(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
-                        for r in range(rr, rr + rows):
-                            weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales,
-                                      v_scales, quantized, softcap, zero)
-                        if rows == 4:
-                            add_weighted_rows(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
-                        else:
-                            add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
-                    rr += rows
+                if sweep:
+                    for rr in range(0, nr, 4):   # fours of rows of one range (a query's group): alike in every head
+                        attend_rows_heads(scores, qs, k_ent, v_ent, bases, imax(lo[rr], k0) - k0,
+                                          imin(hi[rr], k1 - 1) - k0, head_dim, parts, heads_here, rb, rr, m, den, acc,
+                                          k_scales, v_scales, quantized, softcap, zero)
+                else:
+                    rr = hh * rb
+                    while rr < hh * rb + nr:
+                        a, b = imax(lo[rr], k0) - k0, imin(hi[rr], k1 - 1) - k0   # the row's keys in this block
+                        rows = 1   # four rows of one key range (a query's GQA group) share each key and value
+                        # vector read
+                        if width >= 4 and rr + 4 <= hh * rb + nr and lo[rr + 1] == lo[rr] and lo[rr + 2] == lo[rr] \
+                                and lo[rr + 3] == lo[rr] and hi[rr + 1] == hi[rr] and hi[rr + 2] == hi[rr] \
+                                and hi[rr + 3] == hi[rr]:
+                            rows = 4
+                        if a <= b:
+                            w = rr * KEY_BLOCK
+                            t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
+                            if rows == 4:   # scores
+                                tile_scores_rows(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim,
+                                                 parts)
+                            else:
+                                tile_scores(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
+                            for r in range(rr, rr + rows):
+                                weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales,
+                                          v_scales, 0, quantized, softcap, zero)
+                            if rows == 4:
+                                add_weighted_rows(acc, rr * head_dim, scores, w, v_ent, bases, 0, a, b, head_dim)
+                            else:
+                                add_weighted(acc, rr * head_dim, scores, w, v_ent, bases, a, b, head_dim)
+                        rr += rows
         for hh in range(heads_here):
             for rr in range(nr):
                 s = hh * rb + rr

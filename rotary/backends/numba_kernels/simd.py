@@ -555,6 +555,26 @@ def _prefetch_definition(write):
     return definition
 
 
+def touch_read(buf, i):
+    """Read the cache line of buf.flat[i] by a demand load whose value is dropped (compiled: a monotonic atomic load
+    of the element's bits, which LLVM never removes, a plain load on x86; nothing in pure Python). Demand loads in
+    address order train the hardware prefetchers, which then stream the lines after them; software prefetches
+    (:func:`prefetch_read`) do not, and each holds a first-level miss buffer until its line comes."""
+
+
+def _touch_read_definition(typingctx, buf, i):
+    if not (isinstance(buf, types.Array) and buf.layout == "C"):
+        raise errors.TypingError(f"touch_read takes a C-contiguous array, got {buf}")
+    width = buf.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):
+        ptr = _flat_pointer(context, builder, signature.args[0], args[0], signature.args[1], args[1])
+        builder.load_atomic(builder.bitcast(ptr, ir.IntType(width).as_pointer()), "monotonic", width // 8)
+        return context.get_dummy_value()
+
+    return types.none(buf, i), codegen
+
+
 # -- feature maps of linear attention (rotary.backends.feature_maps: the reference bits) -------------------
 def exp_ir(builder, v, dtype):
     """exp of a float32/float64 value or vector by :mod:`rotary.backends.feature_maps`' algorithm, operation by
@@ -701,7 +721,8 @@ for _func, _definition in (
         (vdeinterleave, _shuffle_pair_definition(lambda n: [2 * j for j in range(n)] + [2 * j + 1 for j in range(n)])),
         (vinterleave, _shuffle_pair_definition(lambda n: [j // 2 + (n if j % 2 else 0) for j in range(2 * n)])),
         (vcopy_flat, _vcopy_flat_definition), (vtranspose, _vtranspose_definition),
-        (prefetch_write, _prefetch_definition(True)), (prefetch_read, _prefetch_definition(False)), (feature, _feature_definition),
+        (prefetch_write, _prefetch_definition(True)), (prefetch_read, _prefetch_definition(False)),
+        (touch_read, _touch_read_definition), (feature, _feature_definition),
         (vexp, _vexp_definition),
         (vsum_pairwise, _by_halves_definition(lambda builder, v, upper: builder.fadd(v, upper))),
         (vmax_lanes, _by_halves_definition(
