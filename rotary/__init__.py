@@ -15,7 +15,7 @@ from .spec.positions import context_parallel_positions, grid_positions, mrope_ne
 from .attn.rerotate import rerotate
 from .attn.bound import BoundSpec, bind
 from .frontend.rope import Rope
-from .kvcache import KVCache, KVCacheFullError, kv_append, paged_attention
+from .kvcache import KVCache, KVCacheFullError, kv_append, paged_attention, prepare_kv_append, prepare_paged_attention
 from .spec.rope_spec import LAYOUTS, RopeSpec
 from .spec.tables import clear_cache, set_table_cache_limit, table_cache_info
 from .backends import BackendUnavailableError, available_backends
@@ -31,6 +31,8 @@ __all__ = [
     "KVCacheFullError",
     "kv_append",
     "paged_attention",
+    "prepare_kv_append",
+    "prepare_paged_attention",
     "bind",
     "BoundSpec",
     "rerotate",

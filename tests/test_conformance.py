@@ -67,6 +67,20 @@ def test_kv_norm_case_fails_on_a_dropped_norm(monkeypatch, dropped):
     assert not kv_conformance.run_kv_case(case, "numpy").passed
 
 
+def test_kv_caller_tables_case_fails_when_the_prepared_attention_differs(monkeypatch):
+    """The caller-tables cases run the attention prepared too: a prepared run off by one ulp fails the case."""
+    import numpy as np
+
+    from rotary.kvcache import prepared
+
+    original = prepared.PreparedPagedAttention.__call__
+    monkeypatch.setattr(prepared.PreparedPagedAttention, "__call__",
+                        lambda self, *a, **kw: np.nextafter(original(self, *a, **kw), np.inf))
+    case = next(c for c in kv_conformance.kv_cases() if c.caller_tables)
+    result = kv_conformance.run_kv_case(case, "numpy")
+    assert not result.passed and "prepare_paged_attention" in result.detail
+
+
 def test_linear_case_fails_on_a_wrong_backend(monkeypatch):
     """The linear check can fail: a backend whose output is 1% off is caught."""
     import numpy as np

@@ -14,8 +14,9 @@ into the append and the attention: ``append(k_norm=)``, ``attend(q_norm=)``, ``k
 
 A case with ``caller_tables`` runs the same tokens through the stateless primitives instead, over pools and a
 block table the case owns (as an engine does): :func:`rotary.kv_append` with vLLM's slot mapping (a padding
-token of slot -1 in the prefill) and :func:`rotary.paged_attention` with packed queries; sequences 0 and 2 read
-one shared page holding the same first tokens. A backend that does not offer a case's format is reported as
+token of slot -1 in the prefill; each decode step's append prepared once, :func:`rotary.prepare_kv_append`) and
+:func:`rotary.paged_attention` with packed queries (whose bits :func:`rotary.prepare_paged_attention`'s run must
+give too); sequences 0 and 2 read one shared page holding the same first tokens. A backend that does not offer a case's format is reported as
 skipped.
 
 Float caches use the rotation tolerances of :data:`rotary.testing.TOLERANCES`; quantized caches a bound on
@@ -218,9 +219,12 @@ class _Done(Exception):
 
 
 def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host, norms=None):
-    """The case's tokens through kv_append / paged_attention over pools and a block table owned here: returns
-    (ks, vs, q, o, held) as the cache's run makes them, or a failed Result."""
+    """The case's tokens through kv_append / paged_attention over pools and a block table owned here (the decode
+    steps' appends prepared once each, :func:`rotary.prepare_kv_append`; the attention also through
+    :func:`rotary.prepare_paged_attention`, which must give its bits): returns (ks, vs, q, o, held) as the cache's
+    run makes them, or a failed Result."""
     from ..backends import kv_entries
+    from ..kvcache.prepared import prepare_kv_append, prepare_paged_attention
     from ..kvcache.primitives import kv_append, paged_attention
     from ..kvcache.tables import slots_from_block_table
 
@@ -253,16 +257,23 @@ def _caller_tables(case, spec, dt, rng, backend, to_backend, to_host, norms=None
         for _ in range(case.steps):
             k1 = rng.standard_normal((3, hk, d)).astype(dt)
             v1 = rng.standard_normal((3, hk, d)).astype(dt)
-            kv_append(to_backend(k1), to_backend(v1), *pools, slots_from_block_table(table, np.arange(3), lens, ps),
-                      lens, spec=spec, scales=scales, kv_dtype=case.kv_dtype, backend=backend, **k_norm)
+            step = prepare_kv_append(to_backend(k1), to_backend(v1), *pools,   # (a step prepared once, as an
+                                     slots_from_block_table(table, np.arange(3), lens, ps), lens,   # engine does)
+                                     spec=spec, scales=scales, kv_dtype=case.kv_dtype, backend=backend)
+            step(to_backend(k1), to_backend(v1), *pools, scales, **k_norm)
             ks = [np.concatenate([a, k1[b:b + 1]]) for b, a in enumerate(ks)]
             vs = [np.concatenate([a, v1[b:b + 1]]) for b, a in enumerate(vs)]
             lens = lens + 1
         q = rng.standard_normal((3, case.q_len, case.heads, d)).astype(dt)
         cu = np.arange(4) * case.q_len
-        o = to_host(paged_attention(to_backend(q.reshape(-1, case.heads, d)), *pools, table, lens, spec=spec,
-                                    cu_seqlens=cu, window=case.window, softcap=case.softcap, scales=scales,
-                                    kv_dtype=case.kv_dtype, backend=backend, **q_norm)).reshape(q.shape)
+        options = dict(spec=spec, cu_seqlens=cu, window=case.window, softcap=case.softcap, scales=scales,
+                       kv_dtype=case.kv_dtype, backend=backend)
+        qb = to_backend(q.reshape(-1, case.heads, d))
+        o = to_host(paged_attention(qb, *pools, table, lens, **options, **q_norm)).reshape(q.shape)
+        prepared = to_host(prepare_paged_attention(qb, *pools, table, lens, **options)(qb, *pools, scales, **q_norm))
+        if not np.array_equal(prepared.reshape(q.shape), o, equal_nan=True):   # the same kernel's call, prepared
+            return Result(case.name, backend, float("nan"), 0.0, False, 0.0,
+                          "prepare_paged_attention's run differs from paged_attention's output")
         stores = tuple(None if a is None else to_host(a).reshape((-1,) + tuple(a.shape[2:]))
                        for a in (*pools, *(scales or (None, None))))
         held = []

@@ -393,21 +393,32 @@ def kv_append(k, v, k_pool, v_pool, slots, positions, *, spec, scales=None, kv_d
     norm_eps : float >= 0, optional
         The norm's eps (default 1e-6, :data:`NORM_EPS`); only with ``k_norm``.
     """
+    plan, run = append_setup(k, v, k_pool, v_pool, slots, positions, spec=spec, scales=scales, kv_dtype=kv_dtype,
+                             backend=backend)
+    norm = plan.norm(k_norm, norm_eps, "k_norm")
+    check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales)
+    run(k, v, flat_stores(k_pool, v_pool, scales), norm)
+
+
+def append_setup(k, v, k_pool, v_pool, slots, positions, *, spec, scales, kv_dtype, backend, keep=False):
+    """(plan, run) of a :func:`kv_append` call: every check but the memory rule and the norm's, and the backend's
+    prepared append (``run(k, v, stores, norm)``). ``keep``: host slots and positions copied (a prepared append
+    outlives the caller's arrays)."""
     if not isinstance(spec, RopeSpec):
         raise TypeError(f"spec must be a rotary.RopeSpec, got {type(spec).__name__}")
     _check_entries_arrays(k, v)
     plan = kv_plan((k, v), ("k", "v"), k_pool, v_pool, scales, spec=spec, kv_dtype=kv_dtype, backend=backend,
                    capability="append_kv")
-    norm = plan.norm(k_norm, norm_eps, "k_norm")
-    check_memory((k, v) if norm is None else (k, v, norm[0]), ("k", "v", "k_norm"), k_pool, v_pool, scales)
     n = int(k.shape[0])
     if _is_host(slots) or isinstance(slots, (list, tuple)) or plan.convert is None:
         slots = check_slots(slots, n, plan.slots_total)
+        slots = slots.copy() if keep else slots
     elif tuple(slots.shape) != (n,) or np.dtype(slots.dtype).kind not in "iu":
         raise ValueError(f"slots must be an integer array of shape ({n},), got {slots.dtype} {tuple(slots.shape)}")
     pos, token_positions = token_rotation_positions(plan.spec, positions, n)
-    run = plan.prepare_append(k, v, slots, plan.rotation(pos, token_positions))
-    run(k, v, flat_stores(k_pool, v_pool, scales), norm)
+    if keep and pos is positions:
+        pos = pos.copy()
+    return plan, plan.prepare_append(k, v, slots, plan.rotation(pos, token_positions))
 
 
 def _check_entries_arrays(k, v):
@@ -575,6 +586,19 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
     Returns an array shaped as q, q's type and dtype.
     """
     qp, counts, dense_shape = packed_queries(q, cu_seqlens)
+    plan, run = attention_setup(qp, counts, dense_shape, k_pool, v_pool, block_table, seq_lens, spec=spec,
+                                q_positions=q_positions, causal=causal, window=window, softcap=softcap, scale=scale,
+                                scales=scales, kv_dtype=kv_dtype, backend=backend)
+    norm = plan.norm(q_norm, norm_eps, "q_norm")
+    o = run(contiguous(qp), flat_stores(k_pool, v_pool, scales), norm)
+    return o if dense_shape is None else o.reshape(q.shape)
+
+
+def attention_setup(qp, counts, dense_shape, k_pool, v_pool, block_table, seq_lens, *, spec, q_positions, causal,
+                    window, softcap, scale, scales, kv_dtype, backend, keep=False):
+    """(plan, run) of a :func:`paged_attention` call of packed ``qp`` (:func:`packed_queries`): every check but the
+    norm's, and the backend's prepared attention (``run(C-contiguous qp, stores, norm) -> o``). ``keep``: host
+    tables copied (a prepared attention outlives the caller's arrays)."""
     attention_options(causal, window, softcap, scale, None, 0)   # the options' errors before the backend's
     if spec is None and q_positions is not None:
         raise ValueError("q_positions goes with spec= (the queries' rotation); without a spec q is taken as rotated")
@@ -582,23 +606,25 @@ def paged_attention(q, k_pool, v_pool, block_table, seq_lens, *, spec=None, cu_s
                    capability="paged_attention")
     causal, window, softcap, scale = attention_options(causal, window, softcap, scale, plan.spec, plan.shape[3],
                                                        plan.dtype)
-    norm = plan.norm(q_norm, norm_eps, "q_norm")
     num_pages, page_size = plan.shape[:2]
     host = _is_host(block_table) or isinstance(block_table, (list, tuple)) or plan.convert is None
     if host:
         table, lens = check_tables(block_table, seq_lens, counts, page_size, num_pages,
                                    window if causal else None)
+        if keep:
+            table, lens = table.copy(), lens.copy()
     else:
         table, lens = block_table, seq_lens
         if table.ndim != 2 or table.shape[0] != counts.size or tuple(lens.shape) != (counts.size,):
             raise ValueError(f"block_table must be (n, pages) and seq_lens (n,) with n = {counts.size}, got "
                              f"{tuple(table.shape)} and {tuple(lens.shape)}")
     q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    qc = contiguous(qp)
-    run = plan.prepare_attention(qc, table, page_size, lens, q_starts, scale=scale, softcap=softcap, window=window,
-                                 causal=causal, rotation=query_rotation(plan, q_positions, lens, counts, dense_shape))
-    o = run(qc, flat_stores(k_pool, v_pool, scales), norm)
-    return o if dense_shape is None else o.reshape(q.shape)
+    rotation = query_rotation(plan, q_positions, lens, counts, dense_shape)
+    if keep and rotation is not None and q_positions is not None and _is_host(rotation[2]) \
+            and np.may_share_memory(rotation[2], q_positions):
+        rotation = rotation[:2] + (rotation[2].copy(),) + rotation[3:]
+    return plan, plan.prepare_attention(contiguous(qp), table, page_size, lens, q_starts, scale=scale,
+                                        softcap=softcap, window=window, causal=causal, rotation=rotation)
 
 
 def contiguous(q):
