@@ -11,9 +11,10 @@ Three tables, in this order:
    ``k_store[b, L] = k``, the same through a flat row index ``k_flat[b * capacity + L] = k``, and a Python loop of
    32 slice copies (the best plain NumPy copy is the fastest of these); and rotate-then-copy (``rotary.apply``
    numba, or a prepared ``rotary.Rope``, then the flat-index copy), and ``rotary.kv_append`` (the stateless
-   primitive an engine calls) with prepared slots into pools of its own. Also the append kernel alone, serial and
-   parallel (its prepared arguments, the slots advanced), and the frontend's own work per append (the kernel a
-   no-op), of the cache and of ``kv_append``. Every candidate
+   primitive an engine calls) with prepared slots into pools of its own, and the run of a step's
+   ``rotary.prepare_kv_append`` (prepared untimed, once per call's slots: a layer's call). Also the append kernel
+   alone, serial and parallel (its prepared arguments, the slots advanced), and the frontend's own work per append
+   (the kernel a no-op), of the cache, of ``kv_append`` and of the prepared run. Every candidate
    writes one position further each call (fresh lines, as appends do), into pools whose pages are all touched.
    The candidates are timed interleaved, round by round; best and median over rounds.
 2. **decode attention** over a cache holding ~1000 keys per sequence (fp32): ``rotary.attention(q,
@@ -145,9 +146,13 @@ def bench_append(args, rng, cache, spec):
         L = next(state["L"])
         rotary.kv_append(kt, vt, k_pool, v_pool, b * cap + L, L, spec=spec, backend="numba")
 
+    def prepared():   # a step's append prepared once (untimed: setup), run per layer (here, per call)
+        next(state["prepared"])(kt, vt, k_pool, v_pool)
+
     cands = {
         append: lambda: cache.append(k, v),
         "rotary.kv_append numba, prepared slots into the caller's pools": primitive,
+        "rotary.prepare_kv_append's run (the step prepared once; a layer's call)": prepared,
         "append kernel alone, serial (prepared arguments)": lambda: serial(*kargs[:10], next(state["slots"]),
                                                                            *kargs[11:]),
         "append kernel alone, parallel (prepared arguments)": lambda: parallel(*kargs[:10], next(state["slots"]),
@@ -169,6 +174,10 @@ def bench_append(args, rng, cache, spec):
         start = cache.lengths.copy()
         state["L"] = iter([start + i for i in range(args.calls + 1)])
         state["slots"] = iter([b * cap + start + i for i in range(args.calls + 1)])   # the kernel alone: slots
+        if name.startswith("rotary.prepare_kv_append") or name == "own":   # one prepared step per call
+            state["prepared"] = iter([rotary.prepare_kv_append(kt, vt, k_pool, v_pool, b * cap + start + i, start + i,
+                                                               spec=spec, backend="numba")
+                                      for i in range(args.calls + 1)])
 
     times = interleaved_us(cands, args.calls, args.rounds, setup)
     print(f"\nappend: B={B} sequences x 1 token, {Hk} k/v heads x {D}, float32, capacity {cap}, "
@@ -183,8 +192,9 @@ def bench_append(args, rng, cache, spec):
     runtime.launch = lambda kernel, serial, kargs: None
     try:
         setup("own")
-        own = interleaved_us({"cache.append": lambda: cache.append(k, v), "rotary.kv_append": primitive},
-                             args.calls, args.rounds, setup)
+        own = interleaved_us({"cache.append": lambda: cache.append(k, v), "rotary.kv_append": primitive,
+                              "rotary.prepare_kv_append's run": prepared}, args.calls, args.rounds,
+                             lambda name: setup("own"))
     finally:
         runtime.launch = launch
     for name, ts in own.items():
