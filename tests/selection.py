@@ -37,6 +37,7 @@ QUICK = (
     "tests/test_attention_softmax.py",
     "tests/test_kv_cache.py",                    # the KV cache against float64 oracles (seconds)
     "tests/test_kv_primitives.py",               # kv_append / paged_attention: every backend, the CUDA shim too
+    "tests/test_kv_prepared.py",                 # ... prepared once per step, run per layer (seconds)
     "tests/test_kv_engine_cache.py",             # layers, fork, prefix reuse, truncate, insert, windows (seconds)
     "tests/test_engine_hf.py",                   # the engine without torch (documents, forks, vs generate; ~5 s)
     "tests/test_linear_attention.py::test_matches_oracle",
