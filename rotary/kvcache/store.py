@@ -672,7 +672,7 @@ class KVCache:
         """
         norm = None if k_norm is None and norm_eps is None else self._norm(k_norm, norm_eps, "k_norm")
         if seq_ids is None and cu_seqlens is None and positions is None:
-            i = self._layer_index(layer)
+            i = 0 if layer is None and self.layers is None else self._layer_index(layer)
             if (self._append_prepared(k, v, i, norm) if self._step is not None else
                     i == 0 and self._append_chained(k, v, norm)):
                 return
