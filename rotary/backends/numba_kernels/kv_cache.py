@@ -659,17 +659,19 @@ def block_scales_heads(k_scales, v_scales, k_scale, v_scale, block_table, i, k0,
 
 
 @register_jitable
-def touch_keys(entries, block_table, i, k0, k1, page_size, key_items):
-    """Read every cache line of the entries of keys k0..k1-1 of sequence i, all their k/v heads (``key_items``
-    entries a key, contiguous), in address order (:func:`.simd.touch_read`): a plain streaming read that the hardware
-    prefetchers follow, so the block's lines come at the read limit before it is computed."""
-    step = line_items(entries)
+def touch_keys(k_ent, v_ent, block_table, i, k0, k1, page_size, key_items):
+    """Read every cache line of the keys and values k0..k1-1 of sequence i, all their k/v heads (``key_items``
+    entries a key, contiguous), in address order, a key's line and then its value's (:func:`.simd.touch_read`): two
+    plain streaming reads that the hardware prefetchers follow, so the block's lines come at about the read limit
+    before it is computed (K and V side by side: ~5 % faster than K's block, then V's)."""
+    step = line_items(k_ent)
     page = k0 // page_size
     at = k0 - page * page_size
     for _ in range(k1 - k0):
         base = (block_table[i, page] * page_size + at) * key_items
         for c in range(0, key_items, step):
-            touch_read(entries, base + c)
+            touch_read(k_ent, base + c)
+            touch_read(v_ent, base + c)
         at += 1
         if at == page_size:
             page, at = page + 1, 0
@@ -678,14 +680,12 @@ def touch_keys(entries, block_table, i, k0, k1, page_size, key_items):
 @register_jitable(inline="always")
 def touch_rows(k_ent, v_ent, bases, n, head_dim):
     """Read every cache line of keys and values bases[j] .. bases[j] + head_dim - 1 (j < n: one k/v head's rows of a
-    block), keys then values (:func:`.simd.touch_read`; demand loads, not software prefetches: the hardware
-    prefetchers follow them)."""
+    block), a key's line and then its value's (:func:`.simd.touch_read`; demand loads, not software prefetches: the
+    hardware prefetchers follow them)."""
     step = line_items(k_ent)
     for j in range(n):
         for c in range(0, head_dim, step):
             touch_read(k_ent, bases[j] + c)
-    for j in range(n):
-        for c in range(0, head_dim, step):
             touch_read(v_ent, bases[j] + c)
 
 
@@ -861,9 +861,8 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
             for hh in range(1 if sweep else heads_here):
                 hd = h + hh
                 block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, hd, head_dim)
-                if sweep:   # the block's pages read whole (K, then V), then every head's rows computed from the caches
-                    touch_keys(k_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
-                    touch_keys(v_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
+                if sweep:   # the block's pages read whole, then every head's rows computed from the caches
+                    touch_keys(k_ent, v_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
                 else:   # the head's rows of the block read, then computed
                     touch_rows(k_ent, v_ent, bases, k1 - k0, head_dim)
                 for j in range(k1 - k0, KEY_BLOCK):   # a last tile's keys past the block: read, masked, never weighed
