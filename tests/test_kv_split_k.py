@@ -23,7 +23,7 @@ pytest.importorskip("numba")
 import numba  # noqa: E402
 
 import rotary  # noqa: E402
-from rotary.backends import numba_kv, numba_runtime  # noqa: E402
+from rotary.backends import numba_kv  # noqa: E402
 from rotary.backends.numba_kernels import kv_cache as kernels  # noqa: E402
 from rotary.testing import paged_attention64, rope_complex  # noqa: E402
 
@@ -263,17 +263,51 @@ def test_split_kernels_in_pure_python(rng, monkeypatch):
 
 # -- the split rule ---------------------------------------------------------------------------------------------------
 def test_split_rule_batch_one_long_sequence():
-    """Batch 1 at 32k keys with 8 k/v heads: no split where 8 tasks already give every thread SPLIT_TASKS_PER_THREAD
-    (2 threads); splits where threads would be idle or short of tasks (9 .. 64 threads: more than 8 threads, 8 tasks),
-    enough for every thread and never under SPLIT_MIN_KEYS keys a split."""
+    """A sequence of 32k keys in 8 tasks (a prefill chunk's, one per k/v head): no split where 8 tasks already give
+    every thread SPLIT_TASKS_PER_THREAD (2 threads); splits where threads would be idle or short of tasks (9 .. 64
+    threads), enough for every thread and never under SPLIT_MIN_KEYS keys a split; one task (a decode step's
+    sequence, or one k/v head) on 2 threads: 8."""
     rule = numba_kv.attention_splits
     assert rule(8, 32768, 2) == 1
     for threads in (9, 12, 16, 32, 64):
         s = rule(8, 32768, threads)
         assert s > 1 and 8 * s >= threads and 32768 // s >= numba_kv.SPLIT_MIN_KEYS, (threads, s)
     assert rule(8, 32768, 16) == 8   # 4 tasks a thread
-    assert rule(1, 32768, 2) == 8    # one k/v head (MQA) on 2 threads
+    assert rule(1, 32768, 2) == 8    # one task (a decode step's sequence, or MQA) on 2 threads
     assert rule(1, 32768, 64) == 32 == 32768 // numba_kv.SPLIT_MIN_KEYS   # capped by the keys per split
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_decode_of_few_sequences_splits_them_whole(rng, monkeypatch, threads):
+    """A decode step of one sequence (8 k/v heads, GQA 4: its 4 q rows per head fit a row block) counts one task a
+    sequence: split by the rule for 1 task, each split's task taking every k/v head (all_heads, the pages in address
+    order) when there are ALL_HEADS_TASKS_PER_THREAD of them per thread; a prefill chunk of 5 queries (20 rows a
+    head) counts a task per k/v head. Every output against the oracle."""
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"{threads} threads: NUMBA_NUM_THREADS is {numba.config.NUMBA_NUM_THREADS}")
+    ran = []
+    for name in ATTENTION_KERNELS:
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append((_n, a[-4], a[-3])), _k(*a))[1])
+    monkeypatch.setattr(numba_kv, "SPLIT_MIN_KEYS", 64)   # (the rule at a test's sizes: 1024 keys)
+    n_keys = 1024
+    table, n_pages = _table(rng, [n_keys], 16)
+    stores = _stores(rng, None, np.float32, n_pages * 16, 8, 32)
+    kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype=None)
+    numba.set_num_threads(threads)
+    try:
+        for count in (1, 5):
+            seq_lens, q_starts = np.array([n_keys]), np.array([0, count])
+            q = rng.standard_normal((count, 32, 32)).astype(np.float32)
+            want = _oracle(q, stores, table, 16, seq_lens, q_starts, None, **kw)
+            got = numba_kv.paged_attention(q, stores, table, 16, seq_lens, q_starts, **kw)
+            assert _rel(got, want) <= 1e-5
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    decode = numba_kv.attention_splits(1, n_keys, threads)
+    prefill = numba_kv.attention_splits(8, n_keys, threads)
+    assert ran[0][1:] == (decode, decode >= numba_kv.ALL_HEADS_TASKS_PER_THREAD * threads), ran
+    assert ran[-1][1] == prefill and ran[-1][2] is False, ran
 
 
 def test_split_rule_leaves_busy_or_short_calls_alone(monkeypatch):

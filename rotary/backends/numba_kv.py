@@ -1,7 +1,7 @@
 """The KV-cache primitives of the ``numba`` backend: ``append_kv`` and ``paged_attention`` (contract in
 :mod:`rotary.backends`), the glue that turns the caller's arrays into the flat buffers of
 ``numba_kernels/kv_cache.py``, picks the serial or the parallel kernel by size, and for a parallel attention call of
-few (sequence, k/v head) tasks over long keys the split-K count (:func:`attention_splits`: flash-decoding, each
+few tasks over long keys the split-K count (:func:`attention_splits`: flash-decoding, each
 sequence's keys cut into parts on several threads, merged by log-sum-exp; its thresholds are this module's
 globals). Buffers, the size rule and the launch under Numba's threading layer are :mod:`.numba_runtime`'s (as for
 the rotation); :mod:`rotary.backends.numba` re-exports these primitives and :data:`VARIANTS`.
@@ -27,9 +27,10 @@ from .numba_kernels import kv_cache as kernels
 VARIANTS = {"append_kv": (None, "int8"), "paged_attention": (None, "int8")}
 #: an attention call below this many (query row x key x coordinate) products runs on the calling thread
 ATTENTION_PARALLEL_MIN_WORK = 1 << 18
-#: split-K (flash-decoding, :func:`attention_splits`): a parallel attention call of fewer (sequence, k/v head) tasks
-#: than this many per thread (numba.get_num_threads()) cuts each sequence's keys into splits until it has that many
-#: tasks (static scheduling then leaves no thread idle: 8 tasks on 6 threads run as 24, 4 a thread) ...
+#: split-K (flash-decoding, :func:`attention_splits`): a parallel attention call of fewer tasks (sequences whose q
+#: rows fit a row block, a task taking every k/v head; else (sequence, k/v head) pairs) than this many per thread
+#: (numba.get_num_threads()) cuts each sequence's keys into splits until it has that many tasks (static scheduling
+#: then leaves no thread idle: 8 tasks on 6 threads run as 24, 4 a thread) ...
 SPLIT_TASKS_PER_THREAD = 4
 #: ... but never into splits of fewer keys than this (of the longest key range a row of the call reads): a split's
 #: own cost (q loaded again, its workspace written and merged) stays small beside its keys; a call whose rows read
@@ -38,6 +39,10 @@ SPLIT_MIN_KEYS = 1024
 #: ... and never into more splits than keep the workspace (per q row and q head and split: head_dim + 2 work values)
 #: within this many bytes (a long prefill chunk of one sequence is split less, or not at all)
 SPLIT_MAX_WORKSPACE = 1 << 24
+#: a task takes every k/v head of its sequence (``all_heads``: the pages read in address order) when a sequence's q
+#: rows fit one row block and the call has at least this many (sequence, split) tasks per thread (measured on 2
+#: threads: 4 such tasks as fast as 8; batch 1 at 32k keys, 8 splits: 6.9 ms against 12.3 for 8 per-head tasks)
+ALL_HEADS_TASKS_PER_THREAD = 2
 #: the split count of every attention call (tests; read, as the thresholds above, when a prepared call first runs
 #: over stores of a number of k/v heads): None follows the rule above; an int >= 1 forces it (the ``splits`` keyword
 #: of :func:`prepare_paged_attention` forces it for one call)
@@ -207,10 +212,11 @@ def _nothing(*arrays):
 
 def attention_splits(tasks: int, keys: int, threads: int) -> int:
     """The split-K rule (as CUDA's ``paged_attention_splits``): how many parts a parallel attention call of ``tasks``
-    (sequence, k/v head) pairs cuts each sequence's keys into, ``keys`` the longest key range a row reads, on
-    ``threads`` threads. 1 when the tasks are SPLIT_TASKS_PER_THREAD per thread or more; else enough splits to reach
-    that many tasks, but no more than keep SPLIT_MIN_KEYS keys per split. Batch 1 at 32k keys with 8 k/v heads: 1 split
-    on 2 threads (8 tasks, 4 a thread), min(ceil(64 / 8), 32) = 8 on 16; one k/v head on 2 threads: 8."""
+    tasks (sequences whose task takes every k/v head, else (sequence, k/v head) pairs) cuts each sequence's keys into,
+    ``keys`` the longest key range a row reads, on ``threads`` threads. 1 when the tasks are SPLIT_TASKS_PER_THREAD
+    per thread or more; else enough splits to reach that many tasks, but no more than keep SPLIT_MIN_KEYS keys per
+    split. Batch 1 decoding at 32k keys (one task a sequence): min(ceil(8 / 1), 32) = 8 splits on 2 threads, 32 on
+    16; a prefill chunk's sequence of 8 k/v heads (a task per head) on 2 threads: 1."""
     target = SPLIT_TASKS_PER_THREAD * max(1, threads)
     if tasks <= 0 or tasks >= target:
         return 1
@@ -255,21 +261,24 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
     def choose(kv_heads):
         """(kernel, tail with kv_heads and splits, splits) of calls over stores of kv_heads heads."""
         pairs = n * kv_heads
+        # a sequence's q rows in one row block: its task may take every k/v head (kv_cache.attend_task, all_heads)
+        most_queries = int(q_starts[1] - q_starts[0]) if n == 1 else int(np.max(q_starts[1:] - q_starts[:-1]))
+        whole = most_queries * (q_heads // kv_heads) <= kernels.ROW_BLOCK
+        tasks = n if whole else pairs
         big = work_size >= ATTENTION_PARALLEL_MIN_WORK
         forced = ATTENTION_SPLITS if splits is None else splits
         if forced is not None:
             count = max(1, int(forced))
-        elif big and pairs < SPLIT_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS and \
-                pairs < SPLIT_TASKS_PER_THREAD * (threads := numba.get_num_threads()):   # (the bound first: cheap)
-            count = attention_splits(pairs, _longest_range(seq_lens, q_starts, window, causal), threads)
+        elif big and tasks < SPLIT_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS and \
+                tasks < SPLIT_TASKS_PER_THREAD * (threads := numba.get_num_threads()):   # (the bound first: cheap)
+            count = attention_splits(tasks, _longest_range(seq_lens, q_starts, window, causal), threads)
             count = max(1, min(count, SPLIT_MAX_WORKSPACE // split_bytes))
         else:
             count = 1
         parallel = big and pairs * count > 1
         kernel = kernels.paged_attention_parallel if parallel else serial
-        # a task per sequence (all its k/v heads) when they are enough for the threads (kv_cache.attend_task)
-        all_heads = not parallel or n * count >= SPLIT_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS or \
-            n * count >= SPLIT_TASKS_PER_THREAD * numba.get_num_threads()   # (the bound first: cheap)
+        all_heads = not parallel or whole and (n * count >= ALL_HEADS_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
+                                               or n * count >= ALL_HEADS_TASKS_PER_THREAD * numba.get_num_threads())
         return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count, all_heads), count
 
     no_workspace = (_NO_SCALES[work], _NO_SCALES[work])
