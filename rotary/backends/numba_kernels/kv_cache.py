@@ -36,7 +36,8 @@ block is then computed from the second-level cache (a block of 32 keys x 8 heads
 Software prefetches of the next block (the kernel before) each held a first-level miss buffer and trained no hardware
 prefetcher, and the computation hid little of the memory time: one thread 12-14 GB/s that way, 19-21 GB/s touched
 (32 sequences x 1000 keys, 8 x 128 float32, GQA 4, Zen 4 VM; the same from the caches: 37-44 GB/s; a plain read:
-33-40 GB/s). When the sequences are enough for the threads, a sequence's task takes every k/v head block by block
+33-40 GB/s). When the (sequence, split) tasks are enough for the threads (``numba_kv``'s rule: a decode step's
+sequence counts as one task, and one long sequence is split), a sequence's task takes every k/v head block by block
 (``all_heads``): it reads the block's pages whole (a key's heads lie side by side: 4 KiB a key at 8 x 128 float32)
 and, where its rows come in fours of one key range (GQA groups a multiple of 4), computes in address order too:
 :func:`tile_scores_heads` scores four keys of every head in turn, :func:`add_weighted_heads` adds HEAD_CHUNK keys'
