@@ -24,6 +24,9 @@ the sequences back to ``context - 1`` keys (untimed), so the step appends from t
   of the cache's own pools over the pages the step reads (K and V; int8: entries and scales): the same bytes, in the
   same run; its GB/s turns the step's K+V bytes into the time a streaming read of them takes, and
   ``fraction = read-limit time / measured time`` (1.0: the step reads its keys as fast as a plain read does);
+- **compute limit**: the attention's flops (``4 x head_dim`` a q head and key: q.k and p.v) at the same run's float32
+  matrix-multiply rate (NumPy's BLAS, 1024 x 1024); ``binding`` = the larger of the two limits' times / the
+  attention's time (int8 entries read a quarter of the bytes: the compute limit binds there);
 - **torch** (fp32 cells, ``torch.set_num_threads(numba.get_num_threads())``): per layer
   ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on keys and values the step first **gathers** from a
   paged torch pool (``torch.index_select(k_pool, 0, block_table.flatten(), out=workspace)``, the workspace reused by
@@ -184,7 +187,20 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-# -- the read limit ------------------------------------------------------------------------------------------------
+# -- the limits -------------------------------------------------------------------------------------------------------
+def sgemm_gflops(n: int = 1024, calls: int = 5) -> float:
+    """This run's float32 matrix-multiply rate (NumPy's BLAS on its own threads, n x n, the best of ``calls``)."""
+    a = np.random.default_rng(5).standard_normal((n, n), dtype=np.float32)
+    c = np.empty_like(a)
+    np.dot(a, a, out=c)
+    best = math.inf
+    for _ in range(calls):
+        t = time.perf_counter()
+        np.dot(a, a, out=c)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
 _READ = None
 
 
@@ -394,6 +410,11 @@ def run_cell(context: int, batch: int, kv: str, layers: int, args, rng, torch=No
     limit_ms = step_bytes / (gbps * 1e9) * 1e3
     fractions = {name: limit_ms / rows[name]["median_ms"]
                  for name in ("step", "attend", "torch_gather_sdpa", "torch_sdpa_pregathered") if name in rows}
+    # the compute limit: the attention's flops (q.k and p.v: 2 x 2 x head_dim a q head and key) at this run's sgemm rate
+    gflops = sgemm_gflops()
+    compute_ms = MODEL_LAYERS * 4 * batch * context * HQ * D / (gflops * 1e9) * 1e3
+    binding_ms = max(limit_ms, compute_ms)
+    binding = {name: binding_ms / rows[name]["median_ms"] for name in ("step", "attend")}
     llc = llc_bytes()
     timed_bytes = layers * kv_bytes_per_layer(context, batch, kv)
     res = {
@@ -404,6 +425,8 @@ def run_cell(context: int, batch: int, kv: str, layers: int, args, rng, torch=No
         "reps_per_round": reps, "rounds": args.rounds, "fill_s": fill_s,
         "rows": rows, "read_GBps": gbps, "read_bytes": read_bytes, "read_limit_ms": limit_ms,
         "fraction_of_read_limit": fractions,
+        "sgemm_GFLOPs": gflops, "compute_limit_ms": compute_ms,
+        "binding_limit": "read" if limit_ms >= compute_ms else "compute", "fraction_of_binding_limit": binding,
         "check": {"rel_error": err, "sequences": check_seqs, "layer": last,
                   "against": None if err is None else ("torch SDPA, keys gathered from the paged pool" if kv == "fp32"
                                                        else "torch SDPA on cache.keys/values (dequantized)")},
@@ -427,12 +450,14 @@ def report(res: dict) -> str:
              f"rounds {res['rounds']}; {load()}",
              "ms per step of 32 layers: median (best); a cell timing L' < 32 layers shows its time x 32 / L'; torch "
              "is fp32 in every row (int8 rows: the fp32 torch rows of the same shape); read limit: a streaming read "
-             "of the step's K+V bytes at the same-run GB/s; fraction = read-limit time / time",
+             "of the step's K+V bytes at the same-run GB/s; fraction = read-limit time / time; compute limit: the "
+             "attention's flops at the same-run sgemm rate; binding = the larger limit's time / attention's time",
              "",
              "| keys x batch | KV | layers timed | K+V MiB / step | step (append + attention) | append | attention "
              "| torch gather + SDPA (fp32) | torch SDPA pre-gathered (fp32) | read limit (GB/s) | fraction: step "
-             "| fraction: attention | torch gather+SDPA / step | torch pre-gathered / attention | check max err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fraction: attention | torch gather+SDPA / step | torch pre-gathered / attention | check max err "
+             "| compute limit (sgemm GFLOP/s) | binding limit: attention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     torch_of = {(c["context"], c["batch"]): c["rows"] for c in res["cells"] if "torch_gather_sdpa" in c["rows"]}
     for c in res["cells"]:
         rows = c["rows"]
@@ -451,10 +476,12 @@ def report(res: dict) -> str:
             f"{c['read_limit_ms']:.2f} ({c['read_GBps']:.1f}) | {fr['step']:.2f} | {fr['attend']:.2f} | "
             + (f"{tg['median_ms'] / rows['step']['median_ms']:.2f}" if tg else "") + " | "
             + (f"{tp['median_ms'] / rows['attend']['median_ms']:.2f}" if tp else "") + " | "
-            + ("" if err is None else f"{err:.1e}") + " |")
+            + ("" if err is None else f"{err:.1e}") + " | "
+            + (f"{c['compute_limit_ms']:.2f} ({c['sgemm_GFLOPs']:.0f}) | {c['fraction_of_binding_limit']['attend']:.2f}"
+               f" ({c['binding_limit']}) |" if "compute_limit_ms" in c else " | |"))
     for s in res["skipped"]:
         lines.append(f"| {cell_label(s['context'], s['batch'])} | {s['kv']} | skipped: {s['reason']} |"
-                     + " |" * 12)
+                     + " |" * 14)
     if any(c["layers_timed"] != MODEL_LAYERS for c in res["cells"]):
         lines.append(f"\n(x N: the cell timed fewer than {MODEL_LAYERS} layers to stay under --max-gb "
                      f"{res['max_gb']:g} GiB (or --layers) and shows that time x N: each layer reads its own pool.)")
