@@ -100,6 +100,21 @@ def test_prepared_attention_reads_each_layers_pools(backend, packed, rng):
                                    atol=ATTENTION_TOL[np.float32] * 4 * np.abs(want).max())
 
 
+@grid
+def test_prepared_attention_keeps_its_query_positions(backend, rng):
+    """q rotated at given q_positions (the caller's int64 array): changing it after preparing changes nothing."""
+    spec = rotary.RopeSpec(32, base=1000.0)
+    k_pool, v_pool, _, table, lens = filled(rng, backend, dtype=np.float32, kv_dtype=None, spec=spec)
+    q = rng.standard_normal((lens.size, 1, 4, 32)).astype(np.float32)
+    positions = (lens - 1)[:, None].astype(np.int64) + 7   # (dense: (n, s))
+    want = rotary.paged_attention(q, k_pool, v_pool, table, lens, spec=spec, q_positions=positions.copy(),
+                                  backend=backend)
+    attend = rotary.prepare_paged_attention(q, k_pool, v_pool, table, lens, spec=spec, q_positions=positions,
+                                            backend=backend)
+    positions[:] = 0
+    np.testing.assert_array_equal(attend(q, k_pool, v_pool), want)
+
+
 def _append_and_pools(rng, backend, kv_dtype=None):
     spec = rotary.RopeSpec(32, base=1000.0)
     k_pool, v_pool, scales = make_pools(rng, 6, 4, 2, 32, np.float32, kv_dtype)
