@@ -25,8 +25,9 @@ the sequences back to ``context - 1`` keys (untimed), so the step appends from t
   same run; its GB/s turns the step's K+V bytes into the time a streaming read of them takes, and
   ``fraction = read-limit time / measured time`` (1.0: the step reads its keys as fast as a plain read does);
 - **compute limit**: the attention's flops (``4 x head_dim`` a q head and key: q.k and p.v) at the same run's float32
-  matrix-multiply rate (NumPy's BLAS, 1024 x 1024); ``binding`` = the larger of the two limits' times / the
-  attention's time (int8 entries read a quarter of the bytes: the compute limit binds there);
+  matrix-multiply rate (NumPy's BLAS, 2048 x 2048, as benchmarks/run.py measures it); ``binding`` = the larger of
+  the two limits' times / the attention's time (int8 entries read a quarter of the bytes: the compute limit binds
+  there);
 - **torch** (fp32 cells, ``torch.set_num_threads(numba.get_num_threads())``): per layer
   ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on keys and values the step first **gathers** from a
   paged torch pool (``torch.index_select(k_pool, 0, block_table.flatten(), out=workspace)``, the workspace reused by
@@ -188,17 +189,11 @@ def cpu_name() -> str:
 
 
 # -- the limits -------------------------------------------------------------------------------------------------------
-def sgemm_gflops(n: int = 1024, calls: int = 5) -> float:
-    """This run's float32 matrix-multiply rate (NumPy's BLAS on its own threads, n x n, the best of ``calls``)."""
-    a = np.random.default_rng(5).standard_normal((n, n), dtype=np.float32)
-    c = np.empty_like(a)
-    np.dot(a, a, out=c)
-    best = math.inf
-    for _ in range(calls):
-        t = time.perf_counter()
-        np.dot(a, a, out=c)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+def sgemm_gflops() -> float:
+    """This run's float32 matrix-multiply rate (``benchmarks/run.py``'s measure: NumPy's BLAS, 2048 x 2048)."""
+    from benchmarks.run import sgemm_gflops as measured
+
+    return measured(0.1)
 
 
 _READ = None
