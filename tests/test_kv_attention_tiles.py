@@ -44,6 +44,7 @@ def task_mode(request, monkeypatch):
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 0)
         monkeypatch.setattr(numba_kv, "SPLIT_TASKS_PER_THREAD", 1 << 40)
         monkeypatch.setattr(numba_kv, "ALL_HEADS_TASKS_PER_THREAD", 1 << 40)
+        monkeypatch.setattr(numba_kv, "EVEN_SPLIT_MIN_KEYS", 1 << 62)
     else:   # the serial kernel (a parallel one with many sequences takes the same path)
         monkeypatch.setattr(numba_kv, "ATTENTION_PARALLEL_MIN_WORK", 1 << 62)
     yield

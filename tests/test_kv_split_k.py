@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -308,6 +310,30 @@ def test_decode_of_few_sequences_splits_them_whole(rng, monkeypatch, threads):
     prefill = numba_kv.attention_splits(8, n_keys, threads)
     assert ran[0][1:] == (decode, decode >= numba_kv.ALL_HEADS_TASKS_PER_THREAD * threads), ran
     assert ran[-1][1] == prefill and ran[-1][2] is False, ran
+
+
+@pytest.mark.parametrize("n_seqs", [1, 2, 3])
+def test_short_sequences_split_evenly_whole(rng, monkeypatch, n_seqs):
+    """A decode step of a few sequences too short for the rule's splits (fewer than ALL_HEADS_TASKS_PER_THREAD tasks
+    a thread): each sequence cut into threads / gcd(sequences, threads) splits taking every k/v head (EVEN_SPLIT_MIN_KEYS
+    keys a split or more), every thread as many tasks; against the oracle."""
+    ran = []
+    for name in ATTENTION_KERNELS:
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: (ran.append((_n, a[-4], a[-3])), _k(*a))[1])
+    monkeypatch.setattr(numba_kv, "EVEN_SPLIT_MIN_KEYS", 64)   # (the rule at a test's sizes)
+    n_keys, threads = 600, numba.get_num_threads()
+    table, n_pages = _table(rng, [n_keys] * n_seqs, 16)
+    stores = _stores(rng, None, np.float32, n_pages * 16, 8, 32)
+    kw = dict(scale=0.2, softcap=None, window=None, causal=True, kv_dtype=None)
+    seq_lens, q_starts = np.full(n_seqs, n_keys), np.arange(n_seqs + 1)
+    q = rng.standard_normal((n_seqs, 32, 32)).astype(np.float32)
+    want = _oracle(q, stores, table, 16, seq_lens, q_starts, None, **kw)
+    assert _rel(numba_kv.paged_attention(q, stores, table, 16, seq_lens, q_starts, **kw), want) <= 1e-5
+    even = threads // math.gcd(n_seqs, threads)
+    if n_seqs >= numba_kv.ALL_HEADS_TASKS_PER_THREAD * threads:   # enough tasks: the rule of ALL_HEADS_TASKS_PER_THREAD
+        even = 1
+    assert ran == [("paged_attention_parallel", even, True)], ran
 
 
 def test_split_rule_leaves_busy_or_short_calls_alone(monkeypatch):

@@ -15,6 +15,8 @@ explicitly, never inferred from the stores' dtype); float8_e4m3 is not among :da
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 
@@ -43,6 +45,12 @@ SPLIT_MAX_WORKSPACE = 1 << 24
 #: rows fit one row block and the call has at least this many (sequence, split) tasks per thread (measured on 2
 #: threads: 4 such tasks as fast as 8; batch 1 at 32k keys, 8 splits: 6.9 ms against 12.3 for 8 per-head tasks)
 ALL_HEADS_TASKS_PER_THREAD = 2
+#: ... or, in a parallel call of too few such tasks and no split by the rule (a short sequence), each sequence is cut
+#: into threads / gcd(sequences, threads) splits taking every k/v head (every thread as many tasks) where each split
+#: keeps at least this many keys (8 x 128 float32, GQA 4, 2 threads, a 32-layer step's attention: 1k keys x 1
+#: sequence, 2 splits: 7.4-7.7 ms against 9.1-10.0 for 8 per-head tasks (4 splits of 256 keys: 7.5-7.8); x 3: 2 splits
+#: each, 20.4-21.8 ms against 25.5-26.0)
+EVEN_SPLIT_MIN_KEYS = 256
 #: the split count of every attention call (tests; read, as the thresholds above, when a prepared call first runs
 #: over stores of a number of k/v heads): None follows the rule above; an int >= 1 forces it (the ``splits`` keyword
 #: of :func:`prepare_paged_attention` forces it for one call)
@@ -279,6 +287,11 @@ def prepare_paged_attention(q, block_table, page_size, seq_lens, q_starts, *, sc
         kernel = kernels.paged_attention_parallel if parallel else serial
         all_heads = not parallel or whole and (n * count >= ALL_HEADS_TASKS_PER_THREAD * numba.config.NUMBA_NUM_THREADS
                                                or n * count >= ALL_HEADS_TASKS_PER_THREAD * numba.get_num_threads())
+        if parallel and whole and not all_heads and count == 1 and forced is None:
+            even = (threads := numba.get_num_threads()) // math.gcd(n, threads)   # splits: every thread as many tasks
+            if _longest_range(seq_lens, q_starts, window, causal) // even >= EVEN_SPLIT_MIN_KEYS \
+                    and even * split_bytes <= SPLIT_MAX_WORKSPACE:
+                count, all_heads = even, True
         return kernel, tail[:5] + (kv_heads,) + tail[6:] + (count, all_heads), count
 
     no_workspace = (_NO_SCALES[work], _NO_SCALES[work])
