@@ -20,6 +20,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -126,7 +127,11 @@ def _run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def block_runs(request, tmp_path_factory):
     """Start every selected, runnable Python block at once (one interpreter per core); the tests then wait
-    for their own block's result."""
+    for their own block's result. Under pytest-xdist (``-n``) a worker does not know which blocks it will be
+    given, so each block starts when its test runs (the workers are the parallelism)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield _OnDemand(tmp_path_factory)
+        return
     selected = [item.callspec.params["block"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_python_block" and hasattr(item, "callspec")]
     workers = max(1, min(4, os.cpu_count() or 1))
@@ -136,6 +141,18 @@ def block_runs(request, tmp_path_factory):
         yield futures
         for f in futures.values():
             f.cancel()
+
+
+class _OnDemand:
+    """block_runs' futures under pytest-xdist: ``runs[block_id].result()`` runs the block then."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+
+    def __getitem__(self, block_id):
+        block = next(b for b in PYTHON_BLOCKS if b.id == block_id)
+        proc = _run_block(block, self._tmp.mktemp("block"))
+        return SimpleNamespace(result=lambda: proc)
 
 
 def _traceback_in_file(block: Block, text: str) -> str:

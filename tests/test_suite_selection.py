@@ -121,6 +121,6 @@ def test_quick_is_a_proper_subset_that_covers_every_backend(suite):
 
 def test_full_is_the_whole_suite_in_the_readme_and_ci():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert "python -m pytest --full" in readme
+    assert "`python -m pytest --full -n auto`" in readme
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert any(line.strip() == "python -m pytest --full" for line in ci.splitlines())
+    assert any(line.strip() == "python -m pytest --full -n auto" for line in ci.splitlines())
