@@ -133,6 +133,39 @@ def test_append_kv_equals_the_reference_bit_for_bit(rng, kernel_kind, dtype, kv_
             _assert_same_bits(*_append_both(spec, k, v, positions, slots, kv_dtype))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_append_kv_streams_aligned_float_entries(rng, kernel_kind, monkeypatch, dtype):
+    """Float entries of k's float32 / float64, every coordinate rotated, unit-stride heads: the kernel gets the
+    ``stream`` marker (non-temporal stores, ``kv_cache.stream_token``), and writes the reference's bits into aligned
+    pools and, by plain stores, into pools 4 bytes off 16-byte alignment; partial rotary, strided k and int8 entries
+    get no marker."""
+    markers = []
+    for name in ("append_kv_serial", "append_kv_parallel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel: (markers.append(a[20]), _k(*a))[1])
+    spec = _spec("full")
+    k, v = _kv(rng, dtype, 11, 3, spec.head_dim, strided=False)
+    positions, slots = rng.integers(0, 5000, 11), rng.permutation(40)[:11]
+    got, want = _append_both(spec, k, v, positions, slots, None)
+    _assert_same_bits(got, want)
+    assert markers[-1] is True
+    cos, sin, rows = _tables_for(spec, positions, dtype)
+    kw = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, offset=spec.rotary_offset, kv_dtype=None)
+    off = []
+    for store in got[:2]:
+        buf = np.zeros(store.size + 1, dtype=dtype)[1:]   # one element past a 16-byte aligned start
+        off.append(buf.reshape(store.shape))
+        assert off[-1].ctypes.data % 16 != 0
+        off[-1][...] = _stores(None, dtype, 40, 3, spec.head_dim)[len(off) - 1]
+    nb.append_kv(k, v, cos, sin, rows, np.asarray(slots, np.int64), off + [None, None], **kw)
+    assert markers[-1] is True
+    _assert_same_bits(off + [None, None], want)
+    for spec_name, strided, kv_dtype in (("partial", False, None), ("full", True, None), ("full", False, "int8")):
+        k, v = _kv(rng, dtype, 11, 3, 64, strided)
+        _assert_same_bits(*_append_both(_spec(spec_name), k, v, positions, slots, kv_dtype))
+        assert markers[-1] is None
+
+
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_append_kv_skips_padding_tokens(rng, kernel_kind, kv_dtype):
     """slots[t] = -1 (any negative): nothing of token t read or written (its k/v may be anything, NaN included); the

@@ -23,6 +23,7 @@ import numpy as np
 from . import numba_runtime as runtime
 from .kv_entries import KV_FORMATS
 from .numba_kernels import kv_cache as kernels
+from .numba_kernels.simd import VECTOR_BYTES
 
 #: the KV entry formats each primitive takes (``rotary.backends.supports``): the entries in k's own float dtype, and
 #: int8 with per-(token, head) scales
@@ -119,9 +120,12 @@ def prepare_append_kv(k, v, cos, sin, rows, slots, *, rotary_dim, layout, offset
     parallel = runtime.parallel_by_size(2 * k.size, n_tokens, 1)   # sized as a decode call (tokens of many sequences)
     kernel = kernels.append_kv_parallel if parallel else kernels.append_kv_serial
     fixed = (kernel, geo, contiguous and k.dtype != np.float16, work, markers[0] is not None, cos, sin)  # (f16: bits)
+    stream = True if (markers[1] is not None and k.dtype == work and v.dtype == work and geo[0, 3] == 1
+                      and geo[1, 3] == 1 and offset == 0 and rotary_dim == head_dim
+                      and (rotary_dim // 2) % (VECTOR_BYTES // work.itemsize) == 0) else None
     return PreparedAppend(fixed, (runtime.readonly_c(cos), runtime.readonly_c(sin), runtime.c_int64(rows),
                                   runtime.c_int64(slots), n_tokens, heads, head_dim, rotary_dim // 2, rotary_dim, offset,
-                                  layout == "interleaved", *markers))
+                                  layout == "interleaved", *markers, stream))
 
 
 _I64, _I64_STRIDES = np.dtype(np.int64), (8,)
