@@ -237,33 +237,24 @@ def quantize_head(w, dst, di, scales, si, head_dim, limit):
 
 
 @register_jitable
-def stream_head(x, xi, k_ent, ei, cos, sin, row, half, interleaved):
-    """k_ent.flat[ei : ei + 2 half] = the unit-stride head x.flat[xi ..] rotated at table row ``row`` by
-    non-temporal stores (:func:`.rotation.rotate_pairs_stream`: the products and sums of :func:`rotate_head`, the
-    same bits; every coordinate in a whole register of pairs)."""
-    rotate_pairs_stream(x, xi, k_ent, ei, cos, sin, row, half, interleaved, False)
-
-
-@register_jitable
-def stream_token(k, ki, ksh, v, vi, vsh, k_ent, v_ent, e, cos, sin, row, heads, head_dim, half, interleaved, norm,
-                 unnormed):
-    """A token's float entries from element e on written around the caches (:func:`.simd.vstore_stream16`, then
-    :func:`.simd.store_fence`): every head's key (normed first with a ``norm``: :func:`norm_head`) rotated
-    (:func:`stream_head`), its value copied. A decode step's slots are lines nobody has read lately (a new row of
-    each sequence, pages apart): plain stores read each line before they write it, at half a copy's speed (32
-    tokens x 8 heads x 128 float32, the serial kernel: 24 us a step against 12 for NumPy's copy; 12 this way)."""
-    normed = np.empty(head_dim if norm is not None else 0, cos.dtype)
+def stream_normed_keys(k, ki, ksh, k_ent, e, cos, sin, row, heads, head_dim, half, interleaved, norm):
+    """The keys of a streamed token (:func:`append_token`) with a ``norm``: each unit-stride head normed
+    (:func:`norm_head`) into a buffer, then rotated from it by non-temporal stores into k_ent.flat[e + h * head_dim ..]
+    (a function of its own: inlined, the norm's branch would be typed for calls without one)."""
+    normed = np.empty(head_dim, cos.dtype)
     for h in range(heads):
-        if norm is not None:
-            norm_head(k, ki + h * ksh, 1, normed, 0, norm, head_dim)
-            stream_head(normed, 0, k_ent, e + h * head_dim, cos, sin, row, half, interleaved)
-        if unnormed is not None:
-            stream_head(k, ki + h * ksh, k_ent, e + h * head_dim, cos, sin, row, half, interleaved)
+        norm_head(k, ki + h * ksh, 1, normed, 0, norm, head_dim)
+        rotate_pairs_stream(normed, 0, k_ent, e + h * head_dim, cos, sin, row, half, interleaved, False)
+
+
+@register_jitable(inline="always")
+def stream_values(v, vi, vsh, v_ent, e, heads, head_dim):
+    """v_ent.flat[e + h * head_dim + j] = the unit-stride value heads v.flat[vi + h * vsh + j], by non-temporal
+    stores (:func:`.simd.vstore_stream16`; a head whole registers)."""
     width = vector_items(v_ent)
     for h in range(heads):
         for j in range(0, head_dim, width):
             vstore_stream16(v_ent, e + h * head_dim + j, vload(v, vi + h * vsh + j))
-    store_fence()
 
 
 @register_jitable
@@ -278,17 +269,26 @@ def append_token(t, k, v, geo, k_ent, v_ent, k_scale, v_scale, cos, sin, rows, s
     only its own branch; so for ``norm`` (None or a tuple) and ``unnormed`` (True or None: the other). ``stream``
     True (the glue's marker: float entries of k's float32 / float64, unit-stride heads whose every coordinate is
     rotated, a head whole registers) writes the token by non-temporal stores where its rows are 16-byte aligned
-    (:func:`stream_token`); None: plain stores."""
+    (:func:`.rotation.rotate_pairs_stream`, :func:`stream_values`); None: plain stores."""
     row, slot = rows[t], slots[t]
     if slot < 0:   # a padding token: nothing of it read or written
         return
     ki = element_offset(geo[0, GEO_OFFSET], geo[0, GEO_T], 0, 0, t, 0, 0)
     vi = element_offset(geo[1, GEO_OFFSET], geo[1, GEO_T], 0, 0, t, 0, 0)
     ksh, ksd, vsh, vsd = geo[0, GEO_H], geo[0, GEO_D], geo[1, GEO_H], geo[1, GEO_D]
-    if stream is not None and is_aligned16(k_ent, slot * heads * head_dim) and \
-            is_aligned16(v_ent, slot * heads * head_dim):   # (every head's rows then: a head is whole registers)
-        stream_token(k, ki, ksh, v, vi, vsh, k_ent, v_ent, slot * heads * head_dim, cos, sin, row, heads, head_dim,
-                     half, interleaved, norm, unnormed)
+    e = slot * heads * head_dim
+    if stream is not None and is_aligned16(k_ent, e) and is_aligned16(v_ent, e):   # (a head is whole registers)
+        # the token's entries written around the caches (then ordered by a fence): a decode step's slots are lines
+        # nobody has read lately (a new row of each sequence, pages apart), which plain stores read before they write
+        # them, at half a copy's speed (32 tokens x 8 heads x 128 float32, the serial kernel: 24 us a step against 12
+        # for NumPy's copy; 12 this way). Each key rotated as rotate_head rotates it: the same bits.
+        if norm is not None:
+            stream_normed_keys(k, ki, ksh, k_ent, e, cos, sin, row, heads, head_dim, half, interleaved, norm)
+        if unnormed is not None:
+            for h in range(heads):
+                rotate_pairs_stream(k, ki + h * ksh, k_ent, e + h * head_dim, cos, sin, row, half, interleaved, False)
+        stream_values(v, vi, vsh, v_ent, e, heads, head_dim)
+        store_fence()
         return
     if t + 1 < slots.shape[0] and slots[t + 1] >= 0:   # the next token's entries asked for (writing): their lines
         nxt = slots[t + 1] * heads * head_dim         # come while this one works
