@@ -63,6 +63,24 @@ def test_decoding_past_the_dense_table(fresh_cache, backend, rng):
     assert rotary.table_cache_info()["misses"] <= 4
 
 
+def test_decoding_walks_the_dense_table_past_its_first_rows(fresh_cache, rng):
+    """A decode stream from 4000 to 9000 doubles the dense table as it walks past its end (4096 rows, then 8192,
+    16384: three tables made, rows = positions, the prepared callers' table), instead of a window every 256 steps; a
+    lone position past twice the table's rows leaves it as it is (a window)."""
+    spec = rotary.RopeSpec(32)
+    x = rng.standard_normal((1, 32))
+    for p in range(4000, 9001):
+        y = rotary.apply(x, p, spec=spec, seq_axis=-2)
+        if p % 500 == 0:
+            T.assert_close(y, _oracle(x, [p], spec), like=x)
+    def dense_rows():
+        return [_tables.cached_dense(key)[0] for key in list(_tables._cache) if len(key) == 3]   # (dense keys)
+
+    assert rotary.table_cache_info()["misses"] == 3 and dense_rows() == [16384]
+    T.assert_close(rotary.apply(x, 40_000, spec=spec, seq_axis=-2), _oracle(x, [40_000], spec), like=x)
+    assert rotary.table_cache_info()["misses"] == 4 and dense_rows() == [16384]
+
+
 def test_batch_decode_mixed_positions_share_a_window(fresh_cache, rng):
     """32 sequences decoding at positions spread over 5000 near 200 000: one window for all of them."""
     spec = rotary.RopeSpec(64)

@@ -6,7 +6,8 @@ each token, shape positions.shape, int64. Kinds of table:
 
 - dense: rows 0..R-1 hold positions 0..R-1. Grown (doubled) as larger positions arrive and
   shared by every call with the same key. Used for positions near 0 (a call whose positions start
-  within a few spans of 0, or that the dense table already covers).
+  within a few spans of 0, that the dense table already covers, or that lie below twice its rows:
+  a decode stream that walks past the table's end doubles it, once per doubling of its positions).
 - window: rows 0..2W-1 hold positions base..base+2W-1, with W the call's span rounded up to a power
   of two (>= 256) and base a multiple of W, so any span of W positions fits one window. Used for
   positions far from 0 (long-context prefill at an offset, decoding past the dense table): cached
@@ -200,14 +201,15 @@ def _varying(spec: RopeSpec, seq_len) -> bool:
 
 def _dense_entry(spec: RopeSpec, hi: int, seq_len, dtype: np.dtype, device_key, convert, grow: bool = True):
     """The cached dense entry (n_rows, cos, sin) covering rows 0..hi, grown (doubled) when needed; with
-    ``grow=False`` only an entry that already covers hi (else None)."""
+    ``grow=False`` only an entry that already covers hi, or one of more than hi / 2 rows, grown (positions that
+    walked past its end, as a decode stream's do; a single far position leaves it as it is); else None."""
     key = (_frequency_key(spec, seq_len), dtype.str, device_key)
     with _lock:
         entry = _cache_get(key)
         if entry is not None and entry[0] > hi:
             _state["hits"] += 1
             return entry
-        if not grow:
+        if not grow and (entry is None or 2 * entry[0] <= hi):
             return None
         n = _MIN_ROWS if entry is None else entry[0]
         while n <= hi:
