@@ -26,12 +26,14 @@ returns the results as float64 NumPy arrays in the same layout:
 A case an adapter cannot express (mlx and a YaRN spec, flash-attn and per-batch positions, an inverse
 rotation through a signature without one) raises :class:`NotApplicable`; so may an implementation
 for a case it does not implement. Arrays: :class:`Arrays` moves NumPy data into NumPy (bfloat16 via
-ml_dtypes), torch, JAX, CuPy or MLX and back.
+ml_dtypes), torch, JAX, CuPy or MLX and back; each library's facts are one :class:`ArrayLibrary` of
+:data:`ARRAY_LIBRARIES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from typing import Any
 
@@ -39,8 +41,6 @@ import numpy as np
 
 from ..spec.rope_spec import RopeSpec
 
-#: array libraries a check can run in
-ARRAYS = ("numpy", "torch", "jax", "cupy", "mlx")
 #: the dtypes of the cases
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: cos/sin table rows an adapter builds at most (flash-attn tables, a vLLM module's cache)
@@ -52,103 +52,188 @@ class NotApplicable(Exception):
 
 
 # -- array libraries ---------------------------------------------------------------------------------
+class ArrayLibrary:
+    """The facts of one array library, an entry of :data:`ARRAY_LIBRARIES`: the module to import, its
+    dtypes, how it makes float and integer arrays from host (NumPy) data, its array type and a float64
+    host copy. Stateless: the methods take the imported module ``lib``. The defaults are the common case."""
+
+    name = "?"
+    #: the module to import (its first part is what to install)
+    module = "?"
+    #: the attribute of the module that is its array type
+    array_type = "?"
+
+    def load(self):
+        """The imported module; ImportError saying what to install when it is missing."""
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as exc:
+            raise ImportError(f"arrays={self.name!r} needs {self.module.split('.')[0]}, which is not installed here "
+                              f"({exc})") from None
+
+    def dtype(self, lib, name: str):
+        """The library's dtype called ``name``; NotApplicable when it has none."""
+        return getattr(lib, name)
+
+    def array(self, lib, host: np.ndarray, dtype: str, device):
+        """``host`` rounded to ``dtype`` (a name) as the library's array."""
+        raise NotImplementedError
+
+    def ints(self, lib, host: np.ndarray, device):
+        """The int64 array ``host`` as the library's integer array."""
+        raise NotImplementedError
+
+    def is_array(self, lib, a) -> bool:
+        """Whether ``a`` is the library's array."""
+        return isinstance(a, getattr(lib, self.array_type))
+
+    def host(self, lib, a) -> np.ndarray:
+        """A float64 NumPy copy."""
+        from ..testing import to_numpy64
+
+        return to_numpy64(a)
+
+
+def _float32_unless_float64(host: np.ndarray, dtype: str) -> np.ndarray:
+    """``host`` as float64 for a float64 array, else float32: what a library whose floats are 32-bit by
+    default (JAX, MLX) takes before rounding it to ``dtype``."""
+    return np.asarray(host, np.float64 if dtype == "float64" else np.float32)
+
+
+class _NumPy(ArrayLibrary):
+    """NumPy, bfloat16 from ml_dtypes."""
+
+    name = module = "numpy"
+    array_type = "ndarray"
+
+    def dtype(self, lib, name):
+        if name == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise NotApplicable("NumPy has no bfloat16 without ml_dtypes") from None
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(name)
+
+    def array(self, lib, host, dtype, device):
+        dt = self.dtype(lib, dtype)
+        return lib.asarray(np.asarray(host).astype(dt))
+
+    def ints(self, lib, host, device):
+        return lib.asarray(host)
+
+
+class _CuPy(_NumPy):
+    """NumPy's interface on the GPU (the copy from host in ``lib.asarray``), without bfloat16."""
+
+    name = module = "cupy"
+
+    def dtype(self, lib, name):
+        if name == "bfloat16":
+            raise NotApplicable("CuPy has no bfloat16")
+        return np.dtype(name)
+
+
+class _Torch(ArrayLibrary):
+    """Tensors on ``device`` (the CPU by default)."""
+
+    name = module = "torch"
+    array_type = "Tensor"
+
+    def array(self, lib, host, dtype, device):
+        dt = self.dtype(lib, dtype)
+        return lib.from_numpy(np.ascontiguousarray(host, dtype=np.float64)).to(device=device or "cpu", dtype=dt)
+
+    def ints(self, lib, host, device):
+        return lib.from_numpy(host.copy()).to(device=device or "cpu")
+
+
+class _JAX(ArrayLibrary):
+    """64-bit dtypes (float64, int64) only with ``jax_enable_x64``: no float64 case without it, int32 integers."""
+
+    name = module = "jax"
+    array_type = "Array"
+
+    def load(self):
+        lib = super().load()
+        importlib.import_module("jax.numpy")   # lib.numpy
+        return lib
+
+    def dtype(self, lib, name):
+        if name == "float64" and not lib.config.jax_enable_x64:
+            raise NotApplicable("JAX has no float64 unless jax_enable_x64 is set")
+        return getattr(lib.numpy, name)
+
+    def array(self, lib, host, dtype, device):
+        dt = self.dtype(lib, dtype)
+        return lib.numpy.asarray(_float32_unless_float64(host, dtype)).astype(dt)
+
+    def ints(self, lib, host, device):
+        return lib.numpy.asarray(host if lib.config.jax_enable_x64 else host.astype(np.int32))
+
+
+class _MLX(ArrayLibrary):
+    """``mlx.core``; a host copy goes through float32 unless the array is float64 (NumPy takes no bfloat16
+    from MLX)."""
+
+    name = "mlx"
+    module = "mlx.core"
+    array_type = "array"
+
+    def array(self, lib, host, dtype, device):
+        dt = self.dtype(lib, dtype)
+        return lib.array(_float32_unless_float64(host, dtype)).astype(dt)
+
+    def ints(self, lib, host, device):
+        return lib.array(host)
+
+    def host(self, lib, a):
+        if isinstance(a, lib.array):
+            return np.array(a.astype(lib.float64 if a.dtype == lib.float64 else lib.float32), dtype=np.float64)
+        return super().host(lib, a)
+
+
+#: each array library's facts, by the name ``Arrays`` takes
+ARRAY_LIBRARIES = {lib.name: lib for lib in (_NumPy(), _Torch(), _JAX(), _CuPy(), _MLX())}
+#: array libraries a check can run in
+ARRAYS = tuple(ARRAY_LIBRARIES)
+
+
 class Arrays:
-    """One array library: NumPy data in (``array``, ``ints``) and float64 NumPy out (``host``)."""
+    """One array library (its :data:`ARRAY_LIBRARIES` entry): NumPy data in (``array``, ``ints``) and
+    float64 NumPy out (``host``)."""
 
     def __init__(self, name: str = "numpy", device=None):
         if name not in ARRAYS:
             raise ValueError(f"arrays must be one of {ARRAYS}, got {name!r}")
         self.name, self.device = name, device
-        self.lib = _import(name)
+        self._library = ARRAY_LIBRARIES[name]
+        self.lib = self._library.load()
 
     def __repr__(self):
         return f"Arrays({self.name!r})"
 
     def dtype(self, name: str):
         """The library's dtype called ``name``; NotApplicable when it has none."""
-        if self.name == "numpy":
-            if name == "bfloat16":
-                try:
-                    import ml_dtypes
-                except ImportError:
-                    raise NotApplicable("NumPy has no bfloat16 without ml_dtypes") from None
-                return np.dtype(ml_dtypes.bfloat16)
-            return np.dtype(name)
-        if self.name == "cupy":
-            if name == "bfloat16":
-                raise NotApplicable("CuPy has no bfloat16")
-            return np.dtype(name)
-        if self.name == "jax" and name == "float64":
-            import jax
-
-            if not jax.config.jax_enable_x64:
-                raise NotApplicable("JAX has no float64 unless jax_enable_x64 is set")
-        return getattr(self.lib.numpy if self.name == "jax" else self.lib, name)
+        return self._library.dtype(self.lib, name)
 
     def array(self, host: np.ndarray, dtype: str):
         """``host`` rounded to ``dtype`` as this library's array."""
-        dt = self.dtype(dtype)
-        if self.name == "numpy":
-            return np.asarray(host).astype(dt)
-        if self.name == "torch":
-            return self.lib.from_numpy(np.ascontiguousarray(host, dtype=np.float64)).to(
-                device=self.device or "cpu", dtype=dt)
-        if self.name == "jax":
-            return self.lib.numpy.asarray(np.asarray(host, np.float64 if dtype == "float64" else np.float32)).astype(dt)
-        if self.name == "cupy":
-            return self.lib.asarray(np.asarray(host).astype(dt))
-        return self.lib.array(np.asarray(host, np.float32 if dtype != "float64" else np.float64)).astype(dt)
+        return self._library.array(self.lib, host, dtype, self.device)
 
     def ints(self, host: np.ndarray):
         """An integer array (int64; int32 where the library has no int64 here)."""
-        host = np.asarray(host, dtype=np.int64)
-        if self.name == "numpy":
-            return host
-        if self.name == "torch":
-            return self.lib.from_numpy(host.copy()).to(device=self.device or "cpu")
-        if self.name == "jax":
-            import jax
-
-            return self.lib.numpy.asarray(host if jax.config.jax_enable_x64 else host.astype(np.int32))
-        if self.name == "cupy":
-            return self.lib.asarray(host)
-        return self.lib.array(host)
+        return self._library.ints(self.lib, np.asarray(host, dtype=np.int64), self.device)
 
     def host(self, a) -> np.ndarray:
         """A float64 NumPy copy."""
-        if self.name == "mlx" and isinstance(a, self.lib.array):
-            return np.array(a.astype(self.lib.float64 if a.dtype == self.lib.float64 else self.lib.float32),
-                            dtype=np.float64)
-        from ..testing import to_numpy64
-
-        return to_numpy64(a)
+        return self._library.host(self.lib, a)
 
     def is_array(self, a) -> bool:
-        if self.name == "numpy":
-            return isinstance(a, np.ndarray)
-        if self.name == "torch":
-            return isinstance(a, self.lib.Tensor)
-        if self.name == "jax":
-            return isinstance(a, self.lib.Array)
-        if self.name == "cupy":
-            return isinstance(a, self.lib.ndarray)
-        return isinstance(a, self.lib.array)
+        return self._library.is_array(self.lib, a)
 
     def dtype_name(self, a) -> str:
         return str(a.dtype).split(".")[-1]
-
-
-def _import(name: str):
-    import importlib
-
-    module = {"numpy": "numpy", "torch": "torch", "jax": "jax", "cupy": "cupy", "mlx": "mlx.core"}[name]
-    try:
-        lib = importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"arrays={name!r} needs {module.split('.')[0]}, which is not installed here ({exc})") from None
-    if name == "jax":
-        import jax.numpy  # noqa: F401  (lib.numpy)
-    return lib
 
 
 # -- one call ----------------------------------------------------------------------------------------
