@@ -24,12 +24,15 @@ import numpy as np
 
 HELP = "compile the Numba kernels into Numba's on-disk cache, so first calls load instead of compile"
 EPILOG = """examples:
-  python -m rotary warm                     # every kernel, float16 / float32 / float64 (a minute or two)
+  python -m rotary warm                     # every kernel, float16 / float32 / float64 (minutes: the KV cache most)
   python -m rotary warm --dtypes float32    # only the float32 kernels
+  python -m rotary warm --kernels rotation kv_cache   # a server's: RoPE and the KV cache, no linear attention
   NUMBA_CACHE_DIR=/opt/cache python -m rotary warm   # the cache a service reads with the same setting
   python -m rotary warm --refresh           # after editing a kernel helper: recompile every kernel
 """
 DTYPES = ("float16", "float32", "float64")
+#: the families of kernels warm compiles (``--kernels``; :func:`warm_calls` groups its calls by them)
+KERNELS = ("rotation", "linear_attention", "kv_cache")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,14 +41,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), metavar="DTYPE",
                         help=f"the dtypes to compile for, from {', '.join(DTYPES)} (default: all)")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS), metavar="FAMILY",
+                        help=f"the kernel families to compile, from {', '.join(KERNELS)} (default: all; the KV cache's "
+                             "take the longest)")
     parser.add_argument("--refresh", action="store_true",
                         help="mark the kernel sources as changed first, so cached kernels are compiled again")
     parser.set_defaults(func=run_cli)
     return parser
 
 
-def warm_calls(dtype):
-    """(label, call) pairs whose first calls compile every Numba kernel a call in ``dtype`` can reach."""
+def warm_calls(dtype, kernels=KERNELS):
+    """(label, call) pairs whose first calls compile every Numba kernel a call in ``dtype`` can reach, of the
+    families ``kernels`` (:data:`KERNELS`)."""
     import rotary
 
     dt = np.dtype(dtype)
@@ -98,19 +105,27 @@ def warm_calls(dtype):
             cache.append(keys, keys, k_norm=w)
         return call
 
-    return [
-        ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1, backend="numba")),
-        ("apply_qk, parallel rotation kernel", lambda: rotary.apply_qk(big_q, big_k, seq_axis=1, backend="numba")),
-        ("Rope call (prepared rotation)", lambda: (rope(small_q, small_k, seq_axis=1), rope(big_q, big_k, seq_axis=1))),
-        ("linear_attention, causal and not", lambda: (linear(causal=True)(), linear(causal=False)())),
-        ("linear_attention with decay", linear(causal=True, decay=np.full((1, 2), 0.9))),
-        ("linear_attention, packed sequences", lambda: rotary.linear_attention(
-            q, k, v, seq_axis=1, spec=spec, backend="numba", causal=True, cu_seqlens=np.array([0, 2, 6]))),
-        ("linear_attention, one-token decode step", decode),
-        ("linear_attention backward (training)", backward),
-        ("KV cache append and attention", kv_cache(None)),
-        ("KV cache, int8 entries", kv_cache("int8")),
-    ]
+    calls = {
+        "rotation": [
+            ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1, backend="numba")),
+            ("apply_qk, parallel rotation kernel", lambda: rotary.apply_qk(big_q, big_k, seq_axis=1, backend="numba")),
+            ("Rope call (prepared rotation)", lambda: (rope(small_q, small_k, seq_axis=1),
+                                                       rope(big_q, big_k, seq_axis=1))),
+        ],
+        "linear_attention": [
+            ("linear_attention, causal and not", lambda: (linear(causal=True)(), linear(causal=False)())),
+            ("linear_attention with decay", linear(causal=True, decay=np.full((1, 2), 0.9))),
+            ("linear_attention, packed sequences", lambda: rotary.linear_attention(
+                q, k, v, seq_axis=1, spec=spec, backend="numba", causal=True, cu_seqlens=np.array([0, 2, 6]))),
+            ("linear_attention, one-token decode step", decode),
+            ("linear_attention backward (training)", backward),
+        ],
+        "kv_cache": [
+            ("KV cache append and attention", kv_cache(None)),
+            ("KV cache, int8 entries", kv_cache("int8")),
+        ],
+    }
+    return [pair for family in KERNELS if family in kernels for pair in calls[family]]
 
 
 def run_cli(args) -> int:
@@ -130,7 +145,7 @@ def run_cli(args) -> int:
     where = numba.config.CACHE_DIR or "unset: next to the package"
     print(f"compiling into Numba's on-disk cache (NUMBA_CACHE_DIR={where}):")
     for dtype in args.dtypes:
-        for label, call in warm_calls(dtype):
+        for label, call in warm_calls(dtype, getattr(args, "kernels", KERNELS)):
             t0 = time.perf_counter()
             call()
             print(f"  {dtype:8s} {label:42s} {time.perf_counter() - t0:6.2f} s", flush=True)
