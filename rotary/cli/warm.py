@@ -107,7 +107,8 @@ def warm_calls(dtype, kernels=KERNELS):
 
     calls = {
         "rotation": [
-            ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1, backend="numba")),
+            ("apply_qk, serial rotation kernel", lambda: rotary.apply_qk(small_q, small_k, seq_axis=1,
+                                                                         backend="numba")),
             ("apply_qk, parallel rotation kernel", lambda: rotary.apply_qk(big_q, big_k, seq_axis=1, backend="numba")),
             ("Rope call (prepared rotation)", lambda: (rope(small_q, small_k, seq_axis=1),
                                                        rope(big_q, big_k, seq_axis=1))),

@@ -68,9 +68,9 @@ from numba.extending import register_jitable
 
 from .common import borrowed, element_offset, imax, imin, load, store
 from .rotation import rotate_pairs_stream, rotate_pairs_to
-from .simd import (KERNEL_JIT, Vec, _flat_pointer, _lane_indices, half_to_float_ir, is_aligned16, lanes, line_items, lowered_in_place,
-                   prefetch_write, touch_read, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload, vmadd,
-                   vmax_lanes, vmul, vsplat, store_fence, vstore, vstore_stream16, vsub, vsum_pairwise, vzeros)
+from .simd import (KERNEL_JIT, Vec, _flat_pointer, half_to_float_ir, is_aligned16, lanes, line_items, lowered_in_place,
+                   prefetch_write, store_fence, touch_read, vadd, vcopy_flat, vdeinterleave, vector_items, vexp, vload,
+                   vmadd, vmax_lanes, vmul, vsplat, vstore, vstore_stream16, vsub, vsum_pairwise, vzeros)
 
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
