@@ -518,16 +518,16 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, h
         t20, t21, t22, t23 = load_four(acc, r2 + c, width)
         t30, t31, t32, t33 = load_four(acc, r3 + c, width)
         for j in range(first, last + 1):
-            e = bases[j] + eoff + c
+            e = load(bases, j) + eoff + c
             v0, v1 = vload_as(entries, e, acc), vload_as(entries, e + width, acc)
             v2, v3 = vload_as(entries, e + 2 * width, acc), vload_as(entries, e + 3 * width, acc)
-            w = vsplat(weights[wi + j])
+            w = vsplat(load(weights, wi + j))
             t00, t01, t02, t03 = vmadd(t00, w, v0), vmadd(t01, w, v1), vmadd(t02, w, v2), vmadd(t03, w, v3)
-            w = vsplat(weights[wi + KEY_BLOCK + j])
+            w = vsplat(load(weights, wi + KEY_BLOCK + j))
             t10, t11, t12, t13 = vmadd(t10, w, v0), vmadd(t11, w, v1), vmadd(t12, w, v2), vmadd(t13, w, v3)
-            w = vsplat(weights[wi + 2 * KEY_BLOCK + j])
+            w = vsplat(load(weights, wi + 2 * KEY_BLOCK + j))
             t20, t21, t22, t23 = vmadd(t20, w, v0), vmadd(t21, w, v1), vmadd(t22, w, v2), vmadd(t23, w, v3)
-            w = vsplat(weights[wi + 3 * KEY_BLOCK + j])
+            w = vsplat(load(weights, wi + 3 * KEY_BLOCK + j))
             t30, t31, t32, t33 = vmadd(t30, w, v0), vmadd(t31, w, v1), vmadd(t32, w, v2), vmadd(t33, w, v3)
         store_four(acc, ai + c, width, t00, t01, t02, t03)
         store_four(acc, r1 + c, width, t10, t11, t12, t13)
@@ -536,11 +536,11 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, h
     for c in range(quads, full, width):
         t0, t1, t2, t3 = vload(acc, ai + c), vload(acc, r1 + c), vload(acc, r2 + c), vload(acc, r3 + c)
         for j in range(first, last + 1):
-            v = vload_as(entries, bases[j] + eoff + c, acc)
-            t0 = vmadd(t0, vsplat(weights[wi + j]), v)
-            t1 = vmadd(t1, vsplat(weights[wi + KEY_BLOCK + j]), v)
-            t2 = vmadd(t2, vsplat(weights[wi + 2 * KEY_BLOCK + j]), v)
-            t3 = vmadd(t3, vsplat(weights[wi + 3 * KEY_BLOCK + j]), v)
+            v = vload_as(entries, load(bases, j) + eoff + c, acc)
+            t0 = vmadd(t0, vsplat(load(weights, wi + j)), v)
+            t1 = vmadd(t1, vsplat(load(weights, wi + KEY_BLOCK + j)), v)
+            t2 = vmadd(t2, vsplat(load(weights, wi + 2 * KEY_BLOCK + j)), v)
+            t3 = vmadd(t3, vsplat(load(weights, wi + 3 * KEY_BLOCK + j)), v)
         vstore(acc, ai + c, t0)
         vstore(acc, r1 + c, t1)
         vstore(acc, r2 + c, t2)
@@ -606,7 +606,7 @@ def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
         t0, t1, t2, t3 = load_four(acc, ai + c, width)
         t4, t5, t6, t7 = load_four(acc, ai + c + 4 * width, width)
         for j in range(first, last + 1):
-            w, e = vsplat(weights[wi + j]), bases[j] + c
+            w, e = vsplat(load(weights, wi + j)), load(bases, j) + c
             t0 = vmadd(t0, w, vload_as(entries, e, acc))
             t1 = vmadd(t1, w, vload_as(entries, e + width, acc))
             t2 = vmadd(t2, w, vload_as(entries, e + 2 * width, acc))
@@ -620,7 +620,7 @@ def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
     for c in range(octets, quads, 4 * width):
         t0, t1, t2, t3 = load_four(acc, ai + c, width)
         for j in range(first, last + 1):
-            w, e = vsplat(weights[wi + j]), bases[j] + c
+            w, e = vsplat(load(weights, wi + j)), load(bases, j) + c
             t0 = vmadd(t0, w, vload_as(entries, e, acc))
             t1 = vmadd(t1, w, vload_as(entries, e + width, acc))
             t2 = vmadd(t2, w, vload_as(entries, e + 2 * width, acc))
@@ -629,7 +629,7 @@ def add_weighted(acc, ai, weights, wi, entries, bases, first, last, head_dim):
     for c in range(quads, full, width):
         total = vload(acc, ai + c)
         for j in range(first, last + 1):
-            total = vmadd(total, vsplat(weights[wi + j]), vload_as(entries, bases[j] + c, acc))
+            total = vmadd(total, vsplat(load(weights, wi + j)), vload_as(entries, load(bases, j) + c, acc))
         vstore(acc, ai + c, total)
     for c in range(full, head_dim):
         x = acc[ai + c]
