@@ -171,3 +171,25 @@ def test_a_table_read_by_prepared_calls_stays_recently_used(fresh_cache, rng):
         assert _tables.cached_dense(hot_key) is not None
         np.testing.assert_array_equal(got[0], first[0])
     assert rotary.table_cache_info()["entries"] == 2
+
+
+def test_equal_specs_share_a_table_and_other_specs_do_not(fresh_cache):
+    """The table cache keys a spec by a number (an int hashes in C): equal specs, built apart, read one table; specs
+    that differ in anything (here only the scaling rule's factor, or only the rotary dim) never share one."""
+    a, b = rotary.RopeSpec(64, base=1e4), rotary.RopeSpec(64, base=1e4)
+    assert a is not b and a == b
+    assert _tables.dense_key(a, np.float32) == _tables.dense_key(b, np.float32)
+    others = [rotary.RopeSpec(64, base=1e4, scaling={"rope_type": "linear", "factor": 2.0}),
+              rotary.RopeSpec(64, base=1e4, scaling={"rope_type": "linear", "factor": 4.0}),
+              rotary.RopeSpec(32, base=1e4)]
+    keys = {_tables.dense_key(s, np.float32) for s in [a] + others}
+    assert len(keys) == 4
+    positions = np.arange(40)[None]
+    first = _tables.lookup(a, positions, dtype=np.float32)
+    made = rotary.table_cache_info()["misses"]
+    again = _tables.lookup(b, positions, dtype=np.float32)
+    assert again[0] is first[0] and rotary.table_cache_info()["misses"] == made
+    for s in others:
+        cos, sin, rows = _tables.lookup(s, positions, dtype=np.float32)
+        want = np.outer(np.arange(40), s.inv_freq())
+        np.testing.assert_allclose(cos[rows.reshape(-1)], np.cos(want), atol=1e-6)

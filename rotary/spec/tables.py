@@ -29,6 +29,7 @@ read-only.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import OrderedDict
@@ -259,12 +260,18 @@ def _window_entry(spec: RopeSpec, lo: int, hi: int, seq_len, dtype: np.dtype, de
     return base, entry[1], entry[2]
 
 
+#: spec -> the number that stands for it in the table cache's keys (an int hashes in C; a spec's own __hash__ is a
+#: Python call, and a decode step's dense-table read hashes its key twice)
+_spec_numbers: dict = {}
+_next_number = itertools.count()
+
+
 @lru_cache(maxsize=512)
 def _frequency_key(spec: RopeSpec, seq_len):
-    """(spec, exact inv_freq bytes, attention scaling): one tuple object per (spec, seq_len), so the
-    table cache's key compares by identity and hashes cached bytes on every call."""
+    """(spec's number, exact inv_freq bytes, attention scaling): one tuple object per (spec, seq_len), so the
+    table cache's key compares by identity and hashes cached bytes on every call. Equal specs share a number."""
     inv_freq, scale = _inv_freq_and_scaling(spec, seq_len)
-    return spec, inv_freq.tobytes(), scale
+    return _spec_numbers.setdefault(spec, next(_next_number)), inv_freq.tobytes(), scale
 
 
 def lookup(spec: RopeSpec, positions: np.ndarray, *, dtype, device_key="cpu", convert=None):
