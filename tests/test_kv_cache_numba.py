@@ -185,6 +185,37 @@ def test_append_kv_skips_padding_tokens(rng, kernel_kind, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_a_prepared_append_reads_its_rows_and_slots_when_it_runs(rng, kernel_kind, kv_dtype):
+    """``run.moved`` given the very rows and slots arrays the run reads (a decode chain rewrites its own in place) is
+    the run itself, and each run writes at the values the arrays hold then, as the reference does; other arrays of
+    the same values give another run of the same bits; other tables give None."""
+    spec = _spec("full")
+    T, H = 6, 2
+    k, v = _kv(rng, np.float32, T, H, spec.head_dim, strided=False)
+    positions = np.arange(100, 100 + T, dtype=np.int64)
+    cos, sin, rows = _tables_for(spec, np.arange(4096), np.float32)
+    rows, slots = positions.copy(), np.arange(T, dtype=np.int64) * 3
+    kw = dict(rotary_dim=spec.rotary_dim, layout=spec.layout, offset=spec.rotary_offset, kv_dtype=kv_dtype)
+    run = nb.prepare_append_kv(k, v, cos, sin, rows, slots, **kw)
+    for step in range(3):
+        if step:   # the next decode step, written into the same arrays
+            rows += 1
+            slots += 1
+            assert run.moved(cos, sin, rows, slots) is run
+        got = _stores(kv_dtype, np.float32, 40, H, spec.head_dim)
+        run(k, v, got)
+        want = _stores(kv_dtype, np.float32, 40, H, spec.head_dim)
+        kv_entries.append_kv(k, v, cos, sin, rows.copy(), slots.copy(), want, **kw)
+        _assert_same_bits(got, want)
+        other = run.moved(cos, sin, rows.copy(), slots.copy())
+        assert other is not None and other is not run
+        again = _stores(kv_dtype, np.float32, 40, H, spec.head_dim)
+        other(k, v, again)
+        _assert_same_bits(again, want)
+    assert run.moved(cos.copy(), sin, rows, slots) is None
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_append_kv_edge_values(kernel_kind, kv_dtype):
     """A zero head (int8 scale 0: entries w / 1), a head of one large value, ties at .5 after scaling (round half
     to even), signed zeros, float16 subnormals and its largest values: the reference's bits."""

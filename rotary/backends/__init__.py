@@ -109,7 +109,8 @@ Capabilities a backend may add (the frontend asks ``hasattr(module, name)``, nev
     them is called through its ``append_kv`` / ``paged_attention`` with the same arguments. An append's run may
     have ``run.moved(cos, sin, rows, slots) -> run or None``: the same append at other rows and slots (host int64,
     its tokens' shape) of the same cos/sin tables (identical objects), for a decode chain's next step; None when it
-    cannot (the caller prepares anew).
+    cannot (the caller prepares anew). A run reads its rows and slots when it runs: given the very arrays it reads
+    (which their caller rewrote in place), ``moved`` may return the run itself.
 ``LINEAR_CHUNK_STATES = True``
     A causal ``linear_attention`` call without ``cu_seqlens`` takes ``keep_chunk_states=True`` and returns
     ``(o, state, chunk_states)``: the states before each chunk as it carried them (an object of the backend's own,

@@ -143,21 +143,25 @@ class PreparedAppend:
         self.fixed, self.tail = fixed, tail
 
     def __call__(self, k, v, stores, norm=None):
-        kernel, geo, flat_views, work, quantized = self.fixed[:5]
+        kernel, geo, flat_views, work, quantized, _, _ = self.fixed
         if flat_views:
             kb, vb = k.reshape(-1), v.reshape(-1)
         else:
             kb, vb = runtime.flat_buffers((k, v))[0]
         flat = stores.flat if type(stores) is PreparedStores else flat_stores(stores, quantized, work)
+        tail = self.tail
         serial = kernels.append_kv_serial
         runtime.launch(serial if runtime.in_forked_child() else kernel, serial,
-                       (kb, vb, geo) + flat + self.tail +
-                       (_UNNORMED if norm is None else kernel_norm(norm, work, self.tail[6])))
+                       (kb, vb, geo, *flat, *tail, *(_UNNORMED if norm is None else kernel_norm(norm, work, tail[6]))))
 
     def moved(self, cos, sin, rows, slots):
         """This append with the tables' ``rows`` and ``slots`` (host int64 arrays of its tokens) in place of its own;
-        None when ``cos``/``sin`` are not its tables or the arrays not its tokens' (the caller prepares anew)."""
+        None when ``cos``/``sin`` are not its tables or the arrays not its tokens' (the caller prepares anew). It
+        reads rows and slots when it runs: given the very arrays it reads (rewritten in place by their caller, as a
+        decode chain does), it is itself."""
         fixed, tail = self.fixed, self.tail
+        if rows is tail[2] and slots is tail[3] and cos is fixed[5] and sin is fixed[6]:
+            return self
         if cos is not fixed[5] or sin is not fixed[6] or type(rows) is not np.ndarray or type(slots) is not np.ndarray \
                 or rows.dtype is not _I64 or slots.dtype is not _I64 or rows.shape != tail[2].shape \
                 or slots.shape != tail[3].shape or rows.strides != _I64_STRIDES or slots.strides != _I64_STRIDES:

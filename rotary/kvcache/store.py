@@ -95,13 +95,16 @@ class _Decode:
     on write by the chain's first step; the prefix cache keeps full pages only), so no step of a chain copies on
     write. ``lo``, ``hi``: the last step's smallest and largest position. ``prepared``: the last step's plain append
     (k/v geometry, plan, prepared run, entries shape), which the next step's moves one slot on
-    (:meth:`KVCache._append_chained`), or None."""
+    (:meth:`KVCache._append_chained`), or None. ``start``, ``slots``: from the chain's first step on, its own arrays
+    of the step's start positions (its keys' rotation rows) and slots, which each step rewrites in place once the
+    step is sure to happen: a prepared run reads them when it runs, so the next step's run is the same run
+    (``run.moved`` given the arrays it reads returns itself)."""
 
-    __slots__ = ("slots", "lo", "hi", "first", "_due", "t", "prepared", "ones")
+    __slots__ = ("slots", "start", "lo", "hi", "first", "_due", "t", "prepared", "ones")
 
     def __init__(self, step):
         self.slots, (self.lo, self.hi), self.first, self._due, self.t = step.slots, step.bounds, step.tok_pos, None, 0
-        self.prepared = None
+        self.prepared = self.start = None
         self.ones = np.ones_like(step.slots)   # (a step's + 1 as an array: half the time of + a Python int)
 
     def due(self, page_size):
@@ -522,14 +525,19 @@ class KVCache:
         if chain.hi + 2 > self.capacity:
             return None
         chain.t += 1
-        start = self._lengths.copy()
-        slots = chain.slots + chain.ones
         due = chain.due(self.page_size) if self.paged else ()
+        book = self._book
+        if due and not book.has(len(due)):
+            chain.t -= 1
+            return None   # (the general path raises KVCacheFullError)
+        self._attend_memo = self._query_rotation = None   # (_tables_changed, but for the chain)
+        if chain.start is None:   # the chain's own arrays (the first step's slots are the general path's step's)
+            chain.start, chain.slots = self._lengths.copy(), chain.slots + chain.ones
+        else:   # rewritten in place: the last step's run reads them
+            np.copyto(chain.start, self._lengths)
+            np.add(chain.slots, chain.ones, out=chain.slots)
+        start, slots = chain.start, chain.slots
         if due:   # their last page is full: a page each (never a copy on write: see _Decode)
-            book = self._book
-            if not book.has(len(due)):
-                chain.t -= 1
-                return None   # (the general path raises KVCacheFullError)
             if len(due) > len(book.free_list) and book.allocated < self.num_pages:
                 in_use = book.allocated - len(book.free_list)
                 self._grow_pool(min(self.num_pages, max(2 * book.allocated, in_use + len(due))))
@@ -540,8 +548,7 @@ class KVCache:
                 page = book.take()
                 self._block_table[b, int(start[b]) // ps] = page
                 slots[b] = page * ps
-        self._attend_memo = self._query_rotation = None   # (_tables_changed, but for the chain)
-        chain.slots, chain.lo, chain.hi = slots, chain.lo + 1, chain.hi + 1
+        chain.lo, chain.hi = chain.lo + 1, chain.hi + 1
         self._lengths += chain.ones
         if self.window is not None and self.paged:
             self._release_outside_window(self._all_ids, start)
