@@ -32,7 +32,8 @@ time (:func:`.simd.vexp`, a few ulp).
 
 Memory: each block's lines are read before it is computed, by demand loads in address order (:func:`touch_keys`,
 :func:`touch_rows`, :func:`.simd.touch_read`), which the hardware prefetchers follow at about the read limit; the
-block is then computed from the second-level cache (a block of 64 keys x 8 heads x 128 float32 is 512 KiB of K+V).
+block is then computed from the second-level cache (a block of 32 keys x 8 heads x 128 float32 is 256 KiB of K+V;
+int8 entries come in blocks of INT8_KEY_BLOCK keys).
 Software prefetches of the next block (the kernel before) each held a first-level miss buffer and trained no hardware
 prefetcher, and the computation hid little of the memory time: one thread 12-14 GB/s that way, 19-21 GB/s touched
 (32 sequences x 1000 keys, 8 x 128 float32, GQA 4, Zen 4 VM; the same from the caches: 37-44 GB/s; a plain read:
@@ -75,9 +76,15 @@ from .simd import (KERNEL_JIT, Vec, _flat_pointer, half_to_float_ir, is_aligned1
 #: q rows (queries x heads of one GQA group) one task holds at a time: their scaled q, accumulators and scores
 #: stay in the first-level cache (16 x 128 float32: 8 KiB each)
 ROW_BLOCK = 16
-#: keys per block of scores (the online softmax rescales the accumulators once per block; 64 against 32, 8 x 128, GQA
-#: 4, 2 threads, same-minute A/B: int8 entries 8-15 % faster, float32 the same or up to 5 % faster)
-KEY_BLOCK = 64
+#: keys per block of float entries (the online softmax rescales the accumulators once per block), and the unit a
+#: split's keys are rounded to
+KEY_BLOCK = 32
+#: keys per block of int8 entries: a quarter of float32's bytes for the same arithmetic, so longer blocks (fewer
+#: passes of the softmax's per-block work; 64 against 32, 8 x 128, GQA 4, 2 threads, bench_decode_step A/B: 5-6 %
+#: faster, where float32 entries in blocks of 64 were 6 % slower)
+INT8_KEY_BLOCK = 64
+#: keys a row of the scores', weights' and block scales' buffers holds (the longest block)
+BLOCK_ROW = max(KEY_BLOCK, INT8_KEY_BLOCK)
 #: keys whose values a task taking every k/v head adds to its rows' accumulators head after head
 #: (:func:`add_weighted_heads`: a chunk's values are read in address order, each row's 4 x 4 accumulator vectors loaded
 #: and stored once per head and chunk)
@@ -463,7 +470,7 @@ def dot_rows_four(qs, qi, entries, e0, e1, e2, e3, head_dim):
 @register_jitable
 def tile_scores_rows(scores, si, qs, qi, entries, bases, t_lo, t_hi, head_dim, parts):
     """:func:`tile_scores` for four q rows at once (row r's q at qs[qi + r * head_dim], its scores at
-    scores[si + r * KEY_BLOCK]; lanes >= 4): :func:`dot_rows_four` per four keys, folded per row into one vector of
+    scores[si + r * BLOCK_ROW]; lanes >= 4): :func:`dot_rows_four` per four keys, folded per row into one vector of
     the tile's ``lanes`` scores."""
     width = lanes(qs)
     full = head_dim - head_dim % width
@@ -479,13 +486,13 @@ def tile_scores_rows(scores, si, qs, qi, entries, bases, t_lo, t_hi, head_dim, p
             vstore(parts, (2 * groups + g) * width, g2)
             vstore(parts, (3 * groups + g) * width, g3)
         for r in range(4):
-            vstore(scores, at + r * KEY_BLOCK, fold_groups(parts, r * groups * width, groups, width))
+            vstore(scores, at + r * BLOCK_ROW, fold_groups(parts, r * groups * width, groups, width))
         for r in range(4 if full < head_dim else 0):
             for j in range(width):
-                total = scores[at + r * KEY_BLOCK + j]
+                total = scores[at + r * BLOCK_ROW + j]
                 for c in range(full, head_dim):
                     total += qs[qi + r * head_dim + c] * load_as(entries, bases[b0 + j] + c, qs)
-                scores[at + r * KEY_BLOCK + j] = total
+                scores[at + r * BLOCK_ROW + j] = total
 
 
 @register_jitable(inline="always")
@@ -506,7 +513,7 @@ def store_four(buf, i, width, a, b, c, d):
 @register_jitable(inline="always")
 def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, head_dim):
     """:func:`add_weighted` for four rows at once (row r: acc[ai + r * head_dim ..] with the weights
-    weights[wi + r * KEY_BLOCK + j]; key j's values at bases[j] + eoff): each value vector loaded once for the four
+    weights[wi + r * BLOCK_ROW + j]; key j's values at bases[j] + eoff): each value vector loaded once for the four
     rows, four vectors of each row in registers through the keys (16 independent chains), then one vector per row,
     then the last coordinates."""
     width = lanes(acc)
@@ -524,11 +531,11 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, h
             v2, v3 = vload_as(entries, e + 2 * width, acc), vload_as(entries, e + 3 * width, acc)
             w = vsplat(load(weights, wi + j))
             t00, t01, t02, t03 = vmadd(t00, w, v0), vmadd(t01, w, v1), vmadd(t02, w, v2), vmadd(t03, w, v3)
-            w = vsplat(load(weights, wi + KEY_BLOCK + j))
+            w = vsplat(load(weights, wi + BLOCK_ROW + j))
             t10, t11, t12, t13 = vmadd(t10, w, v0), vmadd(t11, w, v1), vmadd(t12, w, v2), vmadd(t13, w, v3)
-            w = vsplat(load(weights, wi + 2 * KEY_BLOCK + j))
+            w = vsplat(load(weights, wi + 2 * BLOCK_ROW + j))
             t20, t21, t22, t23 = vmadd(t20, w, v0), vmadd(t21, w, v1), vmadd(t22, w, v2), vmadd(t23, w, v3)
-            w = vsplat(load(weights, wi + 3 * KEY_BLOCK + j))
+            w = vsplat(load(weights, wi + 3 * BLOCK_ROW + j))
             t30, t31, t32, t33 = vmadd(t30, w, v0), vmadd(t31, w, v1), vmadd(t32, w, v2), vmadd(t33, w, v3)
         store_four(acc, ai + c, width, t00, t01, t02, t03)
         store_four(acc, r1 + c, width, t10, t11, t12, t13)
@@ -539,9 +546,9 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, h
         for j in range(first, last + 1):
             v = vload_as(entries, load(bases, j) + eoff + c, acc)
             t0 = vmadd(t0, vsplat(load(weights, wi + j)), v)
-            t1 = vmadd(t1, vsplat(load(weights, wi + KEY_BLOCK + j)), v)
-            t2 = vmadd(t2, vsplat(load(weights, wi + 2 * KEY_BLOCK + j)), v)
-            t3 = vmadd(t3, vsplat(load(weights, wi + 3 * KEY_BLOCK + j)), v)
+            t1 = vmadd(t1, vsplat(load(weights, wi + BLOCK_ROW + j)), v)
+            t2 = vmadd(t2, vsplat(load(weights, wi + 2 * BLOCK_ROW + j)), v)
+            t3 = vmadd(t3, vsplat(load(weights, wi + 3 * BLOCK_ROW + j)), v)
         vstore(acc, ai + c, t0)
         vstore(acc, r1 + c, t1)
         vstore(acc, r2 + c, t2)
@@ -550,7 +557,7 @@ def add_weighted_rows(acc, ai, weights, wi, entries, bases, eoff, first, last, h
         for c in range(full, head_dim):
             x = acc[ai + r * head_dim + c]
             for j in range(first, last + 1):
-                x += weights[wi + r * KEY_BLOCK + j] * load_as(entries, bases[j] + eoff + c, acc)
+                x += weights[wi + r * BLOCK_ROW + j] * load_as(entries, bases[j] + eoff + c, acc)
             acc[ai + r * head_dim + c] = x
 
 
@@ -676,26 +683,26 @@ def block_scales(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, p
         at += 1
         if at == page_size:
             page, at = page + 1, 0
-    for j in range(k1 - k0, KEY_BLOCK):
+    for j in range(k1 - k0, BLOCK_ROW):
         k_scales[j], v_scales[j] = 1.0, 1.0
 
 
 @register_jitable
 def block_scales_heads(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size, kv_heads):
-    """:func:`block_scales` of every k/v head hh (k_scales[hh * KEY_BLOCK + p - k0], v_scales likewise), read in
+    """:func:`block_scales` of every k/v head hh (k_scales[hh * BLOCK_ROW + p - k0], v_scales likewise), read in
     address order (a key's heads side by side)."""
     page = k0 // page_size
     at = k0 - page * page_size
     for j in range(k1 - k0):
         x = (block_table[i, page] * page_size + at) * kv_heads
         for hh in range(kv_heads):
-            k_scales[hh * KEY_BLOCK + j], v_scales[hh * KEY_BLOCK + j] = k_scale[x + hh], v_scale[x + hh]
+            k_scales[hh * BLOCK_ROW + j], v_scales[hh * BLOCK_ROW + j] = k_scale[x + hh], v_scale[x + hh]
         at += 1
         if at == page_size:
             page, at = page + 1, 0
     for hh in range(kv_heads):
-        for j in range(k1 - k0, KEY_BLOCK):
-            k_scales[hh * KEY_BLOCK + j], v_scales[hh * KEY_BLOCK + j] = 1.0, 1.0
+        for j in range(k1 - k0, BLOCK_ROW):
+            k_scales[hh * BLOCK_ROW + j], v_scales[hh * BLOCK_ROW + j] = 1.0, 1.0
 
 
 @register_jitable
@@ -732,7 +739,7 @@ def touch_rows(k_ent, v_ent, bases, n, head_dim):
 @register_jitable
 def tile_scores_heads(scores, qs, entries, bases, t_lo, t_hi, head_dim, parts, heads, rb, rr):
     """:func:`tile_scores_rows` for the four rows rr .. rr + 3 of every k/v head hh (row state s = hh * rb + r: q at
-    qs[s * head_dim], scores at scores[s * KEY_BLOCK]; key j of head hh at bases[j] + hh * head_dim), in address
+    qs[s * head_dim], scores at scores[s * BLOCK_ROW]; key j of head hh at bases[j] + hh * head_dim), in address
     order: per four keys, every head's entries in turn (a key's heads lie side by side), folded per head and row
     (``parts``: heads x 4 rows x lanes / 4 groups vectors). The same operations as tile_scores_rows head by head:
     the same bits."""
@@ -752,15 +759,15 @@ def tile_scores_heads(scores, qs, entries, bases, t_lo, t_hi, head_dim, parts, h
                 vstore(parts, pi + (2 * groups + g) * width, g2)
                 vstore(parts, pi + (3 * groups + g) * width, g3)
         for hh in range(heads):
-            at, pi, qi = (hh * rb + rr) * KEY_BLOCK + b0, hh * 4 * groups * width, (hh * rb + rr) * head_dim
+            at, pi, qi = (hh * rb + rr) * BLOCK_ROW + b0, hh * 4 * groups * width, (hh * rb + rr) * head_dim
             for r in range(4):
-                vstore(scores, at + r * KEY_BLOCK, fold_groups(parts, pi + r * groups * width, groups, width))
+                vstore(scores, at + r * BLOCK_ROW, fold_groups(parts, pi + r * groups * width, groups, width))
             for r in range(4 if full < head_dim else 0):
                 for j in range(width):
-                    total = scores[at + r * KEY_BLOCK + j]
+                    total = scores[at + r * BLOCK_ROW + j]
                     for c in range(full, head_dim):
                         total += qs[qi + r * head_dim + c] * load_as(entries, bases[b0 + j] + hh * head_dim + c, qs)
-                    scores[at + r * KEY_BLOCK + j] = total
+                    scores[at + r * BLOCK_ROW + j] = total
 
 
 @register_jitable
@@ -772,7 +779,7 @@ def add_weighted_heads(acc, weights, entries, bases, first, last, head_dim, head
         j1 = imin(last, j0 + HEAD_CHUNK - 1)
         for hh in range(heads):
             s = hh * rb + rr
-            add_weighted_rows(acc, s * head_dim, weights, s * KEY_BLOCK, entries, bases, hh * head_dim, j0, j1,
+            add_weighted_rows(acc, s * head_dim, weights, s * BLOCK_ROW, entries, bases, hh * head_dim, j0, j1,
                               head_dim)
 
 
@@ -788,8 +795,8 @@ def attend_rows_heads(scores, qs, k_ent, v_ent, bases, a, b, head_dim, parts, he
     tile_scores_heads(scores, qs, k_ent, bases, t_lo, t_hi, head_dim, parts, heads, rb, rr)
     for hh in range(heads):
         for r in range(hh * rb + rr, hh * rb + rr + 4):
-            weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales, v_scales,
-                      hh * KEY_BLOCK, quantized, softcap, zero)
+            weigh_row(scores, r * BLOCK_ROW, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales, v_scales,
+                      hh * BLOCK_ROW, quantized, softcap, zero)
     add_weighted_heads(acc, scores, v_ent, bases, a, b, head_dim, heads, rb, rr)
 
 
@@ -848,20 +855,21 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
     work = k_scale.dtype
     qs = np.empty(n_state * head_dim, work)
     acc = np.empty(n_state * head_dim, work)
-    scores = np.empty(n_state * KEY_BLOCK, work)
+    scores = np.empty(n_state * BLOCK_ROW, work)
     m = np.empty(n_state, work)
     den = np.empty(n_state, work)
     lo = np.empty(n_state, np.int64)
     hi = np.empty(n_state, np.int64)
-    bases = np.empty(KEY_BLOCK, np.int64)
+    bases = np.empty(BLOCK_ROW, np.int64)
     width = lanes(qs)
     # every head's rows in address order (tile_scores_heads) when the task takes every head and its rows come in
     # fours of one key range (a query's GQA group: groups a multiple of 4)
     sweep = heads_here > 1 and groups % 4 == 0 and width >= 4
     parts = np.empty((heads_here if sweep else 1) * width * width if width > 2 else 0, work)   # folded fours
-    k_scales = np.empty(heads_here * KEY_BLOCK if quantized else 0, work)
-    v_scales = np.empty(heads_here * KEY_BLOCK if quantized else 0, work)
+    k_scales = np.empty(heads_here * BLOCK_ROW if quantized else 0, work)
+    v_scales = np.empty(heads_here * BLOCK_ROW if quantized else 0, work)
     tile = imax(4, width)   # keys scored together (tile_scores)
+    block = INT8_KEY_BLOCK if quantized else KEY_BLOCK   # keys a block (a split's keys are whole KEY_BLOCKs)
     for r0 in range(0, n_rows, rb):
         nr = imin(rb, n_rows - r0)
         first, last = length, np.int64(-1)
@@ -896,8 +904,8 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                 first, last = imin(first, lo[s]), imax(last, hi[s])
                 m[s] = -np.inf
                 den[s] = zero
-        for k0 in range(first, last + 1, KEY_BLOCK):
-            k1 = imin(last + 1, k0 + KEY_BLOCK)
+        for k0 in range(first, last + 1, block):
+            k1 = imin(last + 1, k0 + block)
             for hh in range(1 if sweep else heads_here):
                 hd = h + hh
                 block_bases(bases, block_table, i, k0, k1, page_size, kv_heads, hd, head_dim)
@@ -905,7 +913,7 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                     touch_keys(k_ent, v_ent, block_table, i, k0, k1, page_size, kv_heads * head_dim)
                 else:   # the head's rows of the block read, then computed
                     touch_rows(k_ent, v_ent, bases, k1 - k0, head_dim)
-                for j in range(k1 - k0, KEY_BLOCK):   # a last tile's keys past the block: read, masked, never weighed
+                for j in range(k1 - k0, BLOCK_ROW):   # a last tile's keys past the block: read, masked, never weighed
                     bases[j] = bases[0]
                 if quantized and sweep:
                     block_scales_heads(k_scales, v_scales, k_scale, v_scale, block_table, i, k0, k1, page_size,
@@ -928,7 +936,7 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                                 and hi[rr + 3] == hi[rr]:
                             rows = 4
                         if a <= b:
-                            w = rr * KEY_BLOCK
+                            w = rr * BLOCK_ROW
                             t_lo, t_hi = a - a % tile, b - b % tile + tile   # the whole tiles that hold the keys
                             if rows == 4:   # scores
                                 tile_scores_rows(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim,
@@ -936,7 +944,7 @@ def attend_task(task, split, q, o, part_o, part_ml, k_ent, v_ent, k_scale, v_sca
                             else:
                                 tile_scores(scores, w, qs, rr * head_dim, k_ent, bases, t_lo, t_hi, head_dim, parts)
                             for r in range(rr, rr + rows):
-                                weigh_row(scores, r * KEY_BLOCK, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales,
+                                weigh_row(scores, r * BLOCK_ROW, a, b, t_lo, t_hi, r, m, den, acc, head_dim, k_scales,
                                           v_scales, 0, quantized, softcap, zero)
                             if rows == 4:
                                 add_weighted_rows(acc, rr * head_dim, scores, w, v_ent, bases, 0, a, b, head_dim)
