@@ -193,3 +193,20 @@ def test_equal_specs_share_a_table_and_other_specs_do_not(fresh_cache):
         cos, sin, rows = _tables.lookup(s, positions, dtype=np.float32)
         want = np.outer(np.arange(40), s.inv_freq())
         np.testing.assert_allclose(cos[rows.reshape(-1)], np.cos(want), atol=1e-6)
+
+
+def test_spec_numbers_stay_bounded_and_never_mix_specs(fresh_cache, monkeypatch):
+    """The specs' numbers are cleared at _SPEC_NUMBERS_MAX specs; numbers are never reused, so a spec numbered again
+    gets new tables of its own values, and no key of another spec."""
+    monkeypatch.setattr(_tables, "_SPEC_NUMBERS_MAX", 3)
+    monkeypatch.setattr(_tables, "_spec_numbers", {})
+    _tables._frequency_key.cache_clear()
+    specs = [rotary.RopeSpec(32, base=b) for b in (1e4, 2e4, 3e4, 4e4, 5e4)]
+    keys = [_tables.dense_key(s, np.float32) for s in specs]
+    assert len(_tables._spec_numbers) <= 3
+    assert len({k[0][0] for k in keys}) == len(specs)   # a number a spec
+    positions = np.arange(20)[None]
+    for s in specs:
+        cos, _, rows = _tables.lookup(s, positions, dtype=np.float32)
+        np.testing.assert_allclose(cos[rows.reshape(-1)], np.cos(np.outer(np.arange(20), s.inv_freq())), atol=1e-6)
+    _tables._frequency_key.cache_clear()

@@ -261,9 +261,12 @@ def _window_entry(spec: RopeSpec, lo: int, hi: int, seq_len, dtype: np.dtype, de
 
 
 #: spec -> the number that stands for it in the table cache's keys (an int hashes in C; a spec's own __hash__ is a
-#: Python call, and a decode step's dense-table read hashes its key twice)
+#: Python call, and a decode step's dense-table read hashes its key twice). Numbers are never reused, so the dict may
+#: be cleared when it holds _SPEC_NUMBERS_MAX specs: a spec numbered again only misses its old tables (which the
+#: byte limit evicts), never reads another spec's
 _spec_numbers: dict = {}
 _next_number = itertools.count()
+_SPEC_NUMBERS_MAX = 4096
 
 
 @lru_cache(maxsize=512)
@@ -271,6 +274,8 @@ def _frequency_key(spec: RopeSpec, seq_len):
     """(spec's number, exact inv_freq bytes, attention scaling): one tuple object per (spec, seq_len), so the
     table cache's key compares by identity and hashes cached bytes on every call. Equal specs share a number."""
     inv_freq, scale = _inv_freq_and_scaling(spec, seq_len)
+    if len(_spec_numbers) >= _SPEC_NUMBERS_MAX and spec not in _spec_numbers:
+        _spec_numbers.clear()
     return _spec_numbers.setdefault(spec, next(_next_number)), inv_freq.tobytes(), scale
 
 
