@@ -172,8 +172,8 @@ def decode(rounds: int):
     xq, oq, gq = nb._geometry(q, q_out)
     xk, ok, gk = nb._geometry(k, k_out)
     geo = np.stack([gq, gk])
-    args = (xq, oq, xk, ok, geo, nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), 0, B, 1, D // 2, D, D,
-            False, False)
+    args = (xq, oq, xk, ok, geo, nb._readonly(cos), nb._readonly(sin), np.array(rows), 0, B, 1, D // 2, D, D,
+            False, False, False)   # (..., interleaved, out_interleaved, inverse)
     serial, parallel = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel   # apply_qk measures, picks one
     candidates = {
         "rotary.apply_qk numba (frontend + kernel)": lambda: rotary.apply_qk(

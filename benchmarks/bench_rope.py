@@ -129,7 +129,7 @@ def main():
     cos, sin, rows = _tables.lookup(spec, positions, dtype=np.float32)
     xq, oq, gq = nb._geometry(q, q_out)
     xk, ok, gk = nb._geometry(k, k_out)
-    kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), nb._readonly(rows), 0, B, 1,
+    kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), np.array(rows), 0, B, 1,
              D // 2, D, D, False, False, False)   # (shift, tokens, seq_len, half, rotary_dim, head_dim, interleaved,
     #                                                out_interleaved, inverse)
     serial, parallel = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel   # Rope measures and picks one

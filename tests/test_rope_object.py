@@ -383,6 +383,59 @@ def test_rope_checks_the_same_buffers_by_identity(rng, monkeypatch):
     assert ref() is None   # the record does not keep the caller's buffers alive
 
 
+def test_checked_buffers_see_every_change_of_a_live_array():
+    """CheckedBuffers.same: the recorded live objects, unchanged, are a hit; another extra key, an array where a
+    None was, another object over the same memory, a shape, dtype, strides or writeable flag changed in place are
+    each a miss (a C-contiguous record is checked by shape and that flag, any other by its strides)."""
+    import warnings
+
+    from rotary.frontend.buffers import CheckedBuffers
+
+    a = np.zeros((4, 1, 6), np.float32)
+    s = np.zeros((4, 12), np.float32)[:, ::2]   # not contiguous: its strides are recorded
+    record = CheckedBuffers.record((a, s, None), ("x", 1), "plan")
+    assert record.value == "plan" and record.same((a, s, None), ("x", 1))
+    assert not record.same((a, s, None), ("x", 2))
+    assert not record.same((a, s), ("x", 1))
+    assert not record.same((a, s, a), ("x", 1))
+    assert not record.same((a.view(), s, None), ("x", 1))
+    assert not record.same((s, a, None), ("x", 1))
+    a.shape = (4, 6, 1)
+    assert not record.same((a, s, None), ("x", 1))
+    a.shape = (4, 1, 6)
+    a.dtype = np.int32   # the same bytes read as another dtype
+    assert not record.same((a, s, None), ("x", 1))
+    a.dtype = np.float32
+    a.flags.writeable = False
+    assert not record.same((a, s, None), ("x", 1))
+    a.flags.writeable = True
+    assert record.same((a, s, None), ("x", 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # (setting strides in place: deprecated in NumPy 2.4)
+        s.strides = (48, 4)
+    assert not record.same((a, s, None), ("x", 1))
+
+
+def test_rope_takes_read_only_and_writable_positions_alike(rng):
+    """The prepared Numba path hands the kernel writable positions (its one compiled signature): read-only
+    positions are copied, never changed; both give the float64 oracle's results."""
+    if not rotary.available_backends()["numba"][0]:
+        pytest.skip(rotary.available_backends()["numba"][1])
+    rope = rotary.Rope(SPEC, backend="numba", dtype=np.float32, max_positions=4096, seq_axis=-2)
+    q, k = _qk(rng, np.float32, B=4, S=1, Hq=4, Hk=2)
+    for step in range(4):
+        positions = rng.integers(0, 4000, size=(4, 1))
+        if step % 2:
+            positions.flags.writeable = False
+        before = positions.copy()
+        got = rope(q, k, positions, seq_axis=1)
+        np.testing.assert_array_equal(positions, before)
+        assert positions.flags.writeable == (step % 2 == 0)
+        for x, y in zip((q, k), got):
+            testing.assert_close(y, np.swapaxes(testing.rope_2x2(np.swapaxes(x, 1, 2), positions[:, None, :],
+                                                                 SPEC.inv_freq()), 1, 2), like=x)
+
+
 def test_rope_separate_out_buffers_through_the_cuda_host_shim(kernels, rng):  # noqa: F811
     """The CuPy prepared launch with separate out buffers (host shim): equal to the oracle, into the buffers."""
     rope, q, k, hooks = _shim_rope(kernels, rng)

@@ -110,7 +110,7 @@ def rotate(items, cos, sin, rows, *, rotary_dim, layout, inverse, out_layout=Non
     if out_layout != layout and any(out is x for x, out in items):
         raise ValueError("out_layout differs from layout: the outputs cannot be the inputs (no rotation in place)")
     results = []
-    cos, sin, rows = _readonly_c(cos), _readonly_c(sin), _readonly_c(rows)
+    cos, sin, rows = _readonly_c(cos), _readonly_c(sin), _runtime.writable_c(rows)
     prepared = [_prepare(x, out) for x, out in items]
     for first in range(0, len(prepared), 2):
         group = [p for p in prepared[first:first + 2] if p[0].size]
@@ -168,8 +168,8 @@ class PreparedRotation:
             bufs += bufs
         if self.nothing:
             return results
-        if rows.flags.writeable:
-            rows = _readonly(rows)
+        if not rows.flags.writeable:
+            rows = rows.copy()   # the kernels take rows writable (they never write them): one compiled signature
         kernel = rotate_kernel(self.elements, self.batch, self.seq_len)
         inside = _launch(kernel, (bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
                                   start - table[0], *self.consts))

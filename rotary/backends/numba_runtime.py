@@ -93,6 +93,13 @@ def readonly_c(a):
     return a
 
 
+def writable_c(a):
+    """A writable C-contiguous array equal to a: a itself when it is one, else a copy. The rotation kernels take
+    their rows so (they never write them): one compiled signature, and no read-only view per call (~0.4 us)."""
+    flags = a.flags
+    return a if flags.writeable and flags.c_contiguous else np.array(a, order="C")
+
+
 def c_int64(a):
     """a as a C-contiguous int64 array (itself when it is one)."""
     a = np.asarray(a)

@@ -86,28 +86,39 @@ def check_memory(xs, outs, names, separate=False) -> bool:
 
 class CheckedBuffers:
     """The arrays of a call whose memory rules (:func:`check_memory`) passed, held by weak reference with their
-    shapes, strides and writeable flags: a later call of the same live objects, unchanged, has the same addresses
-    and extents (a NumPy or CuPy array's memory does not move while the object lives), so the rules' verdict on
-    them stands without recomputing it, and :meth:`same` costs a few attribute reads where the overlap tests cost
-    ~1.5 us. Anything else (another object, a reshaped view, a flag turned read-only) is a miss: the caller runs
-    :func:`check_memory` and records the new arrays."""
+    shapes, dtypes, layouts and writeable flags: a later call of the same live objects, unchanged, has the same
+    addresses and extents (a NumPy or CuPy array's memory does not move while the object lives), so the rules'
+    verdict on them stands without recomputing it, and :meth:`same` costs a few attribute reads where the overlap
+    tests cost ~1.5 us. Anything else (another object, a reshaped view, a flag turned read-only) is a miss: the
+    caller runs :func:`check_memory` and records the new arrays. A C-contiguous array's layout is its shape and
+    that flag (strides differ only on axes of length 1, never stepped along); any other's, its strides."""
 
-    __slots__ = ("refs", "parts", "extra", "value")
+    __slots__ = ("held", "nones", "count", "extra", "value")
 
     def __init__(self, arrays, extra, value):
-        self.refs = tuple(None if a is None else weakref.ref(a) for a in arrays)
-        self.parts = tuple(None if a is None else (a.shape, a.strides, _writeable(a)) for a in arrays)
+        self.held = tuple((i, weakref.ref(a), a.shape, a.dtype, None if _c_contiguous(a) else a.strides,
+                           a.flags.writeable if type(a) is np.ndarray else None)
+                          for i, a in enumerate(arrays) if a is not None)
+        self.nones = tuple(i for i, a in enumerate(arrays) if a is None)
+        self.count = len(arrays)
         self.extra, self.value = extra, value   # the call's other key (compared), what the caller keeps with it
 
     def same(self, arrays, extra) -> bool:
         """Whether ``arrays`` are the recorded objects, alive and unchanged, and ``extra`` the recorded extra key."""
-        if extra != self.extra or len(arrays) != len(self.refs):
+        if extra != self.extra or len(arrays) != self.count:
             return False
-        for a, ref, part in zip(arrays, self.refs, self.parts):
-            if a is None or ref is None:
-                if a is not None or ref is not None:
+        for i in self.nones:
+            if arrays[i] is not None:
+                return False
+        for i, ref, shape, dtype, strides, writeable in self.held:
+            a = arrays[i]
+            if ref() is not a or a.shape != shape or a.dtype != dtype:
+                return False
+            if strides is None:   # recorded C-contiguous: one flags object answers both
+                flags = a.flags
+                if not flags.c_contiguous or writeable is not None and flags.writeable != writeable:
                     return False
-            elif ref() is not a or a.shape != part[0] or a.strides != part[1] or _writeable(a) != part[2]:
+            elif a.strides != strides or writeable is not None and a.flags.writeable != writeable:
                 return False
         return True
 
@@ -120,8 +131,9 @@ class CheckedBuffers:
             return None
 
 
-def _writeable(a) -> bool:
-    return a.flags.writeable if type(a) is np.ndarray else True
+def _c_contiguous(a) -> bool:
+    flags = getattr(a, "flags", None)
+    return flags is not None and bool(flags.c_contiguous)
 
 
 def overlaps(a, b) -> bool:

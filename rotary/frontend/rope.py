@@ -98,7 +98,10 @@ class Rope:
     def __call__(self, q, k, positions=None, *, seq_axis=None, inverse=False, out=None, cu_seqlens=None,
                  seqlen_offsets=None, layout=None, out_pairs=None):
         """Rotate q and k (one pass); as :func:`rotary.apply_qk`. Returns ``(q_rot, k_rot)``."""
-        seq_axis = self._axis(seq_axis, layout)
+        if layout is not None:
+            seq_axis = self._axis(seq_axis, layout)
+        elif seq_axis is None:
+            seq_axis = self.seq_axis
         if out is None:
             outs = (None, None)
         elif isinstance(out, (tuple, list)) and len(out) == 2:
