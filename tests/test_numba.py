@@ -521,8 +521,8 @@ def test_helpers_are_plain_python_functions():
     are cached dispatchers; a few run from Python on small arrays."""
     import types as pytypes
 
-    kernels = {rotation.rotate_qk_parallel, rotation.rotate_qk_serial, la_kernels.linear_attention_tasks,
-               la_kernels.linear_attention_step}
+    kernels = {rotation.rotate_qk_parallel, rotation.rotate_qk_streamed, rotation.rotate_qk_serial,
+               la_kernels.linear_attention_tasks, la_kernels.linear_attention_step}
     for kernel in kernels:
         assert kernel.targetoptions.get("error_model") == "numpy" and not kernel.targetoptions.get("fastmath")
     for module in (common, rotation, la_kernels, simd):
@@ -582,8 +582,8 @@ def test_module_surface():
     assert nb.accepts(np.zeros(3, np.float16)) and nb.accepts(np.zeros(3, np.float64))
     assert not nb.accepts(np.zeros(3, np.int32)) and not nb.accepts([1.0, 2.0])
     assert rotary.backends.get("numba") is nb
-    for kernel in (rotation.rotate_qk_parallel, rotation.rotate_qk_serial, la_kernels.linear_attention_tasks,
-                   la_kernels.linear_attention_step):
+    for kernel in (rotation.rotate_qk_parallel, rotation.rotate_qk_streamed, rotation.rotate_qk_serial,
+                   la_kernels.linear_attention_tasks, la_kernels.linear_attention_step):
         assert type(kernel._cache).__name__ != "NullCache"   # cache=True (tests/test_cli_warm.py: hits on disk)
         assert not kernel.targetoptions.get("fastmath")
 
@@ -730,6 +730,29 @@ def test_streamed_rotation_equals_cached_stores(rng, monkeypatch, dtype, layout,
         for got in (new, given, shifted, transposed):
             np.testing.assert_array_equal(got[i], cached[i])
         testing.assert_close(cached[i], oracle_bshd(x, pos, spec), like=x)
+
+
+def test_streamed_kernel_runs_for_large_separate_outputs(rng, monkeypatch):
+    """The parallel calls whose geometry marks an output for non-temporal stores (a separate output of at least
+    STREAM_MIN_BYTES) run rotate_qk_streamed; in place or below the size, rotate_qk_parallel (no stream path
+    compiled in); both equal the oracle."""
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(nb_runtime, "PARALLEL_MIN_TOKENS", 0)
+    ran = []
+    for name in ("rotate_qk_parallel", "rotate_qk_streamed", "rotate_qk_serial"):
+        kernel = getattr(rotation, name)
+        monkeypatch.setattr(rotation, name, lambda *a, _k=kernel, _n=name: (ran.append(_n), _k(*a))[1])
+    spec = rotary.RopeSpec(64)
+    for T, in_place, expected in ((16, False, "rotate_qk_streamed"), (17, True, "rotate_qk_parallel"),
+                                  (3, False, "rotate_qk_parallel")):
+        q = rng.standard_normal((1, T, 4, 64)).astype(np.float32)   # a shape per case: a plan of its own
+        _streaming_geometry(monkeypatch, 16 * 4 * 64 * 4)
+        pos = np.arange(T)
+        x = q.copy()
+        ran.clear()
+        got = rotary.apply(x, pos, spec=spec, seq_axis=1, backend="numba", out=x if in_place else None)
+        assert ran == [expected], (T, in_place, ran)
+        testing.assert_close(got, oracle_bshd(q, pos[None], spec), like=q)
 
 
 def test_rotate_pairs_stream_compiles_to_non_temporal_stores():

@@ -130,7 +130,7 @@ def _rotate_group(group, cos, sin, rows, rotary_dim, layout, inverse, out_layout
     if len(bufs) == 1:
         bufs.append(bufs[0])
     elements = group[0][0].size + (group[1][0].size if len(group) > 1 else 0)
-    kernel = rotate_kernel(elements, B, S)
+    kernel = rotate_kernel(elements, B, S, _streams(geo))
     if not _launch(kernel, (bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], geo, cos, sin, rows, 0, B * S, S,
                             rotary_dim // 2, rotary_dim, D, layout == "interleaved", out_layout == "interleaved",
                             bool(inverse))):
@@ -152,6 +152,7 @@ class PreparedRotation:
                        layout == "interleaved", (out_layout or layout) == "interleaved", bool(inverse))
         self.offset, self.f16 = offset, f16
         self.nothing = not (views[0].size and self.batch * seq_len)   # no token or no coordinate to rotate
+        self.streams = _streams(self.geo)
 
     def run(self, xs, outs, rows, start, table):
         """Rotate ``xs`` into new arrays, into ``outs`` (in place: ``outs[i] is xs[i]``); token (b, s) at position
@@ -170,7 +171,7 @@ class PreparedRotation:
             return results
         if not rows.flags.writeable:
             rows = rows.copy()   # the kernels take rows writable (they never write them): one compiled signature
-        kernel = rotate_kernel(self.elements, self.batch, self.seq_len)
+        kernel = rotate_kernel(self.elements, self.batch, self.seq_len, self.streams)
         inside = _launch(kernel, (bufs[0], bufs[1], bufs[2], bufs[3], self.geo, table[2], table[3], rows,
                                   start - table[0], *self.consts))
         return results if inside else OUTSIDE_TABLE
@@ -205,13 +206,19 @@ def empty(shape, dtype):
     return np.empty(shape, dtype)
 
 
-def rotate_kernel(elements: int, n_batch: int, seq_len: int):
+def rotate_kernel(elements: int, n_batch: int, seq_len: int, streams: bool = False):
     """The rotation kernel for a call of this size (:func:`.numba_runtime.parallel_by_size`: the size rule at
     PARALLEL_MIN_ELEMENTS, decode calls below DECODE_PARALLEL_MIN_ELEMENTS as DECODE_KERNEL says; serial in a
-    forked child)."""
+    forked child); a parallel call whose geometry marks an output for non-temporal stores (``streams``,
+    :func:`_streams`) takes the streamed kernel."""
     if _runtime.parallel_by_size(elements, n_batch, seq_len):
-        return rotation.rotate_qk_parallel
+        return rotation.rotate_qk_streamed if streams else rotation.rotate_qk_parallel
     return rotation.rotate_qk_serial
+
+
+def _streams(geo) -> bool:
+    """Whether a (2, GEO_COLUMNS) geometry marks an output for non-temporal stores (GEO_STREAM)."""
+    return bool(geo[0, common.GEO_STREAM] or geo[1, common.GEO_STREAM])
 
 
 def _launch(kernel, args):

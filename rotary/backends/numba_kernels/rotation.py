@@ -7,7 +7,8 @@ Rotation of pair (a, b) with table values (c, s) of the token's row (s negated f
 Pairs are (i, i + half) for layout "half" and (2i, 2i + 1) for "interleaved"; the kernels read them in one
 layout (``interleaved``) and write them in one (``out_interleaved``: the same, or the other one for ``out_pairs``,
 never in place); coordinates from rotary_dim to head_dim are copied. A separate output of at least STREAM_MIN_BYTES is written by
-non-temporal stores where its head vectors are 16-byte aligned (:func:`rotate_pairs_stream`). fastmath is
+non-temporal stores where its head vectors are 16-byte aligned (:func:`rotate_pairs_stream`), by its own parallel
+kernel (:func:`rotate_qk_streamed`). fastmath is
 off: the results round exactly like the NumPy reference (one multiply and one add/subtract, no fused
 multiply-add). Buffers, offsets and float16 bits as in :mod:`.common`.
 """
@@ -145,8 +146,8 @@ def rotate_token(t, x, o, geo, item, cos, sin, rows, shift, seq_len, half, rotar
     ``out_interleaved`` says. Unit-stride heads: whole registers of pairs
     (:func:`rotate_pairs_simd`; :func:`rotate_pairs_to` for another output layout), then the scalar loop for the rest (strided heads: all of it), then the
     coordinates rotary_dim..head_dim-1 copied (separate outputs). ``streams`` None: never by non-temporal
-    stores (the serial kernel: Numba prunes that branch before typing), else (the parallel kernel) where geo
-    says so, every pair is in a register and the token's head vectors are 16-byte aligned.
+    stores (the serial and parallel kernels: Numba prunes that branch before typing), else
+    (:func:`rotate_qk_streamed`) where geo says so, every pair is in a register and the token's head vectors are 16-byte aligned.
 
     A separate output's lines are otherwise asked for (for writing) PREFETCH_HEADS heads ahead: fetched one
     store miss at a time, decode size (32 tokens x 40 heads x 128, fp32) took 28-31 us into separate outputs
@@ -235,16 +236,33 @@ def rotate_qk_token(t, xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half
 @njit(parallel=True, **KERNEL_JIT)
 def rotate_qk_parallel(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
                        interleaved, out_interleaved, inverse):
-    """One parallel pass over the tokens: q's heads, then k's heads, with the token's table row
-    rows[b or 0, s] + shift; pairs read in the layout ``interleaved`` says, written in the one ``out_interleaved``
-    says (another one: never in place). Returns False, writing nothing, when a row lies outside the table
-    (a prepared caller passes positions with shift = -table start and grows the table then)."""
+    """One parallel pass over the tokens: q's heads, then k's, with the token's table row rows[b or 0, s] + shift;
+    pairs read in the layout ``interleaved`` says, written in the one ``out_interleaved`` says (another one:
+    never in place). Every output is written through the caches (a call whose geometry marks an output for
+    non-temporal stores takes :func:`rotate_qk_streamed`). Returns False, writing nothing, when a row lies outside
+    the table (a prepared caller passes positions with shift = -table start and grows the table then)."""
     if not rows_in_table(rows, shift, cos.shape[0]):
         return False
-    streams = np.bool_(True)   # large separate outputs by non-temporal stores (rotate_token)
     for t in prange(n_tokens):
         # t as int64: the parfor's loop index is uint64, and its body is typed before and after the parfor
         # pass; both int64, one compiled rotate_token serves both (uint64 compiled a second, ~0.8 s)
+        rotate_qk_token(np.int64(t), xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim,
+                        head_dim, interleaved, out_interleaved, inverse, None)
+    return True
+
+
+@njit(parallel=True, **KERNEL_JIT)
+def rotate_qk_streamed(xq, oq, xk, ok, geo, cos, sin, rows, shift, n_tokens, seq_len, half, rotary_dim, head_dim,
+                       interleaved, out_interleaved, inverse):
+    """:func:`rotate_qk_parallel` writing the outputs geo marks (GEO_STREAM: a separate output of at least
+    STREAM_MIN_BYTES) by non-temporal stores where a token's head vectors are 16-byte aligned (rotate_token).
+    A kernel of its own: compiled into rotate_qk_parallel, the stream path, never taken at decode size, made
+    the decode call 7 % slower (32 x 1 token, 32/8 heads x 128, fp32: 15.1 -> 14.0 us, same process) and its
+    first compile 5 s longer."""
+    if not rows_in_table(rows, shift, cos.shape[0]):
+        return False
+    streams = np.bool_(True)
+    for t in prange(n_tokens):
         rotate_qk_token(np.int64(t), xq, oq, xk, ok, geo, cos, sin, rows, shift, seq_len, half, rotary_dim,
                         head_dim, interleaved, out_interleaved, inverse, streams)
     return True
