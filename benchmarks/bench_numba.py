@@ -429,6 +429,22 @@ def compile_times():
                    "apply_qk parallel kernel (s)", "linear_attention (s)"], rows)
 
 
+def compile_times_ab(pairs: int, trees):
+    """The compile probe's seconds (import, first serial apply_qk, first parallel apply_qk, first linear_attention),
+    each run in a fresh process with an empty NUMBA_CACHE_DIR, ``pairs`` times, alternating the source trees."""
+    results = {tree: [] for tree in trees}
+    for _ in range(pairs):
+        for tree in trees:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=tree)
+                out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], env=env, cwd=tree, capture_output=True,
+                                     text=True, check=True).stdout.split()
+            results[tree].append([float(x) for x in out])
+    rows = [(tree, *(" ".join(f"{run[i]:.2f}" for run in runs) for i in range(4))) for tree, runs in results.items()]
+    return _table(["source tree", "import rotary + numpy (s)", "apply_qk serial kernel (s)",
+                   "apply_qk parallel kernel (s)", "linear_attention (s)"], rows)
+
+
 def _table(header, rows) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -488,11 +504,13 @@ def main(argv=None):
                         help="only causal linear attention (and its variants, torch eager) against sgemm, same rounds")
     parser.add_argument("--first-call", action="store_true",
                         help="only the first-call JIT compile times (fresh processes, empty NUMBA_CACHE_DIR)")
-    parser.add_argument("--pairs", type=int, default=3, help="--first-call: processes per tree and call")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="only the compile probe (each kernel family's first call, empty cache) per tree")
+    parser.add_argument("--pairs", type=int, default=3, help="--first-call / --compile-times: processes per tree")
     parser.add_argument("--trees", nargs="+", default=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")],
-                        help="--first-call: source trees to alternate (an A/B of two checkouts)")
+                        help="--first-call / --compile-times: source trees to alternate (an A/B of two checkouts)")
     args = parser.parse_args(argv)
-    if args.linear_vs_sgemm or args.first_call:
+    if args.linear_vs_sgemm or args.first_call or args.compile_times:
         print(f"Machine: {machine()}; load average before: {os.getloadavg()[0]:.2f}")
         if args.linear_vs_sgemm:
             table, notes = linear_vs_sgemm(args.rounds)
@@ -501,6 +519,8 @@ def main(argv=None):
                 print(f"- {note}")
         if args.first_call:
             print(first_call(args.pairs, [os.path.abspath(t) for t in args.trees]))
+        if args.compile_times:
+            print(compile_times_ab(args.pairs, [os.path.abspath(t) for t in args.trees]))
         print(f"load average after: {os.getloadavg()[0]:.2f}")
         return
     text = report(args)

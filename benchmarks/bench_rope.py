@@ -8,7 +8,8 @@
 mean per mode. ``--busy N`` runs N busy-looping processes meanwhile (a machine whose cores are taken).
 
 Numba: per-call time of ``rope(q, k, positions)`` (new outputs, separate ``out=`` buffers and in place) next
-to ``rotary.apply_qk``, the compiled kernel alone with prepared arguments (the floor) and ``q.copy(), k.copy()``
+to ``rotary.apply_qk``, the compiled kernel alone with prepared arguments (the floor; the streamed parallel kernel
+beside the plain one: what the stream path compiled in costs a decode call) and ``q.copy(), k.copy()``
 of the same inputs; the candidates are timed interleaved (round by round), and the ratios of issue 23
 (Rope / copy, Rope out= / Rope, apply_qk / Rope) are printed twice: best round against best round, and the
 median over rounds of the ratio within a round (the steadier figure on a VM whose speed drifts between rounds). CUDA launch path: the host time per call
@@ -132,7 +133,8 @@ def main():
     kargs = (xq, oq, xk, ok, np.stack([gq, gk]), nb._readonly(cos), nb._readonly(sin), np.array(rows), 0, B, 1,
              D // 2, D, D, False, False, False)   # (shift, tokens, seq_len, half, rotary_dim, head_dim, interleaved,
     #                                                out_interleaved, inverse)
-    serial, parallel = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel   # Rope measures and picks one
+    serial, parallel = nb.rotation.rotate_qk_serial, nb.rotation.rotate_qk_parallel   # Rope's size rule picks one
+    streamed = nb.rotation.rotate_qk_streamed   # the parallel kernel with the non-temporal stream path
     qo, ko = np.empty_like(q), np.empty_like(k)
     copy, new, sep = "q.copy(), k.copy() (the same inputs)", "Rope numba: rope(q, k, positions)", \
         "Rope numba, separate out=: rope(q, k, positions, out=(q_out, k_out))"
@@ -141,6 +143,7 @@ def main():
         copy: lambda: (q.copy(), k.copy()),
         "compiled serial kernel alone (prepared arguments)": lambda: serial(*kargs),
         "compiled parallel kernel alone (prepared arguments)": lambda: parallel(*kargs),
+        "compiled streamed kernel alone (its stream path compiled in, not taken here)": lambda: streamed(*kargs),
         new: lambda: rope(q, k, positions, seq_axis=1),
         sep: lambda: rope(q, k, positions, seq_axis=1, out=(qo, ko)),
         "Rope numba, in place: rope(q, k, positions, out=(q, k))": lambda: rope(qi, ki, positions, seq_axis=1,
