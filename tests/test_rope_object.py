@@ -386,7 +386,8 @@ def test_rope_checks_the_same_buffers_by_identity(rng, monkeypatch):
 def test_checked_buffers_see_every_change_of_a_live_array():
     """CheckedBuffers.same: the recorded live objects, unchanged, are a hit; another extra key, an array where a
     None was, another object over the same memory, a shape, dtype, strides or writeable flag changed in place are
-    each a miss (a C-contiguous record is checked by shape and that flag, any other by its strides)."""
+    each a miss (a C-contiguous record is checked by shape and that flag, any other by its strides); an object at
+    two positions (in place) is checked once and must stand at both again."""
     import warnings
 
     from rotary.frontend.buffers import CheckedBuffers
@@ -414,6 +415,15 @@ def test_checked_buffers_see_every_change_of_a_live_array():
         warnings.simplefilter("ignore", DeprecationWarning)   # (setting strides in place: deprecated in NumPy 2.4)
         s.strides = (48, 4)
     assert not record.same((a, s, None), ("x", 1))
+    b = np.zeros((4, 1, 6), np.float32)   # in place: an object at two positions, checked once, at both again
+    in_place = CheckedBuffers.record((a, b, a, b), None, "plan")
+    assert len(in_place.held) == 2 and in_place.same((a, b, a, b), None)
+    assert not in_place.same((a, b, a.view(), b), None) and not in_place.same((a, b, b, a), None)
+    assert not in_place.same((a, b, np.zeros_like(a), b), None)
+    c = np.zeros_like(a)
+    apart = CheckedBuffers.record((a, b, c, b), None, "plan")
+    assert apart.same((a, b, c, b), None)
+    assert not apart.same((a, b, a, b), None)   # an out that was apart now is its input: a miss
 
 
 def test_rope_takes_read_only_and_writable_positions_alike(rng):

@@ -93,22 +93,36 @@ class CheckedBuffers:
     caller runs :func:`check_memory` and records the new arrays. A C-contiguous array's layout is its shape and
     that flag (strides differ only on axes of length 1, never stepped along); any other's, its strides."""
 
-    __slots__ = ("held", "nones", "count", "extra", "value")
+    __slots__ = ("held", "repeats", "nones", "count", "extra", "value")
 
     def __init__(self, arrays, extra, value):
-        self.held = tuple((i, weakref.ref(a), a.shape, a.dtype, None if _c_contiguous(a) else a.strides,
-                           a.flags.writeable if type(a) is np.ndarray else None)
-                          for i, a in enumerate(arrays) if a is not None)
+        first = {}   # id -> the position an object first stands at (in place: an out is its input)
+        held, repeats = [], []
+        for i, a in enumerate(arrays):
+            if a is None:
+                continue
+            if id(a) in first:
+                repeats.append((i, first[id(a)]))
+                continue
+            first[id(a)] = i
+            held.append((i, weakref.ref(a), a.shape, a.dtype, None if _c_contiguous(a) else a.strides,
+                         a.flags.writeable if type(a) is np.ndarray else None))
+        self.held, self.repeats = tuple(held), tuple(repeats)
         self.nones = tuple(i for i, a in enumerate(arrays) if a is None)
         self.count = len(arrays)
         self.extra, self.value = extra, value   # the call's other key (compared), what the caller keeps with it
 
     def same(self, arrays, extra) -> bool:
-        """Whether ``arrays`` are the recorded objects, alive and unchanged, and ``extra`` the recorded extra key."""
+        """Whether ``arrays`` are the recorded objects, alive and unchanged, and ``extra`` the recorded extra key
+        (an object recorded at two positions, e.g. an out that is its input, is checked once and must stand at
+        both again)."""
         if extra != self.extra or len(arrays) != self.count:
             return False
         for i in self.nones:
             if arrays[i] is not None:
+                return False
+        for i, j in self.repeats:
+            if arrays[i] is not arrays[j]:
                 return False
         for i, ref, shape, dtype, strides, writeable in self.held:
             a = arrays[i]
