@@ -415,6 +415,10 @@ t4 = time.perf_counter()
 print(t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 """
 
+#: the compile probe's four figures
+_COMPILE_COLUMNS = ("import rotary + numpy (s)", "apply_qk serial kernel (s)", "apply_qk parallel kernel (s)",
+                    "linear_attention (s)")
+
 
 def compile_times():
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -425,8 +429,7 @@ def compile_times():
             out = subprocess.run([sys.executable, "-c", _COMPILE_PROBE], env=env, capture_output=True, text=True,
                                  check=True).stdout.split()
             rows.append((label, *(f"{float(x):.2f}" for x in out)))
-    return _table(["process", "import rotary + numpy (s)", "apply_qk serial kernel (s)",
-                   "apply_qk parallel kernel (s)", "linear_attention (s)"], rows)
+    return _table(["process", *_COMPILE_COLUMNS], rows)
 
 
 def compile_times_ab(pairs: int, trees):
@@ -441,8 +444,7 @@ def compile_times_ab(pairs: int, trees):
                                      text=True, check=True).stdout.split()
             results[tree].append([float(x) for x in out])
     rows = [(tree, *(" ".join(f"{run[i]:.2f}" for run in runs) for i in range(4))) for tree, runs in results.items()]
-    return _table(["source tree", "import rotary + numpy (s)", "apply_qk serial kernel (s)",
-                   "apply_qk parallel kernel (s)", "linear_attention (s)"], rows)
+    return _table(["source tree", *_COMPILE_COLUMNS], rows)
 
 
 def _table(header, rows) -> str:

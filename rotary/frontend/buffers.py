@@ -97,18 +97,17 @@ class CheckedBuffers:
 
     def __init__(self, arrays, extra, value):
         first = {}   # id -> the position an object first stands at (in place: an out is its input)
-        held, repeats = [], []
+        held, repeats, nones = [], [], []
         for i, a in enumerate(arrays):
             if a is None:
-                continue
-            if id(a) in first:
+                nones.append(i)
+            elif id(a) in first:
                 repeats.append((i, first[id(a)]))
-                continue
-            first[id(a)] = i
-            held.append((i, weakref.ref(a), a.shape, a.dtype, None if _c_contiguous(a) else a.strides,
-                         a.flags.writeable if type(a) is np.ndarray else None))
-        self.held, self.repeats = tuple(held), tuple(repeats)
-        self.nones = tuple(i for i, a in enumerate(arrays) if a is None)
+            else:
+                first[id(a)] = i
+                held.append((i, weakref.ref(a), a.shape, a.dtype, None if _c_contiguous(a) else a.strides,
+                             a.flags.writeable if type(a) is np.ndarray else None))
+        self.held, self.repeats, self.nones = tuple(held), tuple(repeats), tuple(nones)
         self.count = len(arrays)
         self.extra, self.value = extra, value   # the call's other key (compared), what the caller keeps with it
 
